@@ -1,0 +1,107 @@
+"""Transformer building blocks shared by every architecture, in float32.
+
+Scalars are made float32 before they touch activations: a numpy float64 scalar would promote
+the activations, and then every weight multiply converts the weight to float64 (RESEARCH.md,
+NEP 50).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels import Weight, matmul
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis."""
+    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=F32)
+    return x * (1.0 / np.sqrt(ms + F32(eps))).astype(F32) * weight
+
+
+def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float):
+    """cos/sin of shape (T, rope_dim/2) for the given absolute positions."""
+    inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    angles = np.outer(positions.astype(np.float64) / scale, inv_freq)
+    return np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """Rotate x (T, H, d) in place over its first rope_dim dimensions.
+
+    "normal" (llama): pairs are adjacent dims (2i, 2i+1) — the GGUF converter permuted Q/K so.
+    "neox" (qwen, olmoe): pairs are (i, i + rope_dim/2), i.e. rotate-half.
+    """
+    half = cos.shape[1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if style == "normal":
+        a, b = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
+        x[..., 0:2 * half:2] = a * c - b * s
+        x[..., 1:2 * half:2] = a * s + b * c
+    else:
+        a, b = x[..., :half].copy(), x[..., half:2 * half].copy()
+        x[..., :half] = a * c - b * s
+        x[..., half:2 * half] = a * s + b * c
+    return x
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal multi-head attention with grouped KV heads.
+
+    q (T, H, d) for positions start..start+T-1; k, v (S, Hkv, d) for positions 0..S-1 with
+    S = start + T. Query head h reads KV head h // (H / Hkv), as ggml broadcasts.
+    Returns (T, H*d).
+    """
+    T, H, d = q.shape
+    S, Hkv, _ = k.shape
+    G = H // Hkv
+    qg = q.reshape(T, Hkv, G, d).transpose(1, 2, 0, 3)               # (Hkv, G, T, d)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])            # (Hkv, G, T, S)
+    scores *= F32(1.0 / np.sqrt(d))
+    if T > 1:
+        # query i sits at position start + i and may see keys 0..start+i
+        mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+        scores[..., mask] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])           # (Hkv, G, T, d)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * d)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (F32(1.0) + np.exp(-x))
+
+
+def swiglu_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+    return matmul(silu(matmul(x, gate)) * matmul(x, up), down)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def route(x: np.ndarray, router: np.ndarray, k: int, normalize: bool):
+    """Mixture-of-experts routing: softmax over all experts, top-k, optional renormalisation.
+
+    Returns (experts (T, k) int, weights (T, k) float32)."""
+    probs = softmax(x @ router.T)                                       # (T, E)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(probs, top, axis=-1)
+    if normalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return top, w.astype(F32)
+
+
+def moe_ffn(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_ffn) -> np.ndarray:
+    """Sum over each token's selected experts of weight * expert_ffn(e, x_subset).
+
+    expert_ffn(e, xs) computes expert e's FFN for the rows xs; the stream worker supplies one
+    that fetches the expert's weights from its cache."""
+    out = np.zeros_like(x)
+    for e in np.unique(experts):
+        rows, slot = np.nonzero(experts == e)
+        out[rows] += weights[rows, slot, None] * expert_ffn(int(e), x[rows])
+    return out

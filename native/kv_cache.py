@@ -1,0 +1,68 @@
+"""Per-sequence KV cache: keys and values of every layer for positions 0..n-1.
+
+Grows in chunks; can be truncated to a prefix so that a follow-up turn reuses the shared part.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_CHUNK = 256
+
+
+class KVCache:
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int):
+        self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
+        self.max_tokens = max_tokens
+        self.n = 0                         # positions filled
+        self.tokens: list[int] = []        # the token at each filled position
+        self._cap = 0
+        self._k: list[np.ndarray] = []
+        self._v: list[np.ndarray] = []
+
+    def _reserve(self, total: int) -> None:
+        if total > self.max_tokens:
+            raise ValueError(f"context full: {total} tokens exceed the context size {self.max_tokens}")
+        if total <= self._cap:
+            return
+        cap = min(self.max_tokens, max(total, self._cap + _CHUNK, -(-total // _CHUNK) * _CHUNK))
+        shape = (cap, self.n_head_kv, self.head_dim)
+        new_k = [np.empty(shape, np.float32) for _ in range(self.n_layer)]
+        new_v = [np.empty(shape, np.float32) for _ in range(self.n_layer)]
+        for old, new in zip(self._k + self._v, new_k + new_v):
+            new[:self.n] = old[:self.n]
+        self._k, self._v = new_k, new_v
+        self._cap = cap
+
+    def begin(self, tokens: list[int]) -> None:
+        """Make room for `tokens` about to be appended at positions n..n+len-1."""
+        self._reserve(self.n + len(tokens))
+
+    def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write k, v (T, Hkv, d) at positions n..n+T-1 of `layer`; return the keys and values
+        of positions 0..n+T-1."""
+        T = k.shape[0]
+        self._k[layer][self.n:self.n + T] = k
+        self._v[layer][self.n:self.n + T] = v
+        return self._k[layer][:self.n + T], self._v[layer][:self.n + T]
+
+    def commit(self, tokens: list[int]) -> None:
+        self.n += len(tokens)
+        self.tokens.extend(tokens)
+
+    def truncate(self, n: int) -> None:
+        """Forget every position from n on."""
+        self.n = min(self.n, n)
+        del self.tokens[self.n:]
+
+    def common_prefix(self, tokens: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.n_layer * self._cap * self.n_head_kv * self.head_dim * 4

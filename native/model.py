@@ -1,0 +1,208 @@
+"""A loaded model: config, tokenizer, weights, and the forward pass.
+
+The forward pass is one decoder layer composed of shared blocks; what differs between
+architectures is which optional pieces a layer has, and those are fixed per architecture in
+`LAYER_PARTS` (so a missing tensor is an error that names it, not a silent skip):
+
+    llama / mistral    dense SwiGLU, or Mixtral-style MoE when the file has experts
+    qwen2              + q/k/v biases
+    qwen3              + per-head q/k RMS norm
+    qwen2moe           + biases, MoE with a sigmoid-gated shared expert
+    qwen3moe           + per-head q/k norm, MoE
+    olmoe              + q/k RMS norm over the whole projection, MoE
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import kernels
+from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn
+from .config import ModelConfig, read_config
+from .gguf_file import GGUFError, GGUFFile, read_gguf
+from .kernels import Weight, matmul
+from .kv_cache import KVCache
+from .tokenizer import GGUFTokenizer
+
+LAYER_PARTS: dict[str, set[str]] = {
+    "llama": set(), "mistral": set(),
+    "qwen2": {"qkv_bias"},
+    "qwen3": {"qk_norm_head"},
+    "qwen2moe": {"qkv_bias", "shared_expert"},
+    "qwen3moe": {"qk_norm_head"},
+    "olmoe": {"qk_norm_full"},
+}
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    ffn_norm: np.ndarray
+    bq: np.ndarray | None = None
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    qk_norm_per_head: bool = True
+    # dense FFN
+    gate: Weight | None = None
+    up: Weight | None = None
+    down: Weight | None = None
+    # MoE FFN
+    router: np.ndarray | None = None          # (n_expert, n_embd)
+    gate_exps: Weight | None = None           # (n_expert, n_ff_expert, n_embd)
+    up_exps: Weight | None = None
+    down_exps: Weight | None = None
+    # shared expert (qwen2moe)
+    shared_gate_inp: np.ndarray | None = None  # (n_embd,)
+    gate_shexp: Weight | None = None
+    up_shexp: Weight | None = None
+    down_shexp: Weight | None = None
+
+
+class Model:
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None):
+        t0 = time.perf_counter()
+        self.path = Path(path)
+        self.gguf: GGUFFile = read_gguf(self.path)
+        self.config: ModelConfig = read_config(self.gguf)
+        self.tokenizer = GGUFTokenizer(self.gguf)
+        self._load(threads or min(4, os.cpu_count() or 1))
+        self.load_seconds = time.perf_counter() - t0
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def _load(self, threads: int) -> None:
+        g, c = self.gguf, self.config
+        parts = LAYER_PARTS[c.arch]
+        names = ["token_embd.weight"]
+        self.tied_output = "output.weight" not in g.tensors
+        if not self.tied_output:
+            names.append("output.weight")
+        per_layer = []
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            mats = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output"}
+            if c.is_moe:
+                mats |= {"gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps",
+                         "down_exps": "ffn_down_exps"}
+                if "shared_expert" in parts:
+                    mats |= {"gate_shexp": "ffn_gate_shexp", "up_shexp": "ffn_up_shexp",
+                             "down_shexp": "ffn_down_shexp"}
+            else:
+                mats |= {"gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+            mats = {k: p + v + ".weight" for k, v in mats.items()}
+            per_layer.append(mats)
+            names.extend(mats.values())
+        for n in names:            # fail fast, before any work, on a missing tensor
+            g.tensor(n)
+        weights = kernels.load_weights(g, names, threads)
+        vec = lambda n: kernels.load_vector(g, n)  # noqa: E731
+        self.token_embd = weights["token_embd.weight"]
+        self.output = self.token_embd if self.tied_output else weights["output.weight"]
+        self.output_norm = vec("output_norm.weight")
+        self.layers: list[Layer] = []
+        for i, mats in enumerate(per_layer):
+            p = f"blk.{i}."
+            L = Layer(attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + "ffn_norm.weight"),
+                      **{k: weights[n] for k, n in mats.items()})
+            if "qkv_bias" in parts:
+                L.bq, L.bk, L.bv = (vec(p + f"attn_{x}.bias") for x in "qkv")
+            if parts & {"qk_norm_head", "qk_norm_full"}:
+                L.q_norm, L.k_norm = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
+                L.qk_norm_per_head = "qk_norm_head" in parts
+            if c.is_moe:
+                L.router = vec(p + "ffn_gate_inp.weight")
+                if "shared_expert" in parts:
+                    L.shared_gate_inp = vec(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+            self.layers.append(L)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the engine holds for weights (float32 on the reference path)."""
+        seen, total = set(), 0
+        for w in [self.token_embd, self.output] + [getattr(L, f) for L in self.layers
+                                                  for f in Layer.__dataclass_fields__]:
+            if isinstance(w, Weight) and id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+            elif isinstance(w, np.ndarray):
+                total += w.nbytes
+        return total
+
+    def new_cache(self, max_tokens: int | None = None) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, tokens: list[int], cache: KVCache, *, all_logits: bool = False) -> np.ndarray:
+        """Run `tokens` (appended after the cache's positions) through the model.
+
+        Returns logits (T, n_vocab) if all_logits, else (n_vocab,) for the last token."""
+        c = self.config
+        if not tokens:
+            raise ValueError("forward() needs at least one token")
+        bad = [t for t in tokens if not 0 <= t < c.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{c.n_vocab - 1})")
+        cache.begin(tokens)
+        positions = np.arange(cache.n, cache.n + len(tokens))
+        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale)
+        x = self.token_embd.rows(np.asarray(tokens))
+        for i, L in enumerate(self.layers):
+            x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, cache)
+            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
+        cache.commit(tokens)
+        x = rms_norm(x if all_logits else x[-1:], self.output_norm, c.rms_eps)
+        logits = matmul(x, self.output)
+        return logits if all_logits else logits[0]
+
+    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, cache: KVCache) -> np.ndarray:
+        c = self.config
+        T = x.shape[0]
+        q, k, v = matmul(x, L.wq), matmul(x, L.wk), matmul(x, L.wv)
+        if L.bq is not None:
+            q, k, v = q + L.bq, k + L.bk, v + L.bv
+        if L.q_norm is not None and not L.qk_norm_per_head:       # olmoe: whole projection
+            q, k = rms_norm(q, L.q_norm, c.rms_eps), rms_norm(k, L.k_norm, c.rms_eps)
+        q = q.reshape(T, c.n_head, c.head_dim)
+        k = k.reshape(T, c.n_head_kv, c.head_dim)
+        v = v.reshape(T, c.n_head_kv, c.head_dim)
+        if L.q_norm is not None and L.qk_norm_per_head:           # qwen3: per head
+            q, k = rms_norm(q, L.q_norm, c.rms_eps), rms_norm(k, L.k_norm, c.rms_eps)
+        q = apply_rope(np.ascontiguousarray(q), cos, sin, c.rope_style)
+        k = apply_rope(np.ascontiguousarray(k), cos, sin, c.rope_style)
+        keys, values = cache.store(i, k, v)
+        return matmul(attention(q, keys, values, cache.n), L.wo)
+
+    def _ffn(self, L: Layer, x: np.ndarray) -> np.ndarray:
+        if L.router is None:
+            return swiglu_ffn(x, L.gate, L.up, L.down)
+        c = self.config
+        experts, weights = route(x, L.router, c.n_expert_used, c.expert_weights_norm)
+        out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(
+            xs, L.gate_exps.expert(e), L.up_exps.expert(e), L.down_exps.expert(e)))
+        if L.gate_shexp is not None:
+            gate = 1.0 / (1.0 + np.exp(-(x @ L.shared_gate_inp)))
+            out += gate[:, None].astype(np.float32) * swiglu_ffn(x, L.gate_shexp, L.up_shexp,
+                                                                 L.down_shexp)
+        return out
+
+
+def load_model(path: str | os.PathLike, **kw) -> Model:
+    try:
+        return Model(path, **kw)
+    except (OSError, ValueError) as e:  # memmap of a vanished file, reshape of a corrupt tensor
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"{path}: cannot load model: {e}") from e

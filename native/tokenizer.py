@@ -1,0 +1,239 @@
+"""Tokenizer built from GGUF metadata into a HF `tokenizers.Tokenizer`.
+
+Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) uses the pre-tokenizer regexes llama.cpp
+selects by `tokenizer.ggml.pre`; SentencePiece-style vocabularies (`"llama"`) become a BPE with
+merges derived from the piece scores and byte fallback, as HF's LlamaConverter builds them.
+
+Decoding goes through a per-token byte table so that it is lossless: streaming callers feed ids
+to `StreamDecoder`, which holds back a partial UTF-8 sequence until the next token completes it.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from .gguf_file import GGUFFile
+
+# llama.cpp token types
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# tokenizer.ggml.pre -> the regex sequence llama.cpp applies (each splits the pieces of the last).
+PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
+    "gpt2": [_GPT2], "mpt": [_GPT2], "olmo": [_GPT2], "jais": [_GPT2],
+    "smollm": [r"\p{N}", _GPT2], "starcoder": [r"\p{N}", _GPT2], "refact": [r"\p{N}", _GPT2],
+    "command-r": [r"\p{N}", _GPT2], "codeshell": [r"\p{N}", _GPT2], "exaone": [r"\p{N}", _GPT2],
+    "llama3": [_LLAMA3], "llama-bpe": [_LLAMA3], "llama-v3": [_LLAMA3], "dbrx": [_LLAMA3],
+    "smaug-bpe": [_LLAMA3], "qwen2": [_QWEN2], "stablelm2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2],
+    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"],
+}
+
+
+class TokenizerError(Exception):
+    """The tokenizer could not be built from this model's metadata."""
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@dataclass
+class SpecialTokens:
+    bos: int | None
+    eos: int | None
+    eot: int | None
+    add_bos: bool
+    add_eos: bool
+    stop_ids: frozenset[int]       # tokens that end generation (EOS, EOT, EOM)
+
+
+class GGUFTokenizer:
+    """Encode/decode for one model, exactly as llama.cpp tokenizes it."""
+
+    def __init__(self, gguf: GGUFFile):
+        meta = gguf.metadata
+        self.model_type = str(meta.get("tokenizer.ggml.model", ""))
+        self.pre = str(meta.get("tokenizer.ggml.pre", "default"))
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise TokenizerError(f"{gguf.path}: no tokenizer.ggml.tokens in the metadata; "
+                                 f"this GGUF has no vocabulary")
+        self.tokens: list[str] = list(tokens)
+        types = meta.get("tokenizer.ggml.token_type")
+        self.token_types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
+        if self.model_type == "gpt2":
+            self._tok = self._build_bpe(meta)
+            self._token_bytes = self._bpe_token_bytes()
+        elif self.model_type == "llama":
+            self._tok = self._build_spm(meta)
+            self._token_bytes = self._spm_token_bytes()
+        else:
+            raise TokenizerError(f"{gguf.path}: tokenizer model {self.model_type!r} is not supported "
+                                 f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        self._add_specials()
+        # A second instance with special-token parsing off, for untrusted text.
+        self._tok_plain = Tokenizer.from_str(self._tok.to_str())
+        self._tok_plain.encode_special_tokens = True
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        eom = meta.get("tokenizer.ggml.eom_token_id")
+        stops = {int(t) for t in (eos, eot, eom) if t is not None}
+        # Chat models often end turns with a control token the metadata does not name as EOS.
+        for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
+            if name in self._vocab and self.token_types[self._vocab[name]] == TOKEN_CONTROL:
+                stops.add(self._vocab[name])
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        self.special = SpecialTokens(
+            bos=int(bos) if bos is not None else None,
+            eos=int(eos) if eos is not None else None,
+            eot=int(eot) if eot is not None else None,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", self.model_type == "llama")),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            stop_ids=frozenset(stops),
+        )
+
+    # -- construction -------------------------------------------------------------------------
+
+    @property
+    def _vocab(self) -> dict[str, int]:
+        if not hasattr(self, "_vocab_cache"):
+            self._vocab_cache = {t: i for i, t in enumerate(self.tokens)}
+        return self._vocab_cache
+
+    def _build_bpe(self, meta) -> Tokenizer:
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tok = Tokenizer(models.BPE(self._vocab, merges, fuse_unk=False, ignore_merges=False))
+        regexes = PRE_TOKENIZER_REGEXES.get(self.pre)
+        if regexes is None:
+            raise TokenizerError(f"pre-tokenizer {self.pre!r} is not supported (supported: "
+                                 f"{', '.join(sorted(PRE_TOKENIZER_REGEXES))})")
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    def _build_spm(self, meta) -> Tokenizer:
+        scores = meta.get("tokenizer.ggml.scores")
+        vocab = self._vocab
+        # Merges from scores, as HF's SentencePieceExtractor: every split of a piece into two
+        # pieces of the vocabulary, ordered by the merged piece's score (higher first).
+        ranked = []
+        for piece, pid in vocab.items():
+            if self.token_types[pid] != TOKEN_NORMAL:
+                continue
+            for i in range(1, len(piece)):
+                left, right = piece[:i], piece[i:]
+                if left in vocab and right in vocab:
+                    score = float(scores[pid]) if scores is not None else -pid
+                    ranked.append((-score, vocab[left], vocab[right], left, right))
+        ranked.sort()
+        merges = [(left, right) for _, _, _, left, right in ranked]
+        unk = next((t for t, ty in zip(self.tokens, self.token_types) if ty == TOKEN_UNKNOWN), None)
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        norm = [normalizers.Replace(" ", "▁")]
+        if meta.get("tokenizer.ggml.add_space_prefix", True):
+            norm.insert(0, normalizers.Prepend("▁"))
+        tok.normalizer = normalizers.Sequence(norm)
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+        return tok
+
+    def _add_specials(self) -> None:
+        added = []
+        for i, (t, ty) in enumerate(zip(self.tokens, self.token_types)):
+            if ty == TOKEN_CONTROL:
+                added.append(AddedToken(t, special=True, normalized=False))
+            elif ty == TOKEN_USER_DEFINED:
+                added.append(AddedToken(t, special=False, normalized=False))
+        if added:
+            self._tok.add_tokens(added)
+
+    def _bpe_token_bytes(self) -> list[bytes]:
+        dec = _byte_decoder()
+        out = []
+        for t, ty in zip(self.tokens, self.token_types):
+            if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN) or any(c not in dec for c in t):
+                out.append(t.encode("utf-8"))
+            else:
+                out.append(bytes(dec[c] for c in t))
+        return out
+
+    def _spm_token_bytes(self) -> list[bytes]:
+        out = []
+        for t, ty in zip(self.tokens, self.token_types):
+            if ty == TOKEN_BYTE and t.startswith("<0x") and t.endswith(">"):
+                out.append(bytes([int(t[3:-1], 16)]))
+            else:
+                out.append(t.replace("▁", " ").encode("utf-8"))
+        return out
+
+    # -- use ----------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None) -> list[int]:
+        """Token ids for `text`. special=False tokenizes control-token markup as plain text
+        (use it for anything a user typed). BOS is added when the model's metadata asks."""
+        tok = self._tok if special else self._tok_plain
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if add_bos is None:
+            add_bos = self.special.add_bos
+        if add_bos and self.special.bos is not None:
+            ids = [self.special.bos] + ids
+        return ids
+
+    def is_control(self, token_id: int) -> bool:
+        return self.token_types[token_id] == TOKEN_CONTROL
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._token_bytes[token_id]
+
+    def decode(self, ids, *, skip_control: bool = False) -> str:
+        """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
+        parts = [self._token_bytes[i] for i in ids
+                 if not (skip_control and self.token_types[i] == TOKEN_CONTROL)]
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, *, skip_control: bool = True) -> "StreamDecoder":
+        return StreamDecoder(self, skip_control)
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces without ever splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, skip_control: bool):
+        self._tok = tokenizer
+        self._skip = skip_control
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        if self._skip and self._tok.is_control(token_id):
+            return ""
+        return self._dec.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
