@@ -13,6 +13,7 @@ and measured against its reference it moves near-tie greedy tokens to llama.cpp'
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,6 +36,24 @@ _ACT_QUANT = {Q.Q4_0: "q8_0", Q.Q5_0: "q8_0", Q.Q8_0: "q8_0", Q.IQ4_NL: "q8_0",
               Q.IQ4_XS: "q8_K", Q.IQ2_XXS: "q8_K", Q.IQ2_XS: "q8_K", Q.IQ2_S: "q8_K",
               Q.IQ3_XXS: "q8_K", Q.IQ3_S: "q8_K", Q.IQ1_S: "q8_K", Q.IQ1_M: "q8_K",
               Q.F16: "f16", Q.BF16: "bf16"}
+
+
+ACT_MODES = ("ggml", "none")
+_act_mode = "ggml"
+
+
+def set_activation_quantization(mode: str) -> str:
+    """"ggml" (default): round activations as llama.cpp does; "none": exact float32.
+    Returns the previous mode. KILN_ACT_QUANT sets it at start-up."""
+    global _act_mode
+    if mode not in ACT_MODES:
+        raise ValueError(f"activation quantization {mode!r} is not one of {ACT_MODES}")
+    previous, _act_mode = _act_mode, mode
+    return previous
+
+
+def activation_quantization() -> str:
+    return _act_mode
 
 
 def quantize_activations(x: np.ndarray, kind: str | None) -> np.ndarray:
@@ -60,14 +79,16 @@ def quantize_activations(x: np.ndarray, kind: str | None) -> np.ndarray:
     return (q * d).reshape(T, n)
 
 
+set_activation_quantization(os.environ.get("KILN_ACT_QUANT", "ggml") or "ggml")
+
+
 class Weight:
     """A weight matrix (n_out, n_in), or a stack of them (n_expert, n_out, n_in) for MoE."""
 
-    __slots__ = ("name", "qtype", "shape", "dense", "act_quant")
+    __slots__ = ("name", "qtype", "shape", "dense")
 
     def __init__(self, name: str, qtype: Q, dense: np.ndarray):
         self.name, self.qtype, self.shape, self.dense = name, qtype, dense.shape, dense
-        self.act_quant = _ACT_QUANT.get(qtype)
 
     def expert(self, e: int) -> "Weight":
         return Weight(f"{self.name}[{e}]", self.qtype, self.dense[e])
@@ -110,4 +131,5 @@ def load_weights(g: GGUFFile, names: list[str], threads: int = 2) -> dict[str, W
 
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     """x (T, n_in) float32 -> (T, n_out) float32."""
-    return quantize_activations(x, w.act_quant) @ w.dense.T
+    kind = _ACT_QUANT.get(w.qtype) if _act_mode == "ggml" else None
+    return quantize_activations(x, kind) @ w.dense.T

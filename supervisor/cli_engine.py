@@ -1,0 +1,171 @@
+"""`kiln models …` and `kiln debug …`: commands that read model files in the CLI process.
+
+The debug commands' JSON shapes are stable: our own checks and tests parse them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+models_app = typer.Typer(help="Find, inspect and fetch GGUF models.", no_args_is_help=True)
+debug_app = typer.Typer(help="Run the engine directly (no daemon): tokenize, logits, generate.",
+                        no_args_is_help=True)
+
+
+def fail(message: str, code: int = 1) -> None:
+    typer.echo(f"kiln: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _model_path(spec: str):
+    from kiln.native.library import ModelNotFound, PullError, resolve_model
+    try:
+        return resolve_model(spec, pull=(spec == "default"),
+                             progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+    except (ModelNotFound, PullError) as e:
+        fail(str(e))
+
+
+def _load(spec: str):
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.model import load_model
+    from kiln.native.tokenizer import TokenizerError
+    path = _model_path(spec)
+    try:
+        return load_model(path)
+    except (GGUFError, TokenizerError) as e:
+        fail(str(e))
+
+
+def _emit(obj, as_json: bool, human) -> None:
+    if as_json:
+        typer.echo(json.dumps(obj, ensure_ascii=False))
+    else:
+        human(obj)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+@models_app.command("inspect")
+def models_inspect(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                   as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+                   tensors: bool = typer.Option(False, "--tensors", help="list every tensor"),
+                   ctx: Optional[int] = typer.Option(None, "--ctx", help="context size for the KV-cache estimate")):
+    """Architecture, parameters, tensor types, context, tokenizer, and the memory the engine needs."""
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.inspect import inspect_model
+    path = _model_path(model)
+    try:
+        info = inspect_model(path, tensors=tensors, ctx=ctx)
+    except GGUFError as e:
+        fail(str(e))
+
+    def human(i):
+        mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+        typer.echo(f"{i['name']}  ({i['path']})")
+        typer.echo(f"  architecture   {i['architecture']}, {i['layers']} layers, embedding {i['embedding']}, "
+                   f"{i['heads']} heads / {i['kv_heads']} KV heads")
+        typer.echo(f"  parameters     {i['parameters']:,}")
+        typer.echo(f"  file           {mib(i['file_bytes'])}; tensor types "
+                   + ", ".join(f"{k}×{v}" for k, v in i["tensor_types"].items()))
+        typer.echo(f"  context        {i['context_length']:,} tokens (trained)")
+        t = i["tokenizer"]
+        typer.echo(f"  tokenizer      {t['model']} / {t['pre']}, {t['tokens']:,} tokens; chat template: "
+                   f"{'yes' if i['chat_template'] else 'no'}")
+        if i["moe"]:
+            typer.echo(f"  experts        {i['moe']['experts_used']} of {i['moe']['experts']} "
+                       f"({mib(i['moe']['expert_bytes'])} of expert weights)")
+        m = i["memory"]
+        typer.echo(f"  memory         {mib(m['total_bytes'])} = weights {mib(m['weights_bytes'])} "
+                   f"({i['kernel_path']} path, float32) + KV cache {mib(m['kv_cache_bytes'])} at {m['context']:,} tokens")
+        if i["unsupported_tensor_types"]:
+            typer.echo(f"  UNSUPPORTED    tensor types {', '.join(i['unsupported_tensor_types'])}")
+        for t in i.get("tensors", []):
+            typer.echo(f"    {t['name']:<40} {t['type']:<6} {str(t['shape']):<20} {t['bytes']:>12,}")
+    _emit(info, as_json, human)
+
+
+@models_app.command("pull")
+def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct)")):
+    """Download a model into the model folder (verified by sha256)."""
+    from kiln.native.library import PullError, pull_default
+    if model != "default":
+        fail(f"cannot pull {model!r}: only 'default' is supported so far")
+    try:
+        path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+    except PullError as e:
+        fail(str(e))
+    typer.echo(str(path))
+
+
+# -- debug -------------------------------------------------------------------------------------
+
+@debug_app.command("tokenize")
+def debug_tokenize(model: str, text: str,
+                   no_special: bool = typer.Option(False, "--no-special",
+                                                   help="treat control-token markup as plain text"),
+                   as_json: bool = typer.Option(False, "--json")):
+    """Token ids of TEXT (no BOS unless the model's metadata asks for one)."""
+    m = _load(model)
+    ids = m.tokenizer.encode(text, special=not no_special)
+    _emit({"ids": ids}, as_json, lambda o: typer.echo(
+        " ".join(f"{i}:{m.tokenizer.tokens[i]!r}" for i in o["ids"])))
+
+
+@debug_app.command("logits")
+def debug_logits(model: str, text: str,
+                 top: int = typer.Option(20, "--top", help="alternatives per position"),
+                 full_last: bool = typer.Option(False, "--full-last", help="add the whole last logit vector"),
+                 as_json: bool = typer.Option(False, "--json")):
+    """Top-K logits at every prompt position (TEXT parsed with special tokens)."""
+    import numpy as np
+    m = _load(model)
+    ids = m.tokenizer.encode(text, special=True)
+    if not ids:
+        fail("TEXT tokenizes to nothing")
+    logits = m.forward(ids, m.new_cache(len(ids)), all_logits=True)
+    positions = []
+    for row in logits:
+        best = np.argsort(-row, kind="stable")[:top]
+        positions.append({"top_ids": [int(i) for i in best], "top_logits": [float(row[i]) for i in best]})
+    out = {"ids": ids, "positions": positions}
+    if full_last:
+        out["last_logits"] = [float(x) for x in logits[-1]]
+
+    def human(o):
+        for i, (tid, pos) in enumerate(zip(o["ids"], o["positions"])):
+            alts = ", ".join(f"{m.tokenizer.tokens[t]!r} {lg:.2f}" for t, lg in
+                             zip(pos["top_ids"][:5], pos["top_logits"][:5]))
+            typer.echo(f"{i:4d} {m.tokenizer.tokens[tid]!r:>16} → {alts}")
+    _emit(out, as_json, human)
+
+
+@debug_app.command("generate")
+def debug_generate(model: str, text: str,
+                   max_tokens: int = typer.Option(32, "--max-tokens"),
+                   temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+                   top_k: int = typer.Option(40, "--top-k"),
+                   top_p: float = typer.Option(0.95, "--top-p"),
+                   min_p: float = typer.Option(0.05, "--min-p"),
+                   repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
+                   seed: Optional[int] = typer.Option(None, "--seed"),
+                   stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
+                   ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+                   as_json: bool = typer.Option(False, "--json")):
+    """Generate from TEXT (parsed with special tokens) and print ids and text."""
+    from kiln.native.generate import ContextLengthError, generate_text
+    from kiln.native.sampling import SamplingError, SamplingParams
+    m = _load(model)
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens,
+                                stop=stop, ignore_eos=ignore_eos).validate()
+        ids, out, fin = generate_text(m, m.tokenizer.encode(text, special=True), params)
+    except (SamplingError, ContextLengthError) as e:
+        fail(str(e))
+    _emit({"ids": ids, "text": out, "finish_reason": fin.reason}, as_json,
+          lambda o: (sys.stdout.write(o["text"] + "\n"), sys.stdout.flush()))

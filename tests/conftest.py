@@ -1,0 +1,70 @@
+"""Shared fixtures: the default model and its MoE variants, fetched/built once into a cache
+folder (KILN_TEST_CACHE, default <repo>/.cache/models) and reused by every test and run."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+DATA = HERE / "data"
+sys.path.insert(0, str(HERE))
+
+from moe_variants import HASHES, build_variant, tensor_data_hash  # noqa: E402
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("KILN_TEST_CACHE") or HERE.parent / ".cache" / "models")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from kiln.native.library import pull_default
+    return pull_default(cache_dir())
+
+
+def _variant(default_model_path: Path, k: int) -> Path:
+    out = cache_dir() / f"SmolLM2-135M-Instruct-MoE-E8K{k}.gguf"
+    if not out.exists() or tensor_data_hash(out) != HASHES[k]:
+        tmp = out.with_suffix(".tmp")
+        build_variant(default_model_path, tmp, k, np.load(DATA / "moe_router_E8.npy") if k == 2 else None)
+        assert tensor_data_hash(tmp) == HASHES[k], "MoE generator no longer byte-exact"
+        os.replace(tmp, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def e8k8_path(default_model_path) -> Path:
+    return _variant(default_model_path, 8)
+
+
+@pytest.fixture(scope="session")
+def e8k2_path(default_model_path) -> Path:
+    return _variant(default_model_path, 2)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    from kiln.native.model import load_model
+    return load_model(default_model_path)
+
+
+def reference(name: str) -> tuple[dict, dict]:
+    """(json, npz) of a llama.cpp reference in tests/data ("smollm2", "tiny/tiny-qwen3", …)."""
+    ref = json.loads((DATA / f"{name}.json").read_text())
+    npz = np.load(DATA / f"{name}.npz")
+    return ref, {k: npz[k] for k in npz.files}
+
+
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe"]
+
+
+def tiny_path(arch: str) -> Path:
+    return DATA / "tiny" / f"tiny-{arch}.gguf"

@@ -1,0 +1,60 @@
+"""The engine against llama.cpp's own outputs for the same files (tests/data/README.md)."""
+
+import numpy as np
+import pytest
+
+from conftest import TINY_ARCHS, reference, tiny_path
+from fidelity import assert_meets_bars, measure
+from kiln.native import kernels
+from kiln.native.model import load_model
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_model_matches_llama_cpp(arch):
+    ref, npz = reference(f"tiny/tiny-{arch}")
+    model = load_model(tiny_path(arch))
+    assert_meets_bars(measure(model, ref, npz), f"tiny-{arch}")
+
+
+@pytest.mark.slow
+def test_default_model_matches_llama_cpp(default_model):
+    ref, npz = reference("smollm2")
+    assert_meets_bars(measure(default_model, ref, npz), "SmolLM2")
+
+
+@pytest.mark.slow
+def test_e8k8_variant_gives_the_dense_logits(default_model, e8k8_path):
+    """Uniform routing over 8 scaled experts is the dense FFN. Checked in exact float32: with
+    ggml-style activation rounding, a 1e-7 summation-order difference flips a Q8 rounding and
+    the difference grows chaotically (0.5–2.2 logits, like llama.cpp's own 1.15)."""
+    moe = load_model(e8k8_path)
+    ref, _ = reference("smollm2")
+    previous = kernels.set_activation_quantization("none")
+    try:
+        for p in ref["prompts"]:
+            dense = default_model.forward(p["ids"], default_model.new_cache(), all_logits=True)
+            routed = moe.forward(p["ids"], moe.new_cache(), all_logits=True)
+            assert np.abs(dense - routed).max() <= 1e-2
+    finally:
+        kernels.set_activation_quantization(previous)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "E8K2 routes by near-ties (router top-2/top-3 gaps of 1e-4 in probability): our own exact and "
+    "ggml-rounded runs differ by correlation 0.87 on prompt 3, so llama.cpp's bars need its "
+    "arithmetic bit for bit. Expected to pass only with kernels that reproduce ggml exactly."))
+def test_e8k2_variant_matches_llama_cpp(e8k2_path):
+    ref, npz = reference("smollm2-moe-e8k2")
+    assert_meets_bars(measure(load_model(e8k2_path), ref, npz), "E8K2")
+
+
+@pytest.mark.slow
+def test_e8k2_routing_is_right_where_it_is_not_chaotic(e8k2_path):
+    """What does hold for E8K2: llama.cpp's top-1 at most confident positions and a high
+    correlation on the prompts whose routing has no near-tie early on."""
+    ref, npz = reference("smollm2-moe-e8k2")
+    reports = measure(load_model(e8k2_path), ref, npz)
+    agree = sum(r.top1_agree for r in reports) / sum(r.top1_checked for r in reports)
+    assert agree >= 0.75, f"top-1 agreement {agree:.2f}"
+    assert max(r.last_corr for r in reports) >= 0.995
