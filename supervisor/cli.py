@@ -1,17 +1,249 @@
 """The `kiln` command line. Daemon commands reach the supervisor over its control socket;
-`kiln models` and `kiln debug` work on model files directly."""
+`kiln models` and `kiln debug` work on model files directly.
+
+Exit codes: 0 ok · 1 failed, or no daemon · 2 bad configuration or arguments.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
 import typer
 
-from .cli_engine import debug_app, models_app
+from .cli_engine import debug_app, fail, models_app
 
-app = typer.Typer(name="kiln", no_args_is_help=True, add_completion=False,
+app = typer.Typer(name="kiln", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Kiln: a local LLM runtime that keeps crash-isolated workers alive.")
 app.add_typer(models_app, name="models")
 app.add_typer(debug_app, name="debug")
 
 
+def _paths():
+    from .paths import Paths
+    return Paths.from_env()
+
+
+def _client(timeout: float = 15.0):
+    from .client import ControlClient, DaemonNotRunning
+    try:
+        return ControlClient(_paths(), timeout)
+    except DaemonNotRunning as e:
+        fail(str(e))
+
+
+def _command(name: str, args: dict | None = None, timeout: float = 15.0):
+    from .client import CommandFailed
+    with _client(timeout) as c:
+        try:
+            return c.command(name, args or {}, timeout)
+        except CommandFailed as e:
+            fail(e.message)
+        except TimeoutError as e:
+            fail(str(e))
+
+
+def _load_config(config: Optional[str], cli: dict, workers: dict | None = None):
+    from .config import ConfigError, load_config
+    try:
+        return load_config(config, cli, workers=workers)
+    except ConfigError as e:
+        fail(f"configuration error: {e}", 2)
+
+
+# -- daemon ------------------------------------------------------------------------------------
+
+@app.command()
+def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the background (pidfile + log file)"),
+       config: Optional[str] = typer.Option(None, "--config", "-c", help="kiln.toml to use"),
+       host: Optional[str] = typer.Option(None, "--host", help="HTTP address (server.host)"),
+       port: Optional[int] = typer.Option(None, "--port", help="HTTP port (server.port)"),
+       model: Optional[str] = typer.Option(None, "--model", "-m",
+                                           help="serve this model (path, name or 'default') instead of the configured workers")):
+    """Start the daemon: the supervisor, its workers and the HTTP API."""
+    from .client import daemon_pid
+    from .daemon import AlreadyRunning, Supervisor
+    paths = _paths()
+    cli = {"server.host": host, "server.port": port}
+    workers = {"default": {"kind": "inference", "model": model}} if model else None
+    cfg = _load_config(config, cli, workers)
+    running = daemon_pid(paths)
+    if running:
+        fail(f"kiln is already running (pid {running}); `kiln down` stops it")
+    if detach:
+        paths.ensure()
+        args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
+        for flag, val in (("--config", config), ("--host", host), ("--port", port), ("--model", model)):
+            if val is not None:
+                args += [flag, str(val)]
+        with open(paths.daemon_log, "ab") as logf:
+            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=os.getcwd())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = paths.daemon_log.read_text(errors="replace").strip().splitlines()[-5:]
+                fail("the daemon exited at start:\n  " + "\n  ".join(tail))
+            if daemon_pid(paths) == proc.pid and (paths.run / "control.sock").exists():
+                try:
+                    st = _command("status", timeout=2)
+                    http = st["daemon"]["http"]
+                    typer.echo(f"kiln is up (pid {proc.pid}); http://{http[0]}:{http[1]}; log {paths.daemon_log}")
+                    return
+                except typer.Exit:
+                    pass
+            time.sleep(0.1)
+        fail(f"the daemon (pid {proc.pid}) did not become ready within 30 s; see {paths.daemon_log}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kiln %(message)s", stream=sys.stderr)
+    try:
+        from setproctitle import setproctitle
+        setproctitle("kiln: supervisor")
+    except ImportError:
+        pass
+    sup = Supervisor(cfg, paths)
+    try:
+        sup.serve(on_ready=lambda: typer.echo(
+            f"kiln is up (pid {os.getpid()}); http://{sup.http_address[0]}:{sup.http_address[1]}", err=True))
+    except AlreadyRunning as e:
+        fail(f"{e}; `kiln down` stops it")
+    except OSError as e:
+        fail(f"cannot start: {e}")
+
+
+@app.command()
+def down(timeout: float = typer.Option(30.0, "--timeout", help="seconds to wait for the daemon to exit")):
+    """Stop the daemon gracefully (workers: shutdown → SIGTERM → SIGKILL)."""
+    from .client import daemon_pid
+    paths = _paths()
+    pid = daemon_pid(paths)
+    res = _command("shutdown", {"reason": "kiln down"})
+    pid = res.get("pid", pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon_pid(paths) is None:
+            typer.echo(f"kiln stopped (pid {pid})")
+            return
+        time.sleep(0.1)
+    fail(f"the daemon (pid {pid}) is still running after {timeout:g} s; see {paths.daemon_log}")
+
+
+def _fmt_exit(e: dict | None) -> str:
+    if not e:
+        return "-"
+    s = f"signal {e['signal']}" if e.get("signal") else f"code {e.get('code')}"
+    return s + (f" ({e['reason']})" if e.get("reason") else "")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Every worker: state, pid, uptime, restarts, last exit, memory, CPU."""
+    st = _command("status")
+    if as_json:
+        typer.echo(json.dumps(st))
+        return
+    d = st["daemon"]
+    typer.echo(f"kiln pid {d['pid']}, up {d['uptime_s']:.0f} s, http://{d['http'][0]}:{d['http'][1]}")
+    typer.echo(f"{'NAME':<16}{'KIND':<12}{'STATE':<10}{'PID':>8}{'UPTIME':>9}{'RESTARTS':>9}{'RSS MiB':>9}{'CPU%':>7}  LAST EXIT / REASON")
+    for w in st["workers"]:
+        up_s = f"{w['uptime_s']:.0f}s" if w["uptime_s"] is not None else "-"
+        rss = f"{w['rss_bytes'] / 2**20:.0f}" if w["rss_bytes"] else "-"
+        cpu = f"{w['cpu_percent']:.0f}" if w["cpu_percent"] is not None else "-"
+        state = w["state"] + (f"/{w['worker_state']}" if w["worker_state"] and w["state"] == "running"
+                              and w["worker_state"] != "ready" else "")
+        extra = w["reason"] if w["state"] in ("fatal", "backoff", "stopped") and w["reason"] else _fmt_exit(w["last_exit"])
+        typer.echo(f"{w['name']:<16}{w['kind']:<12}{state:<10}{w['pid'] or '-':>8}{up_s:>9}{w['restarts']:>9}{rss:>9}{cpu:>7}  {extra}")
+
+
+@app.command()
+def health(as_json: bool = typer.Option(False, "--json")):
+    """ok, or why not; protocol error counts; system memory, CPU, load and disk."""
+    h = _command("health")
+    if as_json:
+        typer.echo(json.dumps(h))
+    else:
+        typer.echo(h["status"] + "".join(f"\n  - {r}" for r in h["reasons"]))
+        s = h["system"]
+        typer.echo(f"  RAM {s['ram_available_bytes'] / 2**30:.1f} of {s['ram_total_bytes'] / 2**30:.1f} GiB available; "
+                   f"{s['cpu_count']} CPUs; load {' '.join(f'{x:.2f}' for x in s['load_avg'])}")
+        typer.echo(f"  protocol: {h['protocol']['bad_frames_total']} bad frames dropped {h['protocol']['bad_frames'] or ''}")
+    if h["status"] != "ok":
+        raise typer.Exit(1)
+
+
+@app.command()
+def restart(name: str = typer.Argument(..., help="worker name, or 'all'")):
+    """Restart a worker (also revives a fatal one)."""
+    _command("restart", {"name": name})
+    typer.echo(f"restarting {name}")
+
+
+@app.command()
+def stop(name: str = typer.Argument(..., help="worker name, or 'all'")):
+    """Stop a worker until `kiln start`."""
+    _command("stop", {"name": name})
+    typer.echo(f"stopping {name}")
+
+
+@app.command()
+def start(name: str = typer.Argument(..., help="worker name, or 'all'")):
+    """Start a stopped or fatal worker."""
+    _command("start", {"name": name})
+    typer.echo(f"starting {name}")
+
+
+@app.command()
+def logs(name: str = typer.Argument(..., help="worker name, or 'kiln' for the daemon's log"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
+         lines: int = typer.Option(50, "-n", help="how many lines to show")):
+    """Show a worker's log (stdout and stderr)."""
+    paths = _paths()
+    path = paths.daemon_log if name in ("kiln", "daemon") else paths.worker_log(name)
+    if not path.exists():
+        known = sorted(p.name[len("worker-"):-4] for p in paths.logs.glob("worker-*.log")) if paths.logs.exists() else []
+        fail(f"no log for {name!r} at {path} (logs exist for: {', '.join(known) or 'none'})")
+    with open(path, "rb") as f:
+        tail = f.read().decode(errors="replace").splitlines()[-lines:] if lines > 0 else []
+        for ln in tail:
+            typer.echo(ln)
+        while follow:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            else:
+                time.sleep(0.2)
+
+
+@app.command("config")
+def config_cmd(file: Optional[str] = typer.Option(None, "--file", help="kiln.toml to read"),
+               as_json: bool = typer.Option(False, "--json")):
+    """Every effective setting and where it came from (default, file, env, cli)."""
+    cfg = _load_config(file, {})
+    d = cfg.as_dict()
+    if as_json:
+        typer.echo(json.dumps(d))
+        return
+    typer.echo(f"# file: {d['file'] or '(none)'}")
+    for sec, vals in d.items():
+        if sec in ("file", "workers"):
+            continue
+        typer.echo(f"[{sec}]")
+        for k, v in vals.items():
+            typer.echo(f"  {k} = {json.dumps(v['value'])}    # {v['source']}")
+    for n, w in d["workers"].items():
+        typer.echo(f"[workers.{n}]    # {w['source']}")
+        for k, v in w["value"].items():
+            typer.echo(f"  {k} = {json.dumps(v)}")
+
+
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -68,3 +68,12 @@ TINY_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe"]
 
 def tiny_path(arch: str) -> Path:
     return DATA / "tiny" / f"tiny-{arch}.gguf"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_kiln_home(tmp_path_factory, monkeypatch):
+    """No test reads or writes the user's ~/.kiln, config or environment overrides."""
+    monkeypatch.setenv("KILN_HOME", str(tmp_path_factory.mktemp("kiln-home")))
+    for k in list(os.environ):
+        if k.startswith(("KILN_SERVER_", "KILN_SUPERVISOR_")) or k in ("KILN_CONFIG", "KILN_MODEL_PATH"):
+            monkeypatch.delenv(k)

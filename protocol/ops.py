@@ -1,0 +1,59 @@
+"""Request bodies of each op, declared in one place and validated at the boundary.
+
+A schema maps field -> (type or tuple of types, required). Bodies are msgpack maps; a worker's
+runtime validates an incoming request against its op's schema before the handler sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Schema = dict[str, tuple[Any, bool]]
+NUM = (int, float)
+
+SCHEMAS: dict[str, Schema] = {
+    # every worker
+    "ping": {},
+    "stats": {},
+    # the test worker kind (tests/)
+    "echo": {"value": (object, False)},
+    "stream": {"n": (int, True), "size": (int, False), "delay": (NUM, False)},
+    "crash": {"code": (int, False), "after": (NUM, False)},
+    "hang": {"seconds": (NUM, False)},
+    "sleep": {"seconds": (NUM, True)},
+    # inference
+    "generate": {"prompt": (list, False), "text": (str, False), "messages": (list, False),
+                 "params": (dict, False), "session": (str, False)},
+    "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
+    "detokenize": {"tokens": (list, True)},
+    "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False)},
+    "info": {},
+}
+
+
+class SchemaError(ValueError):
+    pass
+
+
+def validate_body(op: str, body: Any) -> dict:
+    """Check `body` against `op`'s schema; unknown ops pass (the worker answers unknown_op)."""
+    schema = SCHEMAS.get(op)
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise SchemaError(f"op {op!r}: body must be a map, got {type(body).__name__}")
+    if schema is None:
+        return body
+    for name, (kind, required) in schema.items():
+        if name not in body:
+            if required:
+                raise SchemaError(f"op {op!r}: field {name!r} is required")
+            continue
+        if kind is not object and (not isinstance(body[name], kind)
+                                   or isinstance(body[name], bool) and kind in (int, NUM)):
+            want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            raise SchemaError(f"op {op!r}: field {name!r} must be {want}, got {type(body[name]).__name__}")
+    unknown = set(body) - set(schema)
+    if unknown:
+        raise SchemaError(f"op {op!r}: unknown field(s) {sorted(unknown)}; known: {sorted(schema)}")
+    return body

@@ -1,0 +1,156 @@
+"""The command bus: every action on the daemon is a named command here.
+
+The CLI (over the control socket), the HTTP routes (in-process) and signal handlers all
+dispatch through `run(supervisor, name, args)`; front ends only translate. A command's
+docstring is its documentation. Commands run on the supervisor's loop thread.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+import psutil
+
+from . import policy
+
+COMMANDS: dict[str, Callable] = {}
+
+
+class CommandError(Exception):
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+
+def command(name: str):
+    def register(fn):
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def run(sup, name: str, args: dict) -> Any:
+    fn = COMMANDS.get(name)
+    if fn is None:
+        raise CommandError("unknown_command", f"unknown command {name!r} (commands: {', '.join(sorted(COMMANDS))})")
+    return fn(sup, args)
+
+
+def _worker(sup, args) -> Any:
+    name = args.get("name")
+    if name not in sup.workers:
+        raise CommandError("unknown_worker", f"no worker named {name!r} "
+                           f"(workers: {', '.join(sup.workers) or 'none'})", status=404)
+    return sup.workers[name]
+
+
+def _targets(sup, args) -> list:
+    return list(sup.workers.values()) if args.get("name") == "all" else [_worker(sup, args)]
+
+
+@command("status")
+def status(sup, args):
+    """The daemon and every worker: state, pid, uptime, restarts, last exit, memory, CPU."""
+    now = time.time()
+    return {
+        "daemon": {"pid": os.getpid(), "uptime_s": round(now - sup.started_at, 3),
+                   "http": list(sup.http_address) if sup.http_address else None,
+                   "home": str(sup.paths.home), "shutting_down": sup.shutting_down},
+        "workers": [w.describe(now) for w in sup.workers.values()],
+        "events": list(sup.events)[-int(args.get("events", 50)):],
+    }
+
+
+@command("worker")
+def worker(sup, args):
+    """One worker's status."""
+    return _worker(sup, args).describe(time.time())
+
+
+def system_info(sup) -> dict:
+    vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+    disks = {}
+    for label, path in (("state", sup.paths.home),):
+        try:
+            du = shutil.disk_usage(path)
+            disks[label] = {"path": str(path), "free_bytes": du.free, "total_bytes": du.total}
+        except OSError:
+            pass
+    return {"ram_total_bytes": vm.total, "ram_available_bytes": vm.available,
+            "swap_total_bytes": sw.total, "swap_used_bytes": sw.used,
+            "cpu_count": psutil.cpu_count(logical=True),
+            "cpu_physical": psutil.cpu_count(logical=False),
+            "load_avg": list(os.getloadavg()), "disk": disks}
+
+
+@command("health")
+def health(sup, args):
+    """ok when every enabled worker is running and ready; otherwise the reasons."""
+    reasons = []
+    workers = {}
+    for w in sup.workers.values():
+        ws = w.status.get("state")
+        workers[w.name] = {"state": w.ps.state, "worker_state": ws, "pid": w.pid,
+                           "rss_bytes": w.describe(time.time())["rss_bytes"]}
+        if not w.spec.get("enabled", True) and w.ps.state == "stopped":
+            continue
+        if w.ps.state != "running":
+            reasons.append(f"worker {w.name} is {w.ps.state}" + (f": {w.ps.reason}" if w.ps.reason else ""))
+        elif ws in ("booting", "loading"):
+            reasons.append(f"worker {w.name}: loading model")
+    if sup.shutting_down:
+        reasons.insert(0, "shutting down")
+    return {"status": "ok" if not reasons else "unavailable", "reasons": reasons, "workers": workers,
+            "protocol": {"bad_frames": dict(sup.bad_frames), "bad_frames_total": sum(sup.bad_frames.values())},
+            "pending_requests": len(sup.pending), "system": system_info(sup)}
+
+
+@command("restart")
+def restart(sup, args):
+    """Restart a worker (or `all`); also revives a fatal one."""
+    for w in _targets(sup, args):
+        sup.record("restart_requested", w.name, "")
+        sup.apply(w, policy.Restart())
+    return {"ok": True}
+
+
+@command("stop")
+def stop(sup, args):
+    """Stop a worker (or `all`); it stays stopped until started."""
+    for w in _targets(sup, args):
+        sup.apply(w, policy.Stop())
+    return {"ok": True}
+
+
+@command("start")
+def start(sup, args):
+    """Start a stopped or fatal worker (or `all`)."""
+    for w in _targets(sup, args):
+        sup.apply(w, policy.Start(manual=True))
+    return {"ok": True}
+
+
+@command("config")
+def config(sup, args):
+    """Every effective setting with its source (default, file, env, cli)."""
+    return sup.cfg.as_dict()
+
+
+@command("shutdown")
+def shutdown(sup, args):
+    """Stop every worker (shutdown → SIGTERM → SIGKILL) and exit."""
+    if not sup.shutting_down:
+        sup.shutting_down = True
+        sup.record("shutdown", None, args.get("reason", "requested"))
+        for w in sup.workers.values():
+            sup.apply(w, policy.Stop())
+    return {"ok": True, "pid": os.getpid()}
+
+
+@command("ping")
+def ping(sup, args):
+    """Is the daemon alive?"""
+    return {"pong": True, "pid": os.getpid()}

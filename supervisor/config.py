@@ -1,0 +1,211 @@
+"""Configuration: defaults < kiln.toml < KILN_<SECTION>_<FIELD> environment < command-line flags.
+
+Every effective value remembers where it came from (`default|file|env|cli`). Unknown keys and
+bad values are errors that name the key and what is allowed. Workers are declared in
+`[workers.<name>]` tables with a `kind` and their own settings.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Field:
+    type: type
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple | None = None
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(repr, self.choices))
+        rng = ""
+        if self.low is not None or self.high is not None:
+            rng = f" in [{self.low if self.low is not None else '-inf'}, {self.high if self.high is not None else 'inf'}]"
+        return f"a{'n' if self.type is int else ''} {self.type.__name__}{rng}"
+
+
+SCHEMA: dict[str, dict[str, Field]] = {
+    "server": {
+        "host": Field(str, "127.0.0.1", "HTTP listen address"),
+        "port": Field(int, 8420, "HTTP port", 0, 65535),
+        "api_key": Field(str, "", "bearer key required on every route but /health (empty: none)"),
+        "max_body_bytes": Field(int, 4 * 2**20, "largest request body accepted", 1024, None),
+        "threads": Field(int, 16, "HTTP threads (each open stream holds one)", 1, 512),
+        "max_queue": Field(int, 64, "requests waiting for a worker before 503 'server busy'", 1, 100000),
+        "request_timeout": Field(float, 600.0, "longest a request may take, seconds", 1, None),
+    },
+    "supervisor": {
+        "heartbeat_interval": Field(float, 1.0, "seconds between worker heartbeats", 0.05, 60),
+        "liveness": Field(int, 3, "missed heartbeats before a worker is declared dead", 1, 100),
+        "graceful_timeout": Field(float, 5.0, "seconds between SIGTERM and SIGKILL", 0.1, 600),
+        "start_secs": Field(float, 1.0, "seconds a worker must stay up after hello to be running", 0, 600),
+        "max_restarts": Field(int, 5, "restarts within restart_window before fatal", 0, 1000),
+        "restart_window": Field(float, 60.0, "seconds over which restarts are counted", 1, None),
+        "backoff_initial": Field(float, 1.0, "first restart delay, seconds (doubles each time)", 0, 600),
+        "backoff_max": Field(float, 30.0, "longest restart delay, seconds", 0, 3600),
+        "boot_timeout": Field(float, 120.0, "seconds a worker may take from spawn to hello", 1, None),
+    },
+}
+
+WORKER_FIELDS: dict[str, Field] = {
+    "kind": Field(str, None, "worker kind"),
+    "enabled": Field(bool, True, "start it with kiln up"),
+    "model": Field(str, "default", "model path, name, or 'default' (inference kinds)"),
+    "module": Field(str, "", "python module to run (custom kinds)"),
+    "threads": Field(int, 0, "compute threads (0: all cores)", 0, 1024),
+    "settings": Field(dict, {}, "kind-specific settings, passed to the worker as they are"),
+}
+BUILTIN_KINDS = {"inference": "kiln.workers.inference"}
+DEFAULT_WORKERS = {"default": {"kind": "inference", "model": "default"}}
+
+
+@dataclass
+class Config:
+    values: dict[str, dict[str, Any]]
+    sources: dict[str, str]                     # "server.port" -> "default" | "file" | "env" | "cli"
+    workers: dict[str, dict[str, Any]]
+    workers_source: str = "default"
+    file: Path | None = None
+
+    def __getitem__(self, section: str) -> dict[str, Any]:
+        return self.values[section]
+
+    def as_dict(self) -> dict:
+        out = {sec: {k: {"value": v, "source": self.sources[f"{sec}.{k}"]} for k, v in vals.items()}
+               for sec, vals in self.values.items()}
+        out["workers"] = {n: {"value": w, "source": self.workers_source} for n, w in self.workers.items()}
+        out["file"] = str(self.file) if self.file else None
+        return out
+
+
+def _coerce(key: str, f: Field, raw: Any, from_text: bool) -> Any:
+    value = raw
+    if from_text and isinstance(raw, str):
+        try:
+            if f.type is bool:
+                if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError
+                value = raw.lower() in ("1", "true", "yes", "on")
+            elif f.type in (int, float):
+                value = f.type(raw)
+        except ValueError:
+            raise ConfigError(f"{key} = {raw!r} is not valid: must be {f.describe()}") from None
+    if f.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, f.type) or (f.type in (int, float) and isinstance(value, bool)):
+        raise ConfigError(f"{key} = {raw!r} is not valid: must be {f.describe()}")
+    if f.low is not None and value < f.low or f.high is not None and value > f.high:
+        raise ConfigError(f"{key} = {value!r} is out of range: must be {f.describe()}")
+    if f.choices and value not in f.choices:
+        raise ConfigError(f"{key} = {value!r} is not valid: must be {f.describe()}")
+    return value
+
+
+def find_config_file(explicit: str | None) -> Path | None:
+    if explicit:
+        p = Path(explicit).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        return p
+    env = os.environ.get("KILN_CONFIG")
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"KILN_CONFIG={env}: no such file")
+        return p
+    for p in (Path("kiln.toml"),
+              Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln") / "kiln.toml"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _worker(name: str, table: Any) -> dict:
+    where = f"workers.{name}"
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    unknown = set(table) - set(WORKER_FIELDS)
+    if unknown:
+        raise ConfigError(f"[{where}] unknown key(s) {sorted(unknown)}; allowed: {', '.join(WORKER_FIELDS)}")
+    if "kind" not in table:
+        raise ConfigError(f"[{where}] needs a kind (one of {', '.join(BUILTIN_KINDS)}, or any kind with a module)")
+    out = {}
+    for k, f in WORKER_FIELDS.items():
+        out[k] = _coerce(f"{where}.{k}", f, table[k], False) if k in table else \
+            (dict(f.default) if isinstance(f.default, dict) else f.default)
+    if out["kind"] not in BUILTIN_KINDS and not out["module"]:
+        raise ConfigError(f"[{where}] kind {out['kind']!r} is not built in "
+                          f"(built in: {', '.join(BUILTIN_KINDS)}); give its module")
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"[{where}] worker names use letters, digits, '-' and '_'")
+    return out
+
+
+def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None, workers: dict | None = None) -> Config:
+    """Build the effective configuration. `cli` maps "section.field" to values from flags;
+    `workers`, when given, replaces the declared workers (e.g. `kiln up --model`)."""
+    env = os.environ if env is None else env
+    path = find_config_file(file)
+    data: dict = {}
+    if path:
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    unknown = set(data) - set(SCHEMA) - {"workers"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; allowed: "
+                          f"{', '.join(list(SCHEMA) + ['workers'])}")
+    values: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    for sec, fields in SCHEMA.items():
+        table = data.get(sec, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{sec}] must be a table")
+        bad = set(table) - set(fields)
+        if bad:
+            raise ConfigError(f"{path}: unknown key(s) {', '.join(f'{sec}.{b}' for b in sorted(bad))}; "
+                              f"allowed in [{sec}]: {', '.join(fields)}")
+        values[sec] = {}
+        for name, f in fields.items():
+            key = f"{sec}.{name}"
+            value, src = f.default, "default"
+            if name in table:
+                value, src = _coerce(key, f, table[name], False), "file"
+            env_key = f"KILN_{sec.upper()}_{name.upper()}"
+            if env_key in env:
+                value, src = _coerce(f"{env_key} ({key})", f, env[env_key], True), "env"
+            if cli and key in cli and cli[key] is not None:
+                value, src = _coerce(key, f, cli[key], True), "cli"
+            values[sec][name], sources[key] = value, src
+    for env_key in env:
+        for sec, fields in SCHEMA.items():
+            prefix = f"KILN_{sec.upper()}_"
+            if env_key.startswith(prefix) and env_key[len(prefix):].lower() not in fields:
+                raise ConfigError(f"environment variable {env_key} names no setting; "
+                                  f"[{sec}] has: {', '.join(fields)}")
+    if values["supervisor"]["backoff_max"] < values["supervisor"]["backoff_initial"]:
+        raise ConfigError("supervisor.backoff_max must be ≥ supervisor.backoff_initial")
+    if workers is not None:
+        wtables, wsrc = workers, "cli"
+    elif "workers" in data:
+        wtables, wsrc = data["workers"], "file"
+        if not isinstance(wtables, dict):
+            raise ConfigError(f"{path}: [workers] must hold [workers.<name>] tables")
+    else:
+        wtables, wsrc = DEFAULT_WORKERS, "default"
+    parsed = {name: _worker(name, t) for name, t in wtables.items()}
+    return Config(values, sources, parsed, wsrc, path)

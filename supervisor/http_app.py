@@ -1,0 +1,128 @@
+"""The HTTP front end: a Falcon app on waitress, translating routes into bus commands.
+
+Every error is JSON: {"error": {"code", "type", "message"}} — 404 and 405 included. With
+`server.api_key` set, every route but /health needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+
+import falcon
+import waitress
+
+from .commands import CommandError
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 502: "server_error", 503: "server_error", 504: "server_error"}
+
+
+def error_body(status: int, code: str, message: str, **extra) -> dict:
+    return {"error": {"code": code, "type": _TYPES.get(status, "server_error"), "message": message, **extra}}
+
+
+class JSONError(falcon.HTTPError):
+    def __init__(self, status: int, code: str, message: str, headers: dict | None = None, **extra):
+        super().__init__(falcon.code_to_http_status(status), headers=headers)
+        self.kiln_body = error_body(status, code, message, **extra)
+
+
+def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
+    body = getattr(exc, "kiln_body", None)
+    if body is None:
+        status = exc.status_code
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(status, "http_error")
+        message = exc.description or exc.title or "error"
+        if status == 404:
+            message = f"no route {req.method} {req.path}"
+        elif status == 405:
+            message = f"{req.method} is not allowed on {req.path}"
+        body = error_body(status, code, message)
+    resp.content_type = falcon.MEDIA_JSON
+    resp.text = json.dumps(body)
+
+
+def _unexpected(req, resp, ex, params):
+    raise JSONError(500, "internal_error", f"{type(ex).__name__}: {ex}")
+
+
+class Auth:
+    def __init__(self, key: str):
+        self.key = key
+
+    def process_request(self, req, resp):
+        if not self.key or req.path == "/health":
+            return
+        got = req.get_header("Authorization") or ""
+        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):
+            raise JSONError(401, "invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def bus(sup, name: str, args: dict | None = None):
+    try:
+        return sup.command(name, args or {})
+    except CommandError as e:
+        raise JSONError(e.status, e.code, e.message) from None
+
+
+class Health:
+    def __init__(self, sup):
+        self.sup = sup
+
+    def on_get(self, req, resp):
+        h = bus(self.sup, "health")
+        resp.media = h
+        if h["status"] != "ok":
+            resp.status = falcon.HTTP_503
+            resp.set_header("Retry-After", "1")
+
+
+class Workers:
+    def __init__(self, sup):
+        self.sup = sup
+
+    def on_get(self, req, resp):
+        resp.media = {"object": "list", "data": bus(self.sup, "status")["workers"]}
+
+    def on_get_one(self, req, resp, name):
+        resp.media = bus(self.sup, "worker", {"name": name})
+
+    def on_post_action(self, req, resp, name, action):
+        if action not in ("restart", "stop", "start"):
+            raise JSONError(404, "not_found", f"no action {action!r} (actions: restart, stop, start)")
+        bus(self.sup, action, {"name": name})
+        resp.media = bus(self.sup, "worker", {"name": name}) if name != "all" else {"ok": True}
+
+
+def make_app(sup) -> falcon.App:
+    app = falcon.App(middleware=[Auth(sup.cfg["server"]["api_key"])])
+    app.req_options.strip_url_path_trailing_slash = True
+    app.set_error_serializer(_serialize_error)
+    app.add_error_handler(Exception, _unexpected)
+    app.add_route("/health", Health(sup))
+    workers = Workers(sup)
+    app.add_route("/v1/workers", workers)
+    app.add_route("/v1/workers/{name}", workers, suffix="one")
+    app.add_route("/v1/workers/{name}/{action}", workers, suffix="action")
+    for extend in EXTENSIONS:
+        extend(app, sup)
+    return app
+
+
+# Later layers (serving, training, evaluation) add their routes here.
+EXTENSIONS: list = []
+
+
+def serve_http(sup):
+    """Start waitress in a thread; return (server, (host, port))."""
+    s = sup.cfg["server"]
+    server = waitress.create_server(make_app(sup), host=s["host"], port=s["port"], threads=s["threads"],
+                                    send_bytes=1, channel_request_lookahead=5, ident="kiln",
+                                    max_request_body_size=s["max_body_bytes"], clear_untrusted_proxy_headers=True)
+    t = threading.Thread(target=server.run, name="kiln-http", daemon=True)
+    t.start()
+    return server, (s["host"], server.effective_port)

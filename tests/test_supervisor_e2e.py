@@ -1,0 +1,249 @@
+"""The supervisor with real processes, real ZeroMQ sockets, and signals."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import zmq
+
+from daemon_harness import Daemon, kiln, spec
+from kiln.protocol import decode_frames, encode_frames, make
+from kiln.supervisor.client import CommandFailed
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def two_workers(tmp_path):
+    with Daemon(tmp_path, {"a": spec(), "b": spec()}) as d:
+        d.wait_state("a", "running")
+        d.wait_state("b", "running")
+        yield d
+
+
+def test_kill_9_worker_is_restarted_and_the_others_keep_their_pids(two_workers):
+    d = two_workers
+    a, b = d.worker("a"), d.worker("b")
+    os.kill(a["pid"], signal.SIGKILL)
+    new = d.wait(lambda st: next((w for w in st["workers"] if w["name"] == "a" and w["state"] == "running"
+                                  and w["pid"] != a["pid"]), None), what="a restarted")
+    assert new["restarts"] == a["restarts"] + 1
+    assert new["last_exit"]["signal"] == 9
+    assert d.worker("b")["pid"] == b["pid"]
+    events = [(e["event"], e["worker"]) for e in d.status()["events"]]
+    assert ("exited", "a") in events and ("hello", "a") in events
+
+
+def test_sigstopped_worker_is_declared_dead_after_missed_heartbeats_and_restarted(two_workers):
+    d = two_workers
+    a = d.worker("a")
+    t0 = time.monotonic()
+    os.kill(a["pid"], signal.SIGSTOP)
+    new = d.wait(lambda st: next((w for w in st["workers"] if w["name"] == "a" and w["state"] == "running"
+                                  and w["pid"] != a["pid"]), None), what="a restarted after SIGSTOP")
+    took = time.monotonic() - t0
+    assert took >= 0.6 - 0.05          # 3 heartbeats of 0.2 s must be missed first
+    assert new["last_exit"]["signal"] == 9
+    assert any(e["event"] == "killed" and "missed 3 heartbeats" in e["detail"] for e in d.status()["events"])
+    assert not psutil.pid_exists(a["pid"]) or psutil.Process(a["pid"]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_boot_error_exit_3_is_fatal_at_once_with_its_reason(tmp_path):
+    with Daemon(tmp_path, {"bad": spec(boot="fail")}) as d:
+        w = d.wait_state("bad", "fatal")
+        assert w["restarts"] == 0
+        assert w["last_exit"]["code"] == 3
+        assert "configured to fail at boot" in w["reason"]
+        out = kiln(tmp_path, "status")
+        assert "fatal" in out.stdout and "configured to fail at boot" in out.stdout
+
+
+def test_worker_crashing_every_start_goes_fatal_then_restart_revives_it(tmp_path):
+    marker = tmp_path / "crash-while-this-exists"
+    marker.write_text("x")
+    with Daemon(tmp_path, {"flaky": spec(boot="crash_if_file", file=str(marker))},
+                supervisor={"max_restarts": 3, "backoff_initial": 0.05, "backoff_max": 0.1}) as d:
+        w = d.wait_state("flaky", "fatal", timeout=30)
+        assert w["restarts"] == 3 and "max_restarts 3" in w["reason"]
+        marker.unlink()
+        r = kiln(tmp_path, "restart", "flaky")
+        assert r.returncode == 0, r.stderr
+        w = d.wait_state("flaky", "running")
+        assert w["pid"]
+
+
+def test_sigterm_to_the_daemon_leaves_no_orphans_sockets_or_pidfile(tmp_path):
+    d = Daemon(tmp_path, {"a": spec(), "b": spec()}).start()
+    d.wait_state("a", "running")
+    d.wait_state("b", "running")
+    pids = [w["pid"] for w in d.status()["workers"]]
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(20) == 0
+    for pid in pids:
+        assert not psutil.pid_exists(pid), f"worker {pid} survived the daemon"
+    assert not (d.paths.run / "workers.sock").exists()
+    assert not (d.paths.run / "control.sock").exists()
+    assert not d.paths.pidfile.exists() and not d.paths.keyfile.exists()
+
+
+def test_sigkill_of_the_daemon_takes_the_workers_down_too(tmp_path):
+    d = Daemon(tmp_path, {"a": spec()}).start()
+    pid = d.wait_state("a", "running")["pid"]
+    d.proc.kill()
+    d.proc.wait()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "worker outlived a SIGKILLed supervisor"
+        time.sleep(0.05)
+    # and the next `kiln up` starts cleanly over the stale pidfile and sockets
+    d2 = Daemon(tmp_path, {"a": spec()}).start()
+    try:
+        d2.wait_state("a", "running")
+    finally:
+        d2.stop()
+
+
+def test_second_up_is_refused_and_status_without_daemon_says_so(tmp_path):
+    with Daemon(tmp_path, {"a": spec()}) as d:
+        r = kiln(tmp_path, "up", "--config", str(d.config))
+        assert r.returncode == 1
+        assert f"already running (pid {d.proc.pid})" in r.stderr
+    r = kiln(tmp_path, "status")
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and "kiln is not running" in r.stderr
+
+
+def test_detach_then_down(tmp_path):
+    from daemon_harness import write_config
+    cfg = write_config(tmp_path, {"a": spec()})
+    r = kiln(tmp_path, "up", "--detach", "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "kiln is up (pid" in r.stdout
+    r = kiln(tmp_path, "down")
+    assert r.returncode == 0 and "kiln stopped" in r.stdout, r.stderr
+    assert kiln(tmp_path, "status").returncode == 1
+
+
+def _raw_socket(d):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(d.paths.worker_endpoint)
+    return s
+
+
+def test_forged_and_foreign_version_frames_are_refused_and_counted(two_workers):
+    d = two_workers
+    s = _raw_socket(d)
+    forged = encode_frames(make("hello", name="a", kind="test", pid=1, protocol=1, ops=[]), b"wrong key" * 4)
+    s.send_multipart(forged)
+    s.send_multipart([b"KILN/9"] + forged[1:])
+    assert s.poll(5000), "a KILN/9 frame must be answered"
+    key = d.paths.keyfile.read_bytes()
+    reply = decode_frames(s.recv_multipart(), key)
+    assert reply.type == "error" and "KILN/1" in reply.get("message") and "KILN/9" in reply.get("message")
+    h = d.wait(lambda st: (hh := d.command("health"))["protocol"]["bad_frames"].get("signature") and hh,
+               what="bad frames counted")
+    assert h["protocol"]["bad_frames"]["signature"] >= 1 and h["protocol"]["bad_frames"]["version"] >= 1
+    assert h["status"] == "ok"
+    s.close()
+
+
+def test_ten_thousand_fuzzed_frames_leave_the_supervisor_healthy(two_workers):
+    import random
+    d = two_workers
+    rng = random.Random(1234)
+    s = _raw_socket(d)
+    key = d.paths.keyfile.read_bytes()
+    good = encode_frames(make("heartbeat"), key)
+    for i in range(10_000):
+        kind = rng.randrange(4)
+        if kind == 0:
+            frames = [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.randrange(1, 7))]
+        elif kind == 1:
+            frames = list(good)
+            j = rng.randrange(len(frames))
+            frames[j] = rng.randbytes(len(frames[j]) or 1)
+        elif kind == 2:
+            frames = [b"KILN/1", rng.randbytes(64)] + [rng.randbytes(rng.randrange(50)) for _ in range(rng.randrange(1, 5))]
+        else:
+            frames = good[: rng.randrange(1, len(good))]
+        s.send_multipart(frames)
+    # the supervisor works through the flood and still serves
+    d.wait(lambda st: d.command("health")["protocol"]["bad_frames_total"] >= 9_000, timeout=60,
+           what="fuzz frames processed")
+    h = d.command("health")
+    assert h["status"] == "ok"
+    assert [w["state"] for w in d.status()["workers"]] == ["running", "running"]
+    with d.client() as c:
+        assert [m.body for m in c.call("a", "echo", {"value": 7})][-1]["value"] == 7
+    s.close()
+
+
+def test_a_thousand_chunks_arrive_complete_and_in_order(two_workers):
+    with two_workers.client() as c:
+        msgs = list(c.call("a", "stream", {"n": 1000, "size": 8}))
+    chunks = [m for m in msgs if m.type == "chunk"]
+    assert [m.body["i"] for m in chunks] == list(range(1000))
+    assert [m.get("seq") for m in chunks] == list(range(1000))
+    assert all(m.buffers == [bytes([m.body["i"] % 256]) * 8] for m in chunks)
+    assert msgs[-1].type == "reply" and msgs[-1].body == {"n": 1000}
+
+
+def test_a_request_in_flight_on_a_dying_worker_gets_worker_crashed(two_workers):
+    with two_workers.client() as c:
+        with pytest.raises(CommandFailed) as e:
+            list(c.call("a", "crash", {"after": 0.2}))
+    assert e.value.code == "worker_crashed" and e.value.retryable
+
+
+def test_cancel_reaches_the_worker_between_chunks(two_workers):
+    d = two_workers
+    with d.client() as c:
+        it = c.call("a", "stream", {"n": 100000, "delay": 0.01})
+        next(it)
+        c.cancel(c.last_call_id)
+    d.wait(lambda st: next(w for w in st["workers"] if w["name"] == "a")["worker_state"] == "ready",
+           timeout=5, what="worker idle after cancel")
+
+
+def test_deadline_cancels_a_hung_op(two_workers):
+    with two_workers.client() as c:
+        t0 = time.monotonic()
+        with pytest.raises(CommandFailed) as e:
+            list(c.call("a", "hang", {"seconds": 60}, timeout=0.5))
+    assert e.value.code == "deadline_exceeded" and time.monotonic() - t0 < 3
+
+
+def test_unknown_op_and_bad_body_are_clear_errors(two_workers):
+    with two_workers.client() as c:
+        with pytest.raises(CommandFailed, match="no op 'nope'"):
+            list(c.call("a", "nope"))
+        with pytest.raises(CommandFailed, match="field 'n' must be int"):
+            list(c.call("a", "stream", {"n": "many"}))
+        with pytest.raises(CommandFailed, match="no worker named 'zz'"):
+            list(c.call("zz", "echo"))
+
+
+def test_stop_and_start_a_worker(two_workers):
+    d = two_workers
+    assert kiln(d.home, "stop", "a").returncode == 0
+    d.wait_state("a", "stopped")
+    assert d.worker("b")["state"] == "running"
+    assert kiln(d.home, "start", "a").returncode == 0
+    d.wait_state("a", "running")
+
+
+def test_worker_logs_are_kept_per_worker(two_workers):
+    r = kiln(two_workers.home, "logs", "a", "-n", "5")
+    assert r.returncode == 0 and "starting test worker a" in r.stdout
+    r = kiln(two_workers.home, "logs", "nope")
+    assert r.returncode == 1 and "no log for 'nope'" in r.stderr
+
+
+def test_runtime_dir_key_and_sockets_are_private(two_workers):
+    p = two_workers.paths
+    assert os.stat(p.run).st_mode & 0o777 == 0o700
+    assert os.stat(p.keyfile).st_mode & 0o777 == 0o600
+    assert os.stat(p.run / "workers.sock").st_mode & 0o077 == 0

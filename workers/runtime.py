@@ -1,0 +1,318 @@
+"""The runtime every worker kind runs on: connect, hello, heartbeats, op dispatch, exit rules.
+
+A worker kind subclasses `Worker`, implements `boot()` (load what it needs; raise `BootError`
+with a one-line reason for a config mistake) and registers ops with `@op("name")`. A handler
+gets a `Request` and returns the reply body, or is a generator: each `yield` sends a `chunk`,
+the `return` value is the reply. Cancellation is honoured between chunks; a handler may also
+poll `req.cancelled()`.
+
+Threads: the main thread owns the ZeroMQ socket (heartbeats, incoming messages, cancel); one
+executor thread runs boot() and then the ops, one at a time, and hands its outgoing messages
+to the main thread through an inproc socket. So a long op never delays a heartbeat.
+
+Exit rules: `shutdown` or SIGTERM → finish or cancel the running op, exit 0; parent gone →
+exit; boot error → send `error` boot_failed, print the reason, exit 3.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import zmq
+
+from kiln.protocol import (PROTOCOL_VERSION, Message, ProtocolError, SchemaError, decode_frames,
+                           encode_frames, make, validate_body, version_error)
+
+EXIT_BOOT_ERROR = 3
+
+
+class BootError(Exception):
+    """The worker cannot start with this configuration (exit code 3: no restart loop)."""
+
+
+class OpError(Exception):
+    """An op failed in a way the caller should be told about (code + message)."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.code, self.message, self.retryable = code, message, retryable
+
+
+@dataclass
+class Chunk:
+    body: Any
+    buffers: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    id: str
+    op: str
+    body: dict
+    buffers: list[bytes]
+    deadline: float | None
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def cancelled(self) -> bool:
+        return self._cancel.is_set() or (self.deadline is not None and time.time() > self.deadline)
+
+
+def op(name: str):
+    """Register a Worker method as the handler of op `name`."""
+    def mark(fn):
+        fn._kiln_op = name
+        return fn
+    return mark
+
+
+class Worker:
+    kind = "base"
+
+    def __init__(self, name: str, settings: dict):
+        self.name, self.settings = name, settings
+        self.state = "booting"
+
+    def boot(self) -> None:
+        """Load what the worker needs. Raise BootError for a configuration mistake."""
+
+    def status(self) -> dict:
+        """Extra fields for heartbeats (stats the supervisor shows)."""
+        return {}
+
+    def ops(self) -> dict[str, Callable[[Request], Any]]:
+        found = {}
+        for cls in reversed(type(self).__mro__):
+            for attr, fn in vars(cls).items():
+                if hasattr(fn, "_kiln_op"):
+                    found[fn._kiln_op] = getattr(self, attr)
+        return found
+
+    @op("ping")
+    def _ping(self, req: Request):
+        return {"pong": True, "name": self.name, "pid": os.getpid(), "state": self.state}
+
+    @op("stats")
+    def _stats(self, req: Request):
+        return {"state": self.state, **self.status()}
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: have the kernel send SIGTERM when the supervisor (our parent thread) dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Runtime:
+    def __init__(self, worker: Worker, endpoint: str, key: bytes, heartbeat_interval: float = 1.0):
+        self.worker, self.endpoint, self.key = worker, endpoint, key
+        self.interval = heartbeat_interval
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt_string(zmq.IDENTITY, f"{worker.name}:{os.getpid()}")
+        self.inbox = self.ctx.socket(zmq.PAIR)          # executor -> main thread
+        self.inbox.bind(f"inproc://kiln-worker-{id(self)}")
+        self.jobs: queue.Queue = queue.Queue()
+        self.requests: dict[str, Request] = {}            # queued or running, by id
+        self.stopping = False
+        self.exit_code = 0
+        self.handlers = worker.ops()
+        self.parent = os.getppid()
+
+    # -- main thread --------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        self.sock.send_multipart(encode_frames(msg, self.key))
+
+    def run(self) -> int:
+        _set_parent_death_signal()
+        signal.signal(signal.SIGTERM, lambda *_: self._begin_stop())
+        signal.signal(signal.SIGINT, lambda *_: self._begin_stop())
+        self.sock.connect(self.endpoint)
+        self.send(make("hello", name=self.worker.name, kind=self.worker.kind, pid=os.getpid(),
+                       protocol=PROTOCOL_VERSION, ops=sorted(self.handlers),
+                       body={"state": self.worker.state}))
+        executor = threading.Thread(target=self._executor, name="kiln-executor", daemon=True)
+        executor.start()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.inbox, zmq.POLLIN)
+        next_beat = time.monotonic()
+        stop_deadline = None
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self.send(make("heartbeat", body={"state": self.worker.state, **self.worker.status()}))
+                next_beat = now + self.interval
+            if os.getppid() != self.parent:
+                print(f"kiln worker {self.worker.name}: supervisor gone; exiting", file=sys.stderr)
+                return 1
+            if self.stopping:
+                stop_deadline = stop_deadline or now + 5.0
+                if (not self.requests and self.jobs.empty()) or now > stop_deadline:
+                    return self.exit_code
+            events = dict(poller.poll(max(0.0, min(next_beat - now, 0.25)) * 1000))
+            if self.inbox in events:
+                while self.inbox.poll(0):
+                    kind, payload = self.inbox.recv_pyobj()
+                    if kind == "send":
+                        self.send(payload)
+                    elif kind == "done":
+                        self.requests.pop(payload, None)
+                    elif kind == "boot_failed":
+                        self.send(make("error", code="boot_failed", message=payload))
+                        print(f"kiln worker {self.worker.name}: boot failed: {payload}", file=sys.stderr)
+                        return EXIT_BOOT_ERROR
+            if self.sock in events:
+                while self.sock.poll(0):
+                    self._receive(self.sock.recv_multipart())
+
+    def _receive(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode_frames(frames, self.key)
+        except ProtocolError as e:
+            if e.kind == "version":
+                self.sock.send_multipart(version_error(e.peer_version, self.key))
+            print(f"kiln worker {self.worker.name}: dropped a message: {e}", file=sys.stderr)
+            return
+        if msg.type == "request":
+            self._accept(msg)
+        elif msg.type == "cancel":
+            req = self.requests.get(msg.id)
+            if req:
+                req._cancel.set()
+        elif msg.type == "shutdown":
+            self._begin_stop()
+
+    def _accept(self, msg: Message) -> None:
+        opname = msg.header["op"]
+        if self.stopping:
+            self.send(make("error", id=msg.id, code="shutting_down", retryable=True,
+                           message=f"worker {self.worker.name} is shutting down"))
+            return
+        if opname not in self.handlers:
+            self.send(make("error", id=msg.id, code="unknown_op",
+                           message=f"worker kind {self.worker.kind!r} has no op {opname!r} "
+                                   f"(ops: {', '.join(sorted(self.handlers))})"))
+            return
+        try:
+            body = validate_body(opname, msg.body)
+        except SchemaError as e:
+            self.send(make("error", id=msg.id, code="bad_request", message=str(e)))
+            return
+        req = Request(msg.id, opname, body, msg.buffers, msg.get("deadline"))
+        if opname in ("ping", "stats"):                  # answered at once, even when busy
+            self.send(make("reply", id=req.id, body=self.handlers[opname](req)))
+            return
+        self.requests[req.id] = req
+        self.jobs.put(req)
+
+    def _begin_stop(self) -> None:
+        self.stopping = True
+        for req in self.requests.values():
+            req._cancel.set()
+
+    # -- executor thread ----------------------------------------------------------------------
+
+    def _executor(self) -> None:
+        out = self.ctx.socket(zmq.PAIR)
+        out.connect(f"inproc://kiln-worker-{id(self)}")
+        post = out.send_pyobj
+        try:
+            self.worker.boot()
+            self.worker.state = "ready"
+        except BootError as e:
+            post(("boot_failed", str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - an unexpected boot crash is a boot error too
+            traceback.print_exc()
+            post(("boot_failed", f"{type(e).__name__}: {e}"))
+            return
+        while True:
+            req = self.jobs.get()
+            if req.cancelled():
+                post(("send", make("error", id=req.id, code="cancelled", message="cancelled before it ran")))
+            else:
+                self.worker.state = "busy"
+                for msg in self._execute(req):
+                    post(("send", msg))
+                self.worker.state = "ready"
+            post(("done", req.id))
+
+    def _execute(self, req: Request) -> Iterator[Message]:
+        try:
+            result = self.handlers[req.op](req)
+            if isinstance(result, Iterator):
+                seq = 0
+                while True:
+                    if req.cancelled():
+                        result.close()
+                        yield make("error", id=req.id, code="cancelled", message="cancelled")
+                        return
+                    try:
+                        item = next(result)
+                    except StopIteration as stop:
+                        result = stop.value
+                        break
+                    chunk = item if isinstance(item, Chunk) else Chunk(item)
+                    yield make("chunk", id=req.id, seq=seq, body=chunk.body, buffers=chunk.buffers)
+                    seq += 1
+            if req._cancel.is_set():
+                yield make("error", id=req.id, code="cancelled", message="cancelled")
+                return
+            if req.deadline is not None and time.time() > req.deadline:
+                yield make("error", id=req.id, code="deadline_exceeded",
+                           message="the request took longer than its deadline")
+                return
+            if isinstance(result, Chunk):
+                yield make("reply", id=req.id, body=result.body, buffers=result.buffers)
+            else:
+                yield make("reply", id=req.id, body=result)
+        except OpError as e:
+            yield make("error", id=req.id, code=e.code, message=e.message, retryable=e.retryable)
+        except Exception as e:  # noqa: BLE001 - an op's failure must not kill the worker
+            traceback.print_exc()
+            yield make("error", id=req.id, code="op_failed", message=f"{type(e).__name__}: {e}")
+
+
+def main(worker_cls: type[Worker]) -> None:
+    """Entry point of a worker process; its configuration comes from the environment the
+    supervisor sets: KILN_WORKER_NAME, KILN_ENDPOINT, KILN_KEY_FILE, KILN_WORKER_SETTINGS
+    (JSON), KILN_HEARTBEAT_INTERVAL."""
+    name = os.environ.get("KILN_WORKER_NAME", worker_cls.kind)
+    try:
+        from setproctitle import setproctitle
+        setproctitle(f"kiln: {worker_cls.kind} worker {name}")
+    except ImportError:
+        pass
+    try:
+        endpoint = os.environ["KILN_ENDPOINT"]
+        key = open(os.environ["KILN_KEY_FILE"], "rb").read()
+        settings = json.loads(os.environ.get("KILN_WORKER_SETTINGS") or "{}")
+        interval = float(os.environ.get("KILN_HEARTBEAT_INTERVAL", "1.0"))
+    except (KeyError, OSError, ValueError) as e:
+        print(f"kiln worker {name}: cannot start: {type(e).__name__}: {e} "
+              f"(workers are started by `kiln up`)", file=sys.stderr)
+        sys.exit(EXIT_BOOT_ERROR)
+    try:
+        worker = worker_cls(name, settings)
+    except BootError as e:
+        print(f"kiln worker {name}: boot failed: {e}", file=sys.stderr)
+        sys.exit(EXIT_BOOT_ERROR)
+    runtime = Runtime(worker, endpoint, key, interval)
+    code = runtime.run()
+    runtime.sock.close(linger=1000)
+    os._exit(code)        # skip interpreter teardown: the executor thread may be mid-op
