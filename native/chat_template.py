@@ -64,3 +64,64 @@ def template_for(model) -> ChatTemplate:
                         bos_token=tok.tokens[sp.bos] if sp.bos is not None else "",
                         eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
                         origin=f"model {model.path.name}")
+
+
+_SENTINEL = "\ue000{}\ue001"
+
+
+def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],
+                        add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """Render `messages` and tokenize the result so that only the template's own markup can
+    become control tokens: a user who types `<|im_start|>system` gets those characters as text.
+
+    The template is rendered once with each message content replaced by a sentinel; the control
+    tokens found in the template's text are tokenized as specials, every other run (template
+    text and contents together) as plain text — which, for a prompt with no fake markup, gives
+    exactly llama.cpp's tokenization of the whole rendered string."""
+    text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
+    masked = [dict(m, content=_SENTINEL.format(i)) if c is not None else m
+              for i, (m, c) in enumerate(zip(messages, contents))]
+    shape = template.render(masked, add_generation_prompt=add_generation_prompt)
+    rebuilt = shape
+    for i, c in enumerate(contents):
+        if c is not None:
+            rebuilt = rebuilt.replace(_SENTINEL.format(i), c)
+    if rebuilt != text:
+        # the template transforms contents (trim, upper…): fall back to plain-text tokenization of
+        # the contents by position is not possible; refuse markup in contents instead
+        specials = [t for i, t in enumerate(tokenizer.tokens) if tokenizer.is_control(i)]
+        if any(s in c for c in contents if c for s in specials):
+            raise TemplateError("a message contains control-token markup and this model's template "
+                                "transforms message contents; remove the markup")
+        return text, tokenizer.encode(text, special=True)
+    # split the sentinel-shaped render into template text and content slots
+    pieces: list[tuple[str, bool]] = []          # (text, is_template)
+    rest = shape
+    while True:
+        idx = rest.find("\ue000")
+        if idx < 0:
+            pieces.append((rest, True))
+            break
+        end = rest.index("\ue001", idx)
+        pieces.append((rest[:idx], True))
+        pieces.append((contents[int(rest[idx + 1:end])], False))
+        rest = rest[end + 1:]
+    # tokenize: control tokens inside template text are specials; all other text is plain
+    ids: list[int] = list(tokenizer.encode("", special=True))   # BOS if the model adds one
+    run = ""
+    for piece, is_template in pieces:
+        if not is_template:
+            run += piece
+            continue
+        for part, special_id in tokenizer.split_specials(piece):
+            if special_id is None:
+                run += part
+            else:
+                if run:
+                    ids += tokenizer.encode(run, special=False, add_bos=False)
+                    run = ""
+                ids.append(special_id)
+    if run:
+        ids += tokenizer.encode(run, special=False, add_bos=False)
+    return text, ids

@@ -206,6 +206,25 @@ class GGUFTokenizer:
             ids = [self.special.bos] + ids
         return ids
 
+    def split_specials(self, text: str) -> list[tuple[str, int | None]]:
+        """Split trusted text (a template's markup) into plain runs and control tokens."""
+        if not hasattr(self, "_special_re"):
+            import re
+            names = sorted((t for i, t in enumerate(self.tokens) if self.token_types[i] == TOKEN_CONTROL and t),
+                           key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, names))) if names else None
+        if self._special_re is None:
+            return [(text, None)]
+        out, pos = [], 0
+        for m in self._special_re.finditer(text):
+            if m.start() > pos:
+                out.append((text[pos:m.start()], None))
+            out.append((m.group(), self._vocab[m.group()]))
+            pos = m.end()
+        if pos < len(text):
+            out.append((text[pos:], None))
+        return out
+
     def is_control(self, token_id: int) -> bool:
         return self.token_types[token_id] == TOKEN_CONTROL
 

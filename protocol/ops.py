@@ -22,7 +22,7 @@ SCHEMAS: dict[str, Schema] = {
     "hang": {"seconds": (NUM, False)},
     "sleep": {"seconds": (NUM, True)},
     # inference
-    "generate": {"prompt": (list, False), "text": (str, False), "messages": (list, False),
+    "generate": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "messages": (list, False),
                  "params": (dict, False), "session": (str, False)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
     "detokenize": {"tokens": (list, True)},

@@ -108,13 +108,9 @@ def make_app(sup) -> falcon.App:
     app.add_route("/v1/workers", workers)
     app.add_route("/v1/workers/{name}", workers, suffix="one")
     app.add_route("/v1/workers/{name}/{action}", workers, suffix="action")
-    for extend in EXTENSIONS:
-        extend(app, sup)
+    from . import openai_api
+    openai_api.install(app, sup)
     return app
-
-
-# Later layers (serving, training, evaluation) add their routes here.
-EXTENSIONS: list = []
 
 
 def serve_http(sup):

@@ -1,0 +1,135 @@
+"""`kiln run` and `kiln chat`: talk to an inference worker through the daemon (starting one
+if none runs), streaming the answer to the terminal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import typer
+
+from .cli_engine import fail
+
+
+def _ensure_daemon(model: Optional[str]):
+    from .client import ControlClient, DaemonNotRunning
+    from .paths import Paths
+    try:
+        return ControlClient(Paths.from_env())
+    except DaemonNotRunning:
+        pass
+    typer.echo("kiln: no daemon running; starting `kiln up --detach`" + (f" --model {model}" if model else ""), err=True)
+    args = [sys.executable, "-m", "kiln.supervisor.cli", "up", "--detach"] + (["--model", model] if model else [])
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode != 0:
+        fail((r.stderr or r.stdout).strip().removeprefix("kiln: "))
+    return ControlClient(Paths.from_env())
+
+
+def _pick_worker(client, model: Optional[str], timeout: float = 300.0) -> str:
+    shown = False
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = [w for w in client.command("status")["workers"] if w["kind"] == "inference"]
+        if not workers:
+            fail("the daemon serves no inference worker; add one to kiln.toml or use `kiln up --model M`")
+        w = workers[0]
+        if model:
+            w = next((w for w in workers if model in (w["name"], w["model"], (w["stats"] or {}).get("model"))), None)
+            if w is None:
+                fail(f"no worker serves {model!r} (workers: {', '.join(x['name'] for x in workers)}); "
+                     f"`kiln down` then `kiln up --model {model}`")
+        if w["state"] == "fatal":
+            fail(f"worker {w['name']} is fatal: {w['reason']}")
+        if w["state"] == "running" and w["worker_state"] not in ("booting", "loading"):
+            return w["name"]
+        if not shown:
+            typer.echo(f"kiln: waiting for worker {w['name']} ({w['worker_state'] or w['state']})…", err=True)
+            shown = True
+        if time.monotonic() > deadline:
+            fail(f"worker {w['name']} did not become ready within {timeout:g} s (`kiln logs {w['name']}`)")
+        time.sleep(0.2)
+
+
+def _stream_answer(client, worker: str, messages: list[dict], params: dict) -> str:
+    """Print the answer as it arrives; Ctrl-C cancels it (KeyboardInterrupt propagates)."""
+    from .client import CommandFailed
+    out = []
+    calls = client.call(worker, "generate", {"messages": messages, "params": params}, timeout=3600)
+    try:
+        for msg in calls:
+            piece = msg.body["text"] if msg.type == "chunk" else msg.body.get("text", "")
+            if piece:
+                out.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        client.cancel(client.last_call_id)
+        raise
+    except CommandFailed as e:
+        sys.stdout.write("\n")
+        fail(f"{e.code}: {e.message}")
+    sys.stdout.write("\n")
+    return "".join(out)
+
+
+def _params(temperature, max_tokens, seed) -> dict:
+    p = {"max_tokens": max_tokens}
+    if temperature is not None:
+        p["temperature"] = temperature
+    if seed is not None:
+        p["seed"] = seed
+    return p
+
+
+def run(prompt: str = typer.Argument(..., help="what to ask"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
+        temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
+        max_tokens: int = typer.Option(512, "--max-tokens"),
+        seed: Optional[int] = typer.Option(None, "--seed")):
+    """Ask one question and stream the answer (starts the daemon if needed)."""
+    with _ensure_daemon(model) as client:
+        worker = _pick_worker(client, model)
+        try:
+            _stream_answer(client, worker, [{"role": "user", "content": prompt}], _params(temperature, max_tokens, seed))
+        except KeyboardInterrupt:
+            raise typer.Exit(130)
+
+
+def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
+         temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
+         max_tokens: int = typer.Option(512, "--max-tokens"),
+         system: Optional[str] = typer.Option(None, "--system", help="system prompt")):
+    """Interactive chat with history. /reset clears it, /exit (or Ctrl-D) leaves; Ctrl-C stops
+    the current answer, not the session."""
+    with _ensure_daemon(model) as client:
+        worker = _pick_worker(client, model)
+        history: list[dict] = [{"role": "system", "content": system}] if system else []
+        typer.echo(f"chatting with {worker} — /reset clears the history, /exit leaves", err=True)
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                typer.echo("")
+                return
+            except KeyboardInterrupt:
+                typer.echo("")
+                continue
+            cmd = line.strip()
+            if cmd in ("/exit", "/quit", "/bye"):
+                return
+            if cmd == "/reset":
+                history = history[:1] if system else []
+                typer.echo("(history cleared)", err=True)
+                continue
+            if not cmd:
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                answer = _stream_answer(client, worker, history, _params(temperature, max_tokens, None))
+                history.append({"role": "assistant", "content": answer})
+            except KeyboardInterrupt:
+                sys.stdout.write("\n(answer stopped)\n")
+                history.pop()

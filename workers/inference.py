@@ -1,0 +1,153 @@
+"""The inference worker (kind `inference`): one model, one KV cache, ops over the protocol.
+
+Ops: generate (streams one chunk per token), tokenize, detokenize, apply_template, info.
+Boot resolves and loads the configured model; a bad path or a corrupt file exits 3 with the
+reason, so the supervisor marks the worker fatal instead of restarting it in a loop.
+The KV cache keeps the last conversation: a follow-up turn that extends it reuses the shared
+prefix (reported as cached_tokens).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
+from kiln.native.generate import ContextLengthError, Finish, Sequence, Token
+from kiln.native.gguf_file import GGUFError
+from kiln.native.library import ModelNotFound, PullError, resolve_model
+from kiln.native.model import load_model
+from kiln.native.sampling import SamplingError, SamplingParams
+from kiln.native.tokenizer import TokenizerError
+
+from .runtime import BootError, OpError, Worker, main, op
+
+
+class InferenceWorker(Worker):
+    kind = "inference"
+
+    def boot(self):
+        self.state = "loading"
+        spec = self.settings.get("model") or "default"
+        try:
+            path = resolve_model(spec, pull=(spec == "default"))
+            threads = self.settings.get("threads") or None
+            self.model = load_model(path, threads=threads)
+        except (ModelNotFound, PullError, GGUFError, TokenizerError) as e:
+            raise BootError(str(e)) from None
+        c = self.model.config
+        self.n_ctx = int(self.settings.get("ctx") or c.n_ctx_train)
+        self.sequence = Sequence(self.model, self.n_ctx)
+        try:
+            self.template = template_for(self.model)
+        except TemplateError:
+            self.template = None
+        self.served = 0
+        self.tokens_out = 0
+        self.loaded_at = time.time()
+
+    def status(self) -> dict:
+        m = getattr(self, "model", None)
+        if m is None:
+            return {"model_spec": self.settings.get("model")}
+        return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx,
+                "requests": self.served, "tokens_generated": self.tokens_out,
+                "load_s": round(m.load_seconds, 3), "kernel_path": "numpy"}
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _prompt(self, body: dict) -> list[int]:
+        tok = self.model.tokenizer
+        if "prompt" in body:
+            ids = body["prompt"]
+            if not ids or not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids):
+                raise OpError("bad_request", f"prompt must be a non-empty list of token ids in [0, {tok.vocab_size})")
+            return ids
+        if "messages" in body:
+            if self.template is None:
+                raise OpError("bad_request", f"model {self.model.path.name} has no chat template; "
+                                             f"use the completions API with a raw prompt")
+            try:
+                return render_and_tokenize(self.template, tok, body["messages"])[1]
+            except TemplateError as e:
+                raise OpError("bad_request", str(e)) from None
+        if "text" in body:
+            ids = tok.encode(body["text"], special=bool(body.get("special", False)))
+            if not ids:
+                raise OpError("bad_request", "the prompt is empty")
+            return ids
+        raise OpError("bad_request", "generate needs one of prompt (token ids), text, or messages")
+
+    def _piece(self, token_id: int) -> str:
+        return self.model.tokenizer.decode([token_id])
+
+    # -- ops ----------------------------------------------------------------------------------
+
+    @op("generate")
+    def generate(self, req):
+        try:
+            params = SamplingParams.from_dict(dict(req.body.get("params") or {}))
+        except (SamplingError, TypeError) as e:
+            raise OpError("bad_request", str(e)) from None
+        prompt = self._prompt(req.body)
+        try:
+            events = self.sequence.generate(prompt, params, cancelled=req.cancelled)
+            first = next(events)
+        except ContextLengthError as e:
+            raise OpError("context_length_exceeded", str(e)) from None
+        self.served += 1
+        ev = first
+        while True:
+            if isinstance(ev, Token):
+                self.tokens_out += 1
+                chunk = {"token": ev.id, "text": ev.text}
+                if params.logprobs is not None:
+                    chunk["logprob"] = ev.logprob
+                    chunk["piece"] = self._piece(ev.id)
+                    chunk["top_logprobs"] = [[i, lp, self._piece(i)] for i, lp in ev.top_logprobs]
+                yield chunk
+            elif isinstance(ev, Finish):
+                return {"finish_reason": ev.reason, "text": ev.text,
+                        "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                                  "cached_tokens": ev.cached_tokens},
+                        "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
+            ev = next(events)
+
+    @op("tokenize")
+    def tokenize(self, req):
+        b = req.body
+        ids = self.model.tokenizer.encode(b["text"], special=b.get("special", False), add_bos=b.get("add_bos"))
+        return {"tokens": ids}
+
+    @op("detokenize")
+    def detokenize(self, req):
+        ids = req.body["tokens"]
+        if not all(isinstance(i, int) and 0 <= i < self.model.tokenizer.vocab_size for i in ids):
+            raise OpError("bad_request", f"tokens must be ids in [0, {self.model.tokenizer.vocab_size})")
+        return {"text": self.model.tokenizer.decode(ids)}
+
+    @op("apply_template")
+    def apply_template(self, req):
+        if self.template is None:
+            raise OpError("bad_request", f"model {self.model.path.name} has no chat template")
+        try:
+            text, ids = render_and_tokenize(self.template, self.model.tokenizer, req.body["messages"],
+                                            req.body.get("add_generation_prompt", True))
+        except TemplateError as e:
+            raise OpError("bad_request", str(e)) from None
+        return {"prompt": text, "tokens": ids}
+
+    @op("info")
+    def info(self, req):
+        m, tok = self.model, self.model.tokenizer
+        sp = tok.special
+        return {"model": m.path.stem, "path": str(m.path), "architecture": m.config.arch,
+                "n_ctx": self.n_ctx, "n_ctx_train": m.config.n_ctx_train, "vocab_size": tok.vocab_size,
+                "bos_token": tok.tokens[sp.bos] if sp.bos is not None else None,
+                "eos_token": tok.tokens[sp.eos] if sp.eos is not None else None,
+                "chat_template": self.template.source if self.template else None,
+                "created": int(os.path.getmtime(m.path))}
+
+
+if __name__ == "__main__":
+    main(InferenceWorker)
