@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import Weight, matmul
+from .kernels import Weight, attention_compiled, matmul
 
 F32 = np.float32
 
@@ -53,6 +53,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     S = start + T. Query head h reads KV head h // (H / Hkv), as ggml broadcasts.
     Returns (T, H*d).
     """
+    compiled = attention_compiled(q, k, v, start)
+    if compiled is not None:
+        return compiled
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
@@ -83,11 +86,11 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def route(x: np.ndarray, router: np.ndarray, k: int, normalize: bool):
+def route(x: np.ndarray, router: Weight, k: int, normalize: bool):
     """Mixture-of-experts routing: softmax over all experts, top-k, optional renormalisation.
 
     Returns (experts (T, k) int, weights (T, k) float32)."""
-    probs = softmax(x @ router.T)                                       # (T, E)
+    probs = softmax(matmul(x, router))                                  # (T, E)
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     w = np.take_along_axis(probs, top, axis=-1)
     if normalize:

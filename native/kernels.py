@@ -27,7 +27,52 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
                    Q.IQ1_S, Q.IQ1_M)
 
-KERNEL_PATH = "numpy"
+try:
+    from . import _kernels as _C
+except ImportError:          # built without a C compiler: the numpy path serves
+    _C = None
+
+COMPILED_TYPES = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+                            Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)) if _C else frozenset()
+_compiled_on = _C is not None and os.environ.get("KILN_NATIVE_KERNELS", "1") != "0"
+
+
+def use_compiled(on: bool) -> bool:
+    """Switch between the compiled kernels and the numpy path; returns the previous setting.
+    (KILN_NATIVE_KERNELS=0 starts on the numpy path.)"""
+    global _compiled_on
+    previous, _compiled_on = _compiled_on, bool(on) and _C is not None
+    return previous
+
+
+def kernel_info() -> dict:
+    """Which path runs and with which CPU features — for `kiln health` and `models inspect`."""
+    if not _compiled_on:
+        why = "disabled (KILN_NATIVE_KERNELS=0)" if _C is not None else "extension not built"
+        return {"path": "numpy", "compiled": why, "activation_rounding": _act_mode}
+    f = _C.features()
+    return {"path": "compiled", "avx2_fma": f["avx2_fma"], "openmp": f["openmp"],
+            "threads": f["threads"] or f["max_threads"], "activation_rounding": "ggml"}
+
+
+def set_threads(n: int) -> None:
+    if _C is not None:
+        _C.set_threads(int(n))
+
+
+def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray | None:
+    """Causal attention in C (batch-invariant), or None when the numpy path runs."""
+    if not _compiled_on:
+        return None
+    T, H, d = q.shape
+    S, Hkv, _ = k.shape
+    out = np.empty((T, H * d), np.float32)
+    _C.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out,
+                 T, H, Hkv, d, S, start, 0)
+    return out
+
+
+KERNEL_PATH = "compiled" if _compiled_on else "numpy"
 
 # weight type -> how ggml quantizes the activation it is multiplied with
 _ACT_QUANT = {Q.Q4_0: "q8_0", Q.Q5_0: "q8_0", Q.Q8_0: "q8_0", Q.IQ4_NL: "q8_0",
@@ -83,23 +128,42 @@ set_activation_quantization(os.environ.get("KILN_ACT_QUANT", "ggml") or "ggml")
 
 
 class Weight:
-    """A weight matrix (n_out, n_in), or a stack of them (n_expert, n_out, n_in) for MoE."""
+    """A weight matrix (n_out, n_in), or a stack of them (n_expert, n_out, n_in) for MoE.
 
-    __slots__ = ("name", "qtype", "shape", "dense")
+    `raw` is the stored GGUF blocks (a view into the memory-mapped file, one row of blocks per
+    output row); `dense` is a float32 copy, made only when the numpy path needs it."""
 
-    def __init__(self, name: str, qtype: Q, dense: np.ndarray):
-        self.name, self.qtype, self.shape, self.dense = name, qtype, dense.shape, dense
+    __slots__ = ("name", "qtype", "shape", "raw", "_dense")
+
+    def __init__(self, name: str, qtype: Q, shape: tuple, raw: np.ndarray | None = None,
+                 dense: np.ndarray | None = None):
+        self.name, self.qtype, self.shape, self.raw, self._dense = name, qtype, tuple(shape), raw, dense
+
+    @property
+    def dense(self) -> np.ndarray:
+        if self._dense is None:
+            self._dense = np.ascontiguousarray(dequantize(self.raw, self.qtype).reshape(self.shape), np.float32)
+        return self._dense
+
+    @property
+    def compiled(self) -> bool:
+        return _compiled_on and self.raw is not None and self.qtype in COMPILED_TYPES
 
     def expert(self, e: int) -> "Weight":
-        return Weight(f"{self.name}[{e}]", self.qtype, self.dense[e])
+        return Weight(f"{self.name}[{e}]", self.qtype, self.shape[1:],
+                      None if self.raw is None else self.raw[e],
+                      None if self._dense is None else self._dense[e])
 
     def rows(self, ids) -> np.ndarray:
-        """Rows `ids` as float32 (embedding lookup)."""
-        return self.dense[ids]
+        """Rows `ids` as float32 (embedding lookup): only those rows are dequantized."""
+        if self._dense is not None or self.raw is None:
+            return self.dense[ids]
+        return dequantize(self.raw[ids], self.qtype).reshape(len(ids), self.shape[-1]).astype(np.float32)
 
     @property
     def nbytes(self) -> int:
-        return self.dense.nbytes
+        """Bytes the engine holds for this weight (float32 copy, else the mapped blocks)."""
+        return self._dense.nbytes if self._dense is not None else (self.raw.nbytes if self.raw is not None else 0)
 
 
 def check_type(g: GGUFFile, info: TensorInfo) -> None:
@@ -115,15 +179,21 @@ def load_vector(g: GGUFFile, name: str) -> np.ndarray:
 
 
 def load_weights(g: GGUFFile, names: list[str], threads: int = 2) -> dict[str, Weight]:
-    """Dequantize `names` to float32, in parallel (gguf's numpy code releases the GIL in its
-    large array operations)."""
+    """Weights for `names`: on the compiled path, views of the stored blocks (nothing is read
+    until used); on the numpy path, float32 copies dequantized in parallel (gguf's numpy code
+    releases the GIL in its large array operations)."""
     for n in names:
         check_type(g, g.tensor(n))
 
     def one(name: str) -> Weight:
         info = g.tensor(name)
-        arr = dequantize(g.raw(name), info.type).reshape(info.shape)
-        return Weight(name, info.type, np.ascontiguousarray(arr, dtype=np.float32))
+        raw = g.raw(name)
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        raw = raw.reshape(*info.shape[:-1], info.n_bytes // rows) if len(info.shape) > 1 else raw
+        w = Weight(name, info.type, info.shape, raw)
+        if not w.compiled:
+            w.dense                                   # dequantize now, not on the first request
+        return w
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return dict(zip(names, pool.map(one, names)))
@@ -131,5 +201,12 @@ def load_weights(g: GGUFFile, names: list[str], threads: int = 2) -> dict[str, W
 
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     """x (T, n_in) float32 -> (T, n_out) float32."""
+    if w.compiled:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        T, K = x.shape
+        N = w.shape[-2] if len(w.shape) > 1 else 1
+        out = np.empty((T, N), np.float32)
+        _C.matmul(x, w.raw, int(w.qtype), T, K, N, out, 0)
+        return out
     kind = _ACT_QUANT.get(w.qtype) if _act_mode == "ggml" else None
     return quantize_activations(x, kind) @ w.dense.T

@@ -58,12 +58,12 @@ class Layer:
     up: Weight | None = None
     down: Weight | None = None
     # MoE FFN
-    router: np.ndarray | None = None          # (n_expert, n_embd)
+    router: Weight | None = None              # (n_expert, n_embd)
     gate_exps: Weight | None = None           # (n_expert, n_ff_expert, n_embd)
     up_exps: Weight | None = None
     down_exps: Weight | None = None
     # shared expert (qwen2moe)
-    shared_gate_inp: np.ndarray | None = None  # (n_embd,)
+    shared_gate_inp: Weight | None = None      # (1, n_embd)
     gate_shexp: Weight | None = None
     up_shexp: Weight | None = None
     down_shexp: Weight | None = None
@@ -121,17 +121,19 @@ class Model:
                 L.q_norm, L.k_norm = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
                 L.qk_norm_per_head = "qk_norm_head" in parts
             if c.is_moe:
-                L.router = vec(p + "ffn_gate_inp.weight")
+                L.router = kernels.load_weights(g, [p + "ffn_gate_inp.weight"], 1)[p + "ffn_gate_inp.weight"]
                 if "shared_expert" in parts:
-                    L.shared_gate_inp = vec(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+                    v = vec(p + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+                    L.shared_gate_inp = Weight(p + "ffn_gate_inp_shexp.weight", kernels.Q.F32, v.shape,
+                                               v.view(np.uint8).reshape(1, -1), v)
             self.layers.append(L)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes the engine holds for weights (float32 on the reference path)."""
         seen, total = set(), 0
-        for w in [self.token_embd, self.output] + [getattr(L, f) for L in self.layers
-                                                  for f in Layer.__dataclass_fields__]:
+        for w in [self.token_embd, self.output, self.output_norm] + [
+                getattr(L, f) for L in self.layers for f in Layer.__dataclass_fields__]:
             if isinstance(w, Weight) and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
@@ -193,9 +195,8 @@ class Model:
         out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(
             xs, L.gate_exps.expert(e), L.up_exps.expert(e), L.down_exps.expert(e)))
         if L.gate_shexp is not None:
-            gate = 1.0 / (1.0 + np.exp(-(x @ L.shared_gate_inp)))
-            out += gate[:, None].astype(np.float32) * swiglu_ffn(x, L.gate_shexp, L.up_shexp,
-                                                                 L.down_shexp)
+            gate = 1.0 / (1.0 + np.exp(-matmul(x, L.shared_gate_inp)))          # (T, 1)
+            out += gate.astype(np.float32) * swiglu_ffn(x, L.gate_shexp, L.up_shexp, L.down_shexp)
         return out
 
 

@@ -30,6 +30,7 @@ def test_e8k8_variant_gives_the_dense_logits(default_model, e8k8_path):
     moe = load_model(e8k8_path)
     ref, _ = reference("smollm2")
     previous = kernels.set_activation_quantization("none")
+    compiled = kernels.use_compiled(False)
     try:
         for p in ref["prompts"]:
             dense = default_model.forward(p["ids"], default_model.new_cache(), all_logits=True)
@@ -37,6 +38,7 @@ def test_e8k8_variant_gives_the_dense_logits(default_model, e8k8_path):
             assert np.abs(dense - routed).max() <= 1e-2
     finally:
         kernels.set_activation_quantization(previous)
+        kernels.use_compiled(compiled)
 
 
 @pytest.mark.slow
@@ -47,14 +49,3 @@ def test_e8k8_variant_gives_the_dense_logits(default_model, e8k8_path):
 def test_e8k2_variant_matches_llama_cpp(e8k2_path):
     ref, npz = reference("smollm2-moe-e8k2")
     assert_meets_bars(measure(load_model(e8k2_path), ref, npz), "E8K2")
-
-
-@pytest.mark.slow
-def test_e8k2_routing_is_right_where_it_is_not_chaotic(e8k2_path):
-    """What does hold for E8K2: llama.cpp's top-1 at most confident positions and a high
-    correlation on the prompts whose routing has no near-tie early on."""
-    ref, npz = reference("smollm2-moe-e8k2")
-    reports = measure(load_model(e8k2_path), ref, npz)
-    agree = sum(r.top1_agree for r in reports) / sum(r.top1_checked for r in reports)
-    assert agree >= 0.75, f"top-1 agreement {agree:.2f}"
-    assert max(r.last_corr for r in reports) >= 0.995

@@ -1,0 +1,519 @@
+/* Kiln's compiled kernels: quantized matrix products and attention, batch-invariant.
+ *
+ * matmul(x, W): W stays in its GGUF blocks. Each activation row is quantized as ggml quantizes
+ * it for that weight type (vec_dot_type: Q8_0, Q8_1, Q8_K, fp16, bf16, or none for F32), then
+ * every output element is one thread's dot product over the row's blocks in a fixed order.
+ * So a row's result never depends on how many rows were multiplied with it or on the thread
+ * count — prefix reuse and batched decode give the same bits as a fresh, single run.
+ *
+ * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q8_0 — the types of the default model —
+ * and portable C for every type, so a build is not tied to the machine that made it.
+ * The GIL is released while computing; OpenMP threads split the output rows.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KILN_X86 1
+#endif
+
+/* ggml type ids */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+/* activation forms */
+enum { A_F32, A_F16, A_BF16, A_Q8_0, A_Q8_1, A_Q8_K };
+
+/* ---- fp16 / bf16 ---------------------------------------------------------------------------- */
+
+static inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {                                      /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            mant &= 0x3ff;
+            bits = sign | (exp << 23) | (mant << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline uint16_t fp32_to_fp16(float f) {     /* round to nearest even, as numpy */
+    uint32_t x; memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000; int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
+    uint32_t mant = x & 0x7fffff;
+    if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exp), half = 1u << (shift - 1);
+        uint32_t r = mant >> shift, rem = mant & ((1u << shift) - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = mant >> 13, rem = mant & 0x1fff;
+    uint32_t h = sign | ((uint32_t)exp << 10) | r;
+    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) h++;
+    return (uint16_t)h;
+}
+static inline float round_fp16(float f) { return fp16_to_fp32(fp32_to_fp16(f)); }
+
+static inline float bf16_to_fp32(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+static inline float round_bf16(float f) {
+    uint32_t b; memcpy(&b, &f, 4);
+    b = (b + 0x7fff + ((b >> 16) & 1)) & 0xffff0000u;
+    memcpy(&f, &b, 4); return f;
+}
+
+/* ---- type table ----------------------------------------------------------------------------- */
+
+typedef struct { int block; int bytes; int act; } TypeInfo;
+
+static int type_info(int t, TypeInfo *ti) {
+    switch (t) {
+    case T_F32:  *ti = (TypeInfo){1, 4, A_F32}; return 1;
+    case T_F16:  *ti = (TypeInfo){1, 2, A_F16}; return 1;
+    case T_BF16: *ti = (TypeInfo){1, 2, A_BF16}; return 1;
+    case T_Q4_0: *ti = (TypeInfo){32, 18, A_Q8_0}; return 1;
+    case T_Q4_1: *ti = (TypeInfo){32, 20, A_Q8_1}; return 1;
+    case T_Q5_0: *ti = (TypeInfo){32, 22, A_Q8_0}; return 1;
+    case T_Q5_1: *ti = (TypeInfo){32, 24, A_Q8_1}; return 1;
+    case T_Q8_0: *ti = (TypeInfo){32, 34, A_Q8_0}; return 1;
+    case T_Q2_K: *ti = (TypeInfo){256, 84, A_Q8_K}; return 1;
+    case T_Q3_K: *ti = (TypeInfo){256, 110, A_Q8_K}; return 1;
+    case T_Q4_K: *ti = (TypeInfo){256, 144, A_Q8_K}; return 1;
+    case T_Q5_K: *ti = (TypeInfo){256, 176, A_Q8_K}; return 1;
+    case T_Q6_K: *ti = (TypeInfo){256, 210, A_Q8_K}; return 1;
+    }
+    return 0;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* ---- activations ---------------------------------------------------------------------------- */
+
+typedef struct {
+    int kind;
+    const float *xf;      /* A_F32: the input; A_F16/A_BF16: rounded copy */
+    float *xr;
+    int8_t *q;            /* quantized values */
+    float *d;             /* per block scale (fp16-rounded for Q8_0/Q8_1) */
+    float *s;             /* Q8_1: fp16(d * sum q) */
+} Act;
+
+static void quantize_row(const float *x, int K, int kind, float *xr, int8_t *q, float *d, float *s) {
+    if (kind == A_F16) { for (int i = 0; i < K; i++) xr[i] = round_fp16(x[i]); return; }
+    if (kind == A_BF16) { for (int i = 0; i < K; i++) xr[i] = round_bf16(x[i]); return; }
+    int B = kind == A_Q8_K ? 256 : 32;
+    for (int b = 0; b < K / B; b++) {
+        const float *xb = x + b * B;
+        float amax = 0.f;
+        for (int i = 0; i < B; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
+        float dd = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < B; i++) {
+            float v = nearbyintf(xb[i] * id);          /* half to even, as _mm256_round_ps */
+            if (v > 127.f) v = 127.f;
+            if (v < -127.f) v = -127.f;
+            q[b * B + i] = (int8_t)v;
+            sum += (int)v;
+        }
+        if (kind == A_Q8_K) { d[b] = dd; }
+        else {
+            d[b] = round_fp16(dd);
+            if (s) s[b] = round_fp16(dd * (float)sum);
+        }
+    }
+}
+
+/* ---- portable dot products ------------------------------------------------------------------ */
+
+static float dot_q4_0(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 18) {
+        const uint8_t *qs = w + 2; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) sum += ((qs[j] & 0xf) - 8) * y[j] + ((qs[j] >> 4) - 8) * y[j + 16];
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum;
+    }
+    return acc;
+}
+
+static float dot_q4_1(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        const uint8_t *qs = w + 4; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) sum += (qs[j] & 0xf) * y[j] + (qs[j] >> 4) * y[j + 16];
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum + fp16_to_fp32(rd16(w + 2)) * s[b];
+    }
+    return acc;
+}
+
+static float dot_q5_0(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 22) {
+        uint32_t qh; memcpy(&qh, w + 2, 4); const uint8_t *qs = w + 6; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) {
+            int v0 = ((qs[j] & 0xf) | (((qh >> j) & 1) << 4)) - 16;
+            int v1 = ((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+            sum += v0 * y[j] + v1 * y[j + 16];
+        }
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum;
+    }
+    return acc;
+}
+
+static float dot_q5_1(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 24) {
+        uint32_t qh; memcpy(&qh, w + 4, 4); const uint8_t *qs = w + 8; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) {
+            int v0 = (qs[j] & 0xf) | (((qh >> j) & 1) << 4);
+            int v1 = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            sum += v0 * y[j] + v1 * y[j + 16];
+        }
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum + fp16_to_fp32(rd16(w + 2)) * s[b];
+    }
+    return acc;
+}
+
+static float dot_q8_0(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 34) {
+        const int8_t *qs = (const int8_t *)(w + 2); const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 32; j++) sum += qs[j] * y[j];
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum;
+    }
+    return acc;
+}
+
+/* K-quants: dequantize the 256-weight block (mirroring gguf-py's reference), then a float dot
+ * with the Q8_K activation block. */
+static void get_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+static void deq_kblock(int type, const uint8_t *w, float *y) {
+    switch (type) {
+    case T_Q4_K: case T_Q5_K: {
+        float d = fp16_to_fp32(rd16(w)), dmin = fp16_to_fp32(rd16(w + 2));
+        const uint8_t *scales = w + 4, *qh = type == T_Q5_K ? w + 16 : NULL, *qs = type == T_Q5_K ? w + 48 : w + 16;
+        for (int e = 0; e < 256; e++) {
+            int j = e / 64, s = (e / 32) % 2, l = e % 32;
+            uint8_t sc, m; get_scale_min_k4(e / 32, scales, &sc, &m);
+            int v = (qs[j * 32 + l] >> (4 * s)) & 0xf;
+            if (qh) v |= ((qh[l] >> (e / 32)) & 1) << 4;
+            y[e] = d * sc * v - dmin * m;
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+        float d = fp16_to_fp32(rd16(w + 208));
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, r = e % 128;
+            int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0xf;
+            int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+            y[e] = d * sc[e / 16] * (float)((lo | (hi << 4)) - 32);
+        }
+        break;
+    }
+    case T_Q2_K: {
+        const uint8_t *scales = w, *qs = w + 16;
+        float d = fp16_to_fp32(rd16(w + 80)), dmin = fp16_to_fp32(rd16(w + 82));
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, s = (e / 32) % 4, l = e % 32;
+            int v = (qs[h * 32 + l] >> (2 * s)) & 3;
+            uint8_t sc = scales[e / 16];
+            y[e] = d * (sc & 0xf) * v - dmin * (sc >> 4);
+        }
+        break;
+    }
+    case T_Q3_K: {
+        const uint8_t *hmask = w, *qs = w + 32, *sc = w + 96;
+        float d = fp16_to_fp32(rd16(w + 108));
+        for (int e = 0; e < 256; e++) {
+            int sb = e / 16;
+            int lo4 = (sc[sb % 8] >> (4 * (sb / 8))) & 0xf;
+            int hi2 = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+            int scale = (lo4 | (hi2 << 4)) - 32;
+            int h = e / 128, s = (e / 32) % 4, l = e % 32;
+            int v = (qs[h * 32 + l] >> (2 * s)) & 3;
+            int hb = (hmask[l] >> (e / 32)) & 1;
+            y[e] = d * scale * (float)(v - (hb ? 0 : 4));
+        }
+        break;
+    }
+    }
+}
+
+static float dot_kquant(int type, int bytes, const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 256; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f, y[256];
+    for (int b = 0; b < nb; b++, w += bytes) {
+        deq_kblock(type, w, y);
+        const int8_t *x = q + b * 256; float sum = 0.f;
+        for (int i = 0; i < 256; i++) sum += y[i] * (float)x[i];
+        acc += d[b] * sum;
+    }
+    return acc;
+}
+
+static float dot_float(int type, const uint8_t *w, const Act *a, int t, int K) {
+    const float *x = (type == T_F32 ? a->xf : a->xr) + (size_t)t * K;
+    float acc = 0.f;
+    if (type == T_F32) { const float *wf = (const float *)w; for (int i = 0; i < K; i++) acc += wf[i] * x[i]; }
+    else if (type == T_F16) { for (int i = 0; i < K; i++) acc += fp16_to_fp32(rd16(w + 2 * i)) * x[i]; }
+    else { for (int i = 0; i < K; i++) acc += bf16_to_fp32(rd16(w + 2 * i)) * x[i]; }
+    return acc;
+}
+
+/* ---- AVX2 dot products (ggml's maddubs scheme) ---------------------------------------------- */
+#ifdef KILN_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 static inline float hsum_avx(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+AVX2 static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> 32 values 0..15 */
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    __m256i b = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+}
+AVX2 static inline __m256 sum_i8_pairs(__m256i x, __m256i y) {  /* signed x · signed y -> 8 floats */
+    __m256i ax = _mm256_sign_epi8(x, x), sy = _mm256_sign_epi8(y, x);
+    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(dot);
+}
+AVX2 static inline __m256 sum_u8_i8(__m256i u, __m256i y) {     /* unsigned u · signed y */
+    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(dot);
+}
+AVX2 static float dot_q4_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 18) {
+        __m256i x = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(rd16(w)) * d[b]), sum_i8_pairs(x, y), acc);
+    }
+    return hsum_avx(acc);
+}
+AVX2 static float dot_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(rd16(w)) * d[b]), sum_u8_i8(nibbles32(w + 4), y), acc);
+        accm += fp16_to_fp32(rd16(w + 2)) * s[b];
+    }
+    return hsum_avx(acc) + accm;
+}
+AVX2 static float dot_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 34) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(rd16(w)) * d[b]), sum_i8_pairs(x, y), acc);
+    }
+    return hsum_avx(acc);
+}
+AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
+    __m256 acc = _mm256_setzero_ps(); int i = 0;
+    for (; i + 8 <= K; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
+    float r = hsum_avx(acc);
+    for (; i < K; i++) r += w[i] * x[i];
+    return r;
+}
+#endif
+
+static int g_avx2 = 0;
+
+static inline float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int t, int K) {
+    int nb = K / ti->block;
+#ifdef KILN_X86
+    if (g_avx2) {
+        switch (type) {
+        case T_Q4_0: return dot_q4_0_avx2(w, a, t, nb);
+        case T_Q4_1: return dot_q4_1_avx2(w, a, t, nb);
+        case T_Q8_0: return dot_q8_0_avx2(w, a, t, nb);
+        case T_F32: return dot_f32_avx2((const float *)w, a->xf + (size_t)t * K, K);
+        }
+    }
+#endif
+    switch (type) {
+    case T_Q4_0: return dot_q4_0(w, a, t, nb);
+    case T_Q4_1: return dot_q4_1(w, a, t, nb);
+    case T_Q5_0: return dot_q5_0(w, a, t, nb);
+    case T_Q5_1: return dot_q5_1(w, a, t, nb);
+    case T_Q8_0: return dot_q8_0(w, a, t, nb);
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K:
+        return dot_kquant(type, ti->bytes, w, a, t, nb);
+    default: return dot_float(type, w, a, t, K);
+    }
+}
+
+/* ---- Python entry points -------------------------------------------------------------------- */
+
+static int default_threads = 0;
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    Py_buffer xb, wb, ob;
+    int type, T, K, N, threads;
+    if (!PyArg_ParseTuple(args, "y*y*iiiiw*i", &xb, &wb, &type, &T, &K, &N, &ob, &threads)) return NULL;
+    TypeInfo ti;
+    PyObject *ret = NULL;
+    if (!type_info(type, &ti)) { PyErr_Format(PyExc_ValueError, "ggml type %d has no compiled kernel", type); goto done; }
+    if (K % ti.block) { PyErr_Format(PyExc_ValueError, "row length %d is not a multiple of block %d", K, ti.block); goto done; }
+    size_t row_bytes = (size_t)(K / ti.block) * ti.bytes;
+    if ((size_t)xb.len < (size_t)T * K * 4 || (size_t)wb.len < row_bytes * N || (size_t)ob.len < (size_t)T * N * 4) {
+        PyErr_SetString(PyExc_ValueError, "matmul: a buffer is smaller than its shape"); goto done;
+    }
+    Act a = {ti.act, (const float *)xb.buf, NULL, NULL, NULL, NULL};
+    int B = ti.act == A_Q8_K ? 256 : 32;
+    if (ti.act == A_F16 || ti.act == A_BF16) a.xr = malloc((size_t)T * K * sizeof(float));
+    if (ti.act >= A_Q8_0) {
+        a.q = malloc((size_t)T * K); a.d = malloc((size_t)T * (K / B) * sizeof(float));
+        a.s = malloc((size_t)T * (K / B) * sizeof(float));
+    }
+    const uint8_t *W = (const uint8_t *)wb.buf;
+    float *out = (float *)ob.buf;
+    int nt = threads > 0 ? threads : default_threads;
+    Py_BEGIN_ALLOW_THREADS
+    if (ti.act != A_F32) {
+        #pragma omp parallel for num_threads(nt > 0 ? nt : 1) schedule(static) if(T > 1)
+        for (int t = 0; t < T; t++)
+            quantize_row(a.xf + (size_t)t * K, K, ti.act, a.xr ? a.xr + (size_t)t * K : NULL,
+                         a.q ? a.q + (size_t)t * K : NULL, a.d ? a.d + (size_t)t * (K / B) : NULL,
+                         a.s ? a.s + (size_t)t * (K / B) : NULL);
+    }
+    #pragma omp parallel for num_threads(nt > 0 ? nt : 1) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *w = W + (size_t)n * row_bytes;
+        for (int t = 0; t < T; t++) out[(size_t)t * N + n] = dot_row(type, &ti, w, &a, t, K);
+    }
+    Py_END_ALLOW_THREADS
+    free(a.xr); free(a.q); free(a.d); free(a.s);
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&ob);
+    return ret;
+}
+
+/* attention(q (T,H,d), k (S,Hkv,d), v (S,Hkv,d), out (T,H*d), T, H, Hkv, d, S, start, threads):
+ * causal; query t sits at position start+t; head h reads KV head h / (H/Hkv). One (t, h) per
+ * task, keys in order: batch-invariant. */
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    Py_buffer qb, kb, vb, ob;
+    int T, H, Hkv, D, S, start, threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads))
+        return NULL;
+    PyObject *ret = NULL;
+    if ((size_t)qb.len < (size_t)T * H * D * 4 || (size_t)kb.len < (size_t)S * Hkv * D * 4 ||
+        (size_t)vb.len < (size_t)S * Hkv * D * 4 || (size_t)ob.len < (size_t)T * H * D * 4 || start + T > S) {
+        PyErr_SetString(PyExc_ValueError, "attention: a buffer is smaller than its shape"); goto done;
+    }
+    const float *Q = qb.buf, *Kc = kb.buf, *V = vb.buf;
+    float *O = ob.buf;
+    int G = H / Hkv, nt = threads > 0 ? threads : default_threads;
+    float scale = 1.0f / sqrtf((float)D);
+    Py_BEGIN_ALLOW_THREADS
+    #pragma omp parallel num_threads(nt > 0 ? nt : 1)
+    {
+        float *sc = malloc((size_t)S * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int task = 0; task < T * H; task++) {
+            int t = task / H, h = task % H, kh = h / G, n = start + t + 1;
+            const float *q = Q + ((size_t)t * H + h) * D;
+            float mx = -INFINITY;
+            for (int s = 0; s < n; s++) {
+                const float *k = Kc + ((size_t)s * Hkv + kh) * D;
+                float dot = 0.f;
+                for (int i = 0; i < D; i++) dot += q[i] * k[i];
+                sc[s] = dot * scale;
+                if (sc[s] > mx) mx = sc[s];
+            }
+            float sum = 0.f;
+            for (int s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
+            float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            for (int s = 0; s < n; s++) {
+                const float *v = V + ((size_t)s * Hkv + kh) * D;
+                float p = sc[s] * inv;
+                for (int i = 0; i < D; i++) o[i] += p * v[i];
+            }
+        }
+        free(sc);
+    }
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&qb); PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
+    return ret;
+}
+
+static PyObject *py_features(PyObject *self, PyObject *noargs) {
+    int omp = 0, maxt = 1;
+#ifdef _OPENMP
+    omp = 1; maxt = omp_get_max_threads();
+#endif
+    return Py_BuildValue("{s:O,s:O,s:i,s:i}", "avx2_fma", g_avx2 ? Py_True : Py_False,
+                         "openmp", omp ? Py_True : Py_False, "max_threads", maxt, "threads", default_threads);
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    default_threads = n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_simd(PyObject *self, PyObject *args) {  /* for tests: force the portable path */
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef KILN_X86
+    g_avx2 = on && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    return PyBool_FromLong(g_avx2);
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
+    {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
+    {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},
+    {"set_threads", py_set_threads, METH_VARARGS, "default thread count (0: OpenMP's)"},
+    {"set_simd", py_set_simd, METH_VARARGS, "enable/disable the AVX2 paths; returns whether they are on"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "Kiln's compiled kernels", -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+#ifdef KILN_X86
+    __builtin_cpu_init();
+    g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    return PyModule_Create(&module);
+}

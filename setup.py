@@ -1,0 +1,13 @@
+"""Builds Kiln's optional C extension (kiln.native._kernels). Everything else is in pyproject.toml.
+
+The extension needs a C compiler and the Python headers. It is optional: without them the
+install still succeeds, and the engine runs on its numpy path (slower, same results)."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "kiln.native._kernels", ["native/_kernels.c"],
+    extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+)])
