@@ -288,7 +288,8 @@ static float dot_float(int type, const uint8_t *w, const Act *a, int t, int K) {
 
 /* ---- AVX2 dot products (ggml's maddubs scheme) ---------------------------------------------- */
 #ifdef KILN_X86
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define H2F(p) _cvtsh_ss(rd16(p))
 
 AVX2 static inline float hsum_avx(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -317,7 +318,7 @@ AVX2 static float dot_q4_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     for (int b = 0; b < nb; b++, w += 18) {
         __m256i x = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
         __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(rd16(w)) * d[b]), sum_i8_pairs(x, y), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
     }
     return hsum_avx(acc);
 }
@@ -326,8 +327,8 @@ AVX2 static float dot_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
     for (int b = 0; b < nb; b++, w += 20) {
         __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(rd16(w)) * d[b]), sum_u8_i8(nibbles32(w + 4), y), acc);
-        accm += fp16_to_fp32(rd16(w + 2)) * s[b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_u8_i8(nibbles32(w + 4), y), acc);
+        accm += H2F(w + 2) * s[b];
     }
     return hsum_avx(acc) + accm;
 }
@@ -337,7 +338,7 @@ AVX2 static float dot_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     for (int b = 0; b < nb; b++, w += 34) {
         __m256i x = _mm256_loadu_si256((const __m256i *)(w + 2));
         __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_fp32(rd16(w)) * d[b]), sum_i8_pairs(x, y), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
     }
     return hsum_avx(acc);
 }
@@ -347,6 +348,59 @@ AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
     float r = hsum_avx(acc);
     for (; i < K; i++) r += w[i] * x[i];
     return r;
+}
+
+/* Four activation rows against one weight row: the weight block is unpacked once. Each row's
+ * operations are exactly those of the one-row kernel, so the results are bit-identical. */
+#define DOT4_BEGIN(BYTES)                                                                     \
+    const int8_t *q0 = a->q + (size_t)t * nb * 32, *q1 = q0 + nb * 32, *q2 = q1 + nb * 32, *q3 = q2 + nb * 32; \
+    const float *d0 = a->d + (size_t)t * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;      \
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+#define DOT4_ROW(C, Q, D, SUM) C = _mm256_fmadd_ps(_mm256_set1_ps(dw * D[b]), SUM(x, _mm256_loadu_si256((const __m256i *)(Q + b * 32))), C)
+
+AVX2 static void dot4_q4_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
+    DOT4_BEGIN(18)
+    for (int b = 0; b < nb; b++, w += 18) {
+        __m256i x = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)); float dw = H2F(w);
+        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
+        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
+    }
+    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
+}
+AVX2 static void dot4_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
+    DOT4_BEGIN(34)
+    for (int b = 0; b < nb; b++, w += 34) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(w + 2)); float dw = H2F(w);
+        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
+        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
+    }
+    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
+}
+AVX2 static void dot4_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
+    DOT4_BEGIN(20)
+    const float *s0 = a->s + (size_t)t * nb, *s1 = s0 + nb, *s2 = s1 + nb, *s3 = s2 + nb;
+    float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        __m256i x = nibbles32(w + 4); float dw = H2F(w), mw = H2F(w + 2);
+        DOT4_ROW(c0, q0, d0, sum_u8_i8); DOT4_ROW(c1, q1, d1, sum_u8_i8);
+        DOT4_ROW(c2, q2, d2, sum_u8_i8); DOT4_ROW(c3, q3, d3, sum_u8_i8);
+        m0 += mw * s0[b]; m1 += mw * s1[b]; m2 += mw * s2[b]; m3 += mw * s3[b];
+    }
+    r[0] = hsum_avx(c0) + m0; r[1] = hsum_avx(c1) + m1; r[2] = hsum_avx(c2) + m2; r[3] = hsum_avx(c3) + m3;
+}
+
+/* attention helpers */
+AVX2 static float vdot_avx2(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps(); int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float r = hsum_avx(acc);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
+    __m256 pp = _mm256_set1_ps(p); int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+    for (; i < n; i++) o[i] += p * v[i];
 }
 #endif
 
@@ -380,6 +434,14 @@ static inline float dot_row(int type, const TypeInfo *ti, const uint8_t *w, cons
 
 static int default_threads = 0;
 
+static int pick_threads(int requested) {      /* 0: the default; the default 0: all OpenMP threads */
+    int n = requested > 0 ? requested : default_threads;
+#ifdef _OPENMP
+    if (n <= 0) n = omp_get_max_threads();
+#endif
+    return n > 0 ? n : 1;
+}
+
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_buffer xb, wb, ob;
     int type, T, K, N, threads;
@@ -401,19 +463,31 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
     const uint8_t *W = (const uint8_t *)wb.buf;
     float *out = (float *)ob.buf;
-    int nt = threads > 0 ? threads : default_threads;
+    int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
     if (ti.act != A_F32) {
-        #pragma omp parallel for num_threads(nt > 0 ? nt : 1) schedule(static) if(T > 1)
+        #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
         for (int t = 0; t < T; t++)
             quantize_row(a.xf + (size_t)t * K, K, ti.act, a.xr ? a.xr + (size_t)t * K : NULL,
                          a.q ? a.q + (size_t)t * K : NULL, a.d ? a.d + (size_t)t * (K / B) : NULL,
                          a.s ? a.s + (size_t)t * (K / B) : NULL);
     }
-    #pragma omp parallel for num_threads(nt > 0 ? nt : 1) schedule(static)
+    #pragma omp parallel for num_threads(nt) schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t *w = W + (size_t)n * row_bytes;
-        for (int t = 0; t < T; t++) out[(size_t)t * N + n] = dot_row(type, &ti, w, &a, t, K);
+        int t = 0;
+#ifdef KILN_X86
+        if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
+            int nb = K / ti.block; float r[4];
+            for (; t + 4 <= T; t += 4) {
+                if (type == T_Q4_0) dot4_q4_0_avx2(w, &a, t, nb, r);
+                else if (type == T_Q4_1) dot4_q4_1_avx2(w, &a, t, nb, r);
+                else dot4_q8_0_avx2(w, &a, t, nb, r);
+                for (int i = 0; i < 4; i++) out[(size_t)(t + i) * N + n] = r[i];
+            }
+        }
+#endif
+        for (; t < T; t++) out[(size_t)t * N + n] = dot_row(type, &ti, w, &a, t, K);
     }
     Py_END_ALLOW_THREADS
     free(a.xr); free(a.q); free(a.d); free(a.s);
@@ -421,6 +495,21 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&ob);
     return ret;
+}
+
+static inline float vdot(const float *a, const float *b, int n) {
+#ifdef KILN_X86
+    if (g_avx2) return vdot_avx2(a, b, n);
+#endif
+    float r = 0.f;
+    for (int i = 0; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+static inline void vaxpy(float *o, float p, const float *v, int n) {
+#ifdef KILN_X86
+    if (g_avx2) { vaxpy_avx2(o, p, v, n); return; }
+#endif
+    for (int i = 0; i < n; i++) o[i] += p * v[i];
 }
 
 /* attention(q (T,H,d), k (S,Hkv,d), v (S,Hkv,d), out (T,H*d), T, H, Hkv, d, S, start, threads):
@@ -438,10 +527,10 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     }
     const float *Q = qb.buf, *Kc = kb.buf, *V = vb.buf;
     float *O = ob.buf;
-    int G = H / Hkv, nt = threads > 0 ? threads : default_threads;
+    int G = H / Hkv, nt = pick_threads(threads);
     float scale = 1.0f / sqrtf((float)D);
     Py_BEGIN_ALLOW_THREADS
-    #pragma omp parallel num_threads(nt > 0 ? nt : 1)
+    #pragma omp parallel num_threads(nt)
     {
         float *sc = malloc((size_t)S * sizeof(float));
         #pragma omp for schedule(static)
@@ -451,9 +540,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
             float mx = -INFINITY;
             for (int s = 0; s < n; s++) {
                 const float *k = Kc + ((size_t)s * Hkv + kh) * D;
-                float dot = 0.f;
-                for (int i = 0; i < D; i++) dot += q[i] * k[i];
-                sc[s] = dot * scale;
+                sc[s] = vdot(q, k, D) * scale;
                 if (sc[s] > mx) mx = sc[s];
             }
             float sum = 0.f;
@@ -462,8 +549,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
             for (int i = 0; i < D; i++) o[i] = 0.f;
             for (int s = 0; s < n; s++) {
                 const float *v = V + ((size_t)s * Hkv + kh) * D;
-                float p = sc[s] * inv;
-                for (int i = 0; i < D; i++) o[i] += p * v[i];
+                vaxpy(o, sc[s] * inv, v, D);
             }
         }
         free(sc);
@@ -472,6 +558,69 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None); ret = Py_None;
 done:
     PyBuffer_Release(&qb); PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
+    return ret;
+}
+
+
+/* rms_norm(x (T,n), w (n), out (T,n), T, n, eps): per row, double accumulation as ggml. */
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    Py_buffer xb, wb, ob; int T, n; double eps;
+    if (!PyArg_ParseTuple(args, "y*y*w*iid", &xb, &wb, &ob, &T, &n, &eps)) return NULL;
+    PyObject *ret = NULL;
+    if ((size_t)xb.len < (size_t)T * n * 4 || (size_t)wb.len < (size_t)n * 4 || (size_t)ob.len < (size_t)T * n * 4) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: a buffer is smaller than its shape"); goto done;
+    }
+    const float *x = xb.buf, *w = wb.buf; float *o = ob.buf;
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * n; float *orow = o + (size_t)t * n;
+        double sum = 0.0;
+        for (int i = 0; i < n; i++) sum += (double)xr[i] * xr[i];
+        float scale = 1.0f / sqrtf((float)(sum / n) + (float)eps);
+        for (int i = 0; i < n; i++) orow[i] = xr[i] * scale * w[i];
+    }
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&ob);
+    return ret;
+}
+
+/* rope(x (T,H,D) in place, cos (T,R/2), sin (T,R/2), T, H, D, R, neox) */
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    Py_buffer xb, cb, sb; int T, H, D, R, neox;
+    if (!PyArg_ParseTuple(args, "w*y*y*iiiip", &xb, &cb, &sb, &T, &H, &D, &R, &neox)) return NULL;
+    PyObject *ret = NULL;
+    int half = R / 2;
+    if ((size_t)xb.len < (size_t)T * H * D * 4 || (size_t)cb.len < (size_t)T * half * 4 || (size_t)sb.len < (size_t)T * half * 4 || R > D) {
+        PyErr_SetString(PyExc_ValueError, "rope: a buffer is smaller than its shape"); goto done;
+    }
+    float *x = xb.buf; const float *c = cb.buf, *s = sb.buf;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) {
+            float *v = x + ((size_t)t * H + h) * D; const float *ct = c + (size_t)t * half, *st = s + (size_t)t * half;
+            for (int i = 0; i < half; i++) {
+                int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                float a = v[i0], b = v[i1];
+                v[i0] = a * ct[i] - b * st[i];
+                v[i1] = a * st[i] + b * ct[i];
+            }
+        }
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
+    return ret;
+}
+
+/* swiglu(gate (n) in place, up (n)): gate = silu(gate) * up */
+static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    Py_buffer gb, ub;
+    if (!PyArg_ParseTuple(args, "w*y*", &gb, &ub)) return NULL;
+    PyObject *ret = NULL;
+    if (gb.len != ub.len) { PyErr_SetString(PyExc_ValueError, "swiglu: shapes differ"); goto done; }
+    float *g = gb.buf; const float *u = ub.buf; Py_ssize_t n = gb.len / 4;
+    for (Py_ssize_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&gb); PyBuffer_Release(&ub);
     return ret;
 }
 
@@ -495,7 +644,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {  /* for tests: fo
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
 #ifdef KILN_X86
-    g_avx2 = on && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    g_avx2 = on && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
     return PyBool_FromLong(g_avx2);
 }
@@ -503,6 +652,9 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {  /* for tests: fo
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
+    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
+    {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},
+    {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
     {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},
     {"set_threads", py_set_threads, METH_VARARGS, "default thread count (0: OpenMP's)"},
     {"set_simd", py_set_simd, METH_VARARGS, "enable/disable the AVX2 paths; returns whether they are on"},
@@ -513,7 +665,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "Kiln's c
 PyMODINIT_FUNC PyInit__kernels(void) {
 #ifdef KILN_X86
     __builtin_cpu_init();
-    g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
     return PyModule_Create(&module);
 }

@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import Weight, attention_compiled, matmul
+from .kernels import Weight, attention_compiled, compiled_module, matmul
 
 F32 = np.float32
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis."""
+    C = compiled_module()
+    if C is not None and x.dtype == np.float32:
+        x = np.ascontiguousarray(x)
+        n = x.shape[-1]
+        out = np.empty_like(x)
+        C.rms_norm(x, weight, out, x.size // n, n, eps)
+        return out
     ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=F32)
     return x * (1.0 / np.sqrt(ms + F32(eps))).astype(F32) * weight
 
@@ -34,6 +41,11 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
     "neox" (qwen, olmoe): pairs are (i, i + rope_dim/2), i.e. rotate-half.
     """
     half = cos.shape[1]
+    C = compiled_module()
+    if C is not None and x.flags.c_contiguous and x.dtype == np.float32:
+        T, H, D = x.shape
+        C.rope(x, cos, sin, T, H, D, 2 * half, style != "normal")
+        return x
     c, s = cos[:, None, :], sin[:, None, :]
     if style == "normal":
         a, b = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
@@ -78,6 +90,11 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def swiglu_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+    C = compiled_module()
+    if C is not None:
+        g = matmul(x, gate)
+        C.swiglu(g, matmul(x, up))
+        return matmul(g, down)
     return matmul(silu(matmul(x, gate)) * matmul(x, up), down)
 
 

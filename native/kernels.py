@@ -72,6 +72,11 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) 
     return out
 
 
+def compiled_module():
+    """The C module when the compiled path is on, else None (blocks.py picks per call)."""
+    return _C if _compiled_on else None
+
+
 KERNEL_PATH = "compiled" if _compiled_on else "numpy"
 
 # weight type -> how ggml quantizes the activation it is multiplied with
