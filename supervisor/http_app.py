@@ -118,7 +118,10 @@ def serve_http(sup):
     s = sup.cfg["server"]
     server = waitress.create_server(make_app(sup), host=s["host"], port=s["port"], threads=s["threads"],
                                     send_bytes=1, channel_request_lookahead=5, ident="kiln",
-                                    max_request_body_size=s["max_body_bytes"], clear_untrusted_proxy_headers=True)
+                                    # above our own limit, so that the app answers a JSON 413
+                                    # instead of waitress dropping the connection
+                                    max_request_body_size=max(64 * 2**20, 4 * s["max_body_bytes"]),
+                                    clear_untrusted_proxy_headers=True)
     t = threading.Thread(target=server.run, name="kiln-http", daemon=True)
     t.start()
     return server, (s["host"], server.effective_port)

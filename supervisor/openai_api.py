@@ -223,29 +223,32 @@ class OpenAI:
         timeout = self.sup.cfg["server"]["request_timeout"]
         for attempt in (0, 1):
             call = self.sup.call(worker, "generate", body, timeout)
-            produced = False
-            while True:
-                try:
-                    msg = call.events.get(timeout=0.05)
-                except queue.Empty:
-                    if disconnected():
-                        call.cancel()
+            produced, finished = False, False
+            try:
+                while True:
+                    try:
+                        msg = call.events.get(timeout=0.05)
+                    except queue.Empty:
+                        if disconnected():
+                            return
+                        continue
+                    if msg.type == "chunk":
+                        produced = True
+                        yield msg
+                        if disconnected():
+                            return
+                        continue
+                    finished = True
+                    if msg.type == "reply":
+                        yield msg
                         return
-                    continue
-                if msg.type == "chunk":
-                    produced = True
-                    yield msg
-                    if disconnected():
-                        call.cancel()
-                        return
-                    continue
-                if msg.type == "reply":
-                    yield msg
-                    return
-                if msg.get("code") == "worker_crashed" and not produced and attempt == 0:
-                    self._await_ready(worker, time.monotonic() + min(timeout, 120))
-                    break                               # retry once on the restarted worker
-                raise WorkerGone(msg)
+                    if msg.get("code") == "worker_crashed" and not produced and attempt == 0:
+                        self._await_ready(worker, time.monotonic() + min(timeout, 120))
+                        break                           # retry once on the restarted worker
+                    raise WorkerGone(msg)
+            finally:
+                if not finished:                        # client gone, or the stream was closed
+                    call.cancel()
 
     def _await_ready(self, worker: str, deadline: float) -> None:
         while time.monotonic() < deadline:
