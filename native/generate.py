@@ -56,6 +56,64 @@ def _stop_hold(text: str, stops: list[str]) -> int:
     return hold
 
 
+class Generation:
+    """One request's decoding state: sampler, stop strings, streamed text. Whoever runs the
+    model (a Sequence alone, or a batch of them) feeds it each step's logits."""
+
+    def __init__(self, model: Model, prompt: list[int], params: SamplingParams, cached: int = 0):
+        self.tok = model.tokenizer
+        self.params = params
+        self.sampler = Sampler(params)
+        self.decoder = self.tok.stream_decoder(skip_control=True)
+        self.history = list(prompt)
+        self.n_prompt, self.cached = len(prompt), cached
+        self.pending = ""          # decoded text not yet released (may start a stop string)
+        self.n_out = 0
+        self.reason: str | None = None
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def step(self, logits: np.ndarray) -> Token:
+        """Choose the next token from `logits`; afterwards `done` says whether to stop."""
+        p = self.params
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        tid = self.sampler.sample(logits, self.history)
+        lp, top = None, []
+        if p.logprobs is not None:
+            ls = log_softmax(logits)
+            lp = float(ls[tid])
+            if p.logprobs:
+                best = np.argsort(-ls)[:p.logprobs]
+                top = [(int(i), float(ls[i])) for i in best]
+        self.n_out += 1
+        self.history.append(tid)
+        if tid in self.tok.special.stop_ids and not p.ignore_eos:
+            self.reason = "stop"
+            return Token(tid, "", lp, top)
+        self.pending += self.decoder.feed(tid)
+        hit = min(((self.pending.find(s), s) for s in p.stop if s in self.pending), default=None)
+        if hit is not None:
+            text, self.pending, self.reason = self.pending[:hit[0]], "", "stop"
+            return Token(tid, text, lp, top)
+        release = len(self.pending) - _stop_hold(self.pending, p.stop)
+        text, self.pending = self.pending[:release], self.pending[release:]
+        if self.n_out >= p.max_tokens:
+            self.reason = "length"
+        return Token(tid, text, lp, top)
+
+    def finish(self, reason: str | None = None) -> Finish:
+        self.reason = reason or self.reason or "length"
+        tail = "" if self.reason == "stop" else self.pending + self.decoder.flush()
+        now = time.perf_counter()
+        first = self.t_first or now
+        return Finish(self.reason, self.n_prompt, self.n_out, self.cached, tail, first - self.t_start, now - first)
+
+
 class Sequence:
     """One conversation's KV cache on a model; reuses the cached prefix across calls."""
 
@@ -63,6 +121,12 @@ class Sequence:
         self.model = model
         self.n_ctx = n_ctx or model.config.n_ctx_train
         self.cache: KVCache = model.new_cache(self.n_ctx)
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt) + params.max_tokens > self.n_ctx:
+            raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
 
     def prefill(self, prompt: list[int]) -> tuple[np.ndarray, int]:
         """Bring the cache to `prompt`, reusing its longest cached prefix; return the last
@@ -73,58 +137,19 @@ class Sequence:
 
     def generate(self, prompt: list[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[Token | Finish]:
-        if not prompt:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if len(prompt) + params.max_tokens > self.n_ctx:
-            raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
-        tok = self.model.tokenizer
-        sampler = Sampler(params)
-        decoder = tok.stream_decoder(skip_control=True)
-        stops = list(params.stop)
-        t0 = time.perf_counter()
-        logits, cached = self.prefill(prompt)
-        t1 = time.perf_counter()
-        history = list(prompt)
-        pending = ""          # decoded text not yet released (may start a stop string)
-        n_out = 0
-        reason = "length"
-        while n_out < params.max_tokens:
+        self.check(prompt, params)
+        gen = Generation(self.model, prompt, params)
+        logits, gen.cached = self.prefill(prompt)
+        while params.max_tokens > 0:
             if cancelled():
-                reason = "cancelled"
+                yield gen.finish("cancelled")
+                return
+            tok = gen.step(logits)
+            yield tok
+            if gen.done:
                 break
-            tid = sampler.sample(logits, history)
-            lp, top = None, []
-            if params.logprobs is not None:
-                ls = log_softmax(logits)
-                lp = float(ls[tid])
-                if params.logprobs:
-                    best = np.argsort(-ls)[:params.logprobs]
-                    top = [(int(i), float(ls[i])) for i in best]
-            n_out += 1
-            history.append(tid)
-            if tid in tok.special.stop_ids and not params.ignore_eos:
-                reason = "stop"
-                yield Token(tid, "", lp, top)
-                break
-            pending += decoder.feed(tid)
-            hit = min(((pending.find(s), s) for s in stops if s in pending), default=None)
-            if hit is not None:
-                yield Token(tid, pending[:hit[0]], lp, top)
-                pending = ""
-                reason = "stop"
-                break
-            release = len(pending) - _stop_hold(pending, stops)
-            yield Token(tid, pending[:release], lp, top)
-            pending = pending[release:]
-            if n_out >= params.max_tokens:
-                break
-            logits = self.model.forward([tid], self.cache)
-        if reason != "stop":
-            pending += decoder.flush()
-        else:
-            pending = ""
-        t2 = time.perf_counter()
-        yield Finish(reason, len(prompt), n_out, cached, pending, t1 - t0, t2 - t1)
+            logits = self.model.forward([tok.id], self.cache)
+        yield gen.finish()
 
 
 def generate_text(model: Model, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, Finish]:

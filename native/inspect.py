@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .config import read_config
 from .gguf_file import read_gguf
-from .kernels import KERNEL_PATH, SUPPORTED_TYPES
+from .kernels import COMPILED_TYPES, SUPPORTED_TYPES, kernel_info
 
 
 def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) -> dict:
@@ -16,8 +16,14 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
     n_params = sum(t.n_elements for t in g.tensors.values())
     types = Counter(t.type.name for t in g.tensors.values())
     tied = "output.weight" not in g.tensors
-    # Reference path: every tensor as float32 (the tied head shares token_embd).
-    engine_weights = 4 * n_params
+    # Compiled path: the stored blocks, memory-mapped (types without a kernel as float32);
+    # numpy path: every tensor as float32 (the tied head shares token_embd).
+    kinfo = kernel_info()
+    if kinfo["path"] == "compiled":
+        engine_weights = sum(t.n_bytes if t.type in COMPILED_TYPES else 4 * t.n_elements
+                             for t in g.tensors.values())
+    else:
+        engine_weights = 4 * n_params
     ctx = ctx or min(c.n_ctx_train, 4096)
     kv_per_token = 2 * c.n_layer * c.n_head_kv * c.head_dim * 4
     unsupported = sorted({t.type.name for t in g.tensors.values()} - {t.name for t in SUPPORTED_TYPES})
@@ -40,7 +46,8 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
                       "tokens": len(g.get("tokenizer.ggml.tokens", [])),
                       "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", False))},
         "chat_template": bool(g.get("tokenizer.chat_template")),
-        "kernel_path": KERNEL_PATH,
+        "kernel_path": kinfo["path"],
+        "kernels": kinfo,
         "unsupported_tensor_types": unsupported,
         "memory": {
             "weights_bytes": engine_weights,

@@ -147,10 +147,12 @@ class Model:
 
     # -- forward ------------------------------------------------------------------------------
 
-    def forward(self, tokens: list[int], cache: KVCache, *, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens: list[int], cache: KVCache, *, all_logits: bool = False,
+                logits_from: int | None = None) -> np.ndarray:
         """Run `tokens` (appended after the cache's positions) through the model.
 
-        Returns logits (T, n_vocab) if all_logits, else (n_vocab,) for the last token."""
+        Returns logits (T, n_vocab) if all_logits, (T - logits_from, n_vocab) for the rows from
+        `logits_from` on, else (n_vocab,) for the last token."""
         c = self.config
         if not tokens:
             raise ValueError("forward() needs at least one token")
@@ -158,18 +160,40 @@ class Model:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{c.n_vocab - 1})")
         cache.begin(tokens)
-        positions = np.arange(cache.n, cache.n + len(tokens))
-        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale)
-        x = self.token_embd.rows(np.asarray(tokens))
-        for i, L in enumerate(self.layers):
-            x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, cache)
-            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
+        x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))])
         cache.commit(tokens)
-        x = rms_norm(x if all_logits else x[-1:], self.output_norm, c.rms_eps)
-        logits = matmul(x, self.output)
-        return logits if all_logits else logits[0]
+        rows = x if all_logits else x[logits_from:] if logits_from is not None else x[-1:]
+        logits = matmul(rms_norm(rows, self.output_norm, c.rms_eps), self.output)
+        return logits if (all_logits or logits_from is not None) else logits[0]
 
-    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, cache: KVCache) -> np.ndarray:
+    def forward_batch(self, tokens: list[int], caches: list[KVCache]) -> np.ndarray:
+        """One decode step for several sequences: tokens[i] is appended to caches[i].
+        Returns logits (B, n_vocab). The weight matrices are read once for the whole batch;
+        on the compiled path each row is bit-identical to a forward() of that sequence alone."""
+        c = self.config
+        bad = [t for t in tokens if not 0 <= t < c.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{c.n_vocab - 1})")
+        for cache, t in zip(caches, tokens):
+            cache.begin([t])
+        positions = np.array([cache.n for cache in caches])
+        x = self._layers(np.asarray(tokens), positions, [(cache, b, b + 1) for b, cache in enumerate(caches)])
+        for cache, t in zip(caches, tokens):
+            cache.commit([t])
+        return matmul(rms_norm(x, self.output_norm, c.rms_eps), self.output)
+
+    def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list) -> np.ndarray:
+        """The decoder stack over rows that belong to one or more sequences; `segments` lists
+        (cache, first row, end row) for each sequence."""
+        c = self.config
+        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale)
+        x = self.token_embd.rows(tokens)
+        for i, L in enumerate(self.layers):
+            x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments)
+            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
+        return x
+
+    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, segments: list) -> np.ndarray:
         c = self.config
         T = x.shape[0]
         q, k, v = matmul(x, L.wq), matmul(x, L.wk), matmul(x, L.wv)
@@ -184,8 +208,11 @@ class Model:
             q, k = rms_norm(q, L.q_norm, c.rms_eps), rms_norm(k, L.k_norm, c.rms_eps)
         q = apply_rope(np.ascontiguousarray(q), cos, sin, c.rope_style)
         k = apply_rope(np.ascontiguousarray(k), cos, sin, c.rope_style)
-        keys, values = cache.store(i, k, v)
-        return matmul(attention(q, keys, values, cache.n), L.wo)
+        outs = []
+        for cache, a, b in segments:
+            keys, values = cache.store(i, k[a:b], v[a:b])
+            outs.append(attention(q[a:b], keys, values, cache.n))
+        return matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo)
 
     def _ffn(self, L: Layer, x: np.ndarray) -> np.ndarray:
         if L.router is None:

@@ -17,12 +17,13 @@ from typing import Optional
 import typer
 
 from . import cli_chat
-from .cli_engine import debug_app, fail, models_app
+from .cli_engine import debug_app, eval_app, fail, models_app
 
 app = typer.Typer(name="kiln", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Kiln: a local LLM runtime that keeps crash-isolated workers alive.")
 app.add_typer(models_app, name="models")
 app.add_typer(debug_app, name="debug")
+app.add_typer(eval_app, name="eval")
 app.command("run")(cli_chat.run)
 app.command("chat")(cli_chat.chat)
 

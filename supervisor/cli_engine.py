@@ -81,7 +81,7 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
                        f"({mib(i['moe']['expert_bytes'])} of expert weights)")
         m = i["memory"]
         typer.echo(f"  memory         {mib(m['total_bytes'])} = weights {mib(m['weights_bytes'])} "
-                   f"({i['kernel_path']} path, float32) + KV cache {mib(m['kv_cache_bytes'])} at {m['context']:,} tokens")
+                   f"({i['kernel_path']} path) + KV cache {mib(m['kv_cache_bytes'])} at {m['context']:,} tokens")
         if i["unsupported_tensor_types"]:
             typer.echo(f"  UNSUPPORTED    tensor types {', '.join(i['unsupported_tensor_types'])}")
         for t in i.get("tensors", []):
@@ -169,3 +169,33 @@ def debug_generate(model: str, text: str,
         fail(str(e))
     _emit({"ids": ids, "text": out, "finish_reason": fin.reason}, as_json,
           lambda o: (sys.stdout.write(o["text"] + "\n"), sys.stdout.flush()))
+
+
+eval_app = typer.Typer(help="Evaluate models (perplexity so far).", no_args_is_help=True)
+
+
+@eval_app.command("perplexity")
+def eval_perplexity(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                    file: str = typer.Option(..., "--file", "-f", help="text file to score"),
+                    ctx: int = typer.Option(512, "--ctx", help="chunk size in tokens"),
+                    as_json: bool = typer.Option(False, "--json")):
+    """Perplexity as llama-perplexity computes it: chunks of CTX tokens, second half scored."""
+    from pathlib import Path
+
+    from kiln.native.perplexity import perplexity
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read {file}: {e}")
+    m = _load(model)
+
+    def show(i, n, running):
+        if not as_json:
+            typer.echo(f"[{i}/{n}] {running:.4f}", err=True)
+    try:
+        r = perplexity(m, text, ctx, show)
+    except ValueError as e:
+        fail(str(e))
+    out = {"model": m.path.name, "file": file, "ctx": ctx, "chunks": r.n_chunks, "scored_tokens": r.n_scored,
+           "ppl": r.ppl, "ppl_err": r.ppl_err, "chunk_ppl": r.chunk_ppl}
+    _emit(out, as_json, lambda o: typer.echo(f"PPL = {o['ppl']:.4f} +/- {o['ppl_err']:.4f}"))

@@ -29,3 +29,43 @@ def test_logits_are_identical_however_the_prompt_is_batched(which, default_model
     whole = _chunks(model, ids, [len(ids)])
     assert np.array_equal(whole, _chunks(model, ids, [1] * len(ids)))
     assert np.array_equal(whole, _chunks(model, ids, [5, 1, 7, len(ids) - 13]))
+
+
+def test_a_batched_decode_step_equals_each_sequence_alone(default_model):
+    m = default_model
+    prompts = [m.tokenizer.encode(t) for t in ("Once upon a time", "The capital of France is", "def f(x):")]
+    solo = []
+    for p in prompts:
+        c = m.new_cache()
+        m.forward(p, c)
+        solo.append(m.forward([42], c))
+    caches = [m.new_cache() for _ in prompts]
+    for p, c in zip(prompts, caches):
+        m.forward(p, c)
+    batched = m.forward_batch([42, 42, 42], caches)
+    for row, alone in zip(batched, solo):
+        assert np.array_equal(row, alone)
+
+
+def test_the_scheduler_interleaves_requests_and_matches_solo_generation(default_model):
+    from kiln.native.generate import Finish, Sequence
+    from kiln.native.sampling import SamplingParams
+    from kiln.native.scheduler import Scheduler
+    m = default_model
+    prompts = [m.tokenizer.encode(t) for t in ("Once upon a time", "The capital of France is", "def f(x):", "Hi")]
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=10 + i) for i in range(4)]
+    alone = []
+    for p, sp in zip(prompts, params):
+        alone.append([e.id for e in Sequence(m).generate(p, sp) if not isinstance(e, Finish)])
+    sched = Scheduler(m, 2048, slots=2)                 # 4 requests, 2 slots: some must wait
+    jobs = [sched.submit(p, sp, lambda: False) for p, sp in zip(prompts, params)]
+    got = []
+    for j in jobs:
+        ids = []
+        while True:
+            ev = j.events.get(timeout=60)
+            if isinstance(ev, Finish):
+                break
+            ids.append(ev.id)
+        got.append(ids)
+    assert got == alone

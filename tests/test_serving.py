@@ -183,7 +183,7 @@ def test_client_disconnect_frees_the_worker_within_a_second(served):
     for _ in range(5):
         r.fp.readline()
         r.fp.readline()
-    assert worker(served)["worker_state"] == "busy"
+    served.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=2, what="worker busy")
     import socket
     c.raw_sock.shutdown(socket.SHUT_RDWR)
     c.raw_sock.close()

@@ -13,7 +13,11 @@ import os
 import time
 
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
-from kiln.native.generate import ContextLengthError, Finish, Sequence, Token
+import queue
+
+from kiln.native.generate import ContextLengthError, Finish, Token
+from kiln.native.scheduler import Scheduler
+from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
 from kiln.native.library import ModelNotFound, PullError, resolve_model
 from kiln.native.model import load_model
@@ -32,12 +36,14 @@ class InferenceWorker(Worker):
         try:
             path = resolve_model(spec, pull=(spec == "default"))
             threads = self.settings.get("threads") or None
+            if threads:
+                kernels.set_threads(threads)
             self.model = load_model(path, threads=threads)
         except (ModelNotFound, PullError, GGUFError, TokenizerError) as e:
             raise BootError(str(e)) from None
         c = self.model.config
         self.n_ctx = int(self.settings.get("ctx") or c.n_ctx_train)
-        self.sequence = Sequence(self.model, self.n_ctx)
+        self.scheduler = Scheduler(self.model, self.n_ctx, int(self.settings.get("parallel") or 4))
         try:
             self.template = template_for(self.model)
         except TemplateError:
@@ -52,7 +58,7 @@ class InferenceWorker(Worker):
             return {"model_spec": self.settings.get("model")}
         return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx,
                 "requests": self.served, "tokens_generated": self.tokens_out,
-                "load_s": round(m.load_seconds, 3), "kernel_path": "numpy"}
+                "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(), **self.scheduler.load()}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -83,21 +89,24 @@ class InferenceWorker(Worker):
 
     # -- ops ----------------------------------------------------------------------------------
 
-    @op("generate")
+    @op("generate", concurrent=True)
     def generate(self, req):
+        """Stream one chunk per token; the scheduler batches the decode steps of all requests."""
         try:
             params = SamplingParams.from_dict(dict(req.body.get("params") or {}))
         except (SamplingError, TypeError) as e:
             raise OpError("bad_request", str(e)) from None
         prompt = self._prompt(req.body)
         try:
-            events = self.sequence.generate(prompt, params, cancelled=req.cancelled)
-            first = next(events)
+            job = self.scheduler.submit(prompt, params, req.cancelled)
         except ContextLengthError as e:
             raise OpError("context_length_exceeded", str(e)) from None
         self.served += 1
-        ev = first
         while True:
+            try:
+                ev = job.events.get(timeout=0.1)
+            except queue.Empty:
+                continue                   # the scheduler ends a cancelled job within a step
             if isinstance(ev, Token):
                 self.tokens_out += 1
                 chunk = {"token": ev.id, "text": ev.text}
@@ -111,7 +120,8 @@ class InferenceWorker(Worker):
                         "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                                   "cached_tokens": ev.cached_tokens},
                         "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
-            ev = next(events)
+            else:
+                raise ev
 
     @op("tokenize")
     def tokenize(self, req):

@@ -67,10 +67,12 @@ class Request:
         return self._cancel.is_set() or (self.deadline is not None and time.time() > self.deadline)
 
 
-def op(name: str):
-    """Register a Worker method as the handler of op `name`."""
+def op(name: str, concurrent: bool = False):
+    """Register a Worker method as the handler of op `name`. A concurrent op runs on a thread
+    of its own as soon as it arrives (the handler coordinates); others run one at a time."""
     def mark(fn):
         fn._kiln_op = name
+        fn._kiln_concurrent = concurrent
         return fn
     return mark
 
@@ -123,8 +125,10 @@ class Runtime:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt_string(zmq.IDENTITY, f"{worker.name}:{os.getpid()}")
-        self.inbox = self.ctx.socket(zmq.PAIR)          # executor -> main thread
+        self.inbox = self.ctx.socket(zmq.PULL)          # executor and op threads -> main thread
         self.inbox.bind(f"inproc://kiln-worker-{id(self)}")
+        self._busy = 0
+        self._busy_lock = threading.Lock()
         self.jobs: queue.Queue = queue.Queue()
         self.requests: dict[str, Request] = {}            # queued or running, by id
         self.stopping = False
@@ -218,7 +222,10 @@ class Runtime:
             self.send(make("reply", id=req.id, body=self.handlers[opname](req)))
             return
         self.requests[req.id] = req
-        self.jobs.put(req)
+        if getattr(self.handlers[opname], "_kiln_concurrent", False):
+            threading.Thread(target=self._run_concurrent, args=(req,), name=f"kiln-op-{opname}", daemon=True).start()
+        else:
+            self.jobs.put(req)
 
     def _begin_stop(self) -> None:
         self.stopping = True
@@ -227,13 +234,37 @@ class Runtime:
 
     # -- executor thread ----------------------------------------------------------------------
 
-    def _executor(self) -> None:
-        out = self.ctx.socket(zmq.PAIR)
+    def _outbox(self) -> zmq.Socket:
+        out = self.ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 1000)
         out.connect(f"inproc://kiln-worker-{id(self)}")
+        return out
+
+    def _busy_delta(self, n: int) -> None:
+        with self._busy_lock:
+            self._busy += n
+            if self.worker.state in ("ready", "busy"):
+                self.worker.state = "busy" if self._busy else "ready"
+
+    def _run_concurrent(self, req: Request) -> None:
+        while self.worker.state in ("booting", "loading") and not req.cancelled():
+            time.sleep(0.05)                      # a request that arrives while booting waits
+        out = self._outbox()
+        self._busy_delta(1)
+        try:
+            for msg in self._execute(req):
+                out.send_pyobj(("send", msg))
+        finally:
+            self._busy_delta(-1)
+            out.send_pyobj(("done", req.id))
+            out.close()
+
+    def _executor(self) -> None:
+        out = self._outbox()
         post = out.send_pyobj
         try:
             self.worker.boot()
-            self.worker.state = "ready"
+            self.worker.state = "busy" if self._busy else "ready"
         except BootError as e:
             post(("boot_failed", str(e)))
             return
@@ -246,10 +277,10 @@ class Runtime:
             if req.cancelled():
                 post(("send", make("error", id=req.id, code="cancelled", message="cancelled before it ran")))
             else:
-                self.worker.state = "busy"
+                self._busy_delta(1)
                 for msg in self._execute(req):
                     post(("send", msg))
-                self.worker.state = "ready"
+                self._busy_delta(-1)
             post(("done", req.id))
 
     def _execute(self, req: Request) -> Iterator[Message]:

@@ -1,0 +1,112 @@
+"""Serving numbers, as JSON: time to first token and decode tok/s through HTTP (stream) vs
+the engine alone for the same prompt, the overhead per request and per token, and aggregate
+tok/s with 1, 4 and 8 concurrent streaming clients.
+
+    python bench/serve.py [--model default|PATH] [--runs 5] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from daemon_harness import Daemon  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+
+
+def stream(base: str, tokens: int) -> tuple[float, float, int]:
+    """(time to first token, total time, tokens) for one streaming chat request."""
+    host, port = base.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=600)
+    body = {"messages": QUESTION, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    first, n = None, 0
+    for line in r:
+        if not line.startswith(b"data: {"):
+            continue
+        ev = json.loads(line[6:])
+        if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+            first = first or time.perf_counter() - t0
+        if ev.get("usage"):
+            n = ev["usage"]["completion_tokens"]
+    c.close()
+    return first, time.perf_counter() - t0, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    from kiln.native.chat_template import render_and_tokenize, template_for
+    from kiln.native.generate import Sequence
+    from kiln.native.library import resolve_model
+    from kiln.native.model import load_model
+    from kiln.native.sampling import SamplingParams
+    path = resolve_model(args.model, pull=args.model == "default")
+    model = load_model(path)
+    ids = render_and_tokenize(template_for(model), model.tokenizer, QUESTION)[1]
+    eng_ttft, eng_rate = [], []
+    for _ in range(args.runs):
+        seq = Sequence(model)
+        t0 = time.perf_counter()
+        first = None
+        for ev in seq.generate(ids, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)):
+            first = first or time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        eng_ttft.append(first)
+        eng_rate.append((args.tokens - 1) / (total - first))
+    del model
+    out = {"benchmark": "serve", "model": path.name, "prompt_tokens": len(ids), "completion_tokens": args.tokens,
+           "engine": {"ttft_ms": round(statistics.median(eng_ttft) * 1000, 1),
+                      "decode_tok_s": round(statistics.median(eng_rate), 1)}}
+    with tempfile.TemporaryDirectory() as home:
+        d = Daemon(Path(home), {"default": {"kind": "inference", "model": str(path)}},
+                   supervisor={"heartbeat_interval": 1.0}).start()
+        try:
+            d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=120, what="model loaded")
+            stream(d.http, 4)
+            ttft, rate = [], []
+            for _ in range(args.runs):
+                f, total, n = stream(d.http, args.tokens)
+                ttft.append(f)
+                rate.append((n - 1) / (total - f))
+            h_ttft, h_rate = statistics.median(ttft), statistics.median(rate)
+            out["http"] = {"ttft_ms": round(h_ttft * 1000, 1), "decode_tok_s": round(h_rate, 1)}
+            out["overhead"] = {"per_request_ms": round((h_ttft - statistics.median(eng_ttft)) * 1000, 1),
+                               "per_token_ms": round((1 / h_rate - 1 / statistics.median(eng_rate)) * 1000, 2)}
+            agg = {}
+            for clients in (1, 4, 8):
+                counts = [0] * clients
+                def one(i):
+                    counts[i] = stream(d.http, args.tokens // 2)[2]
+                t0 = time.perf_counter()
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                agg[str(clients)] = round(sum(counts) / (time.perf_counter() - t0), 1)
+            out["aggregate_tok_s"] = agg
+            out["aggregate_note"] = ("one inference worker runs one request at a time: concurrent clients queue; "
+                                     "batched decode across requests is not built yet")
+        finally:
+            d.stop()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
