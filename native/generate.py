@@ -56,6 +56,9 @@ def _stop_hold(text: str, stops: list[str]) -> int:
     return hold
 
 
+PREFILL_CHUNK = 256
+
+
 class Generation:
     """One request's decoding state: sampler, stop strings, streamed text. Whoever runs the
     model (a Sequence alone, or a batch of them) feeds it each step's logits."""
@@ -128,18 +131,30 @@ class Sequence:
         if len(prompt) + params.max_tokens > self.n_ctx:
             raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
 
-    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, int]:
+    def prefill(self, prompt: list[int], cancelled: Callable[[], bool] = lambda: False,
+                chunk: int = PREFILL_CHUNK) -> tuple[np.ndarray | None, int]:
         """Bring the cache to `prompt`, reusing its longest cached prefix; return the last
-        position's logits and how many prompt tokens were reused."""
+        position's logits (None if cancelled) and how many prompt tokens were reused.
+
+        The new part runs in chunks, checking `cancelled` between them; on the compiled
+        kernels chunking changes no bit of the result."""
         reuse = min(self.cache.common_prefix(prompt), len(prompt) - 1)
         self.cache.truncate(reuse)
-        return self.model.forward(prompt[reuse:], self.cache), reuse
+        logits = None
+        for start in range(reuse, len(prompt), chunk):
+            if cancelled():
+                return None, reuse
+            logits = self.model.forward(prompt[start:start + chunk], self.cache)
+        return logits, reuse
 
     def generate(self, prompt: list[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[Token | Finish]:
         self.check(prompt, params)
         gen = Generation(self.model, prompt, params)
-        logits, gen.cached = self.prefill(prompt)
+        logits, gen.cached = self.prefill(prompt, cancelled)
+        if logits is None:
+            yield gen.finish("cancelled")
+            return
         while params.max_tokens > 0:
             if cancelled():
                 yield gen.finish("cancelled")

@@ -86,7 +86,9 @@ class Scheduler:
             if job.cancelled():
                 raise _Cancelled()
             job.gen = Generation(self.model, job.prompt, job.params)
-            job.logits, job.gen.cached = seq.prefill(job.prompt)
+            job.logits, job.gen.cached = seq.prefill(job.prompt, job.cancelled)
+            if job.logits is None:
+                return self._end(job, job.gen.finish("cancelled"))
             if job.params.max_tokens == 0:
                 return self._end(job, job.gen.finish("length"))
             with self.cond:

@@ -94,12 +94,13 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
                 tail = paths.daemon_log.read_text(errors="replace").strip().splitlines()[-5:]
                 fail("the daemon exited at start:\n  " + "\n  ".join(tail))
             if daemon_pid(paths) == proc.pid and (paths.run / "control.sock").exists():
+                from .client import ControlClient
                 try:
-                    st = _command("status", timeout=2)
-                    http = st["daemon"]["http"]
+                    with ControlClient(paths, 2) as c:
+                        http = c.command("status", timeout=2)["daemon"]["http"]
                     typer.echo(f"kiln is up (pid {proc.pid}); http://{http[0]}:{http[1]}; log {paths.daemon_log}")
                     return
-                except typer.Exit:
+                except Exception:  # noqa: BLE001 - not ready yet: keep waiting
                     pass
             time.sleep(0.1)
         fail(f"the daemon (pid {proc.pid}) did not become ready within 30 s; see {paths.daemon_log}")
@@ -116,7 +117,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     except AlreadyRunning as e:
         fail(f"{e}; `kiln down` stops it")
     except OSError as e:
-        fail(f"cannot start: {e}")
+        hint = " (is another server on that port? set --port or server.port)" if e.errno == 98 else ""
+        fail(f"cannot start: {e}{hint}")
 
 
 @app.command()

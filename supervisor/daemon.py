@@ -206,12 +206,16 @@ class Supervisor:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        housekeeping = 0.0
         while True:
             self._drain_inbox()
-            self._reap()
-            self._check_liveness()
-            self._tick()
-            self._expire_requests()
+            now = time.monotonic()
+            if now - housekeeping >= 0.02:      # not once per message: traffic stays cheap
+                housekeeping = now
+                self._reap()
+                self._check_liveness()
+                self._tick()
+                self._expire_requests()
             if self.shutting_down and not any(w.ps.state in policy.ALIVE for w in self.workers.values()):
                 return
             ready = dict(poller.poll(100))

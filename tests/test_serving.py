@@ -264,3 +264,20 @@ def test_a_bad_model_path_is_fatal_with_its_reason(tmp_path):
         assert "missing.gguf" in w["reason"] and w["restarts"] == 0
         status, err, _ = post(d.http + "/v1/chat/completions", {"messages": QUESTION})
         assert status == 503 and "fatal" in err["error"]["message"]
+
+
+def test_disconnect_during_a_long_prefill_frees_the_worker(served):
+    served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready")
+    host, port = served.http.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": "default", "max_tokens": 5, "stream": True,
+            "messages": [{"role": "user", "content": "Summarise: " + "a long text about rivers. " * 250}]}
+    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    r.fp.readline()                               # the role event: the request is in prefill now
+    served.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=5, what="busy")
+    r.close()
+    c.close()
+    t0 = time.monotonic()
+    served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=10, what="idle after disconnect")
+    assert time.monotonic() - t0 < 4.0            # one prefill chunk, not the whole ~1500-token prompt
