@@ -115,8 +115,11 @@ def test_context_overflow_is_a_clear_error(default_model):
 
 
 def test_cancel_stops_between_tokens(default_model, chat_prompt):
-    n = []
-    events = list(Sequence(default_model).generate(
-        chat_prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
-        cancelled=lambda: len(n) >= 3 or n.append(1)))
+    seen = []
+    events = []
+    for ev in Sequence(default_model).generate(chat_prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                                              cancelled=lambda: len(seen) >= 3):
+        events.append(ev)
+        if isinstance(ev, Token):
+            seen.append(ev.id)
     assert events[-1].reason == "cancelled" and events[-1].completion_tokens == 3
