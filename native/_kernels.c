@@ -402,6 +402,66 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
     for (; i < n; i++) o[i] += p * v[i];
 }
+
+/* exp(x) for 8 floats (Cephes-style range reduction + degree-5 polynomial, ~1 ulp), x <= 0 */
+AVX2 static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* One (query row, KV head) task: the G query heads that share the KV head. sc holds G*n scores. */
+AVX2 static void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int kh,
+                                int H, int Hkv, int D, int n, float scale, float *sc) {
+    int G = H / Hkv;
+    for (int g = 0; g < G; g++) {
+        const float *q = Q + ((size_t)t * H + kh * G + g) * D;
+        float *row = sc + (size_t)g * n, mx = -INFINITY;
+        for (int s = 0; s < n; s++) {
+            const float *k = Kc + ((size_t)s * Hkv + kh) * D;
+            __m256 acc = _mm256_setzero_ps(); int i = 0;
+            for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+            float dot = hsum_avx(acc);
+            for (; i < D; i++) dot += q[i] * k[i];
+            row[s] = dot * scale;
+            if (row[s] > mx) mx = row[s];
+        }
+        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); int s = 0;
+        for (; s + 8 <= n; s += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
+            _mm256_storeu_ps(row + s, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum_avx(vsum);
+        for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }
+        float inv = 1.0f / sum, *o = O + ((size_t)t * H + kh * G + g) * D;
+        if (D == 64) {                             /* the output row lives in 8 registers */
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int j = 0; j < n; j++) {
+                const float *v = V + ((size_t)j * Hkv + kh) * D; __m256 p = _mm256_set1_ps(row[j] * inv);
+                a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);      a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2); a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+                a4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), a4); a5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), a5);
+                a6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), a6); a7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), a7);
+            }
+            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2); _mm256_storeu_ps(o + 24, a3);
+            _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);
+        } else {
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            for (int j = 0; j < n; j++) vaxpy_avx2(o, row[j] * inv, V + ((size_t)j * Hkv + kh) * D, D);
+        }
+    }
+}
 #endif
 
 static int g_avx2 = 0;
@@ -530,6 +590,18 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     int G = H / Hkv, nt = pick_threads(threads);
     float scale = 1.0f / sqrtf((float)D);
     Py_BEGIN_ALLOW_THREADS
+#ifdef KILN_X86
+    if (g_avx2) {
+        #pragma omp parallel num_threads(nt)
+        {
+            float *sc = malloc((size_t)S * G * sizeof(float));
+            #pragma omp for schedule(static)
+            for (int task = 0; task < T * Hkv; task++)
+                attn_task_avx2(Q, Kc, V, O, task / Hkv, task % Hkv, H, Hkv, D, start + task / Hkv + 1, scale, sc);
+            free(sc);
+        }
+    } else
+#endif
     #pragma omp parallel num_threads(nt)
     {
         float *sc = malloc((size_t)S * sizeof(float));
