@@ -73,6 +73,12 @@ def resolve_model(spec: str, *, pull: bool = False,
             return pull_default(progress=progress)
         raise ModelNotFound(f"the default model ({DEFAULT.file}) is not in any model folder "
                             f"({', '.join(map(str, model_dirs()))}); run `kiln models pull default`")
+    if spec.startswith(("hf:", "ollama:", "pkg:")):
+        from .discovery import find
+        found = find(spec)
+        if found:
+            return found
+        raise ModelNotFound(f"model {spec!r} not found (`kiln models list` shows what there is)")
     if os.sep in spec or spec.endswith(".gguf") and p.parent != Path("."):
         raise ModelNotFound(f"{spec}: no such file")
     want = spec.lower().removesuffix(".gguf")

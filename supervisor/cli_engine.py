@@ -89,6 +89,48 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
     _emit(info, as_json, human)
 
 
+@models_app.command("list")
+def models_list(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """GGUF models in the model folders, the Hugging Face cache, Ollama's store and Python packages."""
+    from kiln.native.discovery import as_dicts, discover
+    entries = as_dicts(discover())
+    if as_json:
+        typer.echo(json.dumps(entries))
+        return
+    if not entries:
+        typer.echo("no models found; `kiln models pull default` fetches one")
+        return
+    typer.echo(f"{'NAME':<44}{'SOURCE':<10}{'ARCH':<10}{'PARAMS':>8}{'QUANT':>8}{'SIZE':>10}{'CTX':>7}")
+    for e in entries:
+        if e["error"]:
+            typer.echo(f"{e['name']:<44}{e['source']:<10}UNREADABLE: {e['error']}  ({e['path']})")
+            continue
+        params = f"{e['parameters'] / 1e6:.0f}M" if e["parameters"] < 1e9 else f"{e['parameters'] / 1e9:.1f}B"
+        typer.echo(f"{e['name']:<44}{e['source']:<10}{e['architecture']:<10}{params:>8}{e['quantization']:>8}"
+                   f"{e['file_bytes'] / 2**20:>8.0f}MB{e['context_length'] or '-':>7}")
+
+
+@models_app.command("plan")
+def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"),
+                ctx: Optional[int] = typer.Option(None, "--ctx", help="context size to plan for"),
+                as_json: bool = typer.Option(False, "--json")):
+    """Will it run here? Weights, KV cache and runtime against available RAM: fits / streams / too_large."""
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.plan import plan
+    path = _model_path(model)
+    try:
+        p = plan(path, ctx)
+    except GGUFError as e:
+        fail(str(e))
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    _emit(p, as_json, lambda p: typer.echo(
+        f"{p['verdict']}: weights {gib(p['weights_bytes'])} ({p['kernel_path']} path) + KV cache "
+        f"{gib(p['kv_cache_bytes'])} at {p['context']} tokens + runtime {gib(p['runtime_bytes'])} = "
+        f"{gib(p['total_bytes'])}; available {gib(p['available_bytes'])}\n  {p['advice']}"))
+    if p["verdict"] == "too_large":
+        raise typer.Exit(1)
+
+
 @models_app.command("pull")
 def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct)")):
     """Download a model into the model folder (verified by sha256)."""

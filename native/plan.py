@@ -1,0 +1,68 @@
+"""Will a model run here? Memory needed (weights as the engine holds them, KV cache at a
+context, runtime) against the RAM psutil says is available, with a verdict and what to change."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+from .config import read_config
+from .gguf_file import read_gguf
+from .kernels import COMPILED_TYPES, kernel_info
+
+RUNTIME_BYTES = 120 * 2**20      # Python, numpy, tokenizer, scratch activations (measured ~100 MB)
+MIN_EXPERT_CACHE_SLOTS = 2       # per layer: the fewest experts a streamed step can work with
+
+
+def plan(path: Path, ctx: int | None = None, available: int | None = None) -> dict:
+    g = read_gguf(path, skip_arrays=True)
+    c = read_config(g)
+    ctx = ctx or min(c.n_ctx_train, 4096)
+    compiled = kernel_info()["path"] == "compiled"
+    by_type: Counter = Counter()
+    held: Counter = Counter()
+    expert_bytes = 0
+    for name, t in g.tensors.items():
+        by_type[t.type.name] += t.n_bytes
+        engine = t.n_bytes if (compiled and t.type in COMPILED_TYPES) else 4 * t.n_elements
+        held[t.type.name] += engine
+        if "_exps." in name:
+            expert_bytes += engine
+    weights = sum(held.values())
+    kv = 2 * c.n_layer * c.n_head_kv * c.head_dim * 4 * ctx
+    total = weights + kv + RUNTIME_BYTES
+    avail = available if available is not None else psutil.virtual_memory().available
+    non_expert = weights - expert_bytes
+    out = {"model": str(path), "architecture": c.arch, "context": ctx, "kernel_path": "compiled" if compiled else "numpy",
+           "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
+           "kv_cache_bytes": kv, "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
+           "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
+    if total <= 0.9 * avail:
+        out["verdict"] = "fits"
+        out["advice"] = f"needs {total / 2**30:.2f} GiB of {avail / 2**30:.2f} GiB available"
+        return out
+    if c.is_moe and non_expert + kv + RUNTIME_BYTES < 0.9 * avail:
+        per_expert = expert_bytes / max(1, c.n_layer * c.n_expert)
+        cache = 0.9 * avail - (non_expert + kv + RUNTIME_BYTES)
+        slots = int(cache // per_expert)
+        if slots >= MIN_EXPERT_CACHE_SLOTS * c.n_layer:
+            frac = min(1.0, slots / (c.n_layer * c.n_expert))
+            used = c.n_expert_used / c.n_expert
+            out["verdict"] = "streams"
+            out["expert_cache_bytes"] = int(cache)
+            out["expert_cache_slots"] = slots
+            # uniform routing gives the floor; real routers reuse experts, so the hit rate is higher
+            out["expected_hit_rate"] = [round(frac, 2), round(min(1.0, frac / used * 0.5 + frac * 0.5), 2)]
+            out["advice"] = (f"experts ({expert_bytes / 2**30:.2f} GiB) do not fit; stream them with a "
+                             f"{cache / 2**30:.2f} GiB expert cache (moe-stream worker, not built yet)")
+            return out
+    out["verdict"] = "too_large"
+    need = total - 0.9 * avail
+    tips = [f"needs {total / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is available ({need / 2**30:.2f} GiB short)"]
+    if kv > need:
+        tips.append(f"a context of {max(256, int(ctx * (1 - need / kv)) // 256 * 256)} tokens would fit (--ctx)")
+    tips.append("or use a smaller quantization of this model")
+    out["advice"] = "; ".join(tips)
+    return out

@@ -1,0 +1,101 @@
+"""Finding models where users keep them, and planning whether they fit."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import tiny_path
+
+
+def _kiln(env, *args):
+    return subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+@pytest.fixture
+def stores(tmp_path, monkeypatch):
+    """A model folder, a Hugging Face cache and an Ollama store, each with models in it."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_path("qwen3"), folder / "tiny-qwen3.gguf")
+    (folder / "broken.gguf").write_bytes(b"this is not a model")
+    (folder / "half.gguf").write_bytes(tiny_path("llama").read_bytes()[:100_000])     # interrupted download
+    for i in (1, 2):                                  # a split model, as llama.cpp's gguf-split names it
+        shutil.copy(tiny_path("olmoe"), folder / f"big-0000{i}-of-00002.gguf")
+    hf = tmp_path / "hf" / "hub"
+    snap = hf / "models--tiny-org--tiny-llama-GGUF" / "snapshots" / "0123456789abcdef"
+    snap.mkdir(parents=True)
+    blob = hf / "models--tiny-org--tiny-llama-GGUF" / "blobs" / "abc"
+    blob.parent.mkdir(parents=True)
+    shutil.copy(tiny_path("llama"), blob)
+    (snap / "tiny-llama.Q8_0.gguf").symlink_to(blob)
+    ollama = tmp_path / "ollama"
+    data = tiny_path("qwen2").read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (ollama / "blobs").mkdir(parents=True)
+    (ollama / "blobs" / digest.replace(":", "-")).write_bytes(data)
+    mf = ollama / "manifests" / "registry.ollama.ai" / "library" / "tinyqwen" / "latest"
+    mf.parent.mkdir(parents=True)
+    mf.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": digest}]}))
+    env = dict(__import__("os").environ, KILN_MODEL_PATH=str(folder), HF_HUB_CACHE=str(hf), OLLAMA_MODELS=str(ollama))
+    return env
+
+
+def test_models_are_found_in_every_store_with_their_facts(stores):
+    r = _kiln(stores, "models", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    by_name = {e["name"]: e for e in json.loads(r.stdout)}
+    q3 = by_name["tiny-qwen3"]
+    assert (q3["source"], q3["architecture"], q3["quantization"], q3["context_length"]) == ("folder", "qwen3", "Q8_0", 2048)
+    assert q3["parameters"] > 100_000
+    hf = by_name["hf:tiny-org/tiny-llama-GGUF/tiny-llama.Q8_0.gguf@01234567"]
+    assert hf["source"] == "hf-cache" and hf["architecture"] == "llama"
+    assert by_name["ollama:tinyqwen:latest"]["architecture"] == "qwen2"
+    split = by_name["big"]
+    assert split["parts"] == 2 and split["file_bytes"] == 2 * tiny_path("olmoe").stat().st_size
+    assert "not a GGUF" in by_name["broken"]["error"]
+    assert "truncated" in by_name["half"]["error"]
+
+
+def test_discovered_names_work_wherever_a_model_is_taken(stores):
+    for name in ("ollama:tinyqwen:latest", "hf:tiny-org/tiny-llama-GGUF/tiny-llama.Q8_0.gguf@01234567", "tiny-qwen3"):
+        r = _kiln(stores, "debug", "tokenize", name, "Hello there", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["ids"]
+
+
+def test_human_listing_shows_unreadable_files_with_their_reason(stores):
+    out = _kiln(stores, "models", "list").stdout
+    assert "UNREADABLE" in out and "broken" in out and "tiny-qwen3" in out
+
+
+def test_plan_says_fits_or_too_large_with_numbers(default_model_path):
+    from kiln.native.plan import plan
+    p = plan(default_model_path, ctx=2048)
+    assert p["verdict"] == "fits" and p["weights_bytes"] > 90e6 and p["kv_cache_bytes"] == 2 * 30 * 3 * 64 * 4 * 2048
+    small = plan(default_model_path, ctx=2048, available=150 * 2**20)
+    assert small["verdict"] == "too_large" and "short" in small["advice"]
+    moe = plan(tiny_path("olmoe"), ctx=512, available=300 * 2**20)
+    assert moe["expert_bytes"] > 0
+
+
+def test_plan_is_within_15_percent_of_the_measured_rss(default_model_path):
+    code = f"""
+import json, psutil
+from pathlib import Path
+from kiln.native.model import load_model
+from kiln.native.generate import generate_text
+from kiln.native.sampling import SamplingParams
+m = load_model(Path({str(default_model_path)!r}))
+ids = m.tokenizer.encode("Once upon a time " * 40)
+generate_text(m, ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+print(psutil.Process().memory_info().rss)
+"""
+    rss = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
+    from kiln.native.plan import plan
+    planned = plan(default_model_path, ctx=256)["total_bytes"]
+    assert abs(planned - rss) / rss <= 0.15, (planned, rss)
