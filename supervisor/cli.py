@@ -79,6 +79,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     running = daemon_pid(paths)
     if running:
         fail(f"kiln is already running (pid {running}); `kiln down` stops it")
+    _preflight(cfg)
     if detach:
         paths.ensure()
         args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
@@ -119,6 +120,24 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     except OSError as e:
         hint = " (is another server on that port? set --port or server.port)" if e.errno == 98 else ""
         fail(f"cannot start: {e}{hint}")
+
+
+def _preflight(cfg) -> None:
+    """Refuse a model that cannot run here, with the plan's numbers, before starting anything."""
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.library import ModelNotFound, resolve_model
+    from kiln.native.plan import plan
+    for name, spec in cfg.workers.items():
+        if spec["kind"] != "inference" or not spec.get("enabled", True):
+            continue
+        try:
+            path = resolve_model(spec["model"])
+            budget = cfg["supervisor"]["memory_budget"] or None
+            p = plan(path, (spec.get("settings") or {}).get("ctx"), available=budget)
+        except (ModelNotFound, GGUFError):
+            continue                  # the worker reports it (exit 3 → fatal with the reason)
+        if p["verdict"] == "too_large":
+            fail(f"worker {name}: model {path.name} will not run here: {p['advice']} (`kiln models plan` has the numbers)")
 
 
 @app.command()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -131,16 +132,66 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
         raise typer.Exit(1)
 
 
-@models_app.command("pull")
-def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct)")):
-    """Download a model into the model folder (verified by sha256)."""
-    from kiln.native.library import PullError, pull_default
-    if model != "default":
-        fail(f"cannot pull {model!r}: only 'default' is supported so far")
+@models_app.command("rm")
+def models_rm(model: str = typer.Argument(..., help="name or path of a model in a Kiln model folder"),
+              yes: bool = typer.Option(False, "--yes", "-y", help="do not ask")):
+    """Delete a model from a Kiln model folder (refused while a running worker uses it)."""
+    from kiln.native.library import model_dirs
+    path = _model_path(model).resolve()
+    if not any(d.resolve() in path.parents for d in model_dirs() if d.exists()):
+        fail(f"{path} is not in a Kiln model folder; remove it with the tool that put it there")
+    from .client import ControlClient, DaemonNotRunning
+    from .paths import Paths
     try:
-        path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+        with ControlClient(Paths.from_env(), 5) as c:
+            users = [w["name"] for w in c.command("status")["workers"]
+                     if w["pid"] and (w["stats"] or {}).get("path") and Path((w["stats"] or {})["path"]).resolve() == path]
+    except DaemonNotRunning:
+        users = []
+    if users:
+        fail(f"{path.name} is in use by worker {', '.join(users)}; stop it first (`kiln stop {users[0]}`)")
+    if not yes and not typer.confirm(f"delete {path} ({path.stat().st_size / 2**20:.0f} MiB)?"):
+        raise typer.Exit(1)
+    path.unlink()
+    typer.echo(f"deleted {path}")
+
+
+def _progress_bar():
+    """A progress line on stderr, updated at most ten times a second."""
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        import time
+        now = time.monotonic()
+        if now - last[0] < 0.1 and done < total:
+            return
+        last[0] = now
+        width = 30
+        filled = int(width * done / total) if total else width
+        sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done / 2**20:,.1f} of "
+                         f"{total / 2**20:,.1f} MiB ({100 * done / max(total, 1):.0f}%)")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show
+
+
+@models_app.command("pull")
+def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct), or hf:ORG/REPO[/FILE.gguf][@REV]")):
+    """Download a model (verified by sha256; an interrupted pull resumes when run again)."""
+    from kiln.native.library import PullError, pull_default
+    try:
+        if model == "default":
+            path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+        elif model.startswith("hf:"):
+            from kiln.native.hub import pull_hf
+            path = pull_hf(model, _progress_bar())
+        else:
+            fail(f"cannot pull {model!r}: give 'default' or hf:ORG/REPO[/FILE.gguf][@REV]")
     except PullError as e:
         fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; the partial download is kept — run the same pull again to resume", 130)
     typer.echo(str(path))
 
 

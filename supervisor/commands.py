@@ -73,7 +73,8 @@ def worker(sup, args):
 def system_info(sup) -> dict:
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     disks = {}
-    for label, path in (("state", sup.paths.home),):
+    models = sup.paths.home / "models"
+    for label, path in (("state", sup.paths.home), ("models", models if models.exists() else sup.paths.home)):
         try:
             du = shutil.disk_usage(path)
             disks[label] = {"path": str(path), "free_bytes": du.free, "total_bytes": du.total}

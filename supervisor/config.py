@@ -56,6 +56,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "backoff_initial": Field(float, 1.0, "first restart delay, seconds (doubles each time)", 0, 600),
         "backoff_max": Field(float, 30.0, "longest restart delay, seconds", 0, 3600),
         "boot_timeout": Field(float, 120.0, "seconds a worker may take from spawn to hello", 1, None),
+        "memory_budget": Field(int, 0, "bytes a model may plan to use (0: the RAM available)", 0, None),
     },
 }
 

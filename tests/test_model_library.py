@@ -99,3 +99,13 @@ print(psutil.Process().memory_info().rss)
     from kiln.native.plan import plan
     planned = plan(default_model_path, ctx=256)["total_bytes"]
     assert abs(planned - rss) / rss <= 0.15, (planned, rss)
+
+
+def test_kiln_up_refuses_a_model_that_will_not_fit(default_model_path, tmp_path):
+    from daemon_harness import env_for, write_config
+    cfg = write_config(tmp_path, {"default": {"kind": "inference", "model": str(default_model_path)}},
+                       supervisor={"memory_budget": 100 * 2**20})
+    r = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "up", "--config", str(cfg)],
+                       capture_output=True, text=True, env=env_for(tmp_path), timeout=60)
+    assert r.returncode == 1
+    assert "will not run here" in r.stderr and "GiB short" in r.stderr

@@ -1,0 +1,79 @@
+"""`kiln models pull hf:…` against a local imitation of the hub: resume and checksum."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import tiny_path
+from fake_hub import FakeHub
+
+
+@pytest.fixture
+def hub(tmp_path):
+    h = FakeHub()
+    h.add("tiny-org/tiny-GGUF", {"tiny-llama.Q8_0.gguf": tiny_path("llama").read_bytes(),
+                                 "tiny-qwen3.Q8_0.gguf": tiny_path("qwen3").read_bytes()})
+    env = dict(os.environ, HF_ENDPOINT=h.url, HF_HUB_CACHE=str(tmp_path / "hf"), HF_HUB_DISABLE_XET="1",
+               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="10")
+    yield h, env
+    h.close()
+
+
+def kiln(env, *args):
+    return subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def listed(env):
+    return {e["name"]: e for e in json.loads(kiln(env, "models", "list", "--json").stdout)}
+
+
+def test_pull_verifies_and_the_model_is_listed(hub):
+    h, env = hub
+    r = kiln(env, "models", "pull", "hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("tiny-llama.Q8_0.gguf")
+    entry = listed(env)["hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf@aaaaaaaa"]
+    assert entry["architecture"] == "llama" and not entry["error"]
+
+
+def test_ctrl_c_leaves_a_resumable_partial_and_the_next_pull_resumes(hub):
+    import signal
+    import time
+    h, env = hub
+    h.stall_after["tiny-llama.Q8_0.gguf"] = 150_000
+    p = subprocess.Popen([sys.executable, "-m", "kiln.supervisor.cli", "models", "pull",
+                          "hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert h.stalled.wait(60)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    h.release.set()
+    assert p.returncode == 130 and "resume" in err
+    assert not any(n.startswith("hf:tiny-org") for n in listed(env)), "a partial file must never be listed"
+    r = kiln(env, "models", "pull", "hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf")
+    assert r.returncode == 0, r.stderr
+    resumed = [rng for m, path, rng in h.requests if m == "GET" and "resolve" in path][-1]
+    assert resumed == "bytes=150000-", h.requests
+    entry = listed(env)["hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf@aaaaaaaa"]
+    assert entry["file_bytes"] == tiny_path("llama").stat().st_size and not entry["error"]
+
+
+def test_a_checksum_mismatch_is_an_error_and_leaves_nothing_listed(hub):
+    h, env = hub
+    h.corrupt.add("tiny-qwen3.Q8_0.gguf")
+    r = kiln(env, "models", "pull", "hf:tiny-org/tiny-GGUF/tiny-qwen3.Q8_0.gguf")
+    assert r.returncode == 1 and "checksum mismatch" in r.stderr
+    assert not any("tiny-qwen3" in n for n in listed(env))
+
+
+def test_ambiguous_and_missing_files_are_explained(hub):
+    h, env = hub
+    r = kiln(env, "models", "pull", "hf:tiny-org/tiny-GGUF")
+    assert r.returncode == 1 and "has 2 GGUF files" in r.stderr and "tiny-qwen3.Q8_0.gguf" in r.stderr
+    r = kiln(env, "models", "pull", "hf:tiny-org/nope")
+    assert r.returncode == 1 and "cannot read tiny-org/nope" in r.stderr
