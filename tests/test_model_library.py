@@ -109,3 +109,21 @@ def test_kiln_up_refuses_a_model_that_will_not_fit(default_model_path, tmp_path)
                        capture_output=True, text=True, env=env_for(tmp_path), timeout=60)
     assert r.returncode == 1
     assert "will not run here" in r.stderr and "GiB short" in r.stderr
+
+
+def test_rm_refuses_a_model_a_running_worker_uses(tmp_path):
+    from daemon_harness import Daemon, env_for
+    (tmp_path / "models").mkdir()
+    model = tmp_path / "models" / "tiny-qwen3.gguf"
+    shutil.copy(tiny_path("qwen3"), model)
+    with Daemon(tmp_path, {"tiny": {"kind": "inference", "model": str(model)}}) as d:
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="loaded")
+        env = env_for(tmp_path)
+        r = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "models", "rm", "tiny-qwen3", "--yes"],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 1 and "in use by worker tiny" in r.stderr and model.exists()
+        d.command("stop", {"name": "tiny"})
+        d.wait_state("tiny", "stopped")
+        r = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "models", "rm", "tiny-qwen3", "--yes"],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0 and not model.exists()
