@@ -462,6 +462,51 @@ AVX2 static void attn_task_avx2(const float *Q, const float *Kc, const float *V,
         }
     }
 }
+/* The same task over an fp16 KV cache: the G query heads that share the KV head. sc holds G*n scores. */
+AVX2 static void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, float *O, int t, int kh,
+                                int H, int Hkv, int D, int n, float scale, float *sc) {
+    int G = H / Hkv;
+    for (int g = 0; g < G; g++) {
+        const float *q = Q + ((size_t)t * H + kh * G + g) * D;
+        float *row = sc + (size_t)g * n, mx = -INFINITY;
+        for (int s = 0; s < n; s++) {
+            const uint16_t *k = Kc + ((size_t)s * Hkv + kh) * D;
+            __m256 acc = _mm256_setzero_ps(); int i = 0;
+            for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), acc);
+            float dot = hsum_avx(acc);
+            for (; i < D; i++) dot += q[i] * _cvtsh_ss(k[i]);
+            row[s] = dot * scale;
+            if (row[s] > mx) mx = row[s];
+        }
+        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); int s = 0;
+        for (; s + 8 <= n; s += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
+            _mm256_storeu_ps(row + s, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum_avx(vsum);
+        for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }
+        float inv = 1.0f / sum, *o = O + ((size_t)t * H + kh * G + g) * D;
+        if (D == 64) {                             /* the output row lives in 8 registers */
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int j = 0; j < n; j++) {
+                const uint16_t *v = V + ((size_t)j * Hkv + kh) * D; __m256 p = _mm256_set1_ps(row[j] * inv);
+                a0 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v))), a0);      a1 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8))), a1);
+                a2 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 16))), a2); a3 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 24))), a3);
+                a4 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 32))), a4); a5 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 40))), a5);
+                a6 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 48))), a6); a7 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 56))), a7);
+            }
+            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2); _mm256_storeu_ps(o + 24, a3);
+            _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);
+        } else {
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            for (int j = 0; j < n; j++) {
+                const uint16_t *v = V + ((size_t)j * Hkv + kh) * D; float p = row[j] * inv;
+                for (int i = 0; i < D; i++) o[i] += p * _cvtsh_ss(v[i]);
+            }
+        }
+    }
+}
 #endif
 
 static int g_avx2 = 0;
@@ -577,14 +622,16 @@ static inline void vaxpy(float *o, float p, const float *v, int n) {
  * task, keys in order: batch-invariant. */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_buffer qb, kb, vb, ob;
-    int T, H, Hkv, D, S, start, threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads))
+    int T, H, Hkv, D, S, start, threads, f16 = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|p", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16))
         return NULL;
     PyObject *ret = NULL;
-    if ((size_t)qb.len < (size_t)T * H * D * 4 || (size_t)kb.len < (size_t)S * Hkv * D * 4 ||
-        (size_t)vb.len < (size_t)S * Hkv * D * 4 || (size_t)ob.len < (size_t)T * H * D * 4 || start + T > S) {
+    size_t es = f16 ? 2 : 4;
+    if ((size_t)qb.len < (size_t)T * H * D * 4 || (size_t)kb.len < (size_t)S * Hkv * D * es ||
+        (size_t)vb.len < (size_t)S * Hkv * D * es || (size_t)ob.len < (size_t)T * H * D * 4 || start + T > S) {
         PyErr_SetString(PyExc_ValueError, "attention: a buffer is smaller than its shape"); goto done;
     }
+    if (f16 && D > 512) { PyErr_SetString(PyExc_ValueError, "attention: fp16 KV needs head_dim <= 512"); goto done; }
     const float *Q = qb.buf, *Kc = kb.buf, *V = vb.buf;
     float *O = ob.buf;
     int G = H / Hkv, nt = pick_threads(threads);
@@ -596,8 +643,11 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         {
             float *sc = malloc((size_t)S * G * sizeof(float));
             #pragma omp for schedule(static)
-            for (int task = 0; task < T * Hkv; task++)
-                attn_task_avx2(Q, Kc, V, O, task / Hkv, task % Hkv, H, Hkv, D, start + task / Hkv + 1, scale, sc);
+            for (int task = 0; task < T * Hkv; task++) {
+                if (f16) attn_task_avx2_h(Q, (const uint16_t *)kb.buf, (const uint16_t *)vb.buf, O, task / Hkv, task % Hkv,
+                                          H, Hkv, D, start + task / Hkv + 1, scale, sc);
+                else attn_task_avx2(Q, Kc, V, O, task / Hkv, task % Hkv, H, Hkv, D, start + task / Hkv + 1, scale, sc);
+            }
             free(sc);
         }
     } else
@@ -611,7 +661,9 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
             const float *q = Q + ((size_t)t * H + h) * D;
             float mx = -INFINITY;
             for (int s = 0; s < n; s++) {
-                const float *k = Kc + ((size_t)s * Hkv + kh) * D;
+                float kt[512]; const float *k = Kc + ((size_t)s * Hkv + kh) * D;
+                if (f16) { const uint16_t *kh16 = (const uint16_t *)kb.buf + ((size_t)s * Hkv + kh) * D;
+                           for (int i = 0; i < D; i++) kt[i] = fp16_to_fp32(kh16[i]); k = kt; }
                 sc[s] = vdot(q, k, D) * scale;
                 if (sc[s] > mx) mx = sc[s];
             }
@@ -620,7 +672,9 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
             float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;
             for (int i = 0; i < D; i++) o[i] = 0.f;
             for (int s = 0; s < n; s++) {
-                const float *v = V + ((size_t)s * Hkv + kh) * D;
+                float vt[512]; const float *v = V + ((size_t)s * Hkv + kh) * D;
+                if (f16) { const uint16_t *vh16 = (const uint16_t *)vb.buf + ((size_t)s * Hkv + kh) * D;
+                           for (int i = 0; i < D; i++) vt[i] = fp16_to_fp32(vh16[i]); v = vt; }
                 vaxpy(o, sc[s] * inv, v, D);
             }
         }

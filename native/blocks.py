@@ -71,6 +71,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
+    k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
     qg = q.reshape(T, Hkv, G, d).transpose(1, 2, 0, 3)               # (Hkv, G, T, d)
     scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])            # (Hkv, G, T, S)
     scores *= F32(1.0 / np.sqrt(d))

@@ -67,8 +67,9 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) 
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     out = np.empty((T, H * d), np.float32)
+    f16 = k.dtype == np.float16
     _C.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out,
-                 T, H, Hkv, d, S, start, 0)
+                 T, H, Hkv, d, S, start, 0, f16)
     return out
 
 

@@ -1,6 +1,8 @@
 """Per-sequence KV cache: keys and values of every layer for positions 0..n-1.
 
 Grows in chunks; can be truncated to a prefix so that a follow-up turn reuses the shared part.
+Keys and values are float32 by default; float16 (as llama.cpp stores them) is supported by both
+attention paths and halves a long context's memory and traffic.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ _CHUNK = 256
 
 
 class KVCache:
-    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int):
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int,
+                 dtype: type = np.float32):
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
+        self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens
         self.n = 0                         # positions filled
         self.tokens: list[int] = []        # the token at each filled position
@@ -27,8 +31,8 @@ class KVCache:
             return
         cap = min(self.max_tokens, max(total, self._cap + _CHUNK, -(-total // _CHUNK) * _CHUNK))
         shape = (cap, self.n_head_kv, self.head_dim)
-        new_k = [np.empty(shape, np.float32) for _ in range(self.n_layer)]
-        new_v = [np.empty(shape, np.float32) for _ in range(self.n_layer)]
+        new_k = [np.empty(shape, self.dtype) for _ in range(self.n_layer)]
+        new_v = [np.empty(shape, self.dtype) for _ in range(self.n_layer)]
         for old, new in zip(self._k + self._v, new_k + new_v):
             new[:self.n] = old[:self.n]
         self._k, self._v = new_k, new_v
@@ -65,4 +69,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.n_layer * self._cap * self.n_head_kv * self.head_dim * 4
+        return 2 * self.n_layer * self._cap * self.n_head_kv * self.head_dim * self.dtype.itemsize

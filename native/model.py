@@ -141,9 +141,12 @@ class Model:
                 total += w.nbytes
         return total
 
-    def new_cache(self, max_tokens: int | None = None) -> KVCache:
+    def new_cache(self, max_tokens: int | None = None, dtype: type = np.float32) -> KVCache:
+        """dtype float16 halves a long context's memory traffic (the compiled attention reads it
+        directly) but moved one SmolLM2 reference token across the fidelity bar, so float32 is
+        the default."""
         c = self.config
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train)
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, dtype)
 
     # -- forward ------------------------------------------------------------------------------
 

@@ -69,3 +69,14 @@ def test_the_scheduler_interleaves_requests_and_matches_solo_generation(default_
             ids.append(ev.id)
         got.append(ids)
     assert got == alone
+
+
+def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_model):
+    m = default_model
+    ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    l32 = m.forward(ids, m.new_cache(), all_logits=True)
+    l16 = m.forward(ids, m.new_cache(dtype=np.float16), all_logits=True)
+    assert np.corrcoef(l32[-1], l16[-1])[0, 1] > 0.999
+    top2 = np.sort(l32, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.5            # rounding KV to fp16 may only move near-ties
+    assert clear.sum() >= 5 and (l32.argmax(-1) == l16.argmax(-1))[clear].all()
