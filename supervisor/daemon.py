@@ -320,14 +320,21 @@ class Supervisor:
     def _send(self, sock, identity: bytes, msg: Message) -> None:
         sock.send_multipart([identity] + encode_frames(msg, self.key))
 
-    def _on_worker_frames(self, frames: list[bytes]) -> None:
-        identity, rest = frames[0], frames[1:]
+    def _decode(self, sock, frames: list[bytes]) -> tuple[bytes, Message | None]:
+        """(identity, message), or (identity, None) for a refused frame — counted, and a peer of
+        another protocol version is told which one this is."""
+        identity = frames[0]
         try:
-            msg = decode_frames(rest, self.key)
+            return identity, decode_frames(frames[1:], self.key)
         except ProtocolError as e:
             self.bad_frames[e.kind] += 1
             if e.kind == "version":
-                self.router.send_multipart([identity] + version_error(e.peer_version, self.key))
+                sock.send_multipart([identity] + version_error(e.peer_version, self.key))
+            return identity, None
+
+    def _on_worker_frames(self, frames: list[bytes]) -> None:
+        identity, msg = self._decode(self.router, frames)
+        if msg is None:
             return
         if msg.type == "hello":
             self._on_hello(identity, msg)
@@ -431,13 +438,8 @@ class Supervisor:
     # -- control socket (CLI) -----------------------------------------------------------------
 
     def _on_control_frames(self, frames: list[bytes]) -> None:
-        identity, rest = frames[0], frames[1:]
-        try:
-            msg = decode_frames(rest, self.key)
-        except ProtocolError as e:
-            self.bad_frames[e.kind] += 1
-            if e.kind == "version":
-                self.control.send_multipart([identity] + version_error(e.peer_version, self.key))
+        identity, msg = self._decode(self.control, frames)
+        if msg is None:
             return
         if msg.type == "cancel":
             for rid, p in list(self.pending.items()):
