@@ -76,6 +76,7 @@ class Model:
         self.gguf: GGUFFile = read_gguf(self.path)
         self.config: ModelConfig = read_config(self.gguf)
         self.tokenizer = GGUFTokenizer(self.gguf)
+        self.expert_provider = None    # an ExpertCache streams experts instead of the mapped file
         self._load(threads or min(4, os.cpu_count() or 1))
         self.load_seconds = time.perf_counter() - t0
 
@@ -193,7 +194,7 @@ class Model:
         x = self.token_embd.rows(tokens)
         for i, L in enumerate(self.layers):
             x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments)
-            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
+            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps), i)
         return x
 
     def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, segments: list) -> np.ndarray:
@@ -217,13 +218,17 @@ class Model:
             outs.append(attention(q[a:b], keys, values, cache.n))
         return matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo)
 
-    def _ffn(self, L: Layer, x: np.ndarray) -> np.ndarray:
+    def _ffn(self, L: Layer, x: np.ndarray, layer: int) -> np.ndarray:
         if L.router is None:
             return swiglu_ffn(x, L.gate, L.up, L.down)
         c = self.config
         experts, weights = route(x, L.router, c.n_expert_used, c.expert_weights_norm)
-        out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(
-            xs, L.gate_exps.expert(e), L.up_exps.expert(e), L.down_exps.expert(e)))
+        if self.expert_provider is None:
+            fetch = lambda e: (L.gate_exps.expert(e), L.up_exps.expert(e), L.down_exps.expert(e))  # noqa: E731
+        else:
+            self.expert_provider.prefetch(layer, np.unique(experts))
+            fetch = lambda e: self.expert_provider.weights(layer, e)  # noqa: E731
+        out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *fetch(e)))
         if L.gate_shexp is not None:
             gate = 1.0 / (1.0 + np.exp(-matmul(x, L.shared_gate_inp)))          # (T, 1)
             out += gate.astype(np.float32) * swiglu_ffn(x, L.gate_shexp, L.up_shexp, L.down_shexp)

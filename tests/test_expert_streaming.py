@@ -1,0 +1,76 @@
+"""Experts streamed from disk through a small slot cache give the in-RAM logits bit for bit."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from conftest import reference, tiny_path
+from kiln.native import kernels
+from kiln.native.expert_store import ExpertCache, ExpertStore, expert_map
+from kiln.native.model import load_model
+
+pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",
+                                reason="slots are multiplied in place by the compiled kernels")
+
+
+def test_the_expert_map_points_at_each_experts_bytes(e8k2_path):
+    m = load_model(e8k2_path)
+    emap = expert_map(m.gguf)
+    assert len(emap) == 30 * 3
+    s = emap[(7, "down")]
+    off, n = s.range(5)
+    whole = m.gguf.raw("blk.7.ffn_down_exps.weight")
+    assert bytes(m.gguf._map[off:off + n]) == bytes(whole[5 * n:6 * n])
+    assert off % 32 == 0
+
+
+@pytest.mark.parametrize("slots_per_layer", [None, 1, 2, 8])      # None: in RAM; 8 = all experts
+def test_streamed_logits_equal_in_ram_logits(e8k2_path, slots_per_layer):
+    ref, _ = reference("smollm2-moe-e8k2")
+    ids = ref["prompts"][1]["ids"]
+    m = load_model(e8k2_path)
+    in_ram = m.forward(ids, m.new_cache(), all_logits=True)
+    if slots_per_layer is None:
+        return
+    cache = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=30 * slots_per_layer)
+    m.expert_provider = cache
+    streamed = m.forward(ids, m.new_cache(), all_logits=True)
+    assert np.array_equal(streamed, in_ram)
+    st = cache.stats()
+    assert st["misses"] > 0 and st["bytes_read"] > 0 and st["used"] <= cache.slots
+    if slots_per_layer == 8:                                          # everything fits: a second pass only hits
+        before = st["misses"]
+        m.forward(ids, m.new_cache(), all_logits=True)
+        assert cache.stats()["misses"] == before
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "olmoe"])
+def test_tiny_moe_architectures_stream_bit_exactly(arch):
+    ref, _ = reference(f"tiny/tiny-{arch}")
+    ids = ref["prompts"][1]["ids"]
+    m = load_model(tiny_path(arch))
+    in_ram = m.forward(ids, m.new_cache(), all_logits=True)
+    m.expert_provider = ExpertCache(m.gguf, ExpertStore(tiny_path(arch)), slots=2)
+    assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
+
+
+def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so(e8k2_path, monkeypatch):
+    import fcntl
+    real = os.preadv
+
+    def refuse_direct(fd, buffers, offset):         # what tmpfs/overlayfs answer an O_DIRECT read
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+    store = ExpertStore(e8k2_path)
+    assert store.io_mode == "direct"
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    m = load_model(e8k2_path)
+    ids = reference("smollm2-moe-e8k2")[0]["prompts"][0]["ids"]
+    in_ram = m.forward(ids, m.new_cache(), all_logits=True)
+    m.expert_provider = ExpertCache(m.gguf, store, slots=30)
+    assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
+    st = m.expert_provider.stats()
+    assert st["io_mode"] == "buffered" and "EINVAL" in st["fallback_reason"]
