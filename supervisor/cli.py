@@ -68,13 +68,18 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
        host: Optional[str] = typer.Option(None, "--host", help="HTTP address (server.host)"),
        port: Optional[int] = typer.Option(None, "--port", help="HTTP port (server.port)"),
        model: Optional[str] = typer.Option(None, "--model", "-m",
-                                           help="serve this model (path, name or 'default') instead of the configured workers")):
+                                           help="serve this model (path, name or 'default') instead of the configured workers"),
+       stream: bool = typer.Option(False, "--stream", help="stream the model's MoE experts from disk (moe-stream worker)"),
+       expert_cache: str = typer.Option("25%", "--expert-cache", help="expert cache size with --stream: 512MiB, 2GiB, or % of RAM")):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from .client import daemon_pid
     from .daemon import AlreadyRunning, Supervisor
     paths = _paths()
     cli = {"server.host": host, "server.port": port}
-    workers = {"default": {"kind": "inference", "model": model}} if model else None
+    if stream and not model:
+        fail("--stream needs --model", 2)
+    workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache}}}
+               if stream else {"default": {"kind": "inference", "model": model}}) if model else None
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:
@@ -83,9 +88,12 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     if detach:
         paths.ensure()
         args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
-        for flag, val in (("--config", config), ("--host", host), ("--port", port), ("--model", model)):
+        for flag, val in (("--config", config), ("--host", host), ("--port", port), ("--model", model),
+                          ("--expert-cache", expert_cache if stream else None)):
             if val is not None:
                 args += [flag, str(val)]
+        if stream:
+            args.append("--stream")
         with open(paths.daemon_log, "ab") as logf:
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=os.getcwd())

@@ -32,7 +32,7 @@ def _pick_worker(client, model: Optional[str], timeout: float = 300.0) -> str:
     shown = False
     deadline = time.monotonic() + timeout
     while True:
-        workers = [w for w in client.command("status")["workers"] if w["kind"] == "inference"]
+        workers = [w for w in client.command("status")["workers"] if w["kind"] in ("inference", "moe-stream")]
         if not workers:
             fail("the daemon serves no inference worker; add one to kiln.toml or use `kiln up --model M`")
         w = workers[0]

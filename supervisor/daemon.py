@@ -137,8 +137,41 @@ class Supervisor:
         os.close(fdk)
         os.chmod(self.paths.keyfile, 0o600)
 
+    def _make_segments(self) -> None:
+        """Expert-cache segments for moe-stream workers, sized from their model and budget;
+        stale ones of a killed daemon are removed first."""
+        import psutil
+
+        from kiln.native.expert_store import ExpertStore, segment_bytes
+        from kiln.native.gguf_file import GGUFError, read_gguf
+        from kiln.native.library import ModelNotFound, resolve_model
+
+        from . import segments
+        stale = segments.remove_stale(self.paths.home)
+        if stale:
+            self.record("stale_segments_removed", None, ", ".join(stale))
+        self.segments = []
+        for w in self.workers.values():
+            if w.kind != "moe-stream":
+                continue
+            try:
+                path = resolve_model(w.spec["model"])
+                budget = segments.parse_size(w.spec["settings"].get("expert_cache", "25%"),
+                                             psutil.virtual_memory().total)
+                store = ExpertStore(path)
+                slots, size = segment_bytes(read_gguf(path, skip_arrays=True), store, budget)
+                store.close()
+            except (ModelNotFound, GGUFError, ValueError, OSError) as e:
+                self.record("segment_failed", w.name, str(e))
+                continue                       # the worker then fails at boot with a clear reason
+            seg = segments.create(self.paths.home, w.name, size)
+            self.segments.append(seg)
+            w.spec = dict(w.spec, settings={**w.spec["settings"], "shm": str(seg), "shm_slots": slots})
+            self.record("segment_created", w.name, f"{seg.name}: {slots} expert slots, {size / 2**20:.1f} MiB")
+
     def serve(self, on_ready: Callable[[], None] | None = None) -> int:
         self.acquire()
+        self._make_segments()
         ctx = zmq.Context.instance()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -189,8 +222,8 @@ class Supervisor:
         for sock in (getattr(self, "router", None), getattr(self, "control", None)):
             if sock is not None:
                 sock.close(linger=0)
-        for p in (self.paths.run / "workers.sock", self.paths.run / "control.sock",
-                  self.paths.keyfile, self.paths.pidfile):
+        for p in [self.paths.run / "workers.sock", self.paths.run / "control.sock",
+                  self.paths.keyfile, self.paths.pidfile] + getattr(self, "segments", []):
             try:
                 p.unlink()
             except FileNotFoundError:

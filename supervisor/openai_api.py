@@ -192,7 +192,7 @@ class OpenAI:
         return body
 
     def inference_workers(self) -> list[dict]:
-        return [w for w in bus(self.sup, "status")["workers"] if w["kind"] == "inference"]
+        return [w for w in bus(self.sup, "status")["workers"] if w["kind"] in ("inference", "moe-stream")]
 
     def pick(self, body: dict) -> dict:
         workers = self.inference_workers()

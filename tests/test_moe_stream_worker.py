@@ -1,0 +1,98 @@
+"""The moe-stream worker through the daemon: same answers as in RAM, a cache that survives a
+worker crash, and no shared-memory segment left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from daemon_harness import Daemon, env_for
+from kiln.native import kernels
+from kiln.supervisor import segments
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled", reason="needs the compiled kernels")]
+
+
+def complete(d, prompt, n=12):
+    req = urllib.request.Request(d.http + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def cache_stats(d):
+    return d.status()["workers"][0]["stats"]["expert_cache"]
+
+
+def ready(d):
+    d.wait(lambda st: st["workers"][0]["state"] == "running" and st["workers"][0]["worker_state"] == "ready",
+           timeout=60, what="stream worker ready")
+
+
+def stream_worker(model, cache):
+    return {"kind": "moe-stream", "model": str(model), "settings": {"expert_cache": cache}}
+
+
+def shm_files(home):
+    return sorted(p.name for p in segments.SHM_DIR.glob(segments.prefix(Path(home)) + "*"))
+
+
+def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8k2_path, tmp_path):
+    engine = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "debug", "generate", str(e8k2_path),
+                             "Once upon a time", "--max-tokens", "12", "--json"],
+                            capture_output=True, text=True, env=env_for(tmp_path), check=True)
+    with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "64MiB")}) as d:
+        ready(d)
+        assert len(shm_files(tmp_path)) == 1
+        assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
+        st = cache_stats(d)
+        assert st["io_mode"] in ("direct", "buffered") and st["misses"] > 0 and st["used"] > 0
+        old = d.status()["workers"][0]["pid"]
+        os.kill(old, signal.SIGKILL)
+        d.wait(lambda s: s["workers"][0]["pid"] not in (None, old) and s["workers"][0]["worker_state"] == "ready",
+               timeout=60, what="restarted")
+        warm = cache_stats(d)
+        assert warm["warm_slots_at_start"] == st["used"]                 # every slot re-validated
+        assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
+        after = cache_stats(d)
+        assert after["hits"] > 0 and after["hit_rate"] > 0.9             # warm from the first token
+    assert shm_files(tmp_path) == []                                     # kiln down unlinked it
+
+
+def test_stale_segments_of_a_killed_tree_are_removed_by_the_next_up(e8k2_path, tmp_path):
+    d = Daemon(tmp_path, {"default": stream_worker(e8k2_path, "8MiB")}).start()
+    ready(d)
+    seg = shm_files(tmp_path)
+    pids = [d.proc.pid, d.status()["workers"][0]["pid"]]
+    for p in pids:                                                       # kill -9 the whole tree
+        os.kill(p, signal.SIGKILL)
+    d.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert shm_files(tmp_path) == seg                                    # the crash leaked it...
+    d2 = Daemon(tmp_path, {"default": stream_worker(e8k2_path, "8MiB")}).start()
+    try:
+        ready(d2)
+        events = [e for e in d2.status()["events"] if e["event"] == "stale_segments_removed"]
+        assert events and seg[0] in events[0]["detail"]                  # ...and the next up removed it
+        assert len(shm_files(tmp_path)) == 1
+    finally:
+        d2.stop()
+    assert shm_files(tmp_path) == []
+
+
+def test_a_dense_model_is_refused_by_the_stream_worker(default_model_path, tmp_path):
+    with Daemon(tmp_path, {"default": stream_worker(default_model_path, "8MiB")}) as d:
+        w = d.wait_state("default", "fatal", timeout=60)
+        assert "not a mixture-of-experts model" in w["reason"]
