@@ -127,3 +127,15 @@ def test_rm_refuses_a_model_a_running_worker_uses(tmp_path):
         r = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "models", "rm", "tiny-qwen3", "--yes"],
                            capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0 and not model.exists()
+
+
+def test_inspect_and_plan_on_the_moe_variants(e8k8_path, e8k2_path):
+    from kiln.native.inspect import inspect_model
+    from kiln.native.plan import plan
+    for path, k in ((e8k8_path, 8), (e8k2_path, 2)):
+        info = inspect_model(path)
+        assert info["moe"]["experts"] == 8 and info["moe"]["experts_used"] == k and info["moe"]["expert_bytes"] > 60e6
+        p = plan(path, ctx=1024)
+        assert p["verdict"] == "fits" and p["expert_bytes"] == info["moe"]["expert_bytes"]
+        tight = plan(path, ctx=1024, available=p["non_expert_bytes"] + p["kv_cache_bytes"] + 160 * 2**20)
+        assert tight["verdict"] == "streams" and tight["expert_cache_slots"] >= 2 * 30
