@@ -131,7 +131,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
 
 
 def _preflight(cfg) -> None:
-    """Refuse a model that cannot run here, with the plan's numbers, before starting anything."""
+    """Refuse a model that cannot run here, with the plan's numbers, before starting anything;
+    route an MoE model whose experts do not fit (verdict `streams`) to a moe-stream worker."""
     from kiln.native.gguf_file import GGUFError
     from kiln.native.library import ModelNotFound, resolve_model
     from kiln.native.plan import plan
@@ -146,6 +147,11 @@ def _preflight(cfg) -> None:
             continue                  # the worker reports it (exit 3 → fatal with the reason)
         if p["verdict"] == "too_large":
             fail(f"worker {name}: model {path.name} will not run here: {p['advice']} (`kiln models plan` has the numbers)")
+        if p["verdict"] == "streams":
+            cache = f"{p['expert_cache_bytes'] // 2**20}MiB"
+            typer.echo(f"kiln: worker {name}: the experts of {path.name} do not fit in memory; streaming them "
+                       f"from disk with a {cache} expert cache (moe-stream)", err=True)
+            spec.update(kind="moe-stream", settings={**(spec.get("settings") or {}), "expert_cache": cache})
 
 
 @app.command()

@@ -96,6 +96,8 @@ def health(sup, args):
         ws = w.status.get("state")
         workers[w.name] = {"state": w.ps.state, "worker_state": ws, "pid": w.pid,
                            "rss_bytes": w.describe(time.time())["rss_bytes"]}
+        if "expert_cache" in w.status:
+            workers[w.name]["expert_cache"] = w.status["expert_cache"]
         if not w.spec.get("enabled", True) and w.ps.state == "stopped":
             continue
         if w.ps.state != "running":

@@ -38,6 +38,18 @@ def ready(d):
            timeout=60, what="stream worker ready")
 
 
+def settled_stats(d):
+    """Cache stats once two heartbeats agree (a heartbeat may predate the last steps)."""
+    prev = None
+    for _ in range(100):
+        cur = cache_stats(d)
+        if prev is not None and cur == prev:
+            return cur
+        prev = cur
+        time.sleep(0.3)
+    return cur
+
+
 def stream_worker(model, cache):
     return {"kind": "moe-stream", "model": str(model), "settings": {"expert_cache": cache}}
 
@@ -54,7 +66,7 @@ def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8
         ready(d)
         assert len(shm_files(tmp_path)) == 1
         assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
-        st = cache_stats(d)
+        st = settled_stats(d)
         assert st["io_mode"] in ("direct", "buffered") and st["misses"] > 0 and st["used"] > 0
         old = d.status()["workers"][0]["pid"]
         os.kill(old, signal.SIGKILL)
@@ -96,3 +108,22 @@ def test_a_dense_model_is_refused_by_the_stream_worker(default_model_path, tmp_p
     with Daemon(tmp_path, {"default": stream_worker(default_model_path, "8MiB")}) as d:
         w = d.wait_state("default", "fatal", timeout=60)
         assert "not a mixture-of-experts model" in w["reason"]
+
+
+def test_kiln_up_streams_an_moe_model_whose_experts_do_not_fit(e8k2_path, tmp_path):
+    from kiln.native.plan import plan
+    p = plan(e8k2_path, ctx=2048)
+    budget = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["runtime_bytes"] + 40 * 2**20   # experts: ~69 MB
+    d = Daemon(tmp_path, {"default": {"kind": "inference", "model": str(e8k2_path), "settings": {"ctx": 2048}}},
+               supervisor={"memory_budget": int(budget / 0.9)})
+    d.start()
+    try:
+        ready(d)
+        w = d.status()["workers"][0]
+        assert w["kind"] == "moe-stream"
+        assert "streaming them from disk" in d.output()
+        health = d.command("health")
+        assert health["workers"]["default"]["expert_cache"]["slots"] > 0
+        assert complete(d, "Once upon a time", 4)
+    finally:
+        d.stop()
