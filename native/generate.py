@@ -167,6 +167,27 @@ class Sequence:
         yield gen.finish()
 
 
+def score_prompt(model: Model, prompt: list[int], top: int = 0, chunk: int = PREFILL_CHUNK) -> dict:
+    """Log-probability of every prompt token under the model (the first has none), with the
+    top-n alternatives at each position — what evaluation harnesses ask for with echo=true.
+    Runs in chunks, so a long prompt never holds more than one chunk of full logits."""
+    cache = model.new_cache(len(prompt) + 1)
+    token_lp: list[float | None] = [None]
+    tops: list[list[tuple[int, float]] | None] = [None]
+    prev = None
+    for start in range(0, len(prompt), chunk):
+        part = prompt[start:start + chunk]
+        logits = model.forward(part, cache, all_logits=True)
+        rows = np.concatenate([prev[None], logits[:-1]]) if prev is not None else logits[:-1]
+        targets = prompt[start + (0 if prev is not None else 1): start + len(part)]
+        for row, t in zip(rows, targets):
+            ls = log_softmax(row)
+            token_lp.append(float(ls[t]))
+            tops.append([(int(i), float(ls[i])) for i in np.argsort(-ls)[:top]] if top else [])
+        prev = logits[-1]
+    return {"token_logprobs": token_lp, "top_logprobs": tops}
+
+
 def generate_text(model: Model, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, Finish]:
     """Run a whole generation; return (token ids, text, finish)."""
     ids, parts = [], []

@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
         self.cond = threading.Condition()
+        self.model_lock = threading.Lock()      # other users of the model (scoring) take turns with steps
         self.thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
         self.thread.start()
 
@@ -73,9 +74,10 @@ class Scheduler:
                     job.slot = self._best_slot(job.prompt)
                     self.free.remove(job.slot)
                     admit.append(job)
-            for job in admit:
-                self._admit(job)
-            self._step()
+            with self.model_lock:
+                for job in admit:
+                    self._admit(job)
+                self._step()
 
     def _best_slot(self, prompt: list[int]) -> int:
         return max(self.free, key=lambda i: (self.seqs[i].cache.common_prefix(prompt), -i))

@@ -25,6 +25,7 @@ SCHEMAS: dict[str, Schema] = {
     "generate": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "messages": (list, False),
                  "params": (dict, False), "session": (str, False)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
+    "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False)},
     "detokenize": {"tokens": (list, True)},
     "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False)},
     "info": {},

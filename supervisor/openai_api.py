@@ -46,7 +46,7 @@ def _number(body: dict, name: str, low: float, high: float, kind=(int, float)):
     return v
 
 
-def sampling_params(body: dict) -> dict:
+def sampling_params(body: dict, min_tokens: int = 1) -> dict:
     p: dict[str, Any] = {}
     for name, low, high, kind in (("temperature", 0, 2, (int, float)), ("top_p", 0, 1, (int, float)),
                                   ("top_k", 0, 1 << 20, int), ("min_p", 0, 1, (int, float)),
@@ -61,7 +61,7 @@ def sampling_params(body: dict) -> dict:
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     if mt is not None:
         which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        _number({which: mt}, which, 1, 1 << 30, int)
+        _number({which: mt}, which, min_tokens, 1 << 30, int)
         p["max_tokens"] = mt
     stop = body.get("stop")
     if stop is not None:
@@ -279,20 +279,103 @@ class OpenAI:
         messages = _messages(body)
         self._generate(req, resp, body, {"messages": messages}, chat=True)
 
+    @staticmethod
+    def _prompts(body: dict) -> list[dict]:
+        """A completions prompt — a string, token ids, or a batch of either — as work items."""
+        prompt = body.get("prompt")
+        is_ids = lambda p: isinstance(p, list) and bool(p) and all(  # noqa: E731
+            isinstance(t, int) and not isinstance(t, bool) for t in p)
+        batch = prompt if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or is_ids(p) for p in prompt) and not is_ids(prompt) else [prompt]
+        works = []
+        for i, p in enumerate(batch):
+            where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+            if isinstance(p, str):
+                if not p:
+                    raise bad(where, "prompt is empty")
+                works.append({"text": p, "special": True})
+            elif is_ids(p):
+                works.append({"prompt": p})
+            else:
+                raise bad(where, "prompt must be a non-empty string, a list of token ids, or a list of those",
+                          "invalid_type")
+        if len(works) > 64:
+            raise bad("prompt", f"at most 64 prompts per request, got {len(works)}")
+        return works
+
     def on_post_completions(self, req, resp):
         body = self.read_json(req)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad("prompt", "prompt is empty")
-            work = {"text": prompt, "special": True}
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            work = {"prompt": prompt}
-        else:
-            raise bad("prompt", "prompt must be a non-empty string or a list of token ids", "invalid_type")
-        self._generate(req, resp, body, work, chat=False)
+        works = self._prompts(body)
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise bad("echo", "echo must be a boolean", "invalid_type")
+        if echo or len(works) > 1:
+            if body.get("stream"):
+                raise bad("stream", "stream is not supported with echo or with several prompts")
+            return self._batch(req, resp, body, works, echo)
+        self._generate(req, resp, body, works[0], chat=False)
+
+    def _batch(self, req, resp, body: dict, works: list[dict], echo: bool) -> None:
+        """Non-stream completions for several prompts, optionally echoing each prompt with the
+        log-probabilities of its tokens (as evaluation harnesses ask)."""
+        params = sampling_params(body, min_tokens=0 if echo else 1)
+        lp = _logprobs(body, chat=False)
+        if lp is not None:
+            params["logprobs"] = lp
+        n_gen = params.pop("max_tokens", 16)
+        w = self.pick(body)
+        name = w["name"]
+        self.admission.enter(name)
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        try:
+            for index, work in enumerate(works):
+                pieces, lps, tops, prefix = [], [], [], ""
+                if echo:
+                    scored = self._one(name, "score", {**work, "top": lp or 0})
+                    prefix = work["text"] if "text" in work else self._one(
+                        name, "detokenize", {"tokens": work["prompt"]})["text"]
+                    pieces, lps = scored["pieces"], scored["token_logprobs"]
+                    tops = [None if t is None else {p: v for _, v, p in t} for t in scored["top_logprobs"]]
+                    usage["prompt_tokens"] += len(scored["tokens"])
+                text, reason = "", "length"
+                if n_gen > 0:
+                    final = None
+                    for msg in self.events(name, dict(work, params=dict(params, max_tokens=n_gen)),
+                                           self._disconnected(req)):
+                        if msg.type == "chunk":
+                            text += msg.body["text"]
+                            if lp is not None:
+                                pieces.append(msg.body["piece"])
+                                lps.append(msg.body["logprob"])
+                                tops.append({p: v for _, v, p in msg.body["top_logprobs"]})
+                        else:
+                            final = msg.body
+                    if final is None:
+                        raise JSONError(400, "client_closed", "the client closed the connection")
+                    text += final["text"]
+                    reason = "length" if final["finish_reason"] == "length" else "stop"
+                    u = final["usage"]
+                    usage["completion_tokens"] += u["completion_tokens"]
+                    usage["cached_tokens"] += u["cached_tokens"]
+                    if not echo:
+                        usage["prompt_tokens"] += u["prompt_tokens"]
+                logprobs = None
+                if lp is not None:
+                    offsets, pos = [], 0
+                    for piece in pieces:
+                        offsets.append(pos)
+                        pos += len(piece)
+                    logprobs = {"tokens": pieces, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+                choices.append({"index": index, "text": prefix + text, "logprobs": logprobs, "finish_reason": reason})
+        except WorkerGone as e:
+            raise self._error(e.msg) from None
+        finally:
+            self.admission.leave(name)
+        resp.media = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+                      "model": body.get("model") or name, "choices": choices, "system_fingerprint": "kiln",
+                      "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+                                "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+                                "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]}}}
 
     def _generate(self, req, resp, body: dict, work: dict, chat: bool) -> None:
         params = sampling_params(body)

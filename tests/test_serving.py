@@ -281,3 +281,29 @@ def test_disconnect_during_a_long_prefill_frees_the_worker(served):
     t0 = time.monotonic()
     served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=10, what="idle after disconnect")
     assert time.monotonic() - t0 < 4.0            # one prefill chunk, not the whole ~1500-token prompt
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_harnesses_ask(served, default_model_path):
+    ids = post(served.http + "/tokenize", {"content": "The capital of France is Paris"})[1]["tokens"]
+    status, r, _ = post(served.http + "/v1/completions", {"model": "default", "prompt": [ids], "max_tokens": 0,
+                                                          "echo": True, "logprobs": 1, "temperature": 0})
+    assert status == 200, r
+    c = r["choices"][0]
+    assert c["text"] == "The capital of France is Paris"
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and len(lp["top_logprobs"][1]) == 1
+    from kiln.native.model import load_model
+    from kiln.native.sampling import log_softmax
+    m = load_model(default_model_path)
+    logits = m.forward(ids, m.new_cache(), all_logits=True)
+    assert lp["token_logprobs"][-1] == pytest.approx(float(log_softmax(logits[-2])[ids[-1]]), abs=1e-6)
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == 0
+
+
+def test_batched_prompts_get_one_choice_each(served):
+    status, r, _ = post(served.http + "/v1/completions", {"model": "default", "prompt": ["Hello", "The sky is"],
+                                                          "max_tokens": 3, "temperature": 0, "echo": True})
+    assert status == 200, r
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["choices"][1]["text"].startswith("The sky is") and r["usage"]["completion_tokens"] == 6

@@ -15,7 +15,7 @@ import time
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
 import queue
 
-from kiln.native.generate import ContextLengthError, Finish, Token
+from kiln.native.generate import ContextLengthError, Finish, Token, score_prompt
 from kiln.native.scheduler import Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
@@ -122,6 +122,21 @@ class InferenceWorker(Worker):
                         "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
             else:
                 raise ev
+
+    @op("score")
+    def score(self, req):
+        """Log-probabilities of the prompt's own tokens (for echo + logprobs)."""
+        prompt = self._prompt(req.body)
+        if len(prompt) > self.n_ctx:
+            raise OpError("context_length_exceeded", f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
+        top = int(req.body.get("top") or 0)
+        with self.scheduler.model_lock:
+            out = score_prompt(self.model, prompt, top)
+        out["tokens"] = prompt
+        out["pieces"] = [self._piece(t) for t in prompt]
+        out["top_logprobs"] = [None if t is None else [[i, lp, self._piece(i)] for i, lp in t]
+                               for t in out["top_logprobs"]]
+        return out
 
     @op("tokenize")
     def tokenize(self, req):
