@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from gguf import GGMLQuantizationType, LlamaFileType
+from gguf import LlamaFileType
 
 from .gguf_file import GGUFError, read_gguf
 from .library import kiln_home, model_dirs
@@ -191,4 +191,4 @@ def find(name: str) -> Path | None:
     return None
 
 
-__all__ = ["ModelEntry", "discover", "find", "as_dicts", "GGMLQuantizationType"]
+__all__ = ["ModelEntry", "discover", "find", "as_dicts"]

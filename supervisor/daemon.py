@@ -19,7 +19,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future

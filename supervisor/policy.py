@@ -14,7 +14,7 @@ start or restart. Restart delays double from `backoff_initial` up to `backoff_ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 EXIT_BOOT_ERROR = 3
 ALIVE = ("starting", "running", "stopping")
