@@ -420,93 +420,62 @@ AVX2 static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* One (query row, KV head) task: the G query heads that share the KV head. sc holds G*n scores. */
-AVX2 static void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int kh,
-                                int H, int Hkv, int D, int n, float scale, float *sc) {
-    int G = H / Hkv;
-    for (int g = 0; g < G; g++) {
-        const float *q = Q + ((size_t)t * H + kh * G + g) * D;
-        float *row = sc + (size_t)g * n, mx = -INFINITY;
-        for (int s = 0; s < n; s++) {
-            const float *k = Kc + ((size_t)s * Hkv + kh) * D;
-            __m256 acc = _mm256_setzero_ps(); int i = 0;
-            for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
-            float dot = hsum_avx(acc);
-            for (; i < D; i++) dot += q[i] * k[i];
-            row[s] = dot * scale;
-            if (row[s] > mx) mx = row[s];
-        }
-        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); int s = 0;
-        for (; s + 8 <= n; s += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
-            _mm256_storeu_ps(row + s, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum_avx(vsum);
-        for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }
-        float inv = 1.0f / sum, *o = O + ((size_t)t * H + kh * G + g) * D;
-        if (D == 64) {                             /* the output row lives in 8 registers */
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (int j = 0; j < n; j++) {
-                const float *v = V + ((size_t)j * Hkv + kh) * D; __m256 p = _mm256_set1_ps(row[j] * inv);
-                a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);      a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-                a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2); a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
-                a4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), a4); a5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), a5);
-                a6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), a6); a7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), a7);
-            }
-            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2); _mm256_storeu_ps(o + 24, a3);
-            _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);
-        } else {
-            for (int i = 0; i < D; i++) o[i] = 0.f;
-            for (int j = 0; j < n; j++) vaxpy_avx2(o, row[j] * inv, V + ((size_t)j * Hkv + kh) * D, D);
-        }
-    }
+/* One (query row, KV head) task: the G query heads that share the KV head; sc holds G*n scores.
+ * One body for both KV element types: ATTN_TASK(name, element type, load 8 as floats, load 1). */
+#define LD8_F32(p) _mm256_loadu_ps(p)
+#define LD1_F32(x) (x)
+#define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LD1_F16(x) _cvtsh_ss(x)
+#define ATTN_TASK(NAME, T, LD8, LD1)                                                              \
+AVX2 static void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int kh,          \
+                      int H, int Hkv, int D, int n, float scale, float *sc) {                     \
+    int G = H / Hkv;                                                                              \
+    for (int g = 0; g < G; g++) {                                                                 \
+        const float *q = Q + ((size_t)t * H + kh * G + g) * D;                                    \
+        float *row = sc + (size_t)g * n, mx = -INFINITY;                                          \
+        for (int s = 0; s < n; s++) {                                                             \
+            const T *k = Kc + ((size_t)s * Hkv + kh) * D;                                         \
+            __m256 acc = _mm256_setzero_ps(); int i = 0;                                          \
+            for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), LD8(k + i), acc); \
+            float dot = hsum_avx(acc);                                                            \
+            for (; i < D; i++) dot += q[i] * LD1(k[i]);                                           \
+            row[s] = dot * scale;                                                                 \
+            if (row[s] > mx) mx = row[s];                                                         \
+        }                                                                                         \
+        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); int s = 0;                   \
+        for (; s + 8 <= n; s += 8) {                                                              \
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                      \
+            _mm256_storeu_ps(row + s, e);                                                         \
+            vsum = _mm256_add_ps(vsum, e);                                                        \
+        }                                                                                         \
+        float sum = hsum_avx(vsum);                                                               \
+        for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }                        \
+        float inv = 1.0f / sum, *o = O + ((size_t)t * H + kh * G + g) * D;                       \
+        if (D == 64) {                             /* the output row lives in 8 registers */     \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+            for (int j = 0; j < n; j++) {                                                         \
+                const T *v = V + ((size_t)j * Hkv + kh) * D; __m256 p = _mm256_set1_ps(row[j] * inv); \
+                a0 = _mm256_fmadd_ps(p, LD8(v), a0);      a1 = _mm256_fmadd_ps(p, LD8(v + 8), a1);  \
+                a2 = _mm256_fmadd_ps(p, LD8(v + 16), a2); a3 = _mm256_fmadd_ps(p, LD8(v + 24), a3); \
+                a4 = _mm256_fmadd_ps(p, LD8(v + 32), a4); a5 = _mm256_fmadd_ps(p, LD8(v + 40), a5); \
+                a6 = _mm256_fmadd_ps(p, LD8(v + 48), a6); a7 = _mm256_fmadd_ps(p, LD8(v + 56), a7); \
+            }                                                                                     \
+            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2);  \
+            _mm256_storeu_ps(o + 24, a3); _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); \
+            _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);                           \
+        } else {                                                                                  \
+            for (int i = 0; i < D; i++) o[i] = 0.f;                                               \
+            for (int j = 0; j < n; j++) {                                                         \
+                const T *v = V + ((size_t)j * Hkv + kh) * D; float p = row[j] * inv; int i = 0;   \
+                for (; i + 8 <= D; i += 8)                                                        \
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(p), LD8(v + i), _mm256_loadu_ps(o + i))); \
+                for (; i < D; i++) o[i] += p * LD1(v[i]);                                         \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
 }
-/* The same task over an fp16 KV cache: the G query heads that share the KV head. sc holds G*n scores. */
-AVX2 static void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, float *O, int t, int kh,
-                                int H, int Hkv, int D, int n, float scale, float *sc) {
-    int G = H / Hkv;
-    for (int g = 0; g < G; g++) {
-        const float *q = Q + ((size_t)t * H + kh * G + g) * D;
-        float *row = sc + (size_t)g * n, mx = -INFINITY;
-        for (int s = 0; s < n; s++) {
-            const uint16_t *k = Kc + ((size_t)s * Hkv + kh) * D;
-            __m256 acc = _mm256_setzero_ps(); int i = 0;
-            for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), acc);
-            float dot = hsum_avx(acc);
-            for (; i < D; i++) dot += q[i] * _cvtsh_ss(k[i]);
-            row[s] = dot * scale;
-            if (row[s] > mx) mx = row[s];
-        }
-        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); int s = 0;
-        for (; s + 8 <= n; s += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
-            _mm256_storeu_ps(row + s, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum_avx(vsum);
-        for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }
-        float inv = 1.0f / sum, *o = O + ((size_t)t * H + kh * G + g) * D;
-        if (D == 64) {                             /* the output row lives in 8 registers */
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (int j = 0; j < n; j++) {
-                const uint16_t *v = V + ((size_t)j * Hkv + kh) * D; __m256 p = _mm256_set1_ps(row[j] * inv);
-                a0 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v))), a0);      a1 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8))), a1);
-                a2 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 16))), a2); a3 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 24))), a3);
-                a4 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 32))), a4); a5 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 40))), a5);
-                a6 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 48))), a6); a7 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 56))), a7);
-            }
-            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2); _mm256_storeu_ps(o + 24, a3);
-            _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);
-        } else {
-            for (int i = 0; i < D; i++) o[i] = 0.f;
-            for (int j = 0; j < n; j++) {
-                const uint16_t *v = V + ((size_t)j * Hkv + kh) * D; float p = row[j] * inv;
-                for (int i = 0; i < D; i++) o[i] += p * _cvtsh_ss(v[i]);
-            }
-        }
-    }
-}
+ATTN_TASK(attn_task_avx2, float, LD8_F32, LD1_F32)
+ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16)
 #endif
 
 static int g_avx2 = 0;
