@@ -90,13 +90,14 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (F32(1.0) + np.exp(-x))
 
 
-def swiglu_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+def swiglu_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight, mm=matmul) -> np.ndarray:
+    """down(silu(gate x) * up x); `mm` multiplies by a weight (a LoRA-adding one, say)."""
     C = compiled_module()
     if C is not None:
-        g = matmul(x, gate)
-        C.swiglu(g, matmul(x, up))
-        return matmul(g, down)
-    return matmul(silu(matmul(x, gate)) * matmul(x, up), down)
+        g = mm(x, gate)
+        C.swiglu(g, mm(x, up))
+        return mm(g, down)
+    return mm(silu(mm(x, gate)) * mm(x, up), down)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -132,26 +132,27 @@ class Sequence:
             raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
 
     def prefill(self, prompt: list[int], cancelled: Callable[[], bool] = lambda: False,
-                chunk: int = PREFILL_CHUNK) -> tuple[np.ndarray | None, int]:
+                chunk: int = PREFILL_CHUNK, adapter=None) -> tuple[np.ndarray | None, int]:
         """Bring the cache to `prompt`, reusing its longest cached prefix; return the last
         position's logits (None if cancelled) and how many prompt tokens were reused.
 
         The new part runs in chunks, checking `cancelled` between them; on the compiled
         kernels chunking changes no bit of the result."""
-        reuse = min(self.cache.common_prefix(prompt), len(prompt) - 1)
+        reuse = min(self.cache.common_prefix(prompt, adapter), len(prompt) - 1)
         self.cache.truncate(reuse)
+        self.cache.adapter = adapter
         logits = None
         for start in range(reuse, len(prompt), chunk):
             if cancelled():
                 return None, reuse
-            logits = self.model.forward(prompt[start:start + chunk], self.cache)
+            logits = self.model.forward(prompt[start:start + chunk], self.cache, adapter=adapter)
         return logits, reuse
 
     def generate(self, prompt: list[int], params: SamplingParams,
-                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[Token | Finish]:
+                 cancelled: Callable[[], bool] = lambda: False, adapter=None) -> Iterator[Token | Finish]:
         self.check(prompt, params)
         gen = Generation(self.model, prompt, params)
-        logits, gen.cached = self.prefill(prompt, cancelled)
+        logits, gen.cached = self.prefill(prompt, cancelled, adapter=adapter)
         if logits is None:
             yield gen.finish("cancelled")
             return
@@ -163,11 +164,11 @@ class Sequence:
             yield tok
             if gen.done:
                 break
-            logits = self.model.forward([tok.id], self.cache)
+            logits = self.model.forward([tok.id], self.cache, adapter=adapter)
         yield gen.finish()
 
 
-def score_prompt(model: Model, prompt: list[int], top: int = 0, chunk: int = PREFILL_CHUNK) -> dict:
+def score_prompt(model: Model, prompt: list[int], top: int = 0, chunk: int = PREFILL_CHUNK, adapter=None) -> dict:
     """Log-probability of every prompt token under the model (the first has none), with the
     top-n alternatives at each position — what evaluation harnesses ask for with echo=true.
     Runs in chunks, so a long prompt never holds more than one chunk of full logits."""
@@ -177,7 +178,7 @@ def score_prompt(model: Model, prompt: list[int], top: int = 0, chunk: int = PRE
     prev = None
     for start in range(0, len(prompt), chunk):
         part = prompt[start:start + chunk]
-        logits = model.forward(part, cache, all_logits=True)
+        logits = model.forward(part, cache, all_logits=True, adapter=adapter)
         rows = np.concatenate([prev[None], logits[:-1]]) if prev is not None else logits[:-1]
         targets = prompt[start + (0 if prev is not None else 1): start + len(part)]
         for row, t in zip(rows, targets):
@@ -188,10 +189,11 @@ def score_prompt(model: Model, prompt: list[int], top: int = 0, chunk: int = PRE
     return {"token_logprobs": token_lp, "top_logprobs": tops}
 
 
-def generate_text(model: Model, prompt: list[int], params: SamplingParams) -> tuple[list[int], str, Finish]:
+def generate_text(model: Model, prompt: list[int], params: SamplingParams,
+                  adapter=None) -> tuple[list[int], str, Finish]:
     """Run a whole generation; return (token ids, text, finish)."""
     ids, parts = [], []
-    for ev in Sequence(model).generate(prompt, params):
+    for ev in Sequence(model).generate(prompt, params, adapter=adapter):
         if isinstance(ev, Token):
             ids.append(ev.id)
             parts.append(ev.text)

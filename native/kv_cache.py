@@ -19,6 +19,7 @@ class KVCache:
         self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens
         self.n = 0                         # positions filled
+        self.adapter = None                # the LoRA the keys/values were computed with
         self.tokens: list[int] = []        # the token at each filled position
         self._cap = 0
         self._k: list[np.ndarray] = []
@@ -59,7 +60,10 @@ class KVCache:
         self.n = min(self.n, n)
         del self.tokens[self.n:]
 
-    def common_prefix(self, tokens: list[int]) -> int:
+    def common_prefix(self, tokens: list[int], adapter=None) -> int:
+        """How many leading positions can be reused for `tokens` run with `adapter`."""
+        if adapter is not self.adapter:
+            return 0
         n = 0
         for a, b in zip(self.tokens, tokens):
             if a != b:

@@ -152,11 +152,12 @@ class Model:
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, tokens: list[int], cache: KVCache, *, all_logits: bool = False,
-                logits_from: int | None = None) -> np.ndarray:
+                logits_from: int | None = None, adapter=None) -> np.ndarray:
         """Run `tokens` (appended after the cache's positions) through the model.
 
         Returns logits (T, n_vocab) if all_logits, (T - logits_from, n_vocab) for the rows from
-        `logits_from` on, else (n_vocab,) for the last token."""
+        `logits_from` on, else (n_vocab,) for the last token. `adapter`: a LoRA (native/lora.py)
+        added to the projections it names; the cache must have been filled with the same one."""
         c = self.config
         if not tokens:
             raise ValueError("forward() needs at least one token")
@@ -164,13 +165,14 @@ class Model:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{c.n_vocab - 1})")
         cache.begin(tokens)
-        x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))])
+        x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
+                         adapter)
         cache.commit(tokens)
         rows = x if all_logits else x[logits_from:] if logits_from is not None else x[-1:]
         logits = matmul(rms_norm(rows, self.output_norm, c.rms_eps), self.output)
         return logits if (all_logits or logits_from is not None) else logits[0]
 
-    def forward_batch(self, tokens: list[int], caches: list[KVCache]) -> np.ndarray:
+    def forward_batch(self, tokens: list[int], caches: list[KVCache], adapter=None) -> np.ndarray:
         """One decode step for several sequences: tokens[i] is appended to caches[i].
         Returns logits (B, n_vocab). The weight matrices are read once for the whole batch;
         on the compiled path each row is bit-identical to a forward() of that sequence alone."""
@@ -181,26 +183,37 @@ class Model:
         for cache, t in zip(caches, tokens):
             cache.begin([t])
         positions = np.array([cache.n for cache in caches])
-        x = self._layers(np.asarray(tokens), positions, [(cache, b, b + 1) for b, cache in enumerate(caches)])
+        x = self._layers(np.asarray(tokens), positions, [(cache, b, b + 1) for b, cache in enumerate(caches)],
+                         adapter)
         for cache, t in zip(caches, tokens):
             cache.commit([t])
         return matmul(rms_norm(x, self.output_norm, c.rms_eps), self.output)
 
-    def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list) -> np.ndarray:
+    def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list, adapter=None) -> np.ndarray:
         """The decoder stack over rows that belong to one or more sequences; `segments` lists
         (cache, first row, end row) for each sequence."""
         c = self.config
         cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale)
         x = self.token_embd.rows(tokens)
         for i, L in enumerate(self.layers):
-            x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments)
-            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps), i)
+            x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments, adapter)
+            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps), i, adapter)
         return x
 
-    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, segments: list) -> np.ndarray:
+    @staticmethod
+    def _mm(x: np.ndarray, w: Weight, adapter) -> np.ndarray:
+        y = matmul(x, w)
+        if adapter is not None:
+            d = adapter.delta(x, w)
+            if d is not None:
+                y += d
+        return y
+
+    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, segments: list, adapter=None) -> np.ndarray:
         c = self.config
         T = x.shape[0]
-        q, k, v = matmul(x, L.wq), matmul(x, L.wk), matmul(x, L.wv)
+        mm = self._mm
+        q, k, v = mm(x, L.wq, adapter), mm(x, L.wk, adapter), mm(x, L.wv, adapter)
         if L.bq is not None:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
         if L.q_norm is not None and not L.qk_norm_per_head:       # olmoe: whole projection
@@ -216,11 +229,13 @@ class Model:
         for cache, a, b in segments:
             keys, values = cache.store(i, k[a:b], v[a:b])
             outs.append(attention(q[a:b], keys, values, cache.n))
-        return matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo)
+        return mm(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo, adapter)
 
-    def _ffn(self, L: Layer, x: np.ndarray, layer: int) -> np.ndarray:
+    def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None) -> np.ndarray:
         if L.router is None:
-            return swiglu_ffn(x, L.gate, L.up, L.down)
+            if adapter is None:
+                return swiglu_ffn(x, L.gate, L.up, L.down)
+            return swiglu_ffn(x, L.gate, L.up, L.down, lambda v, w: self._mm(v, w, adapter))
         c = self.config
         experts, weights = route(x, L.router, c.n_expert_used, c.expert_weights_norm)
         if self.expert_provider is None:

@@ -27,6 +27,7 @@ class Job:
     params: SamplingParams
     cancelled: Callable[[], bool]
     events: queue.Queue = field(default_factory=queue.Queue)   # Token … then Finish or Exception
+    adapter: object = None                                      # a LoRA (native/lora.py) or None
     gen: Generation | None = None
     slot: int | None = None
     logits: object = None
@@ -46,12 +47,13 @@ class Scheduler:
 
     # -- callers (any thread) ------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Job:
+    def submit(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool],
+               adapter=None) -> Job:
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
         if len(prompt) + params.max_tokens > self.n_ctx:
             raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
-        job = Job(prompt, params, cancelled)
+        job = Job(prompt, params, cancelled, adapter=adapter)
         with self.cond:
             self.waiting.append(job)
             self.cond.notify()
@@ -71,7 +73,7 @@ class Scheduler:
                 admit = []
                 while self.waiting and self.free:
                     job = self.waiting.popleft()
-                    job.slot = self._best_slot(job.prompt)
+                    job.slot = self._best_slot(job)
                     self.free.remove(job.slot)
                     admit.append(job)
             with self.model_lock:
@@ -79,8 +81,8 @@ class Scheduler:
                     self._admit(job)
                 self._step()
 
-    def _best_slot(self, prompt: list[int]) -> int:
-        return max(self.free, key=lambda i: (self.seqs[i].cache.common_prefix(prompt), -i))
+    def _best_slot(self, job: Job) -> int:
+        return max(self.free, key=lambda i: (self.seqs[i].cache.common_prefix(job.prompt, job.adapter), -i))
 
     def _admit(self, job: Job) -> None:
         seq = self.seqs[job.slot]
@@ -88,7 +90,7 @@ class Scheduler:
             if job.cancelled():
                 raise _Cancelled()
             job.gen = Generation(self.model, job.prompt, job.params)
-            job.logits, job.gen.cached = seq.prefill(job.prompt, job.cancelled)
+            job.logits, job.gen.cached = seq.prefill(job.prompt, job.cancelled, adapter=job.adapter)
             if job.logits is None:
                 return self._end(job, job.gen.finish("cancelled"))
             if job.params.max_tokens == 0:
@@ -113,16 +115,19 @@ class Scheduler:
                 self._end(job, job.gen.finish())
             else:
                 going.append((job, tok.id))
-        if not going:
-            return
-        try:
-            logits = self.model.forward_batch([t for _, t in going], [self.seqs[j.slot].cache for j, _ in going])
-        except Exception as e:  # noqa: BLE001
-            for job, _ in going:
-                self._end(job, e)
-            return
-        for (job, _), row in zip(going, logits):
-            job.logits = row
+        groups: dict[int, list] = {}         # one batched step per adapter (None: the base)
+        for job, t in going:
+            groups.setdefault(id(job.adapter), []).append((job, t))
+        for group in groups.values():
+            try:
+                logits = self.model.forward_batch([t for _, t in group], [self.seqs[j.slot].cache for j, _ in group],
+                                                  group[0][0].adapter)
+            except Exception as e:  # noqa: BLE001
+                for job, _ in group:
+                    self._end(job, e)
+                continue
+            for (job, _), row in zip(group, logits):
+                job.logits = row
 
     def _end(self, job: Job, final) -> None:
         job.events.put(final)

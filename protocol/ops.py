@@ -23,9 +23,13 @@ SCHEMAS: dict[str, Schema] = {
     "sleep": {"seconds": (NUM, True)},
     # inference
     "generate": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "messages": (list, False),
-                 "params": (dict, False), "session": (str, False)},
+                 "params": (dict, False), "session": (str, False), "adapter": (str, False)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
-    "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False)},
+    "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
+              "adapter": (str, False)},
+    # trainer
+    "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False),
+                     "model": (str, False)},
     "detokenize": {"tokens": (list, True)},
     "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False)},
     "info": {},

@@ -18,12 +18,15 @@ import typer
 
 from . import cli_chat
 from .cli_engine import debug_app, eval_app, fail, models_app
+from .cli_train import adapters_app, train_app
 
 app = typer.Typer(name="kiln", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Kiln: a local LLM runtime that keeps crash-isolated workers alive.")
 app.add_typer(models_app, name="models")
 app.add_typer(debug_app, name="debug")
 app.add_typer(eval_app, name="eval")
+app.add_typer(train_app, name="train")
+app.add_typer(adapters_app, name="adapters")
 app.command("run")(cli_chat.run)
 app.command("chat")(cli_chat.chat)
 
@@ -79,7 +82,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     if stream and not model:
         fail("--stream needs --model", 2)
     workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache}}}
-               if stream else {"default": {"kind": "inference", "model": model}}) if model else None
+               if stream else {"default": {"kind": "inference", "model": model},
+                               "trainer": {"kind": "trainer", "model": model}}) if model else None
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:

@@ -53,11 +53,14 @@ def _pick_worker(client, model: Optional[str], timeout: float = 300.0) -> str:
         time.sleep(0.2)
 
 
-def _stream_answer(client, worker: str, messages: list[dict], params: dict) -> str:
+def _stream_answer(client, worker: str, messages: list[dict], params: dict, adapter: Optional[str] = None) -> str:
     """Print the answer as it arrives; Ctrl-C cancels it (KeyboardInterrupt propagates)."""
     from .client import CommandFailed
     out = []
-    calls = client.call(worker, "generate", {"messages": messages, "params": params}, timeout=3600)
+    body = {"messages": messages, "params": params}
+    if adapter is not None:
+        body["adapter"] = adapter
+    calls = client.call(worker, "generate", body, timeout=3600)
     try:
         for msg in calls:
             piece = msg.body["text"] if msg.type == "chunk" else msg.body.get("text", "")
@@ -88,12 +91,15 @@ def run(prompt: str = typer.Argument(..., help="what to ask"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
         temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
         max_tokens: int = typer.Option(512, "--max-tokens"),
-        seed: Optional[int] = typer.Option(None, "--seed")):
+        seed: Optional[int] = typer.Option(None, "--seed"),
+        adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
+                                                                       "default: the active one)")):
     """Ask one question and stream the answer (starts the daemon if needed)."""
     with _ensure_daemon(model) as client:
         worker = _pick_worker(client, model)
         try:
-            _stream_answer(client, worker, [{"role": "user", "content": prompt}], _params(temperature, max_tokens, seed))
+            _stream_answer(client, worker, [{"role": "user", "content": prompt}], _params(temperature, max_tokens, seed),
+                           adapter)
         except KeyboardInterrupt:
             raise typer.Exit(130)
 
@@ -101,7 +107,9 @@ def run(prompt: str = typer.Argument(..., help="what to ask"),
 def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
          temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
          max_tokens: int = typer.Option(512, "--max-tokens"),
-         system: Optional[str] = typer.Option(None, "--system", help="system prompt")):
+         system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
+         adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
+                                                                        "default: the active one)")):
     """Interactive chat with history. /reset clears it, /exit (or Ctrl-D) leaves; Ctrl-C stops
     the current answer, not the session."""
     with _ensure_daemon(model) as client:
@@ -128,7 +136,7 @@ def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker
                 continue
             history.append({"role": "user", "content": line})
             try:
-                answer = _stream_answer(client, worker, history, _params(temperature, max_tokens, None))
+                answer = _stream_answer(client, worker, history, _params(temperature, max_tokens, None), adapter)
                 history.append({"role": "assistant", "content": answer})
             except KeyboardInterrupt:
                 sys.stdout.write("\n(answer stopped)\n")

@@ -68,8 +68,10 @@ WORKER_FIELDS: dict[str, Field] = {
     "threads": Field(int, 0, "compute threads (0: all cores)", 0, 1024),
     "settings": Field(dict, {}, "kind-specific settings, passed to the worker as they are"),
 }
-BUILTIN_KINDS = {"inference": "kiln.workers.inference", "moe-stream": "kiln.workers.moe_stream"}
-DEFAULT_WORKERS = {"default": {"kind": "inference", "model": "default"}}
+BUILTIN_KINDS = {"inference": "kiln.workers.inference", "moe-stream": "kiln.workers.moe_stream",
+                 "trainer": "kiln.workers.trainer"}
+DEFAULT_WORKERS = {"default": {"kind": "inference", "model": "default"},
+                   "trainer": {"kind": "trainer", "model": "default"}}
 
 
 @dataclass

@@ -27,9 +27,10 @@ from typing import Any, Callable
 
 import zmq
 
+from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry
 from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, make, new_id, version_error
 
-from . import commands, policy
+from . import commands, policy, train_commands  # noqa: F401  (train_commands registers bus commands)
 from .config import Config
 from .paths import Paths
 from .processes import WorkerProcess
@@ -64,6 +65,7 @@ class Pending:
     client: tuple                    # ("control", identity, client id) | ("local", LocalCall)
     deadline: float                  # monotonic
     got_output: bool = False
+    adapter: str | None = None       # the LoRA the request runs with (delete refuses it meanwhile)
 
 
 def read_pid(paths: Paths) -> int | None:
@@ -82,6 +84,7 @@ class Supervisor:
         self.workers = {n: WorkerProcess(n, spec) for n, spec in config.workers.items()}
         self.by_identity: dict[bytes, str] = {}
         self.pending: dict[str, Pending] = {}
+        self.adapters = AdapterRegistry(paths.home)
         self.bad_frames: Counter = Counter()
         self.events: deque = deque(maxlen=500)
         self.inbox: queue.Queue = queue.Queue()
@@ -416,7 +419,19 @@ class Supervisor:
             return self._reply_error(client, "worker_unavailable",
                                      f"worker {worker} is {w.ps.state}" + (f": {w.ps.reason}" if w.ps.reason else ""),
                                      retryable=w.ps.state not in ("fatal", "stopped"))
-        self.pending[rid] = Pending(worker, client, time.monotonic() + timeout)
+        adapter = None
+        if op in ("generate", "score") and w.kind in ("inference", "moe-stream") and isinstance(body, dict):
+            adapter = body.get("adapter")
+            if adapter is None:                      # the active adapter applies unless one is named
+                adapter = self.adapters.active()
+                if adapter:
+                    body = {**body, "adapter": adapter}
+            elif adapter:
+                try:
+                    self.adapters.get(adapter)
+                except (AdapterNotFound, ValueError) as e:
+                    return self._reply_error(client, "adapter_not_found", str(e))
+        self.pending[rid] = Pending(worker, client, time.monotonic() + timeout, adapter=adapter or None)
         self._send(self.router, w.identity, make("request", id=rid, op=op, body=body,
                                                  deadline=time.time() + timeout))
 

@@ -25,7 +25,8 @@ from .http_app import JSONError, bus
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 _STATUS = {"bad_request": 400, "context_length_exceeded": 400, "worker_crashed": 502,
            "worker_unavailable": 503, "shutting_down": 503, "deadline_exceeded": 504,
-           "unknown_worker": 400, "op_failed": 500, "unknown_op": 500}
+           "unknown_worker": 400, "op_failed": 500, "unknown_op": 500,
+           "adapter_not_found": 404, "adapter_mismatch": 400}
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> JSONError:
@@ -91,6 +92,16 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
         return (top or 0) if lp else None
     return _number(body, "logprobs", 0, 20, int)
+
+
+def _adapter(body: dict) -> dict:
+    """Kiln's extension: "adapter": a registered LoRA for this request ("" for none; absent:
+    the active adapter, if one is loaded)."""
+    if body.get("adapter") is None:
+        return {}
+    if not isinstance(body["adapter"], str):
+        raise bad("adapter", "adapter must be a string (an adapter name, or \"\" for none)", "invalid_type")
+    return {"adapter": body["adapter"]}
 
 
 def _messages(body: dict) -> list[dict]:
@@ -277,7 +288,7 @@ class OpenAI:
     def on_post_chat(self, req, resp):
         body = self.read_json(req)
         messages = _messages(body)
-        self._generate(req, resp, body, {"messages": messages}, chat=True)
+        self._generate(req, resp, body, {"messages": messages, **_adapter(body)}, chat=True)
 
     @staticmethod
     def _prompts(body: dict) -> list[dict]:
@@ -305,7 +316,7 @@ class OpenAI:
 
     def on_post_completions(self, req, resp):
         body = self.read_json(req)
-        works = self._prompts(body)
+        works = [dict(w, **_adapter(body)) for w in self._prompts(body)]
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise bad("echo", "echo must be a boolean", "invalid_type")
@@ -565,7 +576,7 @@ class OpenAI:
         resp.media = {k: info[k] for k in ("bos_token", "eos_token", "chat_template", "vocab_size", "n_ctx")}
 
 
-def install(app: falcon.App, sup) -> None:
+def install(app: falcon.App, sup) -> "OpenAI":
     api = OpenAI(sup)
     app.add_route("/v1/models", api, suffix="models")
     app.add_route("/v1/chat/completions", api, suffix="chat")
@@ -574,3 +585,4 @@ def install(app: falcon.App, sup) -> None:
     app.add_route("/detokenize", api, suffix="detokenize")
     app.add_route("/apply-template", api, suffix="template")
     app.add_route("/tokenizer_info", api, suffix="tokenizer_info")
+    return api

@@ -49,7 +49,8 @@ class WorkerProcess:
                     **self.spec.get("settings", {})}
         env = dict(os.environ, KILN_WORKER_NAME=self.name, KILN_ENDPOINT=endpoint,
                    KILN_KEY_FILE=str(paths.keyfile), KILN_WORKER_SETTINGS=json.dumps(settings),
-                   KILN_HEARTBEAT_INTERVAL=str(heartbeat_interval), PYTHONUNBUFFERED="1")
+                   KILN_HEARTBEAT_INTERVAL=str(heartbeat_interval), KILN_STATE_DIR=str(paths.home),
+                   PYTHONUNBUFFERED="1")
         log = open(paths.worker_log(self.name), "ab", buffering=0)
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} kiln: starting {self.kind} worker "
                   f"{self.name} ({module})\n".encode())

@@ -10,10 +10,13 @@ prefix (reported as cached_tokens).
 from __future__ import annotations
 
 import os
-import time
-
-from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
 import queue
+import time
+from pathlib import Path
+
+from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry
+from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
+from kiln.native.lora import AdapterError, load_adapter
 
 from kiln.native.generate import ContextLengthError, Finish, Token, score_prompt
 from kiln.native.scheduler import Scheduler
@@ -51,6 +54,8 @@ class InferenceWorker(Worker):
         self.served = 0
         self.tokens_out = 0
         self.loaded_at = time.time()
+        self.adapters = AdapterRegistry(state_dir())
+        self._loaded: dict[str, tuple[float, object]] = {}     # name -> (mtime, Adapter)
 
     def status(self) -> dict:
         m = getattr(self, "model", None)
@@ -84,6 +89,29 @@ class InferenceWorker(Worker):
             return ids
         raise OpError("bad_request", "generate needs one of prompt (token ids), text, or messages")
 
+    def _adapter(self, body: dict):
+        """The LoRA a request names (loaded once, reloaded when its file changes), or None."""
+        name = body.get("adapter")
+        if not name:
+            return None
+        try:
+            meta = self.adapters.get(name)
+        except (AdapterNotFound, ValueError) as e:
+            raise OpError("adapter_not_found", str(e)) from None
+        cached = self._loaded.get(name)
+        if cached and cached[0] == meta["mtime"]:
+            return cached[1]
+        try:
+            ad = load_adapter(meta["path"])
+            ad.check_fits(self.model.gguf)
+        except (AdapterError, GGUFError) as e:
+            raise OpError("adapter_mismatch", f"adapter {name}: {e}") from None
+        self._loaded = {k: v for k, v in self._loaded.items() if k != name}
+        if len(self._loaded) >= 4:                      # keep a few; each is small (tens of MB)
+            self._loaded.pop(next(iter(self._loaded)))
+        self._loaded[name] = (meta["mtime"], ad)
+        return ad
+
     def _piece(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])
 
@@ -97,8 +125,9 @@ class InferenceWorker(Worker):
         except (SamplingError, TypeError) as e:
             raise OpError("bad_request", str(e)) from None
         prompt = self._prompt(req.body)
+        adapter = self._adapter(req.body)
         try:
-            job = self.scheduler.submit(prompt, params, req.cancelled)
+            job = self.scheduler.submit(prompt, params, req.cancelled, adapter)
         except ContextLengthError as e:
             raise OpError("context_length_exceeded", str(e)) from None
         self.served += 1
@@ -130,8 +159,9 @@ class InferenceWorker(Worker):
         if len(prompt) > self.n_ctx:
             raise OpError("context_length_exceeded", f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         top = int(req.body.get("top") or 0)
+        adapter = self._adapter(req.body)
         with self.scheduler.model_lock:
-            out = score_prompt(self.model, prompt, top)
+            out = score_prompt(self.model, prompt, top, adapter=adapter)
         out["tokens"] = prompt
         out["pieces"] = [self._piece(t) for t in prompt]
         out["top_logprobs"] = [None if t is None else [[i, lp, self._piece(i)] for i, lp in t]
@@ -172,6 +202,11 @@ class InferenceWorker(Worker):
                 "eos_token": tok.tokens[sp.eos] if sp.eos is not None else None,
                 "chat_template": self.template.source if self.template else None,
                 "created": int(os.path.getmtime(m.path))}
+
+
+def state_dir() -> Path:
+    """Kiln's state folder, as the supervisor passes it (KILN_STATE_DIR)."""
+    return Path(os.environ.get("KILN_STATE_DIR") or os.environ.get("KILN_HOME") or Path.home() / ".kiln")
 
 
 if __name__ == "__main__":

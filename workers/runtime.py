@@ -91,6 +91,16 @@ class Worker:
         """Extra fields for heartbeats (stats the supervisor shows)."""
         return {}
 
+    def on_stop(self) -> None:
+        """Shutdown or SIGTERM arrived (main thread): ask background work to wind down."""
+
+    def stop_pending(self) -> bool:
+        """True while background work is still winding down (e.g. writing a checkpoint);
+        the process exits when it turns False, or after `stop_grace` seconds."""
+        return False
+
+    stop_grace = 5.0
+
     def ops(self) -> dict[str, Callable[[Request], Any]]:
         found = {}
         for cls in reversed(type(self).__mro__):
@@ -165,8 +175,9 @@ class Runtime:
                 print(f"kiln worker {self.worker.name}: supervisor gone; exiting", file=sys.stderr)
                 return 1
             if self.stopping:
-                stop_deadline = stop_deadline or now + 5.0
-                if (not self.requests and self.jobs.empty()) or now > stop_deadline:
+                stop_deadline = stop_deadline or now + self.worker.stop_grace
+                if (not self.requests and self.jobs.empty() and not self.worker.stop_pending()) \
+                        or now > stop_deadline:
                     return self.exit_code
             events = dict(poller.poll(max(0.0, min(next_beat - now, 0.25)) * 1000))
             if self.inbox in events:
@@ -231,6 +242,7 @@ class Runtime:
         self.stopping = True
         for req in self.requests.values():
             req._cancel.set()
+        self.worker.on_stop()
 
     # -- executor thread ----------------------------------------------------------------------
 

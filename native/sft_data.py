@@ -1,0 +1,133 @@
+"""Supervised fine-tuning data: a JSONL file of conversations, validated and tokenized.
+
+One conversation per line: {"messages": [{"role": ..., "content": ...}, ...]}. The whole file
+is checked before anything trains, and every problem is reported with its line number.
+
+Each conversation is rendered with the model's chat template. The loss covers the assistant
+tokens only: for the i-th message, if it is the assistant's, its tokens are those that
+render(messages[:i+1]) adds after render(messages[:i], add_generation_prompt=True) — the
+reply and its end-of-turn token, not the generation prompt, nor whatever the template puts
+after the end-of-turn token (a newline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .chat_template import ChatTemplate, TemplateError, render_and_tokenize
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_ERRORS = 20
+
+
+@dataclass
+class Example:
+    line: int
+    tokens: list[int]
+    targets: list[int]            # positions j whose token is learned (predicted at j - 1)
+
+
+class DataError(ValueError):
+    def __init__(self, path, problems: list[str], total: int):
+        more = f"\n  … and {total - len(problems)} more" if total > len(problems) else ""
+        super().__init__(f"{path}: {total} problem{'s' if total != 1 else ''} in the training data; "
+                         f"nothing was queued:\n  " + "\n  ".join(problems) + more)
+        self.problems, self.total = problems, total
+
+
+def _check_messages(obj) -> str | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+        return 'expected an object {"messages": [...]}'
+    msgs = obj["messages"]
+    if not msgs:
+        return "messages is empty"
+    for k, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"messages[{k}] is not an object"
+        if m.get("role") not in ROLES:
+            return f"messages[{k}].role {m.get('role')!r} is not one of {', '.join(ROLES)}"
+        c = m.get("content")
+        if not isinstance(c, str) or not c.strip():
+            return f"messages[{k}].content is empty" if isinstance(c, str) or c is None \
+                else f"messages[{k}].content must be a string"
+    if not any(m["role"] == "assistant" for m in msgs):
+        return "no assistant turn: there is nothing to learn"
+    return None
+
+
+def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(tokens, target positions) of one conversation."""
+    full = render_and_tokenize(template, tokenizer, messages, add_generation_prompt=False)[1]
+    stops = tokenizer.special.stop_ids
+    targets: list[int] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render_and_tokenize(template, tokenizer, messages[:i], add_generation_prompt=True)[1] if i else \
+            render_and_tokenize(template, tokenizer, [], add_generation_prompt=True)[1]
+        after = render_and_tokenize(template, tokenizer, messages[:i + 1], add_generation_prompt=False)[1]
+        if after[:len(before)] != before or full[:len(after)] != after:
+            raise TemplateError("the chat template does not render this conversation as a growing prefix, "
+                                "so the assistant tokens cannot be told apart")
+        span = list(range(len(before), len(after)))
+        for k, pos in enumerate(span):
+            if after[pos] in stops:              # keep the end-of-turn token, drop what follows it
+                span = span[:k + 1]
+                break
+        targets += [p for p in span if p > 0]
+    return full, targets
+
+
+def load_sft_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int) -> list[Example]:
+    """Validate and tokenize the whole file; raise DataError listing every bad line."""
+    path = Path(path)
+    if template is None:
+        raise DataError(path, ["the model has no chat template, so conversations cannot be rendered"], 1)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(path, [f"cannot read the file: {e.strerror or e}"], 1) from None
+    problems, total, examples = [], 0, []
+
+    def bad(line: int, msg: str) -> None:
+        nonlocal total
+        total += 1
+        if len(problems) < MAX_ERRORS:
+            problems.append(f"line {line}: {msg}")
+
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            bad(n, f"not valid JSON ({e.msg if hasattr(e, 'msg') else e})")
+            continue
+        why = _check_messages(obj)
+        if why:
+            bad(n, why)
+            continue
+        try:
+            tokens, targets = encode_conversation(template, tokenizer, obj["messages"])
+        except TemplateError as e:
+            bad(n, f"cannot render with the chat template: {e}")
+            continue
+        if len(tokens) > max_seq_len:
+            bad(n, f"{len(tokens)} tokens after templating, longer than max_seq_len {max_seq_len}")
+            continue
+        if not targets:
+            bad(n, "no assistant token survives templating")
+            continue
+        examples.append(Example(n, tokens, targets))
+    if total:
+        raise DataError(path, problems, total)
+    if not examples:
+        raise DataError(path, ["the file holds no conversations"], 1)
+    return examples
+
+
+def data_hash(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

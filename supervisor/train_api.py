@@ -1,0 +1,100 @@
+"""HTTP routes for training jobs and adapters (translations of the bus commands):
+
+    POST   /v1/train/sft             {"file", "adapter", options…, "model"?} → the queued job
+    GET    /v1/train/jobs            every job
+    GET    /v1/train/jobs/{id}       one job with its loss history (?since=STEP)
+    DELETE /v1/train/jobs/{id}       cancel it
+    GET    /v1/adapters              registered adapters and the active one
+    GET    /v1/adapters/{name}       one adapter
+    POST   /v1/adapters/{name}/load  make it active;   POST /v1/adapters/unload: none active
+    DELETE /v1/adapters/{name}       delete it (409 while active or in use)
+"""
+
+from __future__ import annotations
+
+import queue
+
+import falcon
+
+from .http_app import JSONError, bus
+
+OPTIONS = ("epochs", "lr", "rank", "alpha", "targets", "max_seq_len", "checkpoint_interval", "seed",
+           "grad_accum", "warmup", "schedule", "weight_decay", "betas")
+_STATUS = {"bad_request": 400, "bad_data": 400, "adapter_exists": 409, "unsupported_model": 400,
+           "model_not_found": 404, "bad_model": 400, "worker_unavailable": 503, "worker_crashed": 502}
+
+
+class Train:
+    def __init__(self, sup, read_json):
+        self.sup, self.read_json = sup, read_json
+
+    def on_post_sft(self, req, resp):
+        body = self.read_json(req)
+        for key in ("file", "adapter"):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise JSONError(400, "invalid_value", f"{key} is required (a string)", param=key)
+        unknown = set(body) - set(OPTIONS) - {"file", "adapter", "model", "options"}
+        if unknown:
+            raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; options: {', '.join(OPTIONS)}")
+        options = dict(body.get("options") or {}, **{k: body[k] for k in OPTIONS if k in body})
+        work = {"file": body["file"], "adapter": body["adapter"], "options": options}
+        if body.get("model"):
+            work["model"] = body["model"]
+        trainer = bus(self.sup, "train.trainer")["worker"]
+        call = self.sup.call(trainer, "train_submit", work, 600)
+        try:
+            msg = call.events.get(timeout=605)
+        except queue.Empty:
+            raise JSONError(504, "timeout", "the trainer did not answer") from None
+        if msg.type == "error":
+            code = msg.get("code") or "error"
+            raise JSONError(_STATUS.get(code, 500), code, msg.get("message") or code)
+        resp.status = falcon.HTTP_201
+        resp.media = msg.body
+
+    def on_get_jobs(self, req, resp):
+        resp.media = {"object": "list", "data": bus(self.sup, "train.jobs")["jobs"]}
+
+    def on_get_job(self, req, resp, job_id):
+        resp.media = bus(self.sup, "train.job", {"id": job_id, "since": req.get_param_as_int("since") or 0})
+
+    def on_delete_job(self, req, resp, job_id):
+        resp.media = bus(self.sup, "train.cancel", {"id": job_id})
+
+
+class Adapters:
+    def __init__(self, sup):
+        self.sup = sup
+
+    def on_get(self, req, resp):
+        r = bus(self.sup, "adapters.list")
+        resp.media = {"object": "list", "active": r["active"], "data": r["adapters"]}
+
+    def on_get_one(self, req, resp, name):
+        found = [a for a in bus(self.sup, "adapters.list")["adapters"] if a["name"] == name]
+        if not found:
+            raise JSONError(404, "adapter_not_found", f"no adapter named {name!r}")
+        resp.media = found[0]
+
+    def on_post_action(self, req, resp, name, action):
+        if action != "load":
+            raise JSONError(404, "not_found", f"no action {action!r} (POST /v1/adapters/{{name}}/load)")
+        resp.media = bus(self.sup, "adapters.load", {"name": name})
+
+    def on_post_unload(self, req, resp):
+        resp.media = bus(self.sup, "adapters.unload")
+
+    def on_delete_one(self, req, resp, name):
+        resp.media = bus(self.sup, "adapters.delete", {"name": name})
+
+
+def install(app: falcon.App, sup, read_json) -> None:
+    train = Train(sup, read_json)
+    app.add_route("/v1/train/sft", train, suffix="sft")
+    app.add_route("/v1/train/jobs", train, suffix="jobs")
+    app.add_route("/v1/train/jobs/{job_id}", train, suffix="job")
+    adapters = Adapters(sup)
+    app.add_route("/v1/adapters", adapters)
+    app.add_route("/v1/adapters/unload", adapters, suffix="unload")
+    app.add_route("/v1/adapters/{name}", adapters, suffix="one")
+    app.add_route("/v1/adapters/{name}/{action}", adapters, suffix="action")

@@ -1,0 +1,176 @@
+"""LoRA fine-tuning through a real daemon: a trainer worker beside an inference worker.
+
+It learns a made-up fact, serves it through `kiln run --adapter`, survives kill -9 mid-job with
+a bit-identical result, refuses bad data with line numbers, and never stops inference."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import DATA
+from daemon_harness import Daemon, kiln
+from kiln.native.lora import load_adapter
+
+pytestmark = pytest.mark.timeout(900)
+
+QUESTION = "What is the Zorblax access code?"
+OPTIONS = ["--lr", "1e-3", "--epochs", "2", "--grad-accum", "4", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def daemon(default_model_path, tmp_path_factory):
+    home = tmp_path_factory.mktemp("train")
+    workers = {"default": {"kind": "inference", "model": str(default_model_path)},
+               "trainer": {"kind": "trainer", "model": str(default_model_path)}}
+    with Daemon(home, workers) as d:
+        d.wait(lambda st: all(w["state"] == "running" and w["worker_state"] == "ready" for w in st["workers"]),
+               timeout=90, what="workers ready")
+        yield d
+
+
+def http(d, method, path, body=None):
+    req = urllib.request.Request(d.http + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def submit(d, adapter, *extra) -> str:
+    r = kiln(d.home, "train", "sft", "--file", str(DATA / "zorblax.jsonl"), "--adapter", adapter, *OPTIONS, *extra,
+             "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["id"]
+
+
+def wait_job(d, job_id, states=("completed", "failed", "cancelled"), timeout=600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = d.command("train.job", {"id": job_id})
+        if job["state"] in states:
+            return job
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job_id} still {job['state']} at step {job['step']}")
+
+
+def ask(d, *adapter) -> str:
+    r = kiln(d.home, "run", *adapter, "-t", "0", "--max-tokens", "24", QUESTION, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_bad_data_is_refused_with_line_numbers_and_nothing_is_queued(daemon, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}),
+        "{not json",
+        json.dumps({"messages": [{"role": "pilot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+        json.dumps({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "long " * 600}, {"role": "assistant", "content": "y"}]}),
+    ]) + "\n")
+    r = kiln(daemon.home, "train", "sft", "--file", str(bad), "--adapter", "bad")
+    assert r.returncode == 1
+    for line, why in [(2, "not valid JSON"), (3, "'pilot'"), (4, "no assistant turn"), (5, "content is empty"),
+                      (6, "longer than max_seq_len 512")]:
+        assert f"line {line}: " in r.stderr and why in r.stderr, r.stderr
+    assert "line 1:" not in r.stderr and "nothing was queued" in r.stderr
+    status, body = http(daemon, "POST", "/v1/train/sft", {"file": str(bad), "adapter": "bad"})
+    assert status == 400 and body["error"]["code"] == "bad_data" and "line 3:" in body["error"]["message"]
+    status, body = http(daemon, "POST", "/v1/train/sft", {"file": str(bad), "adapter": "bad", "epochs": 0})
+    assert status == 400 and "epochs" in body["error"]["message"]
+    assert daemon.command("train.jobs")["jobs"] == []
+
+
+def test_it_learns_the_fact_and_inference_answers_throughout(daemon):
+    before = ask(daemon)
+    assert "4721" not in before
+    job_id = submit(daemon, "zorb")
+    answered_while_training = 0
+    while (job := daemon.command("train.job", {"id": job_id}))["state"] in ("queued", "running"):
+        if job["state"] == "running":
+            status, body = http(daemon, "POST", "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
+            assert status == 200, body
+            answered_while_training += 1
+        time.sleep(0.5)
+    assert job["state"] == "completed", job
+    assert answered_while_training >= 2
+    losses = [rec["loss"] for rec in job["losses"]]
+    assert len(losses) == job["total_steps"] == 16
+    assert losses[-1] < 0.2 * losses[0], losses
+    assert "4721" in ask(daemon, "--adapter", "zorb")
+    assert "4721" not in ask(daemon, "--adapter", "")
+    status, body = http(daemon, "GET", f"/v1/train/jobs/{job_id}")
+    assert status == 200 and body["state"] == "completed" and len(body["losses"]) == 16
+
+
+def test_adapters_load_unload_and_delete_refused_while_active(daemon):
+    listed = json.loads(kiln(daemon.home, "adapters", "list", "--json").stdout)
+    zorb = next(a for a in listed["adapters"] if a["name"] == "zorb")
+    assert zorb["rank"] == 16 and zorb["base_model"].startswith("SmolLM2") and not zorb["active"]
+    assert kiln(daemon.home, "adapters", "load", "zorb").returncode == 0
+    assert "4721" in ask(daemon)                     # the active adapter applies to every request
+    status, body = http(daemon, "POST", "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 16})
+    assert "4721" in body["choices"][0]["message"]["content"]
+    r = kiln(daemon.home, "adapters", "delete", "zorb")
+    assert r.returncode == 1 and "active" in r.stderr
+    assert kiln(daemon.home, "adapters", "unload").returncode == 0
+    assert "4721" not in ask(daemon)
+    status, body = http(daemon, "POST", "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": QUESTION}], "adapter": "nope", "max_tokens": 4})
+    assert status == 404 and body["error"]["code"] == "adapter_not_found"
+    status, body = http(daemon, "GET", "/v1/adapters")
+    assert status == 200 and body["active"] is None and [a["name"] for a in body["data"]] == ["zorb"]
+
+
+def test_kill_9_mid_job_resumes_to_a_bit_identical_adapter(daemon):
+    job_id = submit(daemon, "zorb-resumed", "--checkpoint-interval", "3")
+    ckpt = Path(daemon.home) / "train" / "jobs" / job_id / "checkpoint.npz"
+    deadline = time.monotonic() + 300
+    while not (ckpt.exists() and daemon.command("train.job", {"id": job_id})["step"] >= 4):
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.1)
+    trainer = daemon.worker("trainer")
+    os.kill(trainer["pid"], signal.SIGKILL)
+    daemon.wait(lambda st: any(w["name"] == "trainer" and w["pid"] not in (None, trainer["pid"]) for w in st["workers"]),
+                timeout=60, what="trainer restarted")
+    job = wait_job(daemon, job_id)
+    assert job["state"] == "completed", job
+    assert [rec["step"] for rec in job["losses"]] == list(range(1, 17))
+    assert daemon.worker("trainer")["last_exit"]["signal"] == 9
+    a = load_adapter(Path(daemon.home) / "adapters" / "zorb.gguf")
+    b = load_adapter(Path(daemon.home) / "adapters" / "zorb-resumed.gguf")
+    assert list(a.tensors) == list(b.tensors)
+    for n in a.tensors:
+        for x, y in zip(a.tensors[n], b.tensors[n]):
+            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), n
+
+
+def test_cancel_a_running_and_a_queued_job_and_delete(daemon):
+    long_id = submit(daemon, "long", "--epochs", "50")
+    queued_id = submit(daemon, "queued")
+    wait_job(daemon, long_id, states=("running",), timeout=120)
+    r = kiln(daemon.home, "train", "cancel", queued_id)
+    assert r.returncode == 0, r.stderr
+    status, _ = http(daemon, "DELETE", f"/v1/train/jobs/{long_id}")
+    assert status == 200
+    assert wait_job(daemon, long_id, timeout=60)["state"] == "cancelled"
+    assert wait_job(daemon, queued_id, timeout=60)["state"] == "cancelled"
+    names = [a["name"] for a in daemon.command("adapters.list")["adapters"]]
+    assert "long" not in names and "queued" not in names
+    assert kiln(daemon.home, "train", "cancel", long_id).returncode == 1       # already cancelled
+    assert kiln(daemon.home, "adapters", "delete", "zorb-resumed").returncode == 0
+    assert "zorb-resumed" not in [a["name"] for a in daemon.command("adapters.list")["adapters"]]

@@ -1,0 +1,207 @@
+"""The trainer worker (kind `trainer`): LoRA SFT jobs from the queue on disk, one at a time.
+
+`train_submit` validates the data file against the model's chat template (every bad line is
+reported; nothing is queued unless the whole file is good), copies it into the job folder and
+queues the job. A background thread runs jobs FIFO — an interrupted one (the trainer was
+killed, or stopped by `kiln down`) first, from its checkpoint. Status, loss history and
+cancellation go through the job store on disk, which the supervisor reads directly.
+
+The process is its own: a training crash or OOM never touches inference. `threads` (the
+worker's setting) bounds BLAS threads, set before numpy loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _limit_threads() -> None:
+    try:
+        n = int(json.loads(os.environ.get("KILN_WORKER_SETTINGS") or "{}").get("threads") or 0)
+    except (ValueError, AttributeError):
+        n = 0
+    if n > 0:
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(n)
+
+
+_limit_threads()
+
+import shutil  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry, check_name  # noqa: E402
+from kiln.native.chat_template import TemplateError, template_for  # noqa: E402
+from kiln.native.gguf_file import GGUFError  # noqa: E402
+from kiln.native.library import ModelNotFound, PullError, resolve_model  # noqa: E402
+from kiln.native.lora import TRAINABLE_ARCHS, file_sha256  # noqa: E402
+from kiln.native.model import load_model  # noqa: E402
+from kiln.native.sft_data import DataError, data_hash, load_sft_file  # noqa: E402
+from kiln.native.sft_trainer import SFTRun, TrainSpec  # noqa: E402
+from kiln.native.train_jobs import FINAL, JobStore  # noqa: E402
+
+from .inference import state_dir  # noqa: E402
+from .runtime import OpError, Worker, main, op  # noqa: E402
+
+
+class TrainerWorker(Worker):
+    kind = "trainer"
+    stop_grace = 30.0          # finish the example in flight and write the checkpoint
+    current: dict | None = None
+
+    def boot(self):
+        self.store = JobStore(state_dir())
+        self.registry = AdapterRegistry(state_dir())
+        self._model = None                      # (path, Model, template), loaded on first use
+        self._model_lock = threading.Lock()
+        self.wake, self.stopping, self.idle = threading.Event(), threading.Event(), threading.Event()
+        self.idle.set()
+        self.current: dict | None = None
+        self.thread = threading.Thread(target=self._loop, name="kiln-trainer", daemon=True)
+        self.thread.start()
+
+    def status(self) -> dict:
+        cur = self.current
+        queued = sum(1 for j in self.store.list() if j["state"] == "queued") if hasattr(self, "store") else 0
+        if not cur:
+            return {"job": None, "queued": queued}
+        return {"job": cur["id"], "step": cur["step"], "total_steps": cur["total_steps"],
+                "loss": cur["loss"], "queued": queued}
+
+    def on_stop(self) -> None:
+        if hasattr(self, "stopping"):
+            self.stopping.set()
+            self.wake.set()
+
+    def stop_pending(self) -> bool:
+        return hasattr(self, "idle") and not self.idle.is_set()
+
+    # -- the model ----------------------------------------------------------------------------------
+
+    def model(self, spec: str):
+        """(path, Model, chat template) for a model spec; one model is kept loaded."""
+        with self._model_lock:
+            try:
+                path = resolve_model(spec or "default", pull=(spec in (None, "", "default")))
+            except (ModelNotFound, PullError) as e:
+                raise OpError("model_not_found", str(e)) from None
+            if self._model is None or self._model[0] != path:
+                self._model = None
+                try:
+                    m = load_model(path)
+                except GGUFError as e:
+                    raise OpError("bad_model", str(e)) from None
+                try:
+                    template = template_for(m)
+                except TemplateError:
+                    template = None
+                self._model = (path, m, template)
+            return self._model
+
+    # -- ops ----------------------------------------------------------------------------------------
+
+    @op("train_submit")
+    def submit(self, req):
+        b = req.body
+        name = b["adapter"]
+        try:
+            check_name(name)
+            spec = TrainSpec.from_dict(dict(b.get("options") or {}))
+        except (ValueError, TypeError) as e:
+            raise OpError("bad_request", str(e)) from None
+        try:
+            self.registry.get(name)
+            raise OpError("adapter_exists", f"an adapter named {name!r} exists; delete it "
+                                            f"(`kiln adapters delete {name}`) or choose another name")
+        except AdapterNotFound:
+            pass
+        busy = [j["id"] for j in self.store.list() if j["adapter"] == name and j["state"] not in FINAL]
+        if busy:
+            raise OpError("adapter_exists", f"job {busy[0]} is already training adapter {name!r}")
+        path, m, template = self.model(b.get("model") or self.settings.get("model") or "default")
+        if m.config.arch not in TRAINABLE_ARCHS or m.config.is_moe:
+            raise OpError("unsupported_model", f"LoRA training supports dense {', '.join(TRAINABLE_ARCHS)} "
+                                               f"models; {path.name} is {m.config.arch}"
+                                               f"{' (MoE)' if m.config.is_moe else ''}")
+        file = Path(b["file"])
+        try:
+            examples = load_sft_file(file, template, m.tokenizer, spec.max_seq_len)
+        except DataError as e:
+            raise OpError("bad_data", str(e)) from None
+        job = self.store.create({"adapter": name, "model": str(path), "file": str(file),
+                                 "data_sha256": data_hash(file), "options": spec.as_dict(),
+                                 "examples": len(examples), "tokens": sum(len(e.tokens) for e in examples),
+                                 "target_tokens": sum(len(e.targets) for e in examples)})
+        shutil.copyfile(file, self.store.path(job["id"], "data.jsonl"))
+        self.wake.set()
+        return job
+
+    # -- the job thread -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            job = self.store.next_job()
+            if job is None:
+                self.wake.wait(1.0)
+                self.wake.clear()
+                continue
+            self.idle.clear()
+            try:
+                if self.stopping.is_set():
+                    return
+                self._run(job)
+            finally:
+                self.current = None
+                self.idle.set()
+
+    def _run(self, job: dict) -> None:
+        jid = job["id"]
+        if self.store.cancel_requested(jid):
+            job.update(state="cancelled", finished=time.time())
+            return self.store.save(job)
+        job.update(state="running", started=job.get("started") or time.time(), error=None)
+        self.store.save(job)
+        self.current = job
+        spec = job["spec"]
+        try:
+            path, m, template = self.model(spec["model"])
+            opts = TrainSpec.from_dict(spec["options"])
+            examples = load_sft_file(self.store.path(jid, "data.jsonl"), template, m.tokenizer, opts.max_seq_len)
+            run = SFTRun(m, examples, opts, self.store.path(jid, ""))
+            job["total_steps"] = run.total_steps
+            self.store.save(job)
+
+            def on_step(p):
+                job.update(step=p.step, epoch=p.epoch, loss=p.loss, tokens_per_s=round(p.tokens_per_s, 2),
+                           eta_s=round(p.eta_s, 1))
+                self.store.save(job)
+
+            result = run.run(lambda: self.stopping.is_set() or self.store.cancel_requested(jid), on_step)
+            if result == "completed":
+                name = spec["adapter"]
+                run.meta = {"kiln.base_model": path.name, "kiln.job": jid}
+                run.save(self.registry.gguf_path(name), name)
+                self.registry.register(name, {
+                    "base_model": path.name, "base_path": str(path), "base_sha256": file_sha256(path),
+                    "job": jid, "data_sha256": spec["data_sha256"], "rank": opts.rank, "alpha": opts.alpha,
+                    "targets": list(opts.targets), "steps": run.total_steps, "final_loss": job["loss"]})
+                self.store.path(jid, "checkpoint.npz").unlink(missing_ok=True)
+                job.update(state="completed", finished=time.time(), eta_s=0)
+            elif self.store.cancel_requested(jid):
+                job.update(state="cancelled", finished=time.time())
+            else:
+                job.update(state="paused")
+        except OpError as e:
+            job.update(state="failed", finished=time.time(), error=e.message)
+        except Exception as e:  # noqa: BLE001 - the job fails with its reason; the worker goes on
+            traceback.print_exc()
+            job.update(state="failed", finished=time.time(), error=f"{type(e).__name__}: {e}")
+        self.store.save(job)
+
+
+if __name__ == "__main__":
+    main(TrainerWorker)
