@@ -159,6 +159,26 @@ def test_kill_9_mid_job_resumes_to_a_bit_identical_adapter(daemon):
             assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), n
 
 
+def test_a_graceful_restart_checkpoints_pauses_and_resumes_bit_identically(daemon):
+    job_id = submit(daemon, "zorb-restarted")            # no periodic checkpoint before step 50
+    deadline = time.monotonic() + 300
+    while daemon.command("train.job", {"id": job_id})["step"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert kiln(daemon.home, "restart", "trainer").returncode == 0
+    seen = set()
+    while (job := daemon.command("train.job", {"id": job_id}))["state"] not in ("completed", "failed"):
+        seen.add(job["state"])
+        assert time.monotonic() < deadline + 300
+        time.sleep(0.05)
+    assert job["state"] == "completed" and "paused" in seen, (job, seen)
+    a = load_adapter(Path(daemon.home) / "adapters" / "zorb.gguf")
+    b = load_adapter(Path(daemon.home) / "adapters" / "zorb-restarted.gguf")
+    for n in a.tensors:
+        for x, y in zip(a.tensors[n], b.tensors[n]):
+            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), n
+
+
 def test_cancel_a_running_and_a_queued_job_and_delete(daemon):
     long_id = submit(daemon, "long", "--epochs", "50")
     queued_id = submit(daemon, "queued")
