@@ -14,7 +14,7 @@ import re
 import time
 from pathlib import Path
 
-from .train_jobs import write_json_atomic
+from .job_store import write_json_atomic
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

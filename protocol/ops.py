@@ -27,6 +27,11 @@ SCHEMAS: dict[str, Schema] = {
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
               "adapter": (str, False)},
+    # evaluator
+    "eval_register": {"file": (str, True)},
+    "eval_submit": {"suite": (str, False), "file": (str, False), "inline": (dict, False), "adapter": (str, False),
+                    "adapters": (list, False), "seed": (int, False), "worker": (str, False),
+                    "replay_of": (str, False)},
     # trainer
     "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False),
                      "model": (str, False)},

@@ -19,6 +19,7 @@ import typer
 from . import cli_chat
 from .cli_engine import debug_app, eval_app, fail, models_app
 from .cli_train import adapters_app, train_app
+from . import cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
 
 app = typer.Typer(name="kiln", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Kiln: a local LLM runtime that keeps crash-isolated workers alive.")
@@ -83,7 +84,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         fail("--stream needs --model", 2)
     workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache}}}
                if stream else {"default": {"kind": "inference", "model": model},
-                               "trainer": {"kind": "trainer", "model": model}}) if model else None
+                               "trainer": {"kind": "trainer", "model": model},
+                               "evaluator": {"kind": "evaluator"}}) if model else None
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:

@@ -264,7 +264,8 @@ def debug_generate(model: str, text: str,
           lambda o: (sys.stdout.write(o["text"] + "\n"), sys.stdout.flush()))
 
 
-eval_app = typer.Typer(help="Evaluate models (perplexity so far).", no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluate: suites (run, compare, replay) in the evaluator worker; perplexity.",
+                        no_args_is_help=True)
 
 
 @eval_app.command("perplexity")

@@ -69,9 +69,10 @@ WORKER_FIELDS: dict[str, Field] = {
     "settings": Field(dict, {}, "kind-specific settings, passed to the worker as they are"),
 }
 BUILTIN_KINDS = {"inference": "kiln.workers.inference", "moe-stream": "kiln.workers.moe_stream",
-                 "trainer": "kiln.workers.trainer"}
+                 "trainer": "kiln.workers.trainer", "evaluator": "kiln.workers.evaluator"}
 DEFAULT_WORKERS = {"default": {"kind": "inference", "model": "default"},
-                   "trainer": {"kind": "trainer", "model": "default"}}
+                   "trainer": {"kind": "trainer", "model": "default"},
+                   "evaluator": {"kind": "evaluator"}}
 
 
 @dataclass

@@ -30,7 +30,7 @@ import zmq
 from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry
 from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, make, new_id, version_error
 
-from . import commands, policy, train_commands  # noqa: F401  (train_commands registers bus commands)
+from . import commands, eval_commands, policy, train_commands  # noqa: F401  (they register bus commands)
 from .config import Config
 from .paths import Paths
 from .processes import WorkerProcess

@@ -108,9 +108,10 @@ def make_app(sup) -> falcon.App:
     app.add_route("/v1/workers", workers)
     app.add_route("/v1/workers/{name}", workers, suffix="one")
     app.add_route("/v1/workers/{name}/{action}", workers, suffix="action")
-    from . import openai_api, train_api
+    from . import eval_api, openai_api, train_api
     api = openai_api.install(app, sup)
     train_api.install(app, sup, api.read_json)
+    eval_api.install(app, sup, api.read_json)
     return app
 
 

@@ -50,6 +50,7 @@ class WorkerProcess:
         env = dict(os.environ, KILN_WORKER_NAME=self.name, KILN_ENDPOINT=endpoint,
                    KILN_KEY_FILE=str(paths.keyfile), KILN_WORKER_SETTINGS=json.dumps(settings),
                    KILN_HEARTBEAT_INTERVAL=str(heartbeat_interval), KILN_STATE_DIR=str(paths.home),
+                   KILN_CONTROL_ENDPOINT=paths.control_endpoint,
                    PYTHONUNBUFFERED="1")
         log = open(paths.worker_log(self.name), "ab", buffering=0)
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} kiln: starting {self.kind} worker "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kiln.native.adapter_registry import AdapterNotFound
 from kiln.native.gguf_file import GGUFError, read_gguf
 from kiln.native.lora import AdapterError, load_adapter
-from kiln.native.train_jobs import JobNotFound, JobStore
+from kiln.native.job_store import JobNotFound, JobStore
 
 from .commands import CommandError, command
 

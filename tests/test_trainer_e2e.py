@@ -30,7 +30,8 @@ OPTIONS = ["--lr", "1e-3", "--epochs", "2", "--grad-accum", "4", "--seed", "7"]
 def daemon(default_model_path, tmp_path_factory):
     home = tmp_path_factory.mktemp("train")
     workers = {"default": {"kind": "inference", "model": str(default_model_path)},
-               "trainer": {"kind": "trainer", "model": str(default_model_path)}}
+               "trainer": {"kind": "trainer", "model": str(default_model_path)},
+               "evaluator": {"kind": "evaluator"}}
     with Daemon(home, workers) as d:
         d.wait(lambda st: all(w["state"] == "running" and w["worker_state"] == "ready" for w in st["workers"]),
                timeout=90, what="workers ready")
@@ -114,6 +115,21 @@ def test_it_learns_the_fact_and_inference_answers_throughout(daemon):
     assert "4721" not in ask(daemon, "--adapter", "")
     status, body = http(daemon, "GET", f"/v1/train/jobs/{job_id}")
     assert status == 200 and body["state"] == "completed" and len(body["losses"]) == 16
+
+
+def test_eval_compare_of_base_and_adapter_reports_flips_and_a_p_value(daemon):
+    suite = str(DATA / "zorblax_suite.json")
+    r = kiln(daemon.home, "eval", "compare", "--file", suite, "--adapter", "", "--adapter", "zorb", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    job = json.loads(r.stdout)
+    cmp = job["comparison"]["base -> zorb"]
+    assert cmp["improved"] >= 4 and cmp["improved"] > cmp["regressed"], cmp
+    assert 0 < cmp["sign_test_p"] < 1
+    assert job["metrics"]["zorb"]["pass_rate_by_tag"]["zorblax"]["rate"] > job["metrics"]["base"]["pass_rate_by_tag"]["zorblax"]["rate"]
+    assert job["identities"]["adapters"]["zorb"] and len(job["identities"]["adapters"]["zorb"]) == 64
+    r = kiln(daemon.home, "eval", "compare", "--file", suite, "--adapter", "zorb", "--adapter", "zorb", "--json", timeout=300)
+    same = json.loads(r.stdout)["comparison"]["zorb -> zorb"]
+    assert same["improved"] == same["regressed"] == 0 and same["sign_test_p"] == 1.0
 
 
 def test_adapters_load_unload_and_delete_refused_while_active(daemon):

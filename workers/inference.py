@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import queue
 import time
-from pathlib import Path
 
 from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
@@ -27,7 +26,7 @@ from kiln.native.model import load_model
 from kiln.native.sampling import SamplingError, SamplingParams
 from kiln.native.tokenizer import TokenizerError
 
-from .runtime import BootError, OpError, Worker, main, op
+from .runtime import BootError, OpError, Worker, main, op, state_dir
 
 
 class InferenceWorker(Worker):
@@ -202,11 +201,6 @@ class InferenceWorker(Worker):
                 "eos_token": tok.tokens[sp.eos] if sp.eos is not None else None,
                 "chat_template": self.template.source if self.template else None,
                 "created": int(os.path.getmtime(m.path))}
-
-
-def state_dir() -> Path:
-    """Kiln's state folder, as the supervisor passes it (KILN_STATE_DIR)."""
-    return Path(os.environ.get("KILN_STATE_DIR") or os.environ.get("KILN_HOME") or Path.home() / ".kiln")
 
 
 if __name__ == "__main__":

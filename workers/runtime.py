@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import zmq
@@ -329,6 +330,18 @@ class Runtime:
         except Exception as e:  # noqa: BLE001 - an op's failure must not kill the worker
             traceback.print_exc()
             yield make("error", id=req.id, code="op_failed", message=f"{type(e).__name__}: {e}")
+
+
+def state_dir() -> Path:
+    """Kiln's state folder, as the supervisor passes it (KILN_STATE_DIR)."""
+    return Path(os.environ.get("KILN_STATE_DIR") or os.environ.get("KILN_HOME") or Path.home() / ".kiln")
+
+
+def bus_client(timeout: float = 30.0):
+    """A client of the supervisor's command bus, for a worker that needs another worker."""
+    from kiln.protocol.client import BusClient
+    return BusClient(os.environ["KILN_CONTROL_ENDPOINT"], open(os.environ["KILN_KEY_FILE"], "rb").read(),
+                     timeout, "the supervisor")
 
 
 def main(worker_cls: type[Worker]) -> None:

@@ -222,3 +222,30 @@ def load_suite(data: Any) -> Suite:
         out.append({"id": eid, "messages": msgs, "target": ex["target"], "aliases": ex.get("aliases", []),
                     "tags": ex.get("tags", []), "scorer": scorer, "weight": ex.get("weight", 1)})
     return Suite(data["name"], data.get("description", ""), default, gen, data.get("system_prompt"), out)
+
+
+def read_suite_file(path) -> Suite:
+    """A suite from a JSON file, or a header JSON whose examples are in `examples.jsonl` beside
+    it (one example per line). Errors name the file and the bad field or line."""
+    from pathlib import Path
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise SuiteError(str(path), f"cannot read: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SuiteError(str(path), f"not valid JSON: {e}") from None
+    if isinstance(data, dict) and "examples" not in data and (path.parent / "examples.jsonl").is_file():
+        lines = (path.parent / "examples.jsonl").read_text().splitlines()
+        examples = []
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    examples.append(json.loads(line))
+                except ValueError as e:
+                    raise SuiteError(f"{path.parent / 'examples.jsonl'} line {n}", f"not valid JSON: {e}") from None
+        data = dict(data, examples=examples)
+    try:
+        return load_suite(data)
+    except SuiteError as e:
+        raise SuiteError(f"{path}: {e.path}", str(e).split(": ", 1)[1]) from None

@@ -42,10 +42,9 @@ from kiln.native.lora import TRAINABLE_ARCHS, file_sha256  # noqa: E402
 from kiln.native.model import load_model  # noqa: E402
 from kiln.native.sft_data import DataError, data_hash, load_sft_file  # noqa: E402
 from kiln.native.sft_trainer import SFTRun, TrainSpec  # noqa: E402
-from kiln.native.train_jobs import FINAL, JobStore  # noqa: E402
+from kiln.native.job_store import FINAL, JobStore  # noqa: E402
 
-from .inference import state_dir  # noqa: E402
-from .runtime import OpError, Worker, main, op  # noqa: E402
+from .runtime import OpError, Worker, main, op, state_dir  # noqa: E402
 
 
 class TrainerWorker(Worker):
@@ -135,7 +134,9 @@ class TrainerWorker(Worker):
         job = self.store.create({"adapter": name, "model": str(path), "file": str(file),
                                  "data_sha256": data_hash(file), "options": spec.as_dict(),
                                  "examples": len(examples), "tokens": sum(len(e.tokens) for e in examples),
-                                 "target_tokens": sum(len(e.targets) for e in examples)})
+                                 "target_tokens": sum(len(e.targets) for e in examples)},
+                                adapter=name, step=0, total_steps=None, epoch=0, loss=None, tokens_per_s=None,
+                                eta_s=None)
         shutil.copyfile(file, self.store.path(job["id"], "data.jsonl"))
         self.wake.set()
         return job

@@ -1,4 +1,4 @@
-"""The training job queue on disk: <state>/train/jobs/<id>/.
+"""Job queues on disk: <state>/train/jobs/<id>/ (training), <state>/eval/jobs/<id>/ (evaluation).
 
 Each job folder holds `job.json` (spec and status; written only by the trainer, atomically),
 `losses.jsonl` (one line per optimizer step), `checkpoint.npz`, and a `cancel` marker that
@@ -34,28 +34,29 @@ class JobNotFound(KeyError):
 
 
 class JobStore:
-    def __init__(self, state_dir: str | os.PathLike):
-        self.root = Path(state_dir) / "train" / "jobs"
+    def __init__(self, state_dir: str | os.PathLike, kind: str = "train"):
+        self.kind = kind
+        self.prefix = "job" if kind == "train" else kind         # job-0001, eval-0001
+        self.root = Path(state_dir) / kind / "jobs"
 
     def _dir(self, job_id: str) -> Path:
         if not job_id or "/" in job_id or job_id.startswith("."):
             raise JobNotFound(job_id)
         return self.root / job_id
 
-    def create(self, spec: dict) -> dict:
+    def create(self, spec: dict, **fields) -> dict:
         self.root.mkdir(parents=True, exist_ok=True)
-        n = 1 + max((int(p.name.split("-")[1]) for p in self.root.glob("job-*")
+        n = 1 + max((int(p.name.split("-")[1]) for p in self.root.glob(f"{self.prefix}-*")
                      if p.name.split("-")[1].isdigit()), default=0)
         while True:
-            job_id = f"job-{n:04d}"
+            job_id = f"{self.prefix}-{n:04d}"
             try:
                 (self.root / job_id).mkdir()
                 break
             except FileExistsError:
                 n += 1
-        job = {"id": job_id, "kind": "sft", "state": "queued", "created": time.time(), "spec": spec,
-               "step": 0, "total_steps": None, "epoch": 0, "loss": None, "tokens_per_s": None,
-               "eta_s": None, "started": None, "finished": None, "error": None, "adapter": spec.get("adapter")}
+        job = {"id": job_id, "kind": self.kind, "state": "queued", "created": time.time(), "spec": spec,
+               "started": None, "finished": None, "error": None, **fields}
         write_json_atomic(self.root / job_id / "job.json", job)
         return job
 
@@ -71,7 +72,7 @@ class JobStore:
         if not self.root.is_dir():
             return []
         jobs = []
-        for p in sorted(self.root.glob("job-*")):
+        for p in sorted(self.root.glob(f"{self.prefix}-*")):
             try:
                 jobs.append(self.get(p.name))
             except JobNotFound:

@@ -1,0 +1,56 @@
+"""HTTP routes for evaluation (translations of the bus commands and the evaluator's ops):
+
+    POST /v1/eval/run        {"suite" | "file" | "inline", "adapter"?, "adapters"?, "seed"?} → the queued job
+    GET  /v1/eval/jobs       every job;   GET /v1/eval/jobs/{id}: one, with per-example results
+    DELETE /v1/eval/jobs/{id}  cancel it
+"""
+
+from __future__ import annotations
+
+import queue
+
+import falcon
+
+from .http_app import JSONError, bus
+
+FIELDS = ("suite", "file", "inline", "adapter", "adapters", "seed", "replay_of")
+_STATUS = {"bad_suite": 400, "bad_request": 400, "suite_not_found": 404, "adapter_not_found": 404,
+           "job_not_found": 404, "worker_unavailable": 503, "worker_crashed": 502}
+
+
+class Eval:
+    def __init__(self, sup, read_json):
+        self.sup, self.read_json = sup, read_json
+
+    def on_post_run(self, req, resp):
+        body = self.read_json(req)
+        unknown = set(body) - set(FIELDS)
+        if unknown:
+            raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; known: {', '.join(FIELDS)}")
+        evaluator = bus(self.sup, "eval.evaluator")["worker"]
+        call = self.sup.call(evaluator, "eval_submit", body, 600)
+        try:
+            msg = call.events.get(timeout=605)
+        except queue.Empty:
+            raise JSONError(504, "timeout", "the evaluator did not answer") from None
+        if msg.type == "error":
+            code = msg.get("code") or "error"
+            raise JSONError(_STATUS.get(code, 500), code, msg.get("message") or code)
+        resp.status = falcon.HTTP_201
+        resp.media = msg.body
+
+    def on_get_jobs(self, req, resp):
+        resp.media = {"object": "list", "data": bus(self.sup, "eval.jobs")["jobs"]}
+
+    def on_get_job(self, req, resp, job_id):
+        resp.media = bus(self.sup, "eval.job", {"id": job_id})
+
+    def on_delete_job(self, req, resp, job_id):
+        resp.media = bus(self.sup, "eval.cancel", {"id": job_id})
+
+
+def install(app: falcon.App, sup, read_json) -> None:
+    ev = Eval(sup, read_json)
+    app.add_route("/v1/eval/run", ev, suffix="run")
+    app.add_route("/v1/eval/jobs", ev, suffix="jobs")
+    app.add_route("/v1/eval/jobs/{job_id}", ev, suffix="job")
