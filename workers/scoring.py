@@ -55,6 +55,8 @@ def _targets(example: dict) -> list[str]:
 def score(answer: str, example: dict, spec: dict) -> Outcome:
     """Score `answer` for `example` with scorer `spec` ({"type": name, ...options})."""
     kind = spec["type"]
+    if kind in ("exact_match", "contains") and not answer.strip():
+        return Outcome("invalid", 0.0, "the answer is empty")
     try:
         if kind == "exact_match":
             norm = lambda s: (s.strip() if spec.get("strip_whitespace", True) else s)  # noqa: E731
