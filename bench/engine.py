@@ -1,6 +1,6 @@
 """Engine speed, as JSON: prefill tok/s (512-token prompt), decode tok/s (128 tokens), peak
 RSS, median of N runs. If `llama_cpp` is importable the same workload runs through it in this
-run and the ratios are printed; otherwise the reference figures of tests/data/README.md are
+run, interleaved with ours run by run, and the ratios are medians of the run pairs; otherwise the reference figures of tests/data/README.md are
 printed and marked as measured elsewhere.
 
     python bench/engine.py [--model default|PATH] [--runs 5] [--threads 2] [--kernels compiled|numpy]
@@ -27,52 +27,55 @@ def prompt_ids(tok, n: int) -> list[int]:
     return tok.encode(text, add_bos=False)[:n]
 
 
-def kiln_runs(path: Path, runs: int, n_prompt: int, n_decode: int) -> dict:
+def kiln_setup(path: Path, n_prompt: int, n_decode: int):
+    """Load the model; return (one run -> (prefill tok/s, decode tok/s), facts)."""
     from kiln.native import kernels
     from kiln.native.model import load_model
     rss0 = psutil.Process().memory_info().rss
     t = time.perf_counter()
     model = load_model(path)
     load_s = time.perf_counter() - t
-    rss_loaded = psutil.Process().memory_info().rss
+    facts = {"load_s": round(load_s, 2), "model_rss_bytes": psutil.Process().memory_info().rss - rss0,
+             "file_bytes": path.stat().st_size, "kernels": kernels.kernel_info()}
     ids = prompt_ids(model.tokenizer, n_prompt)
-    pre, dec = [], []
-    for _ in range(runs):
+
+    def once() -> tuple[float, float]:
         cache = model.new_cache(n_prompt + n_decode + 1)
         t = time.perf_counter()
         logits = model.forward(ids, cache)
-        pre.append(n_prompt / (time.perf_counter() - t))
+        pre = n_prompt / (time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(n_decode):
             logits = model.forward([int(logits.argmax())], cache)
-        dec.append(n_decode / (time.perf_counter() - t))
-    return {"prefill_tok_s": round(statistics.median(pre), 1), "decode_tok_s": round(statistics.median(dec), 1),
-            "prefill_runs": [round(x, 1) for x in pre], "decode_runs": [round(x, 1) for x in dec],
-            "load_s": round(load_s, 2), "model_rss_bytes": rss_loaded - rss0,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "file_bytes": path.stat().st_size, "kernels": kernels.kernel_info()}
+        return pre, n_decode / (time.perf_counter() - t)
+    return once, facts
 
 
-def llama_cpp_runs(path: Path, runs: int, n_prompt: int, n_decode: int, threads: int) -> dict | None:
+def llama_cpp_setup(path: Path, n_prompt: int, n_decode: int, threads: int):
     try:
         import llama_cpp
     except ImportError:
-        return None
+        return None, None
     llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False, logits_all=False)
     ids = llm.tokenize((ROOT / "tests" / "data" / "perplexity" / "GPL-3.txt").read_bytes(), add_bos=False)[:n_prompt]
-    pre, dec = [], []
-    for _ in range(runs):
+
+    def once() -> tuple[float, float]:
         llm.reset()
         t = time.perf_counter()
         llm.eval(ids)
-        pre.append(n_prompt / (time.perf_counter() - t))
+        pre = n_prompt / (time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(n_decode):
             tok = llm.sample(temp=0.0)
             llm.eval([tok])
-        dec.append(n_decode / (time.perf_counter() - t))
+        return pre, n_decode / (time.perf_counter() - t)
+    return once, {"version": llama_cpp.__version__}
+
+
+def _summary(runs: list[tuple[float, float]]) -> dict:
+    pre, dec = [r[0] for r in runs], [r[1] for r in runs]
     return {"prefill_tok_s": round(statistics.median(pre), 1), "decode_tok_s": round(statistics.median(dec), 1),
-            "version": llama_cpp.__version__}
+            "prefill_runs": [round(x, 1) for x in pre], "decode_runs": [round(x, 1) for x in dec]}
 
 
 def main() -> None:
@@ -90,19 +93,32 @@ def main() -> None:
     kernels.set_threads(args.threads)
     path = resolve_model(args.model, pull=args.model == "default")
     out = {"benchmark": "engine", "model": path.name, "threads": args.threads, "runs": args.runs,
-           "prompt_tokens": args.prompt, "decode_tokens": args.decode,
-           "kiln": kiln_runs(path, args.runs, args.prompt, args.decode)}
-    ref = llama_cpp_runs(path, args.runs, args.prompt, args.decode, args.threads)
-    if ref is not None:
-        out["llama_cpp"] = {**ref, "source": "measured in this run"}
+           "prompt_tokens": args.prompt, "decode_tokens": args.decode}
+    kiln_once, facts = kiln_setup(path, args.prompt, args.decode)
+    llama_once, llama_facts = llama_cpp_setup(path, args.prompt, args.decode, args.threads)
+    kiln_once()                                    # warm up both (page in the weights)
+    if llama_once:
+        llama_once()
+    k_runs, l_runs = [], []
+    for _ in range(args.runs):                     # interleaved, so that both see the same machine
+        k_runs.append(kiln_once())
+        if llama_once:
+            l_runs.append(llama_once())
+    out["kiln"] = {**_summary(k_runs), **facts,
+                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if llama_once:
+        out["llama_cpp"] = {**_summary(l_runs), **llama_facts, "source": "measured in this run, interleaved"}
+        out["ratio"] = {"prefill": round(statistics.median(k[0] / x[0] for k, x in zip(k_runs, l_runs)), 2),
+                        "decode": round(statistics.median(k[1] / x[1] for k, x in zip(k_runs, l_runs)), 2),
+                        "how": "median over runs of kiln/llama.cpp in the same run pair"}
     else:
         out["llama_cpp"] = {**REFERENCE.get(path.stem, {}),
                             "source": "tests/data/README.md (llama-cpp-python 0.3.36, 2 threads, another run on "
                                       "this kind of machine) — llama_cpp is not installed here"}
-    lc = out["llama_cpp"]
-    if lc.get("decode_tok_s"):
-        out["ratio"] = {"prefill": round(out["kiln"]["prefill_tok_s"] / lc["prefill_tok_s"], 2),
-                        "decode": round(out["kiln"]["decode_tok_s"] / lc["decode_tok_s"], 2)}
+        lc = out["llama_cpp"]
+        if lc.get("decode_tok_s"):
+            out["ratio"] = {"prefill": round(out["kiln"]["prefill_tok_s"] / lc["prefill_tok_s"], 2),
+                            "decode": round(out["kiln"]["decode_tok_s"] / lc["decode_tok_s"], 2)}
     print(json.dumps(out))
 
 

@@ -420,57 +420,76 @@ AVX2 static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* One (query row, KV head) task: the G query heads that share the KV head; sc holds G*n scores.
+/* One (query row, head) task; sc holds n scores. Scores take four keys at a time (four
+ * independent FMA chains, each reduced as a lone key's would be), so a decode step is not bound
+ * by the latency of one long chain; the output row of D == 64 lives in eight registers. The arithmetic of a task
+ * depends only on its row and position, never on how many rows run: batch-invariant.
  * One body for both KV element types: ATTN_TASK(name, element type, load 8 as floats, load 1). */
 #define LD8_F32(p) _mm256_loadu_ps(p)
 #define LD1_F32(x) (x)
 #define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define LD1_F16(x) _cvtsh_ss(x)
 #define ATTN_TASK(NAME, T, LD8, LD1)                                                              \
-AVX2 static void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int kh,          \
-                      int H, int Hkv, int D, int n, float scale, float *sc) {                     \
-    int G = H / Hkv;                                                                              \
-    for (int g = 0; g < G; g++) {                                                                 \
-        const float *q = Q + ((size_t)t * H + kh * G + g) * D;                                    \
-        float *row = sc + (size_t)g * n, mx = -INFINITY;                                          \
-        for (int s = 0; s < n; s++) {                                                             \
-            const T *k = Kc + ((size_t)s * Hkv + kh) * D;                                         \
-            __m256 acc = _mm256_setzero_ps(); int i = 0;                                          \
-            for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), LD8(k + i), acc); \
-            float dot = hsum_avx(acc);                                                            \
-            for (; i < D; i++) dot += q[i] * LD1(k[i]);                                           \
-            row[s] = dot * scale;                                                                 \
-            if (row[s] > mx) mx = row[s];                                                         \
-        }                                                                                         \
-        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); int s = 0;                   \
-        for (; s + 8 <= n; s += 8) {                                                              \
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                      \
-            _mm256_storeu_ps(row + s, e);                                                         \
-            vsum = _mm256_add_ps(vsum, e);                                                        \
-        }                                                                                         \
-        float sum = hsum_avx(vsum);                                                               \
-        for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }                        \
-        float inv = 1.0f / sum, *o = O + ((size_t)t * H + kh * G + g) * D;                       \
-        if (D == 64) {                             /* the output row lives in 8 registers */     \
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-            for (int j = 0; j < n; j++) {                                                         \
-                const T *v = V + ((size_t)j * Hkv + kh) * D; __m256 p = _mm256_set1_ps(row[j] * inv); \
-                a0 = _mm256_fmadd_ps(p, LD8(v), a0);      a1 = _mm256_fmadd_ps(p, LD8(v + 8), a1);  \
-                a2 = _mm256_fmadd_ps(p, LD8(v + 16), a2); a3 = _mm256_fmadd_ps(p, LD8(v + 24), a3); \
-                a4 = _mm256_fmadd_ps(p, LD8(v + 32), a4); a5 = _mm256_fmadd_ps(p, LD8(v + 40), a5); \
-                a6 = _mm256_fmadd_ps(p, LD8(v + 48), a6); a7 = _mm256_fmadd_ps(p, LD8(v + 56), a7); \
+AVX2 static void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
+                      int H, int Hkv, int D, int n, float scale, float *row) {                    \
+    int kh = h / (H / Hkv);                                                                       \
+    size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
+    const float *q = Q + ((size_t)t * H + h) * D;                                                 \
+    const T *K0 = Kc + (size_t)kh * D;                                                            \
+    float mx = -INFINITY; int s = 0;                                                              \
+    if (D % 8 == 0) {                                                                             \
+        for (; s + 4 <= n; s += 4) {                                                              \
+            const T *k0 = K0 + s * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;               \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
+            for (int i = 0; i < D; i += 8) {                                                      \
+                __m256 qq = _mm256_loadu_ps(q + i);                                               \
+                a0 = _mm256_fmadd_ps(qq, LD8(k0 + i), a0); a1 = _mm256_fmadd_ps(qq, LD8(k1 + i), a1); \
+                a2 = _mm256_fmadd_ps(qq, LD8(k2 + i), a2); a3 = _mm256_fmadd_ps(qq, LD8(k3 + i), a3); \
             }                                                                                     \
-            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2);  \
-            _mm256_storeu_ps(o + 24, a3); _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); \
-            _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);                           \
-        } else {                                                                                  \
-            for (int i = 0; i < D; i++) o[i] = 0.f;                                               \
-            for (int j = 0; j < n; j++) {                                                         \
-                const T *v = V + ((size_t)j * Hkv + kh) * D; float p = row[j] * inv; int i = 0;   \
-                for (; i + 8 <= D; i += 8)                                                        \
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(p), LD8(v + i), _mm256_loadu_ps(o + i))); \
-                for (; i < D; i++) o[i] += p * LD1(v[i]);                                         \
-            }                                                                                     \
+            /* each key's sum is reduced exactly as a lone key's (hsum_avx): same bits */         \
+            row[s] = hsum_avx(a0) * scale; row[s + 1] = hsum_avx(a1) * scale;                     \
+            row[s + 2] = hsum_avx(a2) * scale; row[s + 3] = hsum_avx(a3) * scale;                 \
+            for (int j = 0; j < 4; j++) if (row[s + j] > mx) mx = row[s + j];                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (; s < n; s++) {                                                                          \
+        const T *k = K0 + s * ks;                                                                 \
+        __m256 acc = _mm256_setzero_ps(); int i = 0;                                              \
+        for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), LD8(k + i), acc); \
+        float dot = hsum_avx(acc);                                                                \
+        for (; i < D; i++) dot += q[i] * LD1(k[i]);                                               \
+        row[s] = dot * scale;                                                                     \
+        if (row[s] > mx) mx = row[s];                                                             \
+    }                                                                                             \
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); s = 0;                           \
+    for (; s + 8 <= n; s += 8) {                                                                  \
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                          \
+        _mm256_storeu_ps(row + s, e);                                                             \
+        vsum = _mm256_add_ps(vsum, e);                                                            \
+    }                                                                                             \
+    float sum = hsum_avx(vsum);                                                                   \
+    for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }                            \
+    float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;                                    \
+    const T *V0 = V + (size_t)kh * D;                                                             \
+    if (D == 64) {                                 /* the output row lives in 8 registers */     \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+        for (int j = 0; j < n; j++) {                                                             \
+            const T *v = V0 + j * ks; __m256 p = _mm256_set1_ps(row[j] * inv);                    \
+            a0 = _mm256_fmadd_ps(p, LD8(v), a0);      a1 = _mm256_fmadd_ps(p, LD8(v + 8), a1);      \
+            a2 = _mm256_fmadd_ps(p, LD8(v + 16), a2); a3 = _mm256_fmadd_ps(p, LD8(v + 24), a3);     \
+            a4 = _mm256_fmadd_ps(p, LD8(v + 32), a4); a5 = _mm256_fmadd_ps(p, LD8(v + 40), a5);     \
+            a6 = _mm256_fmadd_ps(p, LD8(v + 48), a6); a7 = _mm256_fmadd_ps(p, LD8(v + 56), a7);     \
+        }                                                                                         \
+        _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2);      \
+        _mm256_storeu_ps(o + 24, a3); _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); \
+        _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);                               \
+    } else {                                                                                      \
+        for (int i = 0; i < D; i++) o[i] = 0.f;                                                   \
+        for (int j = 0; j < n; j++) {                                                             \
+            const T *v = V0 + j * ks; float p = row[j] * inv; int i = 0;                          \
+            for (; i + 8 <= D; i += 8)                                                            \
+                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(p), LD8(v + i), _mm256_loadu_ps(o + i))); \
+            for (; i < D; i++) o[i] += p * LD1(v[i]);                                             \
         }                                                                                         \
     }                                                                                             \
 }
@@ -516,6 +535,51 @@ static int pick_threads(int requested) {      /* 0: the default; the default 0: 
     return n > 0 ? n : 1;
 }
 
+/* y_i = x W_i^T for nw weights of one type that share the input x (T, K): the activations are
+ * quantized once and every output row of every weight is one task of one parallel loop. A row's
+ * arithmetic is the same whichever call computes it, so fusing changes no bit. */
+static void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
+                        const uint8_t **W, const int *N, float **out, int nt) {
+    size_t row_bytes = (size_t)(K / ti->block) * ti->bytes;
+    Act a = {ti->act, x, NULL, NULL, NULL, NULL};
+    int B = ti->act == A_Q8_K ? 256 : 32;
+    if (ti->act == A_F16 || ti->act == A_BF16) a.xr = malloc((size_t)T * K * sizeof(float));
+    if (ti->act >= A_Q8_0) {
+        a.q = malloc((size_t)T * K); a.d = malloc((size_t)T * (K / B) * sizeof(float));
+        a.s = malloc((size_t)T * (K / B) * sizeof(float));
+    }
+    int total = 0;
+    for (int i = 0; i < nw; i++) total += N[i];
+    if (ti->act != A_F32) {
+        #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
+        for (int t = 0; t < T; t++)
+            quantize_row(a.xf + (size_t)t * K, K, ti->act, a.xr ? a.xr + (size_t)t * K : NULL,
+                         a.q ? a.q + (size_t)t * K : NULL, a.d ? a.d + (size_t)t * (K / B) : NULL,
+                         a.s ? a.s + (size_t)t * (K / B) : NULL);
+    }
+    #pragma omp parallel for num_threads(nt) schedule(static)
+    for (int r = 0; r < total; r++) {
+        int i = 0, n = r;
+        while (n >= N[i]) n -= N[i++];
+        const uint8_t *w = W[i] + (size_t)n * row_bytes;
+        float *o = out[i];
+        int Ni = N[i], t = 0;
+#ifdef KILN_X86
+        if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
+            int nb = K / ti->block; float res[4];
+            for (; t + 4 <= T; t += 4) {
+                if (type == T_Q4_0) dot4_q4_0_avx2(w, &a, t, nb, res);
+                else if (type == T_Q4_1) dot4_q4_1_avx2(w, &a, t, nb, res);
+                else dot4_q8_0_avx2(w, &a, t, nb, res);
+                for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+            }
+        }
+#endif
+        for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, &a, t, K);
+    }
+    free(a.xr); free(a.q); free(a.d); free(a.s);
+}
+
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_buffer xb, wb, ob;
     int type, T, K, N, threads;
@@ -528,46 +592,50 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if ((size_t)xb.len < (size_t)T * K * 4 || (size_t)wb.len < row_bytes * N || (size_t)ob.len < (size_t)T * N * 4) {
         PyErr_SetString(PyExc_ValueError, "matmul: a buffer is smaller than its shape"); goto done;
     }
-    Act a = {ti.act, (const float *)xb.buf, NULL, NULL, NULL, NULL};
-    int B = ti.act == A_Q8_K ? 256 : 32;
-    if (ti.act == A_F16 || ti.act == A_BF16) a.xr = malloc((size_t)T * K * sizeof(float));
-    if (ti.act >= A_Q8_0) {
-        a.q = malloc((size_t)T * K); a.d = malloc((size_t)T * (K / B) * sizeof(float));
-        a.s = malloc((size_t)T * (K / B) * sizeof(float));
-    }
     const uint8_t *W = (const uint8_t *)wb.buf;
     float *out = (float *)ob.buf;
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
-    if (ti.act != A_F32) {
-        #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
-        for (int t = 0; t < T; t++)
-            quantize_row(a.xf + (size_t)t * K, K, ti.act, a.xr ? a.xr + (size_t)t * K : NULL,
-                         a.q ? a.q + (size_t)t * K : NULL, a.d ? a.d + (size_t)t * (K / B) : NULL,
-                         a.s ? a.s + (size_t)t * (K / B) : NULL);
-    }
-    #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *w = W + (size_t)n * row_bytes;
-        int t = 0;
-#ifdef KILN_X86
-        if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
-            int nb = K / ti.block; float r[4];
-            for (; t + 4 <= T; t += 4) {
-                if (type == T_Q4_0) dot4_q4_0_avx2(w, &a, t, nb, r);
-                else if (type == T_Q4_1) dot4_q4_1_avx2(w, &a, t, nb, r);
-                else dot4_q8_0_avx2(w, &a, t, nb, r);
-                for (int i = 0; i < 4; i++) out[(size_t)(t + i) * N + n] = r[i];
-            }
-        }
-#endif
-        for (; t < T; t++) out[(size_t)t * N + n] = dot_row(type, &ti, w, &a, t, K);
-    }
+    matmul_core((const float *)xb.buf, T, K, type, &ti, 1, &W, &N, &out, nt);
     Py_END_ALLOW_THREADS
-    free(a.xr); free(a.q); free(a.d); free(a.s);
     Py_INCREF(Py_None); ret = Py_None;
 done:
     PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&ob);
+    return ret;
+}
+
+/* matmul_many(x, type, T, K, [(w, N, out), ...], threads): several weights of one type, one x. */
+static PyObject *py_matmul_many(PyObject *self, PyObject *args) {
+    Py_buffer xb;
+    int type, T, K, threads;
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "y*iiiO!i", &xb, &type, &T, &K, &PyList_Type, &list, &threads)) return NULL;
+    PyObject *ret = NULL;
+    int nw = (int)PyList_GET_SIZE(list), got = 0;
+    Py_buffer wb[8], ob[8];
+    const uint8_t *W[8]; float *O[8]; int N[8];
+    TypeInfo ti;
+    if (nw < 1 || nw > 8) { PyErr_SetString(PyExc_ValueError, "matmul_many: 1 to 8 weights"); goto done; }
+    if (!type_info(type, &ti)) { PyErr_Format(PyExc_ValueError, "ggml type %d has no compiled kernel", type); goto done; }
+    if (K % ti.block) { PyErr_Format(PyExc_ValueError, "row length %d is not a multiple of block %d", K, ti.block); goto done; }
+    if ((size_t)xb.len < (size_t)T * K * 4) { PyErr_SetString(PyExc_ValueError, "matmul_many: x is smaller than its shape"); goto done; }
+    size_t row_bytes = (size_t)(K / ti.block) * ti.bytes;
+    for (; got < nw; got++) {
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, got), "y*iw*", &wb[got], &N[got], &ob[got])) goto done;
+        if ((size_t)wb[got].len < row_bytes * N[got] || (size_t)ob[got].len < (size_t)T * N[got] * 4) {
+            PyBuffer_Release(&wb[got]); PyBuffer_Release(&ob[got]);
+            PyErr_SetString(PyExc_ValueError, "matmul_many: a buffer is smaller than its shape"); goto done;
+        }
+        W[got] = (const uint8_t *)wb[got].buf; O[got] = (float *)ob[got].buf;
+    }
+    int nt = pick_threads(threads);
+    Py_BEGIN_ALLOW_THREADS
+    matmul_core((const float *)xb.buf, T, K, type, &ti, nw, W, N, O, nt);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    for (int i = 0; i < got; i++) { PyBuffer_Release(&wb[i]); PyBuffer_Release(&ob[i]); }
+    PyBuffer_Release(&xb);
     return ret;
 }
 
@@ -608,14 +676,14 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
 #ifdef KILN_X86
     if (g_avx2) {
-        #pragma omp parallel num_threads(nt)
+        #pragma omp parallel num_threads(nt) if(T * H > 1)
         {
-            float *sc = malloc((size_t)S * G * sizeof(float));
+            float *sc = malloc((size_t)S * sizeof(float));
             #pragma omp for schedule(static)
-            for (int task = 0; task < T * Hkv; task++) {
-                if (f16) attn_task_avx2_h(Q, (const uint16_t *)kb.buf, (const uint16_t *)vb.buf, O, task / Hkv, task % Hkv,
-                                          H, Hkv, D, start + task / Hkv + 1, scale, sc);
-                else attn_task_avx2(Q, Kc, V, O, task / Hkv, task % Hkv, H, Hkv, D, start + task / Hkv + 1, scale, sc);
+            for (int task = 0; task < T * H; task++) {
+                if (f16) attn_task_avx2_h(Q, (const uint16_t *)kb.buf, (const uint16_t *)vb.buf, O, task / H, task % H,
+                                          H, Hkv, D, start + task / H + 1, scale, sc);
+                else attn_task_avx2(Q, Kc, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc);
             }
             free(sc);
         }
@@ -746,6 +814,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {  /* for tests: fo
 
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
+    {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import Weight, attention_compiled, compiled_module, matmul
+from .kernels import Weight, attention_compiled, compiled_module, matmul, matmul_many
 
 F32 = np.float32
 
@@ -94,8 +94,11 @@ def swiglu_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight, mm=matmul)
     """down(silu(gate x) * up x); `mm` multiplies by a weight (a LoRA-adding one, say)."""
     C = compiled_module()
     if C is not None:
-        g = mm(x, gate)
-        C.swiglu(g, mm(x, up))
+        if mm is matmul:
+            g, u = matmul_many(x, [gate, up])
+        else:
+            g, u = mm(x, gate), mm(x, up)
+        C.swiglu(g, u)
         return mm(g, down)
     return mm(silu(mm(x, gate)) * mm(x, up), down)
 

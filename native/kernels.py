@@ -205,6 +205,18 @@ def load_weights(g: GGUFFile, names: list[str], threads: int = 2) -> dict[str, W
         return dict(zip(names, pool.map(one, names)))
 
 
+def matmul_many(x: np.ndarray, ws: list[Weight]) -> list[np.ndarray]:
+    """[matmul(x, w) for w in ws], bit for bit; on the compiled path weights of one type share
+    one activation quantization and one parallel loop (a decode step's q/k/v, gate/up)."""
+    if len(ws) < 2 or not all(w.compiled and w.qtype == ws[0].qtype and len(w.shape) == 2 for w in ws):
+        return [matmul(x, w) for w in ws]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, K = x.shape
+    outs = [np.empty((T, w.shape[0]), np.float32) for w in ws]
+    _C.matmul_many(x, int(ws[0].qtype), T, K, [(w.raw, w.shape[0], o) for w, o in zip(ws, outs)], 0)
+    return outs
+
+
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     """x (T, n_in) float32 -> (T, n_out) float32."""
     if w.compiled:

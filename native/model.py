@@ -25,7 +25,7 @@ from . import kernels
 from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFError, GGUFFile, read_gguf
-from .kernels import Weight, matmul
+from .kernels import Weight, matmul, matmul_many
 from .kv_cache import KVCache
 from .tokenizer import GGUFTokenizer
 
@@ -213,7 +213,12 @@ class Model:
         c = self.config
         T = x.shape[0]
         mm = self._mm
-        q, k, v = mm(x, L.wq, adapter), mm(x, L.wk, adapter), mm(x, L.wv, adapter)
+        q, k, v = matmul_many(x, [L.wq, L.wk, L.wv])
+        if adapter is not None:
+            for y, w in ((q, L.wq), (k, L.wk), (v, L.wv)):
+                d = adapter.delta(x, w)
+                if d is not None:
+                    y += d
         if L.bq is not None:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
         if L.q_norm is not None and not L.qk_norm_per_head:       # olmoe: whole projection
