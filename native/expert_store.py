@@ -8,7 +8,8 @@
   O_DIRECT is refused (EINVAL at open or read: tmpfs, overlayfs) it falls back to buffered
   `preadv` + `posix_fadvise(DONTNEED)` and says so in `io_mode`; never silently.
 - `ExpertCache`: a fixed number of slots (one expert's three projections each) in one page-aligned
-  buffer, LRU eviction, hit/miss/byte/time counters. `weights(layer, expert)` returns `Weight`s
+  buffer, LRU eviction (or LFU with aging, `policy="lfu"`: bench/moe_stream.py compares them),
+  hit/miss/byte/time counters, I/O time and bytes per token. `weights(layer, expert)` returns `Weight`s
   whose blocks are views of the slot: the kernels multiply them in place, so a streamed forward
   pass computes the same bits as the in-RAM one.
 """
@@ -155,7 +156,15 @@ class ExpertCache:
         self.part_bytes = {p: -(-b // page) * page for p, b in self.part_bytes.items()}
         self.slot_bytes = sum(self.part_bytes.values())
 
-    def __init__(self, g: GGUFFile, store: ExpertStore, slots: int, threads: int = 4, buffer=None):
+    POLICIES = ("lru", "lfu")
+
+    def __init__(self, g: GGUFFile, store: ExpertStore, slots: int, threads: int = 4, buffer=None,
+                 policy: str = "lru"):
+        if policy not in self.POLICIES:
+            raise ValueError(f"expert cache policy {policy!r} is not one of {', '.join(self.POLICIES)}")
+        self.policy = policy
+        self.freq: dict[tuple[int, int], float] = {}     # LFU: uses of each (layer, expert), aged
+        self.tokens = 0                                   # rows routed through layer 0
         self._geometry(g, store)
         self.store = store
         self.n_expert = next(iter(g.tensors[s.name] for s in self.map.values())).shape[0]
@@ -229,13 +238,27 @@ class ExpertCache:
         ent["state"] = READY
         return self._views(layer, e, slot)
 
-    def prefetch(self, layer: int, experts) -> None:
-        """Make `experts` of `layer` resident, reading the misses in parallel."""
+    def _victim(self) -> tuple[tuple[int, int], int]:
+        """The slot to evict: least recently used, or (LFU) least used, oldest first on ties."""
+        if self.policy == "lru":
+            return self.index.popitem(last=False)
+        key = min(self.index, key=lambda k: self.freq.get(k, 0.0))   # OrderedDict: LRU order breaks ties
+        return key, self.index.pop(key)
+
+    def prefetch(self, layer: int, experts, rows: int = 0) -> None:
+        """Make `experts` of `layer` resident, reading the misses in parallel. `rows`: how many
+        tokens this layer is routing (counted at layer 0, for per-token figures)."""
         todo = []
         with self.lock:
+            if layer == 0:
+                self.tokens += rows
+                if self.policy == "lfu" and self.tokens % 256 < rows:     # age: old popularity fades
+                    self.freq = {k: v / 2 for k, v in self.freq.items() if v >= 0.5}
             for e in experts:
                 key = (layer, int(e))
                 self.seq += 1
+                if self.policy == "lfu":
+                    self.freq[key] = self.freq.get(key, 0.0) + 1
                 if key in self.index:
                     self.hits += 1
                     self.index.move_to_end(key)
@@ -245,7 +268,7 @@ class ExpertCache:
                 if self.free:
                     slot = self.free.pop()
                 else:
-                    old, slot = self.index.popitem(last=False)
+                    old, slot = self._victim()
                     self.views.pop(slot, None)
                 self.index[key] = slot
                 self.entries[slot]["seq"] = self.seq
@@ -272,4 +295,7 @@ class ExpertCache:
                 "slots": self.slots, "used": len(self.index), "warm_slots_at_start": self.warm_slots, "slot_bytes": self.slot_bytes,
                 "cache_bytes": self.slots * self.slot_bytes, "hits": self.hits, "misses": self.misses,
                 "hit_rate": round(self.hits / total, 4) if total else None, "bytes_read": self.bytes_read,
-                "read_gb_s": round(self.bytes_read / self.read_seconds / 1e9, 3) if self.read_seconds else None}
+                "read_gb_s": round(self.bytes_read / self.read_seconds / 1e9, 3) if self.read_seconds else None,
+                "policy": self.policy, "tokens": self.tokens,
+                "io_ms_per_token": round(1000 * self.read_seconds / self.tokens, 3) if self.tokens else None,
+                "bytes_read_per_token": round(self.bytes_read / self.tokens) if self.tokens else None}

@@ -246,7 +246,7 @@ class Model:
         if self.expert_provider is None:
             fetch = lambda e: (L.gate_exps.expert(e), L.up_exps.expert(e), L.down_exps.expert(e))  # noqa: E731
         else:
-            self.expert_provider.prefetch(layer, np.unique(experts))
+            self.expert_provider.prefetch(layer, np.unique(experts), rows=len(x))
             fetch = lambda e: self.expert_provider.weights(layer, e)  # noqa: E731
         out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *fetch(e)))
         if L.gate_shexp is not None:

@@ -80,6 +80,26 @@ def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8
     assert shm_files(tmp_path) == []                                     # kiln down unlinked it
 
 
+def test_rss_stays_within_non_expert_weights_plus_cache_while_generating(e8k2_path, tmp_path):
+    """While generating, RSS above what the booted worker held (Python, tokenizer, the mapped but
+    untouched file) ≤ 1.15 × (non-expert weights + cache segment + KV cache), with a cache of a
+    third of the experts."""
+    import threading
+    with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "16MiB")}) as d:
+        ready(d)
+        peak = 0
+        t = threading.Thread(target=complete, args=(d, "The history of the printing press", 48))
+        t.start()
+        while t.is_alive():
+            peak = max(peak, d.status()["workers"][0]["rss_bytes"] or 0)
+            time.sleep(0.05)
+        w = d.status()["workers"][0]
+        mem = w["stats"]["memory"]
+        assert w["stats"]["expert_cache"]["misses"] > 0 and w["stats"]["expert_cache"]["io_ms_per_token"] is not None
+        budget = 1.15 * (mem["non_expert_bytes"] + mem["cache_segment_bytes"] + mem["kv_cache_bytes"])
+        assert peak - mem["rss_after_boot"] <= budget, (peak, mem)
+
+
 def test_stale_segments_of_a_killed_tree_are_removed_by_the_next_up(e8k2_path, tmp_path):
     d = Daemon(tmp_path, {"default": stream_worker(e8k2_path, "8MiB")}).start()
     ready(d)

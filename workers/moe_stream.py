@@ -12,7 +12,9 @@ from __future__ import annotations
 import mmap
 import os
 
-from kiln.native.expert_store import ExpertCache, ExpertStore
+import psutil
+
+from kiln.native.expert_store import ExpertCache, ExpertStore, expert_map
 
 from .inference import InferenceWorker
 from .runtime import BootError, main
@@ -22,6 +24,7 @@ class MoEStreamWorker(InferenceWorker):
     kind = "moe-stream"
 
     def boot(self):
+        self.rss_before_model = psutil.Process().memory_info().rss     # the Python runtime alone
         super().boot()
         if not self.model.config.is_moe:
             raise BootError(f"{self.model.path.name} is not a mixture-of-experts model; use kind = \"inference\"")
@@ -35,14 +38,25 @@ class MoEStreamWorker(InferenceWorker):
         self.segment = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
         os.close(fd)
         store = ExpertStore(self.model.path, direct=self.settings.get("direct", True))
-        self.cache = ExpertCache(self.model.gguf, store, int(slots), buffer=self.segment)
+        try:
+            self.cache = ExpertCache(self.model.gguf, store, int(slots), buffer=self.segment,
+                                     policy=self.settings.get("cache_policy", "lru"))
+        except ValueError as e:
+            raise BootError(str(e)) from None
         self.model.expert_provider = self.cache
+        experts = {s.name for s in expert_map(self.model.gguf).values()}
+        self.non_expert_bytes = sum(t.n_bytes for n, t in self.model.gguf.tensors.items() if n not in experts)
+        self.rss_after_boot = psutil.Process().memory_info().rss   # + tokenizer, template, mappings
 
     def status(self) -> dict:
         st = super().status()
         cache = getattr(self, "cache", None)
         if cache is not None:
             st["expert_cache"] = cache.stats()
+            st["memory"] = {"rss_before_model": self.rss_before_model, "rss_after_boot": self.rss_after_boot,
+                            "non_expert_bytes": self.non_expert_bytes,
+                            "cache_segment_bytes": len(self.segment),
+                            "kv_cache_bytes": sum(s.cache.nbytes for s in self.scheduler.seqs)}
         return st
 
 
