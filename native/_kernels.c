@@ -535,29 +535,34 @@ static int pick_threads(int requested) {      /* 0: the default; the default 0: 
     return n > 0 ? n : 1;
 }
 
-/* y_i = x W_i^T for nw weights of one type that share the input x (T, K): the activations are
- * quantized once and every output row of every weight is one task of one parallel loop. A row's
- * arithmetic is the same whichever call computes it, so fusing changes no bit. */
-static void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
-                        const uint8_t **W, const int *N, float **out, int nt) {
-    size_t row_bytes = (size_t)(K / ti->block) * ti->bytes;
-    Act a = {ti->act, x, NULL, NULL, NULL, NULL};
+/* Activations of T rows of x (T, K) as weight type ti multiplies them: allocated, then quantized
+ * row by row (each row on its own, so who quantizes it changes nothing). */
+static void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K) {
     int B = ti->act == A_Q8_K ? 256 : 32;
-    if (ti->act == A_F16 || ti->act == A_BF16) a.xr = malloc((size_t)T * K * sizeof(float));
+    *a = (Act){ti->act, x, NULL, NULL, NULL, NULL};
+    if (ti->act == A_F16 || ti->act == A_BF16) a->xr = malloc((size_t)T * K * sizeof(float));
     if (ti->act >= A_Q8_0) {
-        a.q = malloc((size_t)T * K); a.d = malloc((size_t)T * (K / B) * sizeof(float));
-        a.s = malloc((size_t)T * (K / B) * sizeof(float));
+        a->q = malloc((size_t)T * K); a->d = malloc((size_t)T * (K / B) * sizeof(float));
+        a->s = malloc((size_t)T * (K / B) * sizeof(float));
     }
+}
+static void act_row(Act *a, int t, int K) {
+    if (a->kind == A_F32) return;
+    int B = a->kind == A_Q8_K ? 256 : 32;
+    quantize_row(a->xf + (size_t)t * K, K, a->kind, a->xr ? a->xr + (size_t)t * K : NULL,
+                 a->q ? a->q + (size_t)t * K : NULL, a->d ? a->d + (size_t)t * (K / B) : NULL,
+                 a->s ? a->s + (size_t)t * (K / B) : NULL);
+}
+static void act_free(Act *a) { free(a->xr); free(a->q); free(a->d); free(a->s); }
+
+/* Every output row of nw weights (one type, one Act) as one worksharing loop: call it inside a
+ * parallel region (it is an orphaned `omp for`), or alone. */
+static void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
+                     const uint8_t **W, const int *N, float **out) {
+    size_t row_bytes = (size_t)(K / ti->block) * ti->bytes;
     int total = 0;
     for (int i = 0; i < nw; i++) total += N[i];
-    if (ti->act != A_F32) {
-        #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
-        for (int t = 0; t < T; t++)
-            quantize_row(a.xf + (size_t)t * K, K, ti->act, a.xr ? a.xr + (size_t)t * K : NULL,
-                         a.q ? a.q + (size_t)t * K : NULL, a.d ? a.d + (size_t)t * (K / B) : NULL,
-                         a.s ? a.s + (size_t)t * (K / B) : NULL);
-    }
-    #pragma omp parallel for num_threads(nt) schedule(static)
+    #pragma omp for schedule(static)
     for (int r = 0; r < total; r++) {
         int i = 0, n = r;
         while (n >= N[i]) n -= N[i++];
@@ -568,16 +573,29 @@ static void matmul_core(const float *x, int T, int K, int type, const TypeInfo *
         if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
             int nb = K / ti->block; float res[4];
             for (; t + 4 <= T; t += 4) {
-                if (type == T_Q4_0) dot4_q4_0_avx2(w, &a, t, nb, res);
-                else if (type == T_Q4_1) dot4_q4_1_avx2(w, &a, t, nb, res);
-                else dot4_q8_0_avx2(w, &a, t, nb, res);
+                if (type == T_Q4_0) dot4_q4_0_avx2(w, a, t, nb, res);
+                else if (type == T_Q4_1) dot4_q4_1_avx2(w, a, t, nb, res);
+                else dot4_q8_0_avx2(w, a, t, nb, res);
                 for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
             }
         }
 #endif
-        for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, &a, t, K);
+        for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, a, t, K);
     }
-    free(a.xr); free(a.q); free(a.d); free(a.s);
+}
+
+/* y_i = x W_i^T for nw weights of one type that share the input x (T, K): the activations are
+ * quantized once and every output row of every weight is one task of one parallel loop. A row's
+ * arithmetic is the same whichever call computes it, so fusing changes no bit. */
+static void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
+                        const uint8_t **W, const int *N, float **out, int nt) {
+    Act a;
+    act_alloc(&a, ti, x, T, K);
+    #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
+    for (int t = 0; t < T; t++) act_row(&a, t, K);
+    #pragma omp parallel num_threads(nt)
+    rows_dot(&a, T, K, type, ti, nw, W, N, out);
+    act_free(&a);
 }
 
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
@@ -787,6 +805,126 @@ done:
     return ret;
 }
 
+static void rms_row(const float *x, const float *w, float *o, int n, float eps) {
+    double sum = 0.0;                       /* exactly py_rms_norm's arithmetic */
+    for (int i = 0; i < n; i++) sum += (double)x[i] * x[i];
+    float scale = 1.0f / sqrtf((float)(sum / n) + eps);
+    for (int i = 0; i < n; i++) o[i] = x[i] * scale * w[i];
+}
+static void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox) {
+    int half = R / 2;                       /* exactly py_rope's arithmetic, one position */
+    for (int h = 0; h < H; h++) {
+        float *v = x + (size_t)h * D;
+        for (int i = 0; i < half; i++) {
+            int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+            float a = v[i0], b = v[i1];
+            v[i0] = a * c[i] - b * s[i];
+            v[i1] = a * s[i] + b * c[i];
+        }
+    }
+}
+
+/* decode_layer(x (n) in place, attn_norm, ffn_norm, eps, [wq, wk, wv], qkv_type, wo, wo_type,
+ *              [wg, wu], gu_type, wd, wd_type, kcache, vcache, pos, cos, sin, H, Hkv, D, R, neox,
+ *              n_ff, threads)
+ * One decode row through a plain pre-norm llama layer — the same operations, in the same order,
+ * as the step-by-step path (rms_norm, matmul_many, rope, KV store, attention, matmul, swiglu),
+ * so the row is bit-identical to it; but one call and one parallel region instead of a dozen
+ * Python calls and five regions. The layer's K/V caches (capacity, Hkv, D) float32 get the
+ * position `pos` written; attention reads positions 0..pos. */
+static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
+    Py_buffer xb, anb, fnb, wb[3], wob, gb[2], wdb, kb, vb, cb, sb;
+    int qkv_t, wo_t, gu_t, wd_t, pos, H, Hkv, D, R, neox, n_ff, threads;
+    double eps;
+    if (!PyArg_ParseTuple(args, "w*y*y*d(y*y*y*)iy*i(y*y*)iy*iw*w*iy*y*iiiipii",
+                          &xb, &anb, &fnb, &eps, &wb[0], &wb[1], &wb[2], &qkv_t, &wob, &wo_t,
+                          &gb[0], &gb[1], &gu_t, &wdb, &wd_t, &kb, &vb, &pos, &cb, &sb,
+                          &H, &Hkv, &D, &R, &neox, &n_ff, &threads))
+        return NULL;
+    PyObject *ret = NULL;
+    int n = (int)(xb.len / 4), qn = H * D, kvn = Hkv * D;
+    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_layer needs the AVX2 kernels"); goto done; }
+    TypeInfo tq, to, tg, td;
+    if (!type_info(qkv_t, &tq) || !type_info(wo_t, &to) || !type_info(gu_t, &tg) || !type_info(wd_t, &td)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: a weight type has no compiled kernel"); goto done;
+    }
+    if (n % tq.block || qn % to.block || n % tg.block || n_ff % td.block ||
+        (size_t)wb[0].len < (size_t)qn * (n / tq.block) * tq.bytes || (size_t)wb[1].len < (size_t)kvn * (n / tq.block) * tq.bytes ||
+        (size_t)wb[2].len < (size_t)kvn * (n / tq.block) * tq.bytes || (size_t)wob.len < (size_t)n * (qn / to.block) * to.bytes ||
+        (size_t)gb[0].len < (size_t)n_ff * (n / tg.block) * tg.bytes || (size_t)gb[1].len < (size_t)n_ff * (n / tg.block) * tg.bytes ||
+        (size_t)wdb.len < (size_t)n * (n_ff / td.block) * td.bytes ||
+        (size_t)kb.len < (size_t)(pos + 1) * kvn * 4 || (size_t)vb.len < (size_t)(pos + 1) * kvn * 4 ||
+        (size_t)cb.len < (size_t)(R / 2) * 4 || (size_t)sb.len < (size_t)(R / 2) * 4 || R > D ||
+        (size_t)anb.len < (size_t)n * 4 || (size_t)fnb.len < (size_t)n * 4) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: a buffer is smaller than its shape"); goto done;
+    }
+    {
+        float *x = xb.buf, *kc = kb.buf, *vc = vb.buf;
+        const float *an = anb.buf, *fn = fnb.buf, *cs = cb.buf, *sn = sb.buf;
+        float *a = malloc((size_t)n * 4), *q = malloc((size_t)qn * 4), *k = kc + (size_t)pos * kvn,
+              *v = vc + (size_t)pos * kvn, *att = malloc((size_t)qn * 4), *o = malloc((size_t)n * 4),
+              *f = malloc((size_t)n * 4), *g = malloc((size_t)n_ff * 4), *u = malloc((size_t)n_ff * 4),
+              *dn = malloc((size_t)n * 4);
+        float *kt = malloc((size_t)kvn * 4), *vt = malloc((size_t)kvn * 4);
+        const uint8_t *Wqkv[3] = {wb[0].buf, wb[1].buf, wb[2].buf}, *Wo[1] = {wob.buf},
+                      *Wgu[2] = {gb[0].buf, gb[1].buf}, *Wd[1] = {wdb.buf};
+        int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Ngu[2] = {n_ff, n_ff}, Nd[1] = {n};
+        float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Ogu[2] = {g, u}, *Od[1] = {dn};
+        Act aq, ao, ag, ad;
+        act_alloc(&aq, &tq, a, 1, n); act_alloc(&ao, &to, att, 1, qn);
+        act_alloc(&ag, &tg, f, 1, n); act_alloc(&ad, &td, g, 1, n_ff);
+        int nt = pick_threads(threads), S = pos + 1;
+        float scale = 1.0f / sqrtf((float)D);
+        Py_BEGIN_ALLOW_THREADS
+        #pragma omp parallel num_threads(nt)
+        {
+            float *sc = malloc((size_t)S * sizeof(float));
+            #pragma omp single
+            { rms_row(x, an, a, n, (float)eps); act_row(&aq, 0, n); }
+            rows_dot(&aq, 1, n, qkv_t, &tq, 3, Wqkv, Nqkv, Oqkv);
+            #pragma omp single
+            {
+                rope_row(q, cs, sn, H, D, R, neox); rope_row(kt, cs, sn, Hkv, D, R, neox);
+                memcpy(k, kt, (size_t)kvn * 4); memcpy(v, vt, (size_t)kvn * 4);
+            }
+            #pragma omp for schedule(static)
+            for (int h = 0; h < H; h++) {
+#ifdef KILN_X86
+                attn_task_avx2(q, kc, vc, att, 0, h, H, Hkv, D, S, scale, sc);
+#endif
+            }
+            #pragma omp single
+            act_row(&ao, 0, qn);
+            rows_dot(&ao, 1, qn, wo_t, &to, 1, Wo, No, Oo);
+            #pragma omp single
+            {
+                for (int i = 0; i < n; i++) x[i] = x[i] + o[i];
+                rms_row(x, fn, f, n, (float)eps); act_row(&ag, 0, n);
+            }
+            rows_dot(&ag, 1, n, gu_t, &tg, 2, Wgu, Ngu, Ogu);
+            #pragma omp single
+            {
+                for (int i = 0; i < n_ff; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+                act_row(&ad, 0, n_ff);
+            }
+            rows_dot(&ad, 1, n_ff, wd_t, &td, 1, Wd, Nd, Od);
+            #pragma omp single
+            for (int i = 0; i < n; i++) x[i] = x[i] + dn[i];
+            free(sc);
+        }
+        Py_END_ALLOW_THREADS
+        act_free(&aq); act_free(&ao); act_free(&ag); act_free(&ad);
+        free(a); free(q); free(att); free(o); free(f); free(g); free(u); free(dn); free(kt); free(vt);
+    }
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&anb); PyBuffer_Release(&fnb);
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&wb[i]);
+    PyBuffer_Release(&wob); PyBuffer_Release(&gb[0]); PyBuffer_Release(&gb[1]); PyBuffer_Release(&wdb);
+    PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
+    return ret;
+}
+
 static PyObject *py_features(PyObject *self, PyObject *noargs) {
     int omp = 0, maxt = 1;
 #ifdef _OPENMP
@@ -815,6 +953,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {  /* for tests: fo
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
     {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
+    {"decode_layer", py_decode_layer, METH_VARARGS, "one decode row through a plain llama layer, in place"},
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},

@@ -51,6 +51,11 @@ class KVCache:
         self._v[layer][self.n:self.n + T] = v
         return self._k[layer][:self.n + T], self._v[layer][:self.n + T]
 
+    def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole key and value arrays of `layer` (capacity, Hkv, d), for a compiled step
+        that writes position n itself (after begin())."""
+        return self._k[layer], self._v[layer]
+
     def commit(self, tokens: list[int]) -> None:
         self.n += len(tokens)
         self.tokens.extend(tokens)

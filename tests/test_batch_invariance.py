@@ -80,3 +80,25 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
     top2 = np.sort(l32, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.5            # rounding KV to fp16 may only move near-ties
     assert clear.sum() >= 5 and (l32.argmax(-1) == l16.argmax(-1))[clear].all()
+
+
+def test_the_one_call_decode_layer_equals_the_step_by_step_path(default_model):
+    m = default_model
+    assert all(m._fusable), "every layer of the default model should take the one-call decode"
+    ids = m.tokenizer.encode("Once upon a time, in a land far away,")
+
+    def decode(n=6):
+        c = m.new_cache()
+        logits = m.forward(ids, c)
+        out = []
+        for _ in range(n):
+            logits = m.forward([int(np.argmax(logits))], c)
+            out.append(logits)
+        return np.array(out)
+    fused = decode()
+    saved, m._fusable_cache = m._fusable_cache, [False] * len(m.layers)
+    try:
+        stepwise = decode()
+    finally:
+        m._fusable_cache = saved
+    assert np.array_equal(fused, stepwise)
