@@ -43,7 +43,10 @@ def q4_0_random(rng: np.random.Generator, rows: int, cols: int, scale: float) ->
     nb = rows * cols // 32
     blocks = np.empty((nb, 18), np.uint8)
     blocks[:, :2] = np.full(nb, scale, np.float16).view(np.uint8).reshape(nb, 2)
-    blocks[:, 2:] = rng.integers(0, 256, (nb, 16), dtype=np.uint8)
+    # nibbles 1..15, values q - 8 in -7..7: zero mean (0..15 would give every weight a -0.5 bias,
+    # a common direction that grows through the layers until every token routes alike)
+    lo, hi = rng.integers(1, 16, (2, nb, 16), dtype=np.uint8)
+    blocks[:, 2:] = lo | (hi << 4)
     return blocks.reshape(rows, cols // 32 * 18)
 
 
@@ -94,7 +97,10 @@ def build_model(path: Path, layers: int, experts: int, used: int, embd: int, ff:
             data = rng.normal(0, 1.0, shape).astype(np.float32)
         else:
             rows = int(np.prod(shape[:-1]))
-            data = q4_0_random(rng, rows, shape[-1], 0.02 if "exps" in name else 0.03).reshape(*shape[:-1], -1)
+            # weights of std ~1/sqrt(n_in) (a value q - 8 has std 4.3): the residual stream
+            # stays in scale, so the router sees different inputs and picks different experts
+            scale = 1.0 / (4.3 * np.sqrt(shape[-1]))
+            data = q4_0_random(rng, rows, shape[-1], scale).reshape(*shape[:-1], -1)
         w.write_tensor_data(data)
     w.close()
     os.replace(tmp, path)
@@ -166,7 +172,7 @@ def main() -> None:
     from kiln.native.expert_store import ExpertCache, ExpertStore
     from kiln.native.model import load_model
 
-    name = f"synthetic-moe-L{args.layers}-E{args.experts}K{args.used}-d{args.embd}-ff{args.ff}.gguf"
+    name = f"synthetic-moe-v3-L{args.layers}-E{args.experts}K{args.used}-d{args.embd}-ff{args.ff}.gguf"
     t = time.perf_counter()
     path = build_model(ROOT / ".cache" / "bench" / name, args.layers, args.experts, args.used, args.embd, args.ff)
     build_s = time.perf_counter() - t
