@@ -126,6 +126,10 @@ def moe_ffn(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_ffn)
     expert_ffn(e, xs) computes expert e's FFN for the rows xs; the stream worker supplies one
     that fetches the expert's weights from its cache."""
     out = np.zeros_like(x)
+    if x.shape[0] == 1:             # a decode row: the same operations, without the bookkeeping
+        for slot in np.argsort(experts[0], kind="stable"):               # ascending expert, as below
+            out[0:1] += weights[0:1, slot, None] * expert_ffn(int(experts[0, slot]), x[0:1])
+        return out
     for e in np.unique(experts):
         rows, slot = np.nonzero(experts == e)
         out[rows] += weights[rows, slot, None] * expert_ffn(int(e), x[rows])

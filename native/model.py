@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,13 @@ class Layer:
     gate_shexp: Weight | None = None
     up_shexp: Weight | None = None
     down_shexp: Weight | None = None
+    experts: dict = field(default_factory=dict)   # e -> (gate, up, down) views, made once
+
+    def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
+        w = self.experts.get(e)
+        if w is None:
+            w = self.experts[e] = (self.gate_exps.expert(e), self.up_exps.expert(e), self.down_exps.expert(e))
+        return w
 
 
 class Model:
@@ -273,7 +280,7 @@ class Model:
         c = self.config
         experts, weights = route(x, L.router, c.n_expert_used, c.expert_weights_norm)
         if self.expert_provider is None:
-            fetch = lambda e: (L.gate_exps.expert(e), L.up_exps.expert(e), L.down_exps.expert(e))  # noqa: E731
+            fetch = L.expert
         else:
             self.expert_provider.prefetch(layer, np.unique(experts), rows=len(x))
             fetch = lambda e: self.expert_provider.weights(layer, e)  # noqa: E731
