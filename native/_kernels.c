@@ -824,55 +824,68 @@ static void rope_row(float *x, const float *c, const float *s, int H, int D, int
     }
 }
 
-/* decode_layer(x (n) in place, attn_norm, ffn_norm, eps, [wq, wk, wv], qkv_type, wo, wo_type,
- *              [wg, wu], gu_type, wd, wd_type, kcache, vcache, pos, cos, sin, H, Hkv, D, R, neox,
- *              n_ff, threads)
- * One decode row through a plain pre-norm llama layer — the same operations, in the same order,
- * as the step-by-step path (rms_norm, matmul_many, rope, KV store, attention, matmul, swiglu),
- * so the row is bit-identical to it; but one call and one parallel region instead of a dozen
- * Python calls and five regions. The layer's K/V caches (capacity, Hkv, D) float32 get the
- * position `pos` written; attention reads positions 0..pos. */
+/* decode_layer(x (n) in place, attn_norm, eps, (wq, wk, wv), qkv_type, wo, wo_type, kcache, vcache,
+ *              pos, cos, sin, H, Hkv, D, R, neox, ffn, threads)
+ *   ffn: None (the caller runs the FFN: an MoE layer), or (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff)
+ * One decode row through a pre-norm llama layer — the same operations, in the same order, as the
+ * step-by-step path (rms_norm, matmul_many, rope, KV store, attention, matmul, swiglu), so the row
+ * is bit-identical to it; but one call and one parallel region instead of a dozen Python calls
+ * and five regions. The layer's K/V caches (capacity, Hkv, D) float32 get position `pos`
+ * written; attention reads positions 0..pos. */
 static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
-    Py_buffer xb, anb, fnb, wb[3], wob, gb[2], wdb, kb, vb, cb, sb;
-    int qkv_t, wo_t, gu_t, wd_t, pos, H, Hkv, D, R, neox, n_ff, threads;
+    Py_buffer xb, anb, fnb = {0}, wb[3], wob, gb[2] = {{0}}, wdb = {0}, kb, vb, cb, sb;
+    int qkv_t, wo_t, gu_t = 0, wd_t = 0, pos, H, Hkv, D, R, neox, n_ff = 0, threads, ffn = 0;
     double eps;
-    if (!PyArg_ParseTuple(args, "w*y*y*d(y*y*y*)iy*i(y*y*)iy*iw*w*iy*y*iiiipii",
-                          &xb, &anb, &fnb, &eps, &wb[0], &wb[1], &wb[2], &qkv_t, &wob, &wo_t,
-                          &gb[0], &gb[1], &gu_t, &wdb, &wd_t, &kb, &vb, &pos, &cb, &sb,
-                          &H, &Hkv, &D, &R, &neox, &n_ff, &threads))
+    PyObject *ffn_obj;
+    if (!PyArg_ParseTuple(args, "w*y*d(y*y*y*)iy*iw*w*iy*y*iiiipOi",
+                          &xb, &anb, &eps, &wb[0], &wb[1], &wb[2], &qkv_t, &wob, &wo_t,
+                          &kb, &vb, &pos, &cb, &sb, &H, &Hkv, &D, &R, &neox, &ffn_obj, &threads))
         return NULL;
     PyObject *ret = NULL;
+    if (ffn_obj != Py_None) {
+        if (!PyArg_ParseTuple(ffn_obj, "y*y*y*iy*ii", &fnb, &gb[0], &gb[1], &gu_t, &wdb, &wd_t, &n_ff)) {
+            PyBuffer_Release(&xb); PyBuffer_Release(&anb); PyBuffer_Release(&wob);
+            for (int i = 0; i < 3; i++) PyBuffer_Release(&wb[i]);
+            PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
+            return NULL;
+        }
+        ffn = 1;
+    }
     int n = (int)(xb.len / 4), qn = H * D, kvn = Hkv * D;
+    TypeInfo tq, to, tg = {1, 4, A_F32}, td = {1, 4, A_F32};
     if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_layer needs the AVX2 kernels"); goto done; }
-    TypeInfo tq, to, tg, td;
-    if (!type_info(qkv_t, &tq) || !type_info(wo_t, &to) || !type_info(gu_t, &tg) || !type_info(wd_t, &td)) {
+    if (!type_info(qkv_t, &tq) || !type_info(wo_t, &to) || (ffn && (!type_info(gu_t, &tg) || !type_info(wd_t, &td)))) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a weight type has no compiled kernel"); goto done;
     }
-    if (n % tq.block || qn % to.block || n % tg.block || n_ff % td.block ||
+    if (n % tq.block || qn % to.block ||
         (size_t)wb[0].len < (size_t)qn * (n / tq.block) * tq.bytes || (size_t)wb[1].len < (size_t)kvn * (n / tq.block) * tq.bytes ||
         (size_t)wb[2].len < (size_t)kvn * (n / tq.block) * tq.bytes || (size_t)wob.len < (size_t)n * (qn / to.block) * to.bytes ||
-        (size_t)gb[0].len < (size_t)n_ff * (n / tg.block) * tg.bytes || (size_t)gb[1].len < (size_t)n_ff * (n / tg.block) * tg.bytes ||
-        (size_t)wdb.len < (size_t)n * (n_ff / td.block) * td.bytes ||
         (size_t)kb.len < (size_t)(pos + 1) * kvn * 4 || (size_t)vb.len < (size_t)(pos + 1) * kvn * 4 ||
         (size_t)cb.len < (size_t)(R / 2) * 4 || (size_t)sb.len < (size_t)(R / 2) * 4 || R > D ||
-        (size_t)anb.len < (size_t)n * 4 || (size_t)fnb.len < (size_t)n * 4) {
+        (size_t)anb.len < (size_t)n * 4) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a buffer is smaller than its shape"); goto done;
+    }
+    if (ffn && (n % tg.block || n_ff % td.block || (size_t)fnb.len < (size_t)n * 4 ||
+                (size_t)gb[0].len < (size_t)n_ff * (n / tg.block) * tg.bytes ||
+                (size_t)gb[1].len < (size_t)n_ff * (n / tg.block) * tg.bytes ||
+                (size_t)wdb.len < (size_t)n * (n_ff / td.block) * td.bytes)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN buffer is smaller than its shape"); goto done;
     }
     {
         float *x = xb.buf, *kc = kb.buf, *vc = vb.buf;
         const float *an = anb.buf, *fn = fnb.buf, *cs = cb.buf, *sn = sb.buf;
+        size_t nf = ffn ? (size_t)n_ff : 1;
         float *a = malloc((size_t)n * 4), *q = malloc((size_t)qn * 4), *k = kc + (size_t)pos * kvn,
               *v = vc + (size_t)pos * kvn, *att = malloc((size_t)qn * 4), *o = malloc((size_t)n * 4),
-              *f = malloc((size_t)n * 4), *g = malloc((size_t)n_ff * 4), *u = malloc((size_t)n_ff * 4),
-              *dn = malloc((size_t)n * 4);
+              *f = malloc((size_t)n * 4), *g = malloc(nf * 4), *u = malloc(nf * 4), *dn = malloc((size_t)n * 4);
         float *kt = malloc((size_t)kvn * 4), *vt = malloc((size_t)kvn * 4);
         const uint8_t *Wqkv[3] = {wb[0].buf, wb[1].buf, wb[2].buf}, *Wo[1] = {wob.buf},
                       *Wgu[2] = {gb[0].buf, gb[1].buf}, *Wd[1] = {wdb.buf};
         int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Ngu[2] = {n_ff, n_ff}, Nd[1] = {n};
         float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Ogu[2] = {g, u}, *Od[1] = {dn};
-        Act aq, ao, ag, ad;
+        Act aq, ao, ag = {0}, ad = {0};
         act_alloc(&aq, &tq, a, 1, n); act_alloc(&ao, &to, att, 1, qn);
-        act_alloc(&ag, &tg, f, 1, n); act_alloc(&ad, &td, g, 1, n_ff);
+        if (ffn) { act_alloc(&ag, &tg, f, 1, n); act_alloc(&ad, &td, g, 1, n_ff); }
         int nt = pick_threads(threads), S = pos + 1;
         float scale = 1.0f / sqrtf((float)D);
         Py_BEGIN_ALLOW_THREADS
@@ -899,29 +912,33 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             #pragma omp single
             {
                 for (int i = 0; i < n; i++) x[i] = x[i] + o[i];
-                rms_row(x, fn, f, n, (float)eps); act_row(&ag, 0, n);
+                if (ffn) { rms_row(x, fn, f, n, (float)eps); act_row(&ag, 0, n); }
             }
-            rows_dot(&ag, 1, n, gu_t, &tg, 2, Wgu, Ngu, Ogu);
-            #pragma omp single
-            {
-                for (int i = 0; i < n_ff; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-                act_row(&ad, 0, n_ff);
+            if (ffn) {
+                rows_dot(&ag, 1, n, gu_t, &tg, 2, Wgu, Ngu, Ogu);
+                #pragma omp single
+                {
+                    for (int i = 0; i < n_ff; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+                    act_row(&ad, 0, n_ff);
+                }
+                rows_dot(&ad, 1, n_ff, wd_t, &td, 1, Wd, Nd, Od);
+                #pragma omp single
+                for (int i = 0; i < n; i++) x[i] = x[i] + dn[i];
             }
-            rows_dot(&ad, 1, n_ff, wd_t, &td, 1, Wd, Nd, Od);
-            #pragma omp single
-            for (int i = 0; i < n; i++) x[i] = x[i] + dn[i];
             free(sc);
         }
         Py_END_ALLOW_THREADS
-        act_free(&aq); act_free(&ao); act_free(&ag); act_free(&ad);
+        act_free(&aq); act_free(&ao);
+        if (ffn) { act_free(&ag); act_free(&ad); }
         free(a); free(q); free(att); free(o); free(f); free(g); free(u); free(dn); free(kt); free(vt);
     }
     Py_INCREF(Py_None); ret = Py_None;
 done:
-    PyBuffer_Release(&xb); PyBuffer_Release(&anb); PyBuffer_Release(&fnb);
+    PyBuffer_Release(&xb); PyBuffer_Release(&anb);
     for (int i = 0; i < 3; i++) PyBuffer_Release(&wb[i]);
-    PyBuffer_Release(&wob); PyBuffer_Release(&gb[0]); PyBuffer_Release(&gb[1]); PyBuffer_Release(&wdb);
+    PyBuffer_Release(&wob);
     PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
+    if (ffn) { PyBuffer_Release(&fnb); PyBuffer_Release(&gb[0]); PyBuffer_Release(&gb[1]); PyBuffer_Release(&wdb); }
     return ret;
 }
 

@@ -205,35 +205,44 @@ class Model:
         fuse = len(tokens) == 1 and adapter is None and segments[0][0].dtype == np.float32 \
             and kernels.compiled_module() is not None
         for i, L in enumerate(self.layers):
-            if fuse and self._fusable[i]:
-                self._decode_layer(i, L, x, segments[0][0], cos, sin)
-                continue
-            x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments, adapter)
+            how = self._fusable[i] if fuse else None
+            if how is not None:
+                self._decode_layer(i, L, x, segments[0][0], cos, sin, with_ffn=how == "layer")
+                if how == "layer":
+                    continue
+            else:
+                x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments, adapter)
             x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps), i, adapter)
         return x
 
-    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, cache: KVCache, cos, sin) -> None:
-        """One decode row through layer i in one compiled call (bit-identical to the step-by-step
-        path, without a dozen Python-level calls per layer): x (1, n) is updated in place."""
+    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, cache: KVCache, cos, sin, with_ffn: bool) -> None:
+        """One decode row through layer i's attention (and its dense FFN when `with_ffn`) in one
+        compiled call — bit-identical to the step-by-step path, without a dozen Python-level
+        calls per layer. x (1, n) is updated in place."""
         c = self.config
         keys, values = cache.layer_buffers(i)
+        ffn = (L.ffn_norm, L.gate.raw, L.up.raw, int(L.gate.qtype), L.down.raw, int(L.down.qtype),
+               L.gate.shape[0]) if with_ffn else None
         kernels.compiled_module().decode_layer(
-            x[0], L.attn_norm, L.ffn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
-            L.wo.raw, int(L.wo.qtype), (L.gate.raw, L.up.raw), int(L.gate.qtype), L.down.raw, int(L.down.qtype),
-            keys, values, cache.n, cos[0], sin[0], c.n_head, c.n_head_kv, c.head_dim, c.rope_dim,
-            c.rope_style != "normal", L.gate.shape[0], 0)
+            x[0], L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
+            L.wo.raw, int(L.wo.qtype), keys, values, cache.n, cos[0], sin[0], c.n_head, c.n_head_kv,
+            c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0)
 
     @property
-    def _fusable(self) -> list[bool]:
-        """Which layers the one-call decode handles: plain llama layers (no biases, no q/k norm,
-        dense FFN) with compiled weights, q/k/v of one type and gate/up of one type."""
+    def _fusable(self) -> list[str | None]:
+        """How the one-call decode handles each layer: "layer" (plain llama attention and dense
+        FFN), "attention" (plain attention; the FFN — MoE — stays in Python), or None. Plain:
+        no biases, no q/k norm, compiled weights, q/k/v of one type, gate/up of one type."""
         if getattr(self, "_fusable_cache", None) is None:
             simd = kernels.compiled_module() is not None and kernels.kernel_info().get("avx2_fma")
-            self._fusable_cache = [
-                bool(simd) and L.bq is None and L.q_norm is None and L.router is None
-                and all(w is not None and w.compiled for w in (L.wq, L.wk, L.wv, L.wo, L.gate, L.up, L.down))
-                and L.wq.qtype == L.wk.qtype == L.wv.qtype and L.gate.qtype == L.up.qtype
-                for L in self.layers]
+            out = []
+            for L in self.layers:
+                attn = bool(simd) and L.bq is None and L.q_norm is None \
+                    and all(w.compiled for w in (L.wq, L.wk, L.wv, L.wo)) and L.wq.qtype == L.wk.qtype == L.wv.qtype
+                dense = L.router is None and all(w is not None and w.compiled for w in (L.gate, L.up, L.down)) \
+                    and L.gate.qtype == L.up.qtype
+                out.append(("layer" if dense else "attention") if attn else None)
+            self._fusable_cache = out
         return self._fusable_cache
 
     @staticmethod

@@ -82,9 +82,11 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
     assert clear.sum() >= 5 and (l32.argmax(-1) == l16.argmax(-1))[clear].all()
 
 
-def test_the_one_call_decode_layer_equals_the_step_by_step_path(default_model):
-    m = default_model
-    assert all(m._fusable), "every layer of the default model should take the one-call decode"
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, default_model, e8k2_path):
+    m = default_model if which == "dense" else load_model(e8k2_path)
+    want = "layer" if which == "dense" else "attention"          # an MoE layer's FFN stays in Python
+    assert m._fusable == [want] * len(m.layers)
     ids = m.tokenizer.encode("Once upon a time, in a land far away,")
 
     def decode(n=6):
@@ -96,7 +98,7 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(default_model):
             out.append(logits)
         return np.array(out)
     fused = decode()
-    saved, m._fusable_cache = m._fusable_cache, [False] * len(m.layers)
+    saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)
     try:
         stepwise = decode()
     finally:
