@@ -7,11 +7,9 @@
 
 from __future__ import annotations
 
-import queue
-
 import falcon
 
-from .http_app import JSONError, bus
+from .http_app import JSONError, bus, worker_op
 
 FIELDS = ("suite", "file", "inline", "adapter", "adapters", "seed", "replay_of")
 _STATUS = {"bad_suite": 400, "bad_request": 400, "suite_not_found": 404, "adapter_not_found": 404,
@@ -28,16 +26,8 @@ class Eval:
         if unknown:
             raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; known: {', '.join(FIELDS)}")
         evaluator = bus(self.sup, "eval.evaluator")["worker"]
-        call = self.sup.call(evaluator, "eval_submit", body, 600)
-        try:
-            msg = call.events.get(timeout=605)
-        except queue.Empty:
-            raise JSONError(504, "timeout", "the evaluator did not answer") from None
-        if msg.type == "error":
-            code = msg.get("code") or "error"
-            raise JSONError(_STATUS.get(code, 500), code, msg.get("message") or code)
+        resp.media = worker_op(self.sup, evaluator, "eval_submit", body, _STATUS)
         resp.status = falcon.HTTP_201
-        resp.media = msg.body
 
     def on_get_jobs(self, req, resp):
         resp.media = {"object": "list", "data": bus(self.sup, "eval.jobs")["jobs"]}

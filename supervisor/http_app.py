@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import queue
 import threading
 
 import falcon
@@ -67,6 +68,20 @@ def bus(sup, name: str, args: dict | None = None):
         return sup.command(name, args or {})
     except CommandError as e:
         raise JSONError(e.status, e.code, e.message) from None
+
+
+def worker_op(sup, worker: str, op: str, body: dict, status: dict, timeout: float = 600) -> dict:
+    """One op on a worker through the supervisor, its reply body or its error as a JSONError
+    (`status` maps the worker's error codes to HTTP statuses; others are 500)."""
+    call = sup.call(worker, op, body, timeout)
+    try:
+        msg = call.events.get(timeout=timeout + 5)
+    except queue.Empty:
+        raise JSONError(504, "timeout", f"worker {worker} did not answer {op}") from None
+    if msg.type == "error":
+        code = msg.get("code") or "error"
+        raise JSONError(status.get(code, 500), code, msg.get("message") or code)
+    return msg.body
 
 
 class Health:

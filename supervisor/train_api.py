@@ -12,11 +12,9 @@
 
 from __future__ import annotations
 
-import queue
-
 import falcon
 
-from .http_app import JSONError, bus
+from .http_app import JSONError, bus, worker_op
 
 OPTIONS = ("epochs", "lr", "rank", "alpha", "targets", "max_seq_len", "checkpoint_interval", "seed",
            "grad_accum", "warmup", "schedule", "weight_decay", "betas")
@@ -41,16 +39,8 @@ class Train:
         if body.get("model"):
             work["model"] = body["model"]
         trainer = bus(self.sup, "train.trainer")["worker"]
-        call = self.sup.call(trainer, "train_submit", work, 600)
-        try:
-            msg = call.events.get(timeout=605)
-        except queue.Empty:
-            raise JSONError(504, "timeout", "the trainer did not answer") from None
-        if msg.type == "error":
-            code = msg.get("code") or "error"
-            raise JSONError(_STATUS.get(code, 500), code, msg.get("message") or code)
+        resp.media = worker_op(self.sup, trainer, "train_submit", work, _STATUS)
         resp.status = falcon.HTTP_201
-        resp.media = msg.body
 
     def on_get_jobs(self, req, resp):
         resp.media = {"object": "list", "data": bus(self.sup, "train.jobs")["jobs"]}

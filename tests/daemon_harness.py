@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -50,6 +52,17 @@ def env_for(home: Path) -> dict:
         if k.startswith(("KILN_SERVER_", "KILN_SUPERVISOR_")) or k == "KILN_CONFIG":
             del env[k]
     return env
+
+
+def http_json(d: "Daemon", method: str, path: str, body=None) -> tuple[int, object]:
+    """(status, parsed JSON) of one request to the daemon's HTTP API; errors are answers too."""
+    req = urllib.request.Request(d.http + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
 
 
 def kiln(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -8,13 +8,11 @@ import os
 import shutil
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from conftest import DATA
-from daemon_harness import Daemon, kiln
+from daemon_harness import Daemon, http_json as http, kiln
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,16 +28,6 @@ def daemon(default_model_path, tmp_path_factory):
                timeout=90, what="workers ready")
         d.model = model
         yield d
-
-
-def http(d, method, path, body=None):
-    req = urllib.request.Request(d.http + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
 
 
 def wait_job(d, job_id, timeout=300):

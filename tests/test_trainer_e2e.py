@@ -9,15 +9,13 @@ import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import DATA
-from daemon_harness import Daemon, kiln
+from daemon_harness import Daemon, http_json as http, kiln
 from kiln.native.lora import load_adapter
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,16 +34,6 @@ def daemon(default_model_path, tmp_path_factory):
         d.wait(lambda st: all(w["state"] == "running" and w["worker_state"] == "ready" for w in st["workers"]),
                timeout=90, what="workers ready")
         yield d
-
-
-def http(d, method, path, body=None):
-    req = urllib.request.Request(d.http + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
 
 
 def submit(d, adapter, *extra) -> str:
