@@ -824,17 +824,72 @@ static void rope_row(float *x, const float *c, const float *s, int H, int D, int
     }
 }
 
+/* Mixture-of-experts routing of one row: softmax over the E router logits (max subtracted, expf,
+ * the sum in double, as ggml's soft_max), the k most probable experts (a tie goes to the lower
+ * index), optionally renormalised to sum 1. The chosen experts come back in ascending order —
+ * the order their outputs are summed in — with their weights. E <= 256, k <= E. */
+static void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w) {
+    float p[256];
+    unsigned char used[256] = {0};
+    float mx = -INFINITY;
+    for (int i = 0; i < E; i++) if (logits[i] > mx) mx = logits[i];
+    double sum = 0.0;
+    for (int i = 0; i < E; i++) { p[i] = expf(logits[i] - mx); sum += p[i]; }
+    float inv = (float)(1.0 / sum);
+    for (int i = 0; i < E; i++) p[i] *= inv;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < E; i++)
+            if (!used[i] && (best < 0 || p[i] > p[best])) best = i;
+        used[best] = 1; sel[j] = best; w[j] = p[best];
+    }
+    if (normalize) {
+        float s = 0.f;
+        for (int j = 0; j < k; j++) s += w[j];
+        for (int j = 0; j < k; j++) w[j] = w[j] / s;
+    }
+    for (int j = 1; j < k; j++)                 /* ascending expert id, weights alongside */
+        for (int m = j; m > 0 && sel[m - 1] > sel[m]; m--) {
+            int ts = sel[m]; sel[m] = sel[m - 1]; sel[m - 1] = ts;
+            float tw = w[m]; w[m] = w[m - 1]; w[m - 1] = tw;
+        }
+}
+
+/* route(logits (T,E), T, E, k, normalize, experts int32 (T,k) out, weights (T,k) out) */
+static PyObject *py_route(PyObject *self, PyObject *args) {
+    Py_buffer lb, eb, wb; int T, E, k, norm;
+    if (!PyArg_ParseTuple(args, "y*iiipw*w*", &lb, &T, &E, &k, &norm, &eb, &wb)) return NULL;
+    PyObject *ret = NULL;
+    if (E < 1 || E > 256 || k < 1 || k > E) { PyErr_Format(PyExc_ValueError, "route: %d of %d experts (1 <= k <= E <= 256)", k, E); goto done; }
+    if ((size_t)lb.len < (size_t)T * E * 4 || (size_t)eb.len < (size_t)T * k * 4 || (size_t)wb.len < (size_t)T * k * 4) {
+        PyErr_SetString(PyExc_ValueError, "route: a buffer is smaller than its shape"); goto done;
+    }
+    for (int t = 0; t < T; t++)
+        route_row((const float *)lb.buf + (size_t)t * E, E, k, norm, (int *)eb.buf + (size_t)t * k, (float *)wb.buf + (size_t)t * k);
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&lb); PyBuffer_Release(&eb); PyBuffer_Release(&wb);
+    return ret;
+}
+
 /* decode_layer(x (n) in place, attn_norm, eps, (wq, wk, wv), qkv_type, wo, wo_type, kcache, vcache,
  *              pos, cos, sin, H, Hkv, D, R, neox, ffn, threads)
- *   ffn: None (the caller runs the FFN: an MoE layer), or (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff)
+ *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
+ *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
+ *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff).
  * One decode row through a pre-norm llama layer — the same operations, in the same order, as the
- * step-by-step path (rms_norm, matmul_many, rope, KV store, attention, matmul, swiglu), so the row
- * is bit-identical to it; but one call and one parallel region instead of a dozen Python calls
- * and five regions. The layer's K/V caches (capacity, Hkv, D) float32 get position `pos`
- * written; attention reads positions 0..pos. */
+ * step-by-step path (rms_norm, matmul_many, rope, KV store, attention, matmul, swiglu; route and
+ * each chosen expert's SwiGLU summed in ascending expert order), so the row is bit-identical to
+ * it; but one call and one parallel region instead of dozens of Python calls and regions. The
+ * layer's K/V caches (capacity, Hkv, D) float32 get position `pos` written; attention reads
+ * positions 0..pos. */
+enum { FFN_NONE, FFN_DENSE, FFN_MOE };
+#define MAX_K 16
+
 static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
-    Py_buffer xb, anb, fnb = {0}, wb[3], wob, gb[2] = {{0}}, wdb = {0}, kb, vb, cb, sb;
-    int qkv_t, wo_t, gu_t = 0, wd_t = 0, pos, H, Hkv, D, R, neox, n_ff = 0, threads, ffn = 0;
+    Py_buffer xb, anb, fnb = {0}, rtb = {0}, wb[3], wob, gb[2] = {{0}}, wdb = {0}, kb, vb, cb, sb;
+    int qkv_t, wo_t, gu_t = 0, wd_t = 0, pos, H, Hkv, D, R, neox, n_ff = 0, threads, ffn = FFN_NONE;
+    int E = 1, k = 1, norm = 0;
     double eps;
     PyObject *ffn_obj;
     if (!PyArg_ParseTuple(args, "w*y*d(y*y*y*)iy*iw*w*iy*y*iiiipOi",
@@ -843,16 +898,24 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *ret = NULL;
     if (ffn_obj != Py_None) {
-        if (!PyArg_ParseTuple(ffn_obj, "y*y*y*iy*ii", &fnb, &gb[0], &gb[1], &gu_t, &wdb, &wd_t, &n_ff)) {
+        int ok;
+        if (PyTuple_Check(ffn_obj) && PyTuple_GET_SIZE(ffn_obj) == 11) {
+            ffn = FFN_MOE;
+            ok = PyArg_ParseTuple(ffn_obj, "y*y*y*y*iy*iiiip", &fnb, &rtb, &gb[0], &gb[1], &gu_t, &wdb, &wd_t,
+                                  &n_ff, &E, &k, &norm);
+        } else {
+            ffn = FFN_DENSE;
+            ok = PyArg_ParseTuple(ffn_obj, "y*y*y*iy*ii", &fnb, &gb[0], &gb[1], &gu_t, &wdb, &wd_t, &n_ff);
+        }
+        if (!ok) {
             PyBuffer_Release(&xb); PyBuffer_Release(&anb); PyBuffer_Release(&wob);
             for (int i = 0; i < 3; i++) PyBuffer_Release(&wb[i]);
             PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
             return NULL;
         }
-        ffn = 1;
     }
     int n = (int)(xb.len / 4), qn = H * D, kvn = Hkv * D;
-    TypeInfo tq, to, tg = {1, 4, A_F32}, td = {1, 4, A_F32};
+    TypeInfo tq, to, tg = {1, 4, A_F32}, td = {1, 4, A_F32}, tr = {1, 4, A_F32};
     if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_layer needs the AVX2 kernels"); goto done; }
     if (!type_info(qkv_t, &tq) || !type_info(wo_t, &to) || (ffn && (!type_info(gu_t, &tg) || !type_info(wd_t, &td)))) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a weight type has no compiled kernel"); goto done;
@@ -865,27 +928,34 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         (size_t)anb.len < (size_t)n * 4) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a buffer is smaller than its shape"); goto done;
     }
+    if (ffn == FFN_MOE && (E < 1 || E > 256 || k < 1 || k > E || k > MAX_K || (size_t)rtb.len < (size_t)E * n * 4)) {
+        PyErr_Format(PyExc_ValueError, "decode_layer: %d of %d experts, or a router smaller than its shape "
+                     "(the one-call path takes 1 <= k <= %d, k <= E <= 256)", k, E, MAX_K);
+        goto done;
+    }
+    size_t gu_row = ffn ? (size_t)(n / tg.block) * tg.bytes : 0, d_row = ffn ? (size_t)(n_ff / td.block) * td.bytes : 0;
     if (ffn && (n % tg.block || n_ff % td.block || (size_t)fnb.len < (size_t)n * 4 ||
-                (size_t)gb[0].len < (size_t)n_ff * (n / tg.block) * tg.bytes ||
-                (size_t)gb[1].len < (size_t)n_ff * (n / tg.block) * tg.bytes ||
-                (size_t)wdb.len < (size_t)n * (n_ff / td.block) * td.bytes)) {
+                (size_t)gb[0].len < (size_t)E * n_ff * gu_row || (size_t)gb[1].len < (size_t)E * n_ff * gu_row ||
+                (size_t)wdb.len < (size_t)E * n * d_row)) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN buffer is smaller than its shape"); goto done;
     }
     {
         float *x = xb.buf, *kc = kb.buf, *vc = vb.buf;
         const float *an = anb.buf, *fn = fnb.buf, *cs = cb.buf, *sn = sb.buf;
-        size_t nf = ffn ? (size_t)n_ff : 1;
-        float *a = malloc((size_t)n * 4), *q = malloc((size_t)qn * 4), *k = kc + (size_t)pos * kvn,
+        int ke = ffn == FFN_MOE ? k : 1;         /* FFNs run: the chosen experts, or the one */
+        size_t nf = ffn ? (size_t)n_ff * ke : 1;
+        float *a = malloc((size_t)n * 4), *q = malloc((size_t)qn * 4), *kk = kc + (size_t)pos * kvn,
               *v = vc + (size_t)pos * kvn, *att = malloc((size_t)qn * 4), *o = malloc((size_t)n * 4),
-              *f = malloc((size_t)n * 4), *g = malloc(nf * 4), *u = malloc(nf * 4), *dn = malloc((size_t)n * 4);
+              *f = malloc((size_t)n * 4), *g = malloc(nf * 4), *u = malloc(nf * 4), *dn = malloc((size_t)n * ke * 4),
+              *logits = malloc((size_t)E * 4);
         float *kt = malloc((size_t)kvn * 4), *vt = malloc((size_t)kvn * 4);
-        const uint8_t *Wqkv[3] = {wb[0].buf, wb[1].buf, wb[2].buf}, *Wo[1] = {wob.buf},
-                      *Wgu[2] = {gb[0].buf, gb[1].buf}, *Wd[1] = {wdb.buf};
-        int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Ngu[2] = {n_ff, n_ff}, Nd[1] = {n};
-        float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Ogu[2] = {g, u}, *Od[1] = {dn};
-        Act aq, ao, ag = {0}, ad = {0};
+        const uint8_t *Wqkv[3] = {wb[0].buf, wb[1].buf, wb[2].buf}, *Wo[1] = {wob.buf}, *Wr[1] = {rtb.buf},
+                      *Wgu[2 * MAX_K] = {gb[0].buf, gb[1].buf}, *Wd = wdb.buf;
+        int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Nr[1] = {E}, Ngu[2 * MAX_K] = {n_ff, n_ff}, sel[MAX_K] = {0};
+        float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Or[1] = {logits}, *Ogu[2 * MAX_K] = {g, u}, wsel[MAX_K] = {1.f};
+        Act aq, ao, ag = {0}, ad = {0}, ar = {0};
         act_alloc(&aq, &tq, a, 1, n); act_alloc(&ao, &to, att, 1, qn);
-        if (ffn) { act_alloc(&ag, &tg, f, 1, n); act_alloc(&ad, &td, g, 1, n_ff); }
+        if (ffn) { act_alloc(&ag, &tg, f, 1, n); act_alloc(&ad, &td, g, ke, n_ff); act_alloc(&ar, &tr, f, 1, n); }
         int nt = pick_threads(threads), S = pos + 1;
         float scale = 1.0f / sqrtf((float)D);
         Py_BEGIN_ALLOW_THREADS
@@ -898,7 +968,7 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             #pragma omp single
             {
                 rope_row(q, cs, sn, H, D, R, neox); rope_row(kt, cs, sn, Hkv, D, R, neox);
-                memcpy(k, kt, (size_t)kvn * 4); memcpy(v, vt, (size_t)kvn * 4);
+                memcpy(kk, kt, (size_t)kvn * 4); memcpy(v, vt, (size_t)kvn * 4);
             }
             #pragma omp for schedule(static)
             for (int h = 0; h < H; h++) {
@@ -914,23 +984,47 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
                 for (int i = 0; i < n; i++) x[i] = x[i] + o[i];
                 if (ffn) { rms_row(x, fn, f, n, (float)eps); act_row(&ag, 0, n); }
             }
-            if (ffn) {
-                rows_dot(&ag, 1, n, gu_t, &tg, 2, Wgu, Ngu, Ogu);
+            if (ffn == FFN_MOE) {
+                rows_dot(&ar, 1, n, T_F32, &tr, 1, Wr, Nr, Or);
                 #pragma omp single
                 {
-                    for (int i = 0; i < n_ff; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-                    act_row(&ad, 0, n_ff);
+                    route_row(logits, E, k, norm, sel, wsel);
+                    for (int j = 0; j < k; j++) {
+                        Wgu[2 * j] = (const uint8_t *)gb[0].buf + (size_t)sel[j] * n_ff * gu_row;
+                        Wgu[2 * j + 1] = (const uint8_t *)gb[1].buf + (size_t)sel[j] * n_ff * gu_row;
+                        Ngu[2 * j] = Ngu[2 * j + 1] = n_ff;
+                        Ogu[2 * j] = g + (size_t)j * n_ff; Ogu[2 * j + 1] = u + (size_t)j * n_ff;
+                    }
                 }
-                rows_dot(&ad, 1, n_ff, wd_t, &td, 1, Wd, Nd, Od);
+            }
+            if (ffn) {
+                rows_dot(&ag, 1, n, gu_t, &tg, 2 * ke, Wgu, Ngu, Ogu);
                 #pragma omp single
-                for (int i = 0; i < n; i++) x[i] = x[i] + dn[i];
+                for (int j = 0; j < ke; j++) {
+                    float *gj = g + (size_t)j * n_ff; const float *uj = u + (size_t)j * n_ff;
+                    for (int i = 0; i < n_ff; i++) gj[i] = gj[i] / (1.0f + expf(-gj[i])) * uj[i];
+                    act_row(&ad, j, n_ff);
+                }
+                /* every chosen expert's down rows, one task each (ad's row j is expert j's input) */
+                #pragma omp for schedule(static)
+                for (int r = 0; r < ke * n; r++) {
+                    int j = r / n, i = r % n;
+                    dn[r] = dot_row(wd_t, &td, Wd + ((size_t)sel[j] * n + i) * d_row, &ad, j, n_ff);
+                }
+                #pragma omp single
+                for (int i = 0; i < n; i++) {
+                    if (ffn == FFN_DENSE) { x[i] = x[i] + dn[i]; continue; }
+                    float acc = 0.f;        /* the step path's zeros, += weight * expert out, in order */
+                    for (int j = 0; j < ke; j++) acc = acc + wsel[j] * dn[(size_t)j * n + i];
+                    x[i] = x[i] + acc;
+                }
             }
             free(sc);
         }
         Py_END_ALLOW_THREADS
         act_free(&aq); act_free(&ao);
-        if (ffn) { act_free(&ag); act_free(&ad); }
-        free(a); free(q); free(att); free(o); free(f); free(g); free(u); free(dn); free(kt); free(vt);
+        if (ffn) { act_free(&ag); act_free(&ad); act_free(&ar); }
+        free(a); free(q); free(att); free(o); free(f); free(g); free(u); free(dn); free(logits); free(kt); free(vt);
     }
     Py_INCREF(Py_None); ret = Py_None;
 done:
@@ -939,6 +1033,7 @@ done:
     PyBuffer_Release(&wob);
     PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
     if (ffn) { PyBuffer_Release(&fnb); PyBuffer_Release(&gb[0]); PyBuffer_Release(&gb[1]); PyBuffer_Release(&wdb); }
+    if (ffn == FFN_MOE) PyBuffer_Release(&rtb);
     return ret;
 }
 
@@ -971,6 +1066,7 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
     {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
     {"decode_layer", py_decode_layer, METH_VARARGS, "one decode row through a plain llama layer, in place"},
+    {"route", py_route, METH_VARARGS, "route(logits, T, E, k, normalize, experts_out, weights_out)"},
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},

@@ -111,8 +111,17 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def route(x: np.ndarray, router: Weight, k: int, normalize: bool):
     """Mixture-of-experts routing: softmax over all experts, top-k, optional renormalisation.
 
-    Returns (experts (T, k) int, weights (T, k) float32)."""
-    probs = softmax(matmul(x, router))                                  # (T, E)
+    Returns (experts (T, k) int, weights (T, k) float32). On the compiled path the one-call
+    decode's routing (C) serves here too, so both paths choose and weigh experts bit for bit
+    alike; its experts come in ascending order."""
+    logits = matmul(x, router)                                          # (T, E)
+    C = compiled_module()
+    if C is not None and 1 <= k <= logits.shape[1] <= 256:
+        T, E = logits.shape
+        experts, weights = np.empty((T, k), np.int32), np.empty((T, k), F32)
+        C.route(logits, T, E, k, normalize, experts, weights)
+        return experts, weights
+    probs = softmax(logits)
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     w = np.take_along_axis(probs, top, axis=-1)
     if normalize:

@@ -206,23 +206,32 @@ class Model:
             and kernels.compiled_module() is not None
         for i, L in enumerate(self.layers):
             how = self._fusable[i] if fuse else None
+            if how == "moe" and self.expert_provider is not None:
+                how = "attention"                # streamed experts: the worker fetches them in Python
             if how is not None:
-                self._decode_layer(i, L, x, segments[0][0], cos, sin, with_ffn=how == "layer")
-                if how == "layer":
+                self._decode_layer(i, L, x, segments[0][0], cos, sin, ffn=how)
+                if how != "attention":
                     continue
             else:
                 x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments, adapter)
             x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps), i, adapter)
         return x
 
-    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, cache: KVCache, cos, sin, with_ffn: bool) -> None:
-        """One decode row through layer i's attention (and its dense FFN when `with_ffn`) in one
-        compiled call — bit-identical to the step-by-step path, without a dozen Python-level
-        calls per layer. x (1, n) is updated in place."""
+    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, cache: KVCache, cos, sin, ffn: str) -> None:
+        """One decode row through layer i's attention, and its FFN unless `ffn` is "attention"
+        ("layer": dense, "moe": routed), in one compiled call — bit-identical to the step-by-step
+        path, without dozens of Python-level calls per layer. x (1, n) is updated in place."""
         c = self.config
         keys, values = cache.layer_buffers(i)
-        ffn = (L.ffn_norm, L.gate.raw, L.up.raw, int(L.gate.qtype), L.down.raw, int(L.down.qtype),
-               L.gate.shape[0]) if with_ffn else None
+        if ffn == "layer":
+            ffn = (L.ffn_norm, L.gate.raw, L.up.raw, int(L.gate.qtype), L.down.raw, int(L.down.qtype),
+                   L.gate.shape[0])
+        elif ffn == "moe":
+            ffn = (L.ffn_norm, L.router.raw, L.gate_exps.raw, L.up_exps.raw, int(L.gate_exps.qtype),
+                   L.down_exps.raw, int(L.down_exps.qtype), L.gate_exps.shape[1], c.n_expert,
+                   c.n_expert_used, c.expert_weights_norm)
+        else:
+            ffn = None
         kernels.compiled_module().decode_layer(
             x[0], L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
             L.wo.raw, int(L.wo.qtype), keys, values, cache.n, cos[0], sin[0], c.n_head, c.n_head_kv,
@@ -231,8 +240,9 @@ class Model:
     @property
     def _fusable(self) -> list[str | None]:
         """How the one-call decode handles each layer: "layer" (plain llama attention and dense
-        FFN), "attention" (plain attention; the FFN — MoE — stays in Python), or None. Plain:
-        no biases, no q/k norm, compiled weights, q/k/v of one type, gate/up of one type."""
+        FFN), "moe" (plain attention and a routed FFN without a shared expert), "attention"
+        (plain attention; the FFN stays in Python), or None. Plain: no biases, no q/k norm,
+        compiled weights, q/k/v of one type, gate/up of one type."""
         if getattr(self, "_fusable_cache", None) is None:
             simd = kernels.compiled_module() is not None and kernels.kernel_info().get("avx2_fma")
             out = []
@@ -241,7 +251,12 @@ class Model:
                     and all(w.compiled for w in (L.wq, L.wk, L.wv, L.wo)) and L.wq.qtype == L.wk.qtype == L.wv.qtype
                 dense = L.router is None and all(w is not None and w.compiled for w in (L.gate, L.up, L.down)) \
                     and L.gate.qtype == L.up.qtype
-                out.append(("layer" if dense else "attention") if attn else None)
+                moe = L.router is not None and L.gate_shexp is None and L.router.compiled \
+                    and L.router.qtype == kernels.Q.F32 \
+                    and all(w.compiled for w in (L.gate_exps, L.up_exps, L.down_exps)) \
+                    and L.gate_exps.qtype == L.up_exps.qtype and self.config.n_expert <= 256 \
+                    and 1 <= self.config.n_expert_used <= 16
+                out.append(("layer" if dense else "moe" if moe else "attention") if attn else None)
             self._fusable_cache = out
         return self._fusable_cache
 

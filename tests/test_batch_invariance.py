@@ -85,7 +85,7 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, default_model, e8k2_path):
     m = default_model if which == "dense" else load_model(e8k2_path)
-    want = "layer" if which == "dense" else "attention"          # an MoE layer's FFN stays in Python
+    want = "layer" if which == "dense" else "moe"
     assert m._fusable == [want] * len(m.layers)
     ids = m.tokenizer.encode("Once upon a time, in a land far away,")
 

@@ -9,17 +9,28 @@ from kiln.native import kernels
 from kiln.native.model import load_model
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def kernel_path(request):
+    """Both paths must meet the bars: the compiled kernels, and numpy (KILN_NATIVE_KERNELS=0)."""
+    if request.param == "compiled" and not kernels.COMPILED_TYPES:
+        pytest.skip("the compiled extension is not built")
+    previous = kernels.use_compiled(request.param == "compiled")
+    yield request.param
+    kernels.use_compiled(previous)
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tiny_model_matches_llama_cpp(arch):
+def test_tiny_model_matches_llama_cpp(arch, kernel_path):
     ref, npz = reference(f"tiny/tiny-{arch}")
     model = load_model(tiny_path(arch))
-    assert_meets_bars(measure(model, ref, npz), f"tiny-{arch}")
+    assert_meets_bars(measure(model, ref, npz), f"tiny-{arch} ({kernel_path})")
 
 
 @pytest.mark.slow
-def test_default_model_matches_llama_cpp(default_model):
+def test_default_model_matches_llama_cpp(default_model, default_model_path, kernel_path):
     ref, npz = reference("smollm2")
-    assert_meets_bars(measure(default_model, ref, npz), "SmolLM2")
+    model = default_model if kernel_path == "compiled" else load_model(default_model_path)
+    assert_meets_bars(measure(model, ref, npz), f"SmolLM2 ({kernel_path})")
 
 
 @pytest.mark.slow

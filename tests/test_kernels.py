@@ -1,0 +1,110 @@
+"""The compiled kernels against the numpy reference path, on random GGUF blocks of every type.
+
+The reference is `gguf.quants.dequantize` + a numpy matmul of the activations rounded as ggml
+rounds them for that weight type (kernels.py's numpy path), so what is compared is the kernel's
+block arithmetic, AVX2 and portable alike; float weight types are compared to plain float32."""
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from kiln.native import kernels
+from kiln.native.blocks import route, softmax
+from kiln.native.kernels import Weight
+
+C = kernels.compiled_module()
+pytestmark = pytest.mark.skipif(C is None, reason="the compiled extension is not built")
+
+# byte offsets of each block's fp16 scale fields (d, and dmin/m where the type has one): random
+# bytes are a valid block everywhere else, but a random fp16 may be inf or NaN
+FP16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+               Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+
+
+def random_weight(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> Weight:
+    if qtype in FLOAT_TYPES:
+        w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+        if qtype == Q.F16:
+            raw = w.astype(np.float16).view(np.uint8)
+        elif qtype == Q.BF16:
+            raw = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        else:
+            raw = w.view(np.uint8)
+        return Weight(f"random {qtype.name}", qtype, (n_out, n_in), np.ascontiguousarray(raw.reshape(n_out, -1)))
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n_out, n_in // block, size), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        scale = (rng.uniform(0.2, 1.0, (n_out, n_in // block)) * rng.choice([-1, 1], (n_out, n_in // block)) / 64)
+        blocks[:, :, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_out, n_in // block, 2)
+    return Weight(f"random {qtype.name}", qtype, (n_out, n_in), blocks.reshape(n_out, -1))
+
+
+def reference(x: np.ndarray, w: Weight) -> np.ndarray:
+    previous = kernels.use_compiled(False)
+    try:
+        return kernels.matmul(x, Weight(w.name, w.qtype, w.shape, w.raw))   # a fresh dense copy
+    finally:
+        kernels.use_compiled(previous)
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def simd(request):
+    if request.param == "avx2" and not C.features()["avx2_fma"]:
+        pytest.skip("this CPU has no AVX2/FMA")
+    was = C.features()["avx2_fma"]
+    C.set_simd(request.param == "avx2")
+    yield request.param
+    C.set_simd(was)
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.COMPILED_TYPES, key=int), ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 6])          # one decode row; a tile of 4 and a remainder
+def test_every_type_equals_dequantize_and_numpy(qtype, rows, simd):
+    rng = np.random.default_rng(int(qtype) * 10 + rows)
+    n_in = 512                                         # two K-quant super-blocks
+    w = random_weight(qtype, 40, n_in, rng)
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    got = kernels.matmul(x, w)
+    want = reference(x, w)
+    assert got.shape == want.shape == (rows, 40) and got.dtype == np.float32
+    err = np.abs(got - want).max() / np.abs(want).max()
+    bar = 1e-5 if qtype in FLOAT_TYPES else 1e-4       # the same rounding: only the sum order differs
+    assert err <= bar, f"{qtype.name} ({simd}): relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype):
+    rng = np.random.default_rng(7)
+    w = random_weight(qtype, 64, 256, rng)
+    x = rng.standard_normal((7, 256)).astype(np.float32)
+    together = kernels.matmul(x, w)
+    alone = np.concatenate([kernels.matmul(x[i:i + 1], w) for i in range(7)])
+    many = kernels.matmul_many(x, [w, w])
+    assert np.array_equal(together, alone) and all(np.array_equal(together, m) for m in many)
+
+
+def test_compiled_routing_chooses_and_weighs_experts_as_the_softmax_does():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((50, 64)).astype(np.float32)
+    router = random_weight(Q.F32, 8, 64, rng)
+    for k, normalize in [(2, False), (2, True), (8, True)]:
+        experts, weights = route(x, router, k, normalize)
+        probs = softmax(x @ router.dense.T)
+        for t in range(50):
+            want = np.argsort(-probs[t], kind="stable")[:k]
+            order = np.argsort(want)
+            assert experts[t].tolist() == sorted(want.tolist())          # ascending, as summed
+            w = probs[t][want] / (probs[t][want].sum() if normalize else 1)
+            np.testing.assert_allclose(weights[t], w[order], rtol=1e-5)
+
+
+def test_bad_buffers_are_refused_not_read_past():
+    w = random_weight(Q.Q4_0, 8, 64, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="smaller than its shape"):
+        C.matmul(np.zeros(64, np.float32), w.raw, int(Q.Q4_0), 1, 64, 9, np.zeros(9, np.float32), 0)
+    with pytest.raises(ValueError, match="multiple of block"):
+        C.matmul(np.zeros(60, np.float32), w.raw, int(Q.Q4_0), 1, 60, 8, np.zeros(8, np.float32), 0)
+    with pytest.raises(ValueError, match="experts"):
+        C.route(np.zeros(8, np.float32), 1, 8, 9, False, np.zeros(9, np.int32), np.zeros(9, np.float32))
