@@ -54,9 +54,11 @@ def test_e8k8_variant_gives_the_dense_logits(default_model, e8k8_path):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "E8K2 routes by near-ties (router top-2/top-3 gaps of 1e-4 in probability): our own exact and "
-    "ggml-rounded runs differ by correlation 0.87 on prompt 3, so llama.cpp's bars need its "
-    "arithmetic bit for bit. Expected to pass only with kernels that reproduce ggml exactly."))
+    "E8K2 routes on near-ties (router top-2/top-3 gaps of ~1e-4 in probability), so any change of "
+    "rounding re-routes tokens: llama.cpp itself, with flash attention switched on and nothing else "
+    "changed, scores prompt 3 at top-20 overlap 2.97 and correlation 0.66 against its own reference "
+    "(Kiln: 3.3 and 0.69; tests/tools/llama_self_agreement.py). Only a bit-exact copy of ggml's "
+    "non-flash graph (f16 KV, its SIMD exp, its sum orders) could pass."))
 def test_e8k2_variant_matches_llama_cpp(e8k2_path):
     ref, npz = reference("smollm2-moe-e8k2")
     assert_meets_bars(measure(load_model(e8k2_path), ref, npz), "E8K2")
