@@ -5,9 +5,12 @@ install still succeeds, and the engine runs on its numpy path (slower, same resu
 
 from setuptools import Extension, setup
 
+SOURCES = ["native/_kernels.c", "native/csrc/quant.c", "native/csrc/attention.c", "native/csrc/layer.c"]
+
 setup(ext_modules=[Extension(
-    "kiln.native._kernels", ["native/_kernels.c"],
-    extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"],
+    "kiln.native._kernels", SOURCES, depends=["native/csrc/kiln.h"],
+    extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-fno-math-errno", "-fvisibility=hidden", "-Wall",
+                        "-Wno-unknown-pragmas"],
     extra_link_args=["-fopenmp"],
     optional=True,
 )])

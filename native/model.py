@@ -202,14 +202,15 @@ class Model:
         c = self.config
         cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale)
         x = self.token_embd.rows(tokens)
-        fuse = len(tokens) == 1 and adapter is None and segments[0][0].dtype == np.float32 \
-            and kernels.compiled_module() is not None
+        # a decode step (one row per sequence) runs each layer in one compiled call
+        fuse = len(segments) <= 64 and all(b - a == 1 for _, a, b in segments) and adapter is None \
+            and all(cache.dtype == np.float32 for cache, _, _ in segments) and kernels.compiled_module() is not None
         for i, L in enumerate(self.layers):
             how = self._fusable[i] if fuse else None
             if how == "moe" and self.expert_provider is not None:
                 how = "attention"                # streamed experts: the worker fetches them in Python
             if how is not None:
-                self._decode_layer(i, L, x, segments[0][0], cos, sin, ffn=how)
+                self._decode_layer(i, L, x, [cache for cache, _, _ in segments], cos, sin, ffn=how)
                 if how != "attention":
                     continue
             else:
@@ -217,12 +218,13 @@ class Model:
             x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps), i, adapter)
         return x
 
-    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, cache: KVCache, cos, sin, ffn: str) -> None:
-        """One decode row through layer i's attention, and its FFN unless `ffn` is "attention"
-        ("layer": dense, "moe": routed), in one compiled call — bit-identical to the step-by-step
-        path, without dozens of Python-level calls per layer. x (1, n) is updated in place."""
+    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, caches: list[KVCache], cos, sin, ffn: str) -> None:
+        """One decode step of len(caches) sequences (row b of x (B, n) is caches[b]'s) through
+        layer i's attention, and its FFN unless `ffn` is "attention" ("layer": dense, "moe":
+        routed), in one compiled call — bit-identical to the step-by-step path, without dozens of
+        Python-level calls per layer. x is updated in place."""
         c = self.config
-        keys, values = cache.layer_buffers(i)
+        seqs = [(*cache.layer_buffers(i), cache.n) for cache in caches]
         if ffn == "layer":
             ffn = (L.ffn_norm, L.gate.raw, L.up.raw, int(L.gate.qtype), L.down.raw, int(L.down.qtype),
                    L.gate.shape[0])
@@ -233,8 +235,8 @@ class Model:
         else:
             ffn = None
         kernels.compiled_module().decode_layer(
-            x[0], L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
-            L.wo.raw, int(L.wo.qtype), keys, values, cache.n, cos[0], sin[0], c.n_head, c.n_head_kv,
+            x, L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
+            L.wo.raw, int(L.wo.qtype), seqs, cos, sin, c.n_head, c.n_head_kv,
             c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0)
 
     @property

@@ -84,18 +84,22 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, default_model, e8k2_path):
+    """Solo and batched decode steps (sequences of different lengths, so different positions and
+    different experts per row) through the compiled layer give the step-by-step path's bits."""
     m = default_model if which == "dense" else load_model(e8k2_path)
-    want = "layer" if which == "dense" else "moe"
-    assert m._fusable == [want] * len(m.layers)
-    ids = m.tokenizer.encode("Once upon a time, in a land far away,")
+    assert m._fusable == ["layer" if which == "dense" else "moe"] * len(m.layers)
+    prompts = [m.tokenizer.encode(t) for t in ("Once upon a time, in a land far away,", "The capital of France is",
+                                                 "def f(x):")]
 
-    def decode(n=6):
-        c = m.new_cache()
-        logits = m.forward(ids, c)
+    def decode(n=5):
+        caches = [m.new_cache() for _ in prompts]
+        last = [m.forward(p, c) for p, c in zip(prompts, caches)]
         out = []
-        for _ in range(n):
-            logits = m.forward([int(np.argmax(logits))], c)
-            out.append(logits)
+        for _ in range(n):                       # one sequence alone, then all three together
+            last[0] = m.forward([int(np.argmax(last[0]))], caches[0])
+            rows = m.forward_batch([int(np.argmax(x)) for x in last], caches)
+            last = list(rows)
+            out.append(rows)
         return np.array(out)
     fused = decode()
     saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)

@@ -1,0 +1,186 @@
+/* Causal attention over a KV cache: one (query row, head) per task, keys in order, so a row's
+ * result depends only on its position and the cache — batch-invariant. */
+#include "kiln.h"
+
+#ifdef KILN_X86
+/* attention helpers */
+AVX2 static float vdot_avx2(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps(); int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float r = hsum_avx(acc);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
+    __m256 pp = _mm256_set1_ps(p); int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+    for (; i < n; i++) o[i] += p * v[i];
+}
+
+/* exp(x) for 8 floats (Cephes-style range reduction + degree-5 polynomial, ~1 ulp), x <= 0 */
+AVX2 static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* One (query row, head) task; sc holds n scores. Scores take four keys at a time (four
+ * independent FMA chains, each reduced as a lone key's would be), so a decode step is not bound
+ * by the latency of one long chain; the output row of D == 64 lives in eight registers. The arithmetic of a task
+ * depends only on its row and position, never on how many rows run: batch-invariant.
+ * One body for both KV element types: ATTN_TASK(name, element type, load 8 as floats, load 1). */
+#define LD8_F32(p) _mm256_loadu_ps(p)
+#define LD1_F32(x) (x)
+#define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LD1_F16(x) _cvtsh_ss(x)
+#define ATTN_TASK(NAME, T, LD8, LD1)                                                              \
+AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
+                      int H, int Hkv, int D, int n, float scale, float *row) {                    \
+    int kh = h / (H / Hkv);                                                                       \
+    size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
+    const float *q = Q + ((size_t)t * H + h) * D;                                                 \
+    const T *K0 = Kc + (size_t)kh * D;                                                            \
+    float mx = -INFINITY; int s = 0;                                                              \
+    if (D % 8 == 0) {                                                                             \
+        for (; s + 4 <= n; s += 4) {                                                              \
+            const T *k0 = K0 + s * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;               \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
+            for (int i = 0; i < D; i += 8) {                                                      \
+                __m256 qq = _mm256_loadu_ps(q + i);                                               \
+                a0 = _mm256_fmadd_ps(qq, LD8(k0 + i), a0); a1 = _mm256_fmadd_ps(qq, LD8(k1 + i), a1); \
+                a2 = _mm256_fmadd_ps(qq, LD8(k2 + i), a2); a3 = _mm256_fmadd_ps(qq, LD8(k3 + i), a3); \
+            }                                                                                     \
+            /* each key's sum is reduced exactly as a lone key's (hsum_avx): same bits */         \
+            row[s] = hsum_avx(a0) * scale; row[s + 1] = hsum_avx(a1) * scale;                     \
+            row[s + 2] = hsum_avx(a2) * scale; row[s + 3] = hsum_avx(a3) * scale;                 \
+            for (int j = 0; j < 4; j++) if (row[s + j] > mx) mx = row[s + j];                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (; s < n; s++) {                                                                          \
+        const T *k = K0 + s * ks;                                                                 \
+        __m256 acc = _mm256_setzero_ps(); int i = 0;                                              \
+        for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), LD8(k + i), acc); \
+        float dot = hsum_avx(acc);                                                                \
+        for (; i < D; i++) dot += q[i] * LD1(k[i]);                                               \
+        row[s] = dot * scale;                                                                     \
+        if (row[s] > mx) mx = row[s];                                                             \
+    }                                                                                             \
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); s = 0;                           \
+    for (; s + 8 <= n; s += 8) {                                                                  \
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                          \
+        _mm256_storeu_ps(row + s, e);                                                             \
+        vsum = _mm256_add_ps(vsum, e);                                                            \
+    }                                                                                             \
+    float sum = hsum_avx(vsum);                                                                   \
+    for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }                            \
+    float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;                                    \
+    const T *V0 = V + (size_t)kh * D;                                                             \
+    if (D == 64) {                                 /* the output row lives in 8 registers */     \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+        for (int j = 0; j < n; j++) {                                                             \
+            const T *v = V0 + j * ks; __m256 p = _mm256_set1_ps(row[j] * inv);                    \
+            a0 = _mm256_fmadd_ps(p, LD8(v), a0);      a1 = _mm256_fmadd_ps(p, LD8(v + 8), a1);      \
+            a2 = _mm256_fmadd_ps(p, LD8(v + 16), a2); a3 = _mm256_fmadd_ps(p, LD8(v + 24), a3);     \
+            a4 = _mm256_fmadd_ps(p, LD8(v + 32), a4); a5 = _mm256_fmadd_ps(p, LD8(v + 40), a5);     \
+            a6 = _mm256_fmadd_ps(p, LD8(v + 48), a6); a7 = _mm256_fmadd_ps(p, LD8(v + 56), a7);     \
+        }                                                                                         \
+        _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2);      \
+        _mm256_storeu_ps(o + 24, a3); _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); \
+        _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);                               \
+    } else {                                                                                      \
+        for (int i = 0; i < D; i++) o[i] = 0.f;                                                   \
+        for (int j = 0; j < n; j++) {                                                             \
+            const T *v = V0 + j * ks; float p = row[j] * inv; int i = 0;                          \
+            for (; i + 8 <= D; i += 8)                                                            \
+                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(p), LD8(v + i), _mm256_loadu_ps(o + i))); \
+            for (; i < D; i++) o[i] += p * LD1(v[i]);                                             \
+        }                                                                                         \
+    }                                                                                             \
+}
+ATTN_TASK(attn_task_avx2, float, LD8_F32, LD1_F32)
+ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16)
+#endif
+
+static inline float vdot(const float *a, const float *b, int n) {
+#ifdef KILN_X86
+    if (g_avx2) return vdot_avx2(a, b, n);
+#endif
+    float r = 0.f;
+    for (int i = 0; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+static inline void vaxpy(float *o, float p, const float *v, int n) {
+#ifdef KILN_X86
+    if (g_avx2) { vaxpy_avx2(o, p, v, n); return; }
+#endif
+    for (int i = 0; i < n; i++) o[i] += p * v[i];
+}
+
+/* attention over T query rows (T, H, D) at positions start..start+T-1 of a cache of S positions
+ * (S, Hkv, D), float32 or fp16 (f16); head h reads KV head h / (H/Hkv); out (T, H*D). */
+void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
+                    int start, int f16, int nt, int S) {
+    int G = H / Hkv;
+    float scale = 1.0f / sqrtf((float)D);
+#ifdef KILN_X86
+    if (g_avx2) {
+        #pragma omp parallel num_threads(nt) if(T * H > 1)
+        {
+            float *sc = malloc((size_t)S * sizeof(float));
+            #pragma omp for schedule(static)
+            for (int task = 0; task < T * H; task++) {
+                if (f16) attn_task_avx2_h(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc);
+                else attn_task_avx2(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc);
+            }
+            free(sc);
+        }
+        return;
+    }
+#endif
+    #pragma omp parallel num_threads(nt)
+    {
+        float *sc = malloc((size_t)S * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int task = 0; task < T * H; task++) {
+            int t = task / H, h = task % H, kh = h / G, n = start + t + 1;
+            const float *q = Q + ((size_t)t * H + h) * D;
+            float mx = -INFINITY;
+            for (int s = 0; s < n; s++) {
+                float kt[512];
+                const float *k = (const float *)K + ((size_t)s * Hkv + kh) * D;
+                if (f16) {
+                    const uint16_t *k16 = (const uint16_t *)K + ((size_t)s * Hkv + kh) * D;
+                    for (int i = 0; i < D; i++) kt[i] = fp16_to_fp32(k16[i]);
+                    k = kt;
+                }
+                sc[s] = vdot(q, k, D) * scale;
+                if (sc[s] > mx) mx = sc[s];
+            }
+            float sum = 0.f;
+            for (int s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
+            float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;
+            for (int i = 0; i < D; i++) o[i] = 0.f;
+            for (int s = 0; s < n; s++) {
+                float vt[512];
+                const float *v = (const float *)V + ((size_t)s * Hkv + kh) * D;
+                if (f16) {
+                    const uint16_t *v16 = (const uint16_t *)V + ((size_t)s * Hkv + kh) * D;
+                    for (int i = 0; i < D; i++) vt[i] = fp16_to_fp32(v16[i]);
+                    v = vt;
+                }
+                vaxpy(o, sc[s] * inv, v, D);
+            }
+        }
+        free(sc);
+    }
+}

@@ -1,0 +1,153 @@
+/* Kiln's compiled kernels: what the parts share (types, activation rows, the dot products and
+ * the pieces of a layer). Parts: quant.c (activation quantization and every weight type's dot
+ * product, rows_dot/matmul_core), attention.c (causal attention over a KV cache), layer.c (norm,
+ * RoPE, routing, and the one-call decode of a layer for B sequences); ../_kernels.c is the
+ * Python glue. No Python API is used outside the glue: the parts run without the GIL. */
+#ifndef KILN_KERNELS_H
+#define KILN_KERNELS_H
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KILN_X86 1
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+/* ggml type ids */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+/* activation forms */
+enum { A_F32, A_F16, A_BF16, A_Q8_0, A_Q8_1, A_Q8_K };
+
+/* ---- fp16 / bf16 ---------------------------------------------------------------------------- */
+
+static inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {                                      /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            mant &= 0x3ff;
+            bits = sign | (exp << 23) | (mant << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline uint16_t fp32_to_fp16(float f) {     /* round to nearest even, as numpy */
+    uint32_t x; memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000; int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
+    uint32_t mant = x & 0x7fffff;
+    if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exp), half = 1u << (shift - 1);
+        uint32_t r = mant >> shift, rem = mant & ((1u << shift) - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = mant >> 13, rem = mant & 0x1fff;
+    uint32_t h = sign | ((uint32_t)exp << 10) | r;
+    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) h++;
+    return (uint16_t)h;
+}
+static inline float round_fp16(float f) { return fp16_to_fp32(fp32_to_fp16(f)); }
+
+static inline float bf16_to_fp32(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+static inline float round_bf16(float f) {
+    uint32_t b; memcpy(&b, &f, 4);
+    b = (b + 0x7fff + ((b >> 16) & 1)) & 0xffff0000u;
+    memcpy(&f, &b, 4); return f;
+}
+
+typedef struct { int block; int bytes; int act; } TypeInfo;
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* ---- activations ---------------------------------------------------------------------------- */
+
+typedef struct {
+    int kind;
+    const float *xf;      /* A_F32: the input; A_F16/A_BF16: rounded copy */
+    float *xr;
+    int8_t *q;            /* quantized values */
+    float *d;             /* per block scale (fp16-rounded for Q8_0/Q8_1) */
+    float *s;             /* Q8_1: fp16(d * sum q) */
+} Act;
+
+#ifdef KILN_X86
+AVX2 static inline float hsum_avx(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
+/* ---- quant.c -------------------------------------------------------------------------------- */
+extern int g_avx2;            /* the AVX2/FMA/F16C paths are on (CPU detection; tests may turn them off) */
+extern int default_threads;   /* 0: OpenMP's default */
+int pick_threads(int requested);
+int type_info(int t, TypeInfo *ti);
+float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int t, int K);
+void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K);
+void act_row(Act *a, int t, int K);
+void act_free(Act *a);
+Act act_view(const Act *a, int t, int K);
+void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
+              const uint8_t **W, const int *N, float **out);
+void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
+                 const uint8_t **W, const int *N, float **out, int nt);
+
+/* ---- attention.c ---------------------------------------------------------------------------- */
+void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
+                    int start, int f16, int nt, int S);
+#ifdef KILN_X86
+void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int h,
+                    int H, int Hkv, int D, int n, float scale, float *row);
+#endif
+
+/* ---- layer.c -------------------------------------------------------------------------------- */
+void rms_row(const float *x, const float *w, float *o, int n, float eps);
+void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox);
+void swiglu_row(float *g, const float *u, size_t n);
+void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w);
+
+enum { FFN_NONE, FFN_DENSE, FFN_MOE };
+#define MAX_EXPERTS 256
+#define MAX_K 16
+
+typedef struct {              /* one pre-norm llama layer, weights as stored */
+    int n, H, Hkv, D, R, neox;
+    float eps;
+    const float *attn_norm;
+    const uint8_t *wq, *wk, *wv, *wo;
+    int qkv_t, wo_t;
+    int ffn;                  /* FFN_NONE: the caller runs it; FFN_DENSE; FFN_MOE (experts stacked) */
+    const float *ffn_norm, *router;       /* router: F32 (E, n) */
+    const uint8_t *wg, *wu, *wd;          /* (E, n_ff, n), (E, n_ff, n), (E, n, n_ff); E = 1 dense */
+    int gu_t, wd_t, n_ff, E, k, normalize;
+} LayerSpec;
+
+typedef struct {              /* one sequence's row of a decode step */
+    float *k, *v;             /* the layer's K/V cache (capacity, Hkv, D), float32 */
+    int pos;                  /* the row's position: K/V written there, attention over 0..pos */
+    const float *cos, *sin;   /* RoPE tables of that position (R/2) */
+} DecodeRow;
+
+void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
+#endif

@@ -1,0 +1,177 @@
+/* The pieces of a decoder layer, and the one-call decode of a layer for B sequences.
+ *
+ * decode_layer_rows runs the same operations, in the same order, as the step-by-step path
+ * (rms_norm, matmul_many, rope, KV store, attention, matmul, swiglu; for a routed FFN: route and
+ * each chosen expert's SwiGLU, summed in ascending expert order), so every row is bit-identical
+ * to it — and so to that sequence run alone — but in one parallel region instead of dozens of
+ * Python calls and regions per layer. */
+#include "kiln.h"
+
+void rms_row(const float *x, const float *w, float *o, int n, float eps) {
+    double sum = 0.0;                       /* double accumulation, as ggml */
+    for (int i = 0; i < n; i++) sum += (double)x[i] * x[i];
+    float scale = 1.0f / sqrtf((float)(sum / n) + eps);
+    for (int i = 0; i < n; i++) o[i] = x[i] * scale * w[i];
+}
+
+void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox) {
+    int half = R / 2;                       /* the first R of each head's D dimensions rotate */
+    for (int h = 0; h < H; h++) {
+        float *v = x + (size_t)h * D;
+        for (int i = 0; i < half; i++) {
+            int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+            float a = v[i0], b = v[i1];
+            v[i0] = a * c[i] - b * s[i];
+            v[i1] = a * s[i] + b * c[i];
+        }
+    }
+}
+
+void swiglu_row(float *g, const float *u, size_t n) {
+    for (size_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* Mixture-of-experts routing of one row: softmax over the E router logits (max subtracted, expf,
+ * the sum in double, as ggml's soft_max), the k most probable experts (a tie goes to the lower
+ * index), optionally renormalised to sum 1. The chosen experts come back in ascending order —
+ * the order their outputs are summed in — with their weights. E <= MAX_EXPERTS, k <= E. */
+void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w) {
+    float p[MAX_EXPERTS];
+    unsigned char used[MAX_EXPERTS] = {0};
+    float mx = -INFINITY;
+    for (int i = 0; i < E; i++) if (logits[i] > mx) mx = logits[i];
+    double sum = 0.0;
+    for (int i = 0; i < E; i++) { p[i] = expf(logits[i] - mx); sum += p[i]; }
+    float inv = (float)(1.0 / sum);
+    for (int i = 0; i < E; i++) p[i] *= inv;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < E; i++)
+            if (!used[i] && (best < 0 || p[i] > p[best])) best = i;
+        used[best] = 1; sel[j] = best; w[j] = p[best];
+    }
+    if (normalize) {
+        float s = 0.f;
+        for (int j = 0; j < k; j++) s += w[j];
+        for (int j = 0; j < k; j++) w[j] = w[j] / s;
+    }
+    for (int j = 1; j < k; j++)                 /* ascending expert id, weights alongside */
+        for (int m = j; m > 0 && sel[m - 1] > sel[m]; m--) {
+            int ts = sel[m]; sel[m] = sel[m - 1]; sel[m - 1] = ts;
+            float tw = w[m]; w[m] = w[m - 1]; w[m - 1] = tw;
+        }
+}
+
+/* The routed FFN of row f (normed, as ag's row and ar) added to x: called by every thread of the
+ * region (orphaned worksharing), one row at a time — each row has its own experts. */
+static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, Act *ad, float *logits,
+                    float *g, float *u, float *dn, const TypeInfo *tg, const TypeInfo *td, int *sel, float *wsel) {
+    static const TypeInfo tr = {1, 4, A_F32};
+    int n = L->n, n_ff = L->n_ff, k = L->k;
+    size_t gu_row = (size_t)(n / tg->block) * tg->bytes, d_row = (size_t)(n_ff / td->block) * td->bytes;
+    const uint8_t *Wr[1] = {(const uint8_t *)L->router}, *Wgu[2 * MAX_K];
+    int Nr[1] = {L->E}, Ngu[2 * MAX_K];
+    float *Or[1] = {logits}, *Ogu[2 * MAX_K];
+    rows_dot(ar, 1, n, T_F32, &tr, 1, Wr, Nr, Or);
+    #pragma omp single
+    route_row(logits, L->E, k, L->normalize, sel, wsel);
+    for (int j = 0; j < k; j++) {             /* every thread builds the same lists */
+        Wgu[2 * j] = L->wg + (size_t)sel[j] * n_ff * gu_row;
+        Wgu[2 * j + 1] = L->wu + (size_t)sel[j] * n_ff * gu_row;
+        Ngu[2 * j] = Ngu[2 * j + 1] = n_ff;
+        Ogu[2 * j] = g + (size_t)j * n_ff; Ogu[2 * j + 1] = u + (size_t)j * n_ff;
+    }
+    rows_dot(ag, 1, n, L->gu_t, tg, 2 * k, Wgu, Ngu, Ogu);
+    #pragma omp single
+    for (int j = 0; j < k; j++) {
+        swiglu_row(g + (size_t)j * n_ff, u + (size_t)j * n_ff, n_ff);
+        act_row(ad, j, n_ff);
+    }
+    #pragma omp for schedule(static)          /* every chosen expert's down rows, one task each */
+    for (int r = 0; r < k * n; r++) {
+        int j = r / n, i = r % n;
+        dn[r] = dot_row(L->wd_t, td, L->wd + ((size_t)sel[j] * n + i) * d_row, ad, j, n_ff);
+    }
+    #pragma omp single
+    for (int i = 0; i < n; i++) {
+        float acc = 0.f;                      /* the step path's zeros, += weight * expert out, in order */
+        for (int j = 0; j < k; j++) acc = acc + wsel[j] * dn[(size_t)j * n + i];
+        x[i] = x[i] + acc;
+    }
+}
+
+/* B decode rows x (B, n), row b of sequence rows[b], through layer L, in place. The caller has
+ * checked every size; needs the AVX2 attention (g_avx2). */
+void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt) {
+#ifdef KILN_X86
+    static const TypeInfo tf = {1, 4, A_F32};
+    int n = L->n, H = L->H, Hkv = L->Hkv, D = L->D, qn = H * D, kvn = Hkv * D, n_ff = L->n_ff;
+    int moe = L->ffn == FFN_MOE, S = 0;
+    int fr = moe ? L->k : B;                  /* FFN rows held at once: a row's experts, or the batch */
+    TypeInfo tq, to, tg = tf, td = tf;
+    type_info(L->qkv_t, &tq); type_info(L->wo_t, &to);
+    if (L->ffn) { type_info(L->gu_t, &tg); type_info(L->wd_t, &td); }
+    for (int b = 0; b < B; b++) if (rows[b].pos + 1 > S) S = rows[b].pos + 1;
+    size_t nf = L->ffn ? (size_t)n_ff * fr : 1;
+    float *a = malloc((size_t)B * n * 4), *q = malloc((size_t)B * qn * 4), *kt = malloc((size_t)B * kvn * 4),
+          *vt = malloc((size_t)B * kvn * 4), *att = malloc((size_t)B * qn * 4), *o = malloc((size_t)B * n * 4),
+          *f = malloc((size_t)B * n * 4), *g = malloc(nf * 4), *u = malloc(nf * 4),
+          *dn = malloc((size_t)n * (moe ? L->k : B) * 4), *logits = malloc((size_t)(moe ? L->E : 1) * 4);
+    const uint8_t *Wqkv[3] = {L->wq, L->wk, L->wv}, *Wo[1] = {L->wo}, *Wgu[2] = {L->wg, L->wu}, *Wd[1] = {L->wd};
+    int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Ngu[2] = {n_ff, n_ff}, Nd[1] = {n}, sel[MAX_K];
+    float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Ogu[2] = {g, u}, *Od[1] = {dn}, wsel[MAX_K];
+    Act aq, ao, ag = {0}, ad = {0}, ar = {0};
+    act_alloc(&aq, &tq, a, B, n); act_alloc(&ao, &to, att, B, qn);
+    if (L->ffn) { act_alloc(&ag, &tg, f, B, n); act_alloc(&ad, &td, g, fr, n_ff); act_alloc(&ar, &tf, f, B, n); }
+    float scale = 1.0f / sqrtf((float)D);
+    #pragma omp parallel num_threads(nt)
+    {
+        float *sc = malloc((size_t)S * sizeof(float));
+        #pragma omp single
+        for (int b = 0; b < B; b++) { rms_row(x + (size_t)b * n, L->attn_norm, a + (size_t)b * n, n, L->eps); act_row(&aq, b, n); }
+        rows_dot(&aq, B, n, L->qkv_t, &tq, 3, Wqkv, Nqkv, Oqkv);
+        #pragma omp single
+        for (int b = 0; b < B; b++) {
+            float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
+            rope_row(q + (size_t)b * qn, rows[b].cos, rows[b].sin, H, D, L->R, L->neox);
+            rope_row(kb, rows[b].cos, rows[b].sin, Hkv, D, L->R, L->neox);
+            memcpy(rows[b].k + (size_t)rows[b].pos * kvn, kb, (size_t)kvn * 4);
+            memcpy(rows[b].v + (size_t)rows[b].pos * kvn, vb, (size_t)kvn * 4);
+        }
+        #pragma omp for schedule(static)
+        for (int task = 0; task < B * H; task++) {
+            int b = task / H;
+            attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc);
+        }
+        #pragma omp single
+        for (int b = 0; b < B; b++) act_row(&ao, b, qn);
+        rows_dot(&ao, B, qn, L->wo_t, &to, 1, Wo, No, Oo);
+        #pragma omp single
+        for (int b = 0; b < B; b++) {
+            float *xb = x + (size_t)b * n, *ob = o + (size_t)b * n;
+            for (int i = 0; i < n; i++) xb[i] = xb[i] + ob[i];
+            if (L->ffn) { rms_row(xb, L->ffn_norm, f + (size_t)b * n, n, L->eps); act_row(&ag, b, n); }
+        }
+        if (L->ffn == FFN_DENSE) {
+            rows_dot(&ag, B, n, L->gu_t, &tg, 2, Wgu, Ngu, Ogu);
+            #pragma omp single
+            {
+                swiglu_row(g, u, (size_t)B * n_ff);
+                for (int b = 0; b < B; b++) act_row(&ad, b, n_ff);
+            }
+            rows_dot(&ad, B, n_ff, L->wd_t, &td, 1, Wd, Nd, Od);
+            #pragma omp single
+            for (size_t i = 0; i < (size_t)B * n; i++) x[i] = x[i] + dn[i];
+        } else if (moe) {
+            for (int b = 0; b < B; b++) {
+                Act arb = act_view(&ar, b, n), agb = act_view(&ag, b, n);
+                moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td, sel, wsel);
+            }
+        }
+        free(sc);
+    }
+    act_free(&aq); act_free(&ao);
+    if (L->ffn) { act_free(&ag); act_free(&ad); act_free(&ar); }
+    free(a); free(q); free(kt); free(vt); free(att); free(o); free(f); free(g); free(u); free(dn); free(logits);
+#endif
+}

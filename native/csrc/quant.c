@@ -1,0 +1,413 @@
+/* Activation quantization and the dot product of every weight type with it.
+ *
+ * matmul(x, W): W stays in its GGUF blocks. Each activation row is quantized as ggml quantizes
+ * it for that weight type (vec_dot_type: Q8_0, Q8_1, Q8_K, fp16, bf16, or none for F32), then
+ * every output element is one thread's dot product over the row's blocks in a fixed order.
+ * So a row's result never depends on how many rows were multiplied with it or on the thread
+ * count — prefix reuse and batched decode give the same bits as a fresh, single run.
+ *
+ * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q8_0 — the types of the default model —
+ * and portable C for every type, so a build is not tied to the machine that made it.
+ */
+#include "kiln.h"
+
+/* ---- type table ----------------------------------------------------------------------------- */
+
+int type_info(int t, TypeInfo *ti) {
+    switch (t) {
+    case T_F32:  *ti = (TypeInfo){1, 4, A_F32}; return 1;
+    case T_F16:  *ti = (TypeInfo){1, 2, A_F16}; return 1;
+    case T_BF16: *ti = (TypeInfo){1, 2, A_BF16}; return 1;
+    case T_Q4_0: *ti = (TypeInfo){32, 18, A_Q8_0}; return 1;
+    case T_Q4_1: *ti = (TypeInfo){32, 20, A_Q8_1}; return 1;
+    case T_Q5_0: *ti = (TypeInfo){32, 22, A_Q8_0}; return 1;
+    case T_Q5_1: *ti = (TypeInfo){32, 24, A_Q8_1}; return 1;
+    case T_Q8_0: *ti = (TypeInfo){32, 34, A_Q8_0}; return 1;
+    case T_Q2_K: *ti = (TypeInfo){256, 84, A_Q8_K}; return 1;
+    case T_Q3_K: *ti = (TypeInfo){256, 110, A_Q8_K}; return 1;
+    case T_Q4_K: *ti = (TypeInfo){256, 144, A_Q8_K}; return 1;
+    case T_Q5_K: *ti = (TypeInfo){256, 176, A_Q8_K}; return 1;
+    case T_Q6_K: *ti = (TypeInfo){256, 210, A_Q8_K}; return 1;
+    }
+    return 0;
+}
+
+static void quantize_row(const float *x, int K, int kind, float *xr, int8_t *q, float *d, float *s) {
+    if (kind == A_F16) { for (int i = 0; i < K; i++) xr[i] = round_fp16(x[i]); return; }
+    if (kind == A_BF16) { for (int i = 0; i < K; i++) xr[i] = round_bf16(x[i]); return; }
+    int B = kind == A_Q8_K ? 256 : 32;
+    for (int b = 0; b < K / B; b++) {
+        const float *xb = x + b * B;
+        float amax = 0.f;
+        for (int i = 0; i < B; i++) { float a = fabsf(xb[i]); if (a > amax) amax = a; }
+        float dd = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < B; i++) {
+            float v = nearbyintf(xb[i] * id);          /* half to even, as _mm256_round_ps */
+            if (v > 127.f) v = 127.f;
+            if (v < -127.f) v = -127.f;
+            q[b * B + i] = (int8_t)v;
+            sum += (int)v;
+        }
+        if (kind == A_Q8_K) { d[b] = dd; }
+        else {
+            d[b] = round_fp16(dd);
+            if (s) s[b] = round_fp16(dd * (float)sum);
+        }
+    }
+}
+
+/* ---- portable dot products ------------------------------------------------------------------ */
+
+static float dot_q4_0(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 18) {
+        const uint8_t *qs = w + 2; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) sum += ((qs[j] & 0xf) - 8) * y[j] + ((qs[j] >> 4) - 8) * y[j + 16];
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum;
+    }
+    return acc;
+}
+
+static float dot_q4_1(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        const uint8_t *qs = w + 4; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) sum += (qs[j] & 0xf) * y[j] + (qs[j] >> 4) * y[j + 16];
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum + fp16_to_fp32(rd16(w + 2)) * s[b];
+    }
+    return acc;
+}
+
+static float dot_q5_0(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 22) {
+        uint32_t qh; memcpy(&qh, w + 2, 4); const uint8_t *qs = w + 6; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) {
+            int v0 = ((qs[j] & 0xf) | (((qh >> j) & 1) << 4)) - 16;
+            int v1 = ((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+            sum += v0 * y[j] + v1 * y[j + 16];
+        }
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum;
+    }
+    return acc;
+}
+
+static float dot_q5_1(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 24) {
+        uint32_t qh; memcpy(&qh, w + 4, 4); const uint8_t *qs = w + 8; const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 16; j++) {
+            int v0 = (qs[j] & 0xf) | (((qh >> j) & 1) << 4);
+            int v1 = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            sum += v0 * y[j] + v1 * y[j + 16];
+        }
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum + fp16_to_fp32(rd16(w + 2)) * s[b];
+    }
+    return acc;
+}
+
+static float dot_q8_0(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 34) {
+        const int8_t *qs = (const int8_t *)(w + 2); const int8_t *y = q + b * 32; int sum = 0;
+        for (int j = 0; j < 32; j++) sum += qs[j] * y[j];
+        acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum;
+    }
+    return acc;
+}
+
+/* K-quants: dequantize the 256-weight block (mirroring gguf-py's reference), then a float dot
+ * with the Q8_K activation block. */
+static void get_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+static void deq_kblock(int type, const uint8_t *w, float *y) {
+    switch (type) {
+    case T_Q4_K: case T_Q5_K: {
+        float d = fp16_to_fp32(rd16(w)), dmin = fp16_to_fp32(rd16(w + 2));
+        const uint8_t *scales = w + 4, *qh = type == T_Q5_K ? w + 16 : NULL, *qs = type == T_Q5_K ? w + 48 : w + 16;
+        for (int e = 0; e < 256; e++) {
+            int j = e / 64, s = (e / 32) % 2, l = e % 32;
+            uint8_t sc, m; get_scale_min_k4(e / 32, scales, &sc, &m);
+            int v = (qs[j * 32 + l] >> (4 * s)) & 0xf;
+            if (qh) v |= ((qh[l] >> (e / 32)) & 1) << 4;
+            y[e] = d * sc * v - dmin * m;
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+        float d = fp16_to_fp32(rd16(w + 208));
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, r = e % 128;
+            int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0xf;
+            int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+            y[e] = d * sc[e / 16] * (float)((lo | (hi << 4)) - 32);
+        }
+        break;
+    }
+    case T_Q2_K: {
+        const uint8_t *scales = w, *qs = w + 16;
+        float d = fp16_to_fp32(rd16(w + 80)), dmin = fp16_to_fp32(rd16(w + 82));
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, s = (e / 32) % 4, l = e % 32;
+            int v = (qs[h * 32 + l] >> (2 * s)) & 3;
+            uint8_t sc = scales[e / 16];
+            y[e] = d * (sc & 0xf) * v - dmin * (sc >> 4);
+        }
+        break;
+    }
+    case T_Q3_K: {
+        const uint8_t *hmask = w, *qs = w + 32, *sc = w + 96;
+        float d = fp16_to_fp32(rd16(w + 108));
+        for (int e = 0; e < 256; e++) {
+            int sb = e / 16;
+            int lo4 = (sc[sb % 8] >> (4 * (sb / 8))) & 0xf;
+            int hi2 = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+            int scale = (lo4 | (hi2 << 4)) - 32;
+            int h = e / 128, s = (e / 32) % 4, l = e % 32;
+            int v = (qs[h * 32 + l] >> (2 * s)) & 3;
+            int hb = (hmask[l] >> (e / 32)) & 1;
+            y[e] = d * scale * (float)(v - (hb ? 0 : 4));
+        }
+        break;
+    }
+    }
+}
+
+static float dot_kquant(int type, int bytes, const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 256; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f, y[256];
+    for (int b = 0; b < nb; b++, w += bytes) {
+        deq_kblock(type, w, y);
+        const int8_t *x = q + b * 256; float sum = 0.f;
+        for (int i = 0; i < 256; i++) sum += y[i] * (float)x[i];
+        acc += d[b] * sum;
+    }
+    return acc;
+}
+
+static float dot_float(int type, const uint8_t *w, const Act *a, int t, int K) {
+    const float *x = (type == T_F32 ? a->xf : a->xr) + (size_t)t * K;
+    float acc = 0.f;
+    if (type == T_F32) { const float *wf = (const float *)w; for (int i = 0; i < K; i++) acc += wf[i] * x[i]; }
+    else if (type == T_F16) { for (int i = 0; i < K; i++) acc += fp16_to_fp32(rd16(w + 2 * i)) * x[i]; }
+    else { for (int i = 0; i < K; i++) acc += bf16_to_fp32(rd16(w + 2 * i)) * x[i]; }
+    return acc;
+}
+
+/* ---- AVX2 dot products (ggml's maddubs scheme) ---------------------------------------------- */
+#ifdef KILN_X86
+#define H2F(p) _cvtsh_ss(rd16(p))
+
+AVX2 static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> 32 values 0..15 */
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    __m256i b = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+}
+AVX2 static inline __m256 sum_i8_pairs(__m256i x, __m256i y) {  /* signed x · signed y -> 8 floats */
+    __m256i ax = _mm256_sign_epi8(x, x), sy = _mm256_sign_epi8(y, x);
+    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(dot);
+}
+AVX2 static inline __m256 sum_u8_i8(__m256i u, __m256i y) {     /* unsigned u · signed y */
+    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(dot);
+}
+AVX2 static float dot_q4_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 18) {
+        __m256i x = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
+    }
+    return hsum_avx(acc);
+}
+AVX2 static float dot_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_u8_i8(nibbles32(w + 4), y), acc);
+        accm += H2F(w + 2) * s[b];
+    }
+    return hsum_avx(acc) + accm;
+}
+AVX2 static float dot_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 34) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
+    }
+    return hsum_avx(acc);
+}
+AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
+    __m256 acc = _mm256_setzero_ps(); int i = 0;
+    for (; i + 8 <= K; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
+    float r = hsum_avx(acc);
+    for (; i < K; i++) r += w[i] * x[i];
+    return r;
+}
+
+/* Four activation rows against one weight row: the weight block is unpacked once. Each row's
+ * operations are exactly those of the one-row kernel, so the results are bit-identical. */
+#define DOT4_BEGIN(BYTES)                                                                     \
+    const int8_t *q0 = a->q + (size_t)t * nb * 32, *q1 = q0 + nb * 32, *q2 = q1 + nb * 32, *q3 = q2 + nb * 32; \
+    const float *d0 = a->d + (size_t)t * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;      \
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+#define DOT4_ROW(C, Q, D, SUM) C = _mm256_fmadd_ps(_mm256_set1_ps(dw * D[b]), SUM(x, _mm256_loadu_si256((const __m256i *)(Q + b * 32))), C)
+
+AVX2 static void dot4_q4_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
+    DOT4_BEGIN(18)
+    for (int b = 0; b < nb; b++, w += 18) {
+        __m256i x = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)); float dw = H2F(w);
+        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
+        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
+    }
+    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
+}
+AVX2 static void dot4_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
+    DOT4_BEGIN(34)
+    for (int b = 0; b < nb; b++, w += 34) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(w + 2)); float dw = H2F(w);
+        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
+        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
+    }
+    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
+}
+AVX2 static void dot4_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
+    DOT4_BEGIN(20)
+    const float *s0 = a->s + (size_t)t * nb, *s1 = s0 + nb, *s2 = s1 + nb, *s3 = s2 + nb;
+    float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        __m256i x = nibbles32(w + 4); float dw = H2F(w), mw = H2F(w + 2);
+        DOT4_ROW(c0, q0, d0, sum_u8_i8); DOT4_ROW(c1, q1, d1, sum_u8_i8);
+        DOT4_ROW(c2, q2, d2, sum_u8_i8); DOT4_ROW(c3, q3, d3, sum_u8_i8);
+        m0 += mw * s0[b]; m1 += mw * s1[b]; m2 += mw * s2[b]; m3 += mw * s3[b];
+    }
+    r[0] = hsum_avx(c0) + m0; r[1] = hsum_avx(c1) + m1; r[2] = hsum_avx(c2) + m2; r[3] = hsum_avx(c3) + m3;
+}
+#endif
+
+int g_avx2 = 0;
+
+float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int t, int K) {
+    int nb = K / ti->block;
+#ifdef KILN_X86
+    if (g_avx2) {
+        switch (type) {
+        case T_Q4_0: return dot_q4_0_avx2(w, a, t, nb);
+        case T_Q4_1: return dot_q4_1_avx2(w, a, t, nb);
+        case T_Q8_0: return dot_q8_0_avx2(w, a, t, nb);
+        case T_F32: return dot_f32_avx2((const float *)w, a->xf + (size_t)t * K, K);
+        }
+    }
+#endif
+    switch (type) {
+    case T_Q4_0: return dot_q4_0(w, a, t, nb);
+    case T_Q4_1: return dot_q4_1(w, a, t, nb);
+    case T_Q5_0: return dot_q5_0(w, a, t, nb);
+    case T_Q5_1: return dot_q5_1(w, a, t, nb);
+    case T_Q8_0: return dot_q8_0(w, a, t, nb);
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K:
+        return dot_kquant(type, ti->bytes, w, a, t, nb);
+    default: return dot_float(type, w, a, t, K);
+    }
+}
+
+/* ---- threads and activation rows ------------------------------------------------------------ */
+
+int default_threads = 0;
+
+int pick_threads(int requested) {      /* 0: the default; the default 0: all OpenMP threads */
+    int n = requested > 0 ? requested : default_threads;
+#ifdef _OPENMP
+    if (n <= 0) n = omp_get_max_threads();
+#endif
+    return n > 0 ? n : 1;
+}
+
+/* Activations of T rows of x (T, K) as weight type ti multiplies them: allocated, then quantized
+ * row by row (each row on its own, so who quantizes it changes nothing). */
+void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K) {
+    int B = ti->act == A_Q8_K ? 256 : 32;
+    *a = (Act){ti->act, x, NULL, NULL, NULL, NULL};
+    if (ti->act == A_F16 || ti->act == A_BF16) a->xr = malloc((size_t)T * K * sizeof(float));
+    if (ti->act >= A_Q8_0) {
+        a->q = malloc((size_t)T * K); a->d = malloc((size_t)T * (K / B) * sizeof(float));
+        a->s = malloc((size_t)T * (K / B) * sizeof(float));
+    }
+}
+void act_row(Act *a, int t, int K) {
+    if (a->kind == A_F32) return;
+    int B = a->kind == A_Q8_K ? 256 : 32;
+    quantize_row(a->xf + (size_t)t * K, K, a->kind, a->xr ? a->xr + (size_t)t * K : NULL,
+                 a->q ? a->q + (size_t)t * K : NULL, a->d ? a->d + (size_t)t * (K / B) : NULL,
+                 a->s ? a->s + (size_t)t * (K / B) : NULL);
+}
+void act_free(Act *a) { free(a->xr); free(a->q); free(a->d); free(a->s); }
+/* Row t of a as a one-row Act (no copy): to multiply one row of a batch on its own. */
+Act act_view(const Act *a, int t, int K) {
+    int B = a->kind == A_Q8_K ? 256 : 32;
+    Act v = *a;
+    v.xf = a->xf + (size_t)t * K;
+    if (a->xr) v.xr = a->xr + (size_t)t * K;
+    if (a->q) v.q = a->q + (size_t)t * K;
+    if (a->d) v.d = a->d + (size_t)t * (K / B);
+    if (a->s) v.s = a->s + (size_t)t * (K / B);
+    return v;
+}
+
+/* Every output row of nw weights (one type, one Act) as one worksharing loop: call it inside a
+ * parallel region (it is an orphaned `omp for`), or alone. */
+void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
+                     const uint8_t **W, const int *N, float **out) {
+    size_t row_bytes = (size_t)(K / ti->block) * ti->bytes;
+    int total = 0;
+    for (int i = 0; i < nw; i++) total += N[i];
+    #pragma omp for schedule(static)
+    for (int r = 0; r < total; r++) {
+        int i = 0, n = r;
+        while (n >= N[i]) n -= N[i++];
+        const uint8_t *w = W[i] + (size_t)n * row_bytes;
+        float *o = out[i];
+        int Ni = N[i], t = 0;
+#ifdef KILN_X86
+        if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
+            int nb = K / ti->block; float res[4];
+            for (; t + 4 <= T; t += 4) {
+                if (type == T_Q4_0) dot4_q4_0_avx2(w, a, t, nb, res);
+                else if (type == T_Q4_1) dot4_q4_1_avx2(w, a, t, nb, res);
+                else dot4_q8_0_avx2(w, a, t, nb, res);
+                for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+            }
+        }
+#endif
+        for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, a, t, K);
+    }
+}
+
+/* y_i = x W_i^T for nw weights of one type that share the input x (T, K): the activations are
+ * quantized once and every output row of every weight is one task of one parallel loop. A row's
+ * arithmetic is the same whichever call computes it, so fusing changes no bit. */
+void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
+                        const uint8_t **W, const int *N, float **out, int nt) {
+    Act a;
+    act_alloc(&a, ti, x, T, K);
+    #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
+    for (int t = 0; t < T; t++) act_row(&a, t, K);
+    #pragma omp parallel num_threads(nt)
+    rows_dot(&a, T, K, type, ti, nw, W, N, out);
+    act_free(&a);
+}
