@@ -155,12 +155,14 @@ done:
 }
 
 /* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), qkv_type, wo, wo_type,
- *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads)
+ *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
+ *              kv_f16)
  *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
  *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff).
  * One decode step of B sequences through one layer (csrc/layer.c). Each sequence's K/V caches
- * (capacity, Hkv, D) float32 get its position written; attention reads positions 0..pos. */
+ * (capacity, Hkv, D), float32 or fp16 (kv_f16) get its position written; attention reads
+ * positions 0..pos. */
 #define MAX_BATCH 64
 typedef struct { Py_buffer b[2 * MAX_BATCH + 16]; int n; } Held;
 
@@ -176,8 +178,8 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOi", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
-                          &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads))
+    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOip", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
+                          &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kv_f16))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -238,7 +240,8 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         PyObject *ko, *vo; Py_buffer *kb, *vb;
         if (!PyArg_ParseTuple(PyList_GET_ITEM(seqs, b), "OOi", &ko, &vo, &rows[b].pos)) goto done;
         if (!(kb = hold(h, ko, 1)) || !(vb = hold(h, vo, 1))) goto done;
-        if (rows[b].pos < 0 || (size_t)kb->len < (size_t)(rows[b].pos + 1) * kvn * 4 || (size_t)vb->len < (size_t)(rows[b].pos + 1) * kvn * 4) {
+        size_t es = L.kv_f16 ? 2 : 4;
+        if (rows[b].pos < 0 || (size_t)kb->len < (size_t)(rows[b].pos + 1) * kvn * es || (size_t)vb->len < (size_t)(rows[b].pos + 1) * kvn * es) {
             PyErr_Format(PyExc_ValueError, "decode_layer: sequence %d's KV cache holds no position %d", b, rows[b].pos); goto done;
         }
         rows[b].k = kb->buf; rows[b].v = vb->buf;

@@ -28,9 +28,19 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float):
-    """cos/sin of shape (T, rope_dim/2) for the given absolute positions."""
-    inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
-    angles = np.outer(positions.astype(np.float64) / scale, inv_freq)
+    """cos/sin of shape (T, rope_dim/2) for the given absolute positions.
+
+    The angles are made as ggml makes them — in float32, each pair's from the previous one
+    times base^(-2/rope_dim) — not exactly: a position's angles then carry ggml's rounding, and
+    llama.cpp's outputs are what the engine is held to."""
+    theta_scale = F32(float(base) ** (-2.0 / rope_dim))
+    theta = np.asarray(positions).astype(F32)
+    freq_scale = F32(1.0 / scale)
+    angles = np.empty((len(theta), rope_dim // 2), F32)
+    for i in range(rope_dim // 2):
+        angles[:, i] = theta * freq_scale
+        theta = theta * theta_scale
+    angles = angles.astype(np.float64)                 # cos/sin correctly rounded, as glibc's cosf
     return np.cos(angles).astype(F32), np.sin(angles).astype(F32)
 
 
@@ -71,6 +81,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
+    if k.dtype == np.float16:          # as ggml: the query and the probabilities meet fp16 K/V rounded
+        q = q.astype(np.float16).astype(np.float32)
+    rounded = k.dtype == np.float16
     k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
     qg = q.reshape(T, Hkv, G, d).transpose(1, 2, 0, 3)               # (Hkv, G, T, d)
     scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])            # (Hkv, G, T, S)
@@ -81,7 +94,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
         scores[..., mask] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores *= F32(1.0) / scores.sum(axis=-1, keepdims=True)
+    if rounded:
+        scores = scores.astype(np.float16).astype(np.float32)
     out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])           # (Hkv, G, T, d)
     return out.transpose(2, 0, 1, 3).reshape(T, H * d)
 

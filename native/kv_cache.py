@@ -1,8 +1,8 @@
 """Per-sequence KV cache: keys and values of every layer for positions 0..n-1.
 
 Grows in chunks; can be truncated to a prefix so that a follow-up turn reuses the shared part.
-Keys and values are float32 by default; float16 (as llama.cpp stores them) is supported by both
-attention paths and halves a long context's memory and traffic.
+Keys and values are fp16 by default, as llama.cpp stores them (half the memory and traffic of
+float32, and the rounding llama.cpp's outputs carry); float32 is there for comparisons.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ _CHUNK = 256
 
 class KVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int,
-                 dtype: type = np.float32):
+                 dtype: type = np.float16):
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens

@@ -74,7 +74,7 @@ def test_the_scheduler_interleaves_requests_and_matches_solo_generation(default_
 def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_model):
     m = default_model
     ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    l32 = m.forward(ids, m.new_cache(), all_logits=True)
+    l32 = m.forward(ids, m.new_cache(dtype=np.float32), all_logits=True)
     l16 = m.forward(ids, m.new_cache(dtype=np.float16), all_logits=True)
     assert np.corrcoef(l32[-1], l16[-1])[0, 1] > 0.999
     top2 = np.sort(l32, axis=-1)[:, -2:]
@@ -82,8 +82,9 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
     assert clear.sum() >= 5 and (l32.argmax(-1) == l16.argmax(-1))[clear].all()
 
 
+@pytest.mark.parametrize("kv", [np.float16, np.float32], ids=["fp16-kv", "f32-kv"])
 @pytest.mark.parametrize("which", ["dense", "moe"])
-def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, default_model, e8k2_path):
+def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, default_model, e8k2_path):
     """Solo and batched decode steps (sequences of different lengths, so different positions and
     different experts per row) through the compiled layer give the step-by-step path's bits."""
     m = default_model if which == "dense" else load_model(e8k2_path)
@@ -92,7 +93,7 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, default_m
                                                  "def f(x):")]
 
     def decode(n=5):
-        caches = [m.new_cache() for _ in prompts]
+        caches = [m.new_cache(dtype=kv) for _ in prompts]
         last = [m.forward(p, c) for p, c in zip(prompts, caches)]
         out = []
         for _ in range(n):                       # one sequence alone, then all three together

@@ -59,10 +59,11 @@ def worker(d):
 def test_chat_greedy_equals_the_engine_and_usage_is_right(served, client, default_model_path):
     r = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=24)
     text = r.choices[0].message.content
-    assert "100" in text and r.choices[0].finish_reason == "length"
+    n = r.usage.completion_tokens
+    assert "100" in text and 0 < n <= 24 and r.choices[0].finish_reason == ("length" if n == 24 else "stop")
     rendered = post(served.http + "/apply-template", {"messages": QUESTION})[1]
-    assert r.usage.prompt_tokens == len(rendered["tokens"]) and r.usage.completion_tokens == 24
-    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+    assert r.usage.prompt_tokens == len(rendered["tokens"])
+    assert r.usage.total_tokens == r.usage.prompt_tokens + n
     eng = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "debug", "generate", str(default_model_path),
                           rendered["prompt"], "--max-tokens", "24", "--json"],
                          capture_output=True, text=True, env=env_for(served.home), check=True)
@@ -75,8 +76,8 @@ def test_stream_carries_the_same_text_and_usage(client):
                                                  stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    assert chunks[-1].usage.completion_tokens == 20
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
 def test_a_follow_up_turn_reuses_the_cached_prefix(client):

@@ -17,38 +17,27 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
     for (; i < n; i++) o[i] += p * v[i];
 }
 
-/* exp(x) for 8 floats (Cephes-style range reduction + degree-5 polynomial, ~1 ulp), x <= 0 */
-AVX2 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 /* One (query row, head) task; sc holds n scores. Scores take four keys at a time (four
  * independent FMA chains, each reduced as a lone key's would be), so a decode step is not bound
  * by the latency of one long chain; the output row of D == 64 lives in eight registers. The arithmetic of a task
  * depends only on its row and position, never on how many rows run: batch-invariant.
- * One body for both KV element types: ATTN_TASK(name, element type, load 8 as floats, load 1). */
+ * One body for both KV element types: ATTN_TASK(name, element type, load 8 as floats, load 1,
+ * round): with an fp16 cache the query and the probabilities are rounded to fp16 as well, as
+ * ggml's attention rounds them before its fp16 dot products (KQ and KQV), so an fp16 cache
+ * reproduces llama.cpp's arithmetic more closely than exact float32 operands would. */
+#define RND_NONE(x) (x)
+#define RND_F16(x) _cvtsh_ss(_cvtss_sh((x), 0))
 #define LD8_F32(p) _mm256_loadu_ps(p)
 #define LD1_F32(x) (x)
 #define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define LD1_F16(x) _cvtsh_ss(x)
-#define ATTN_TASK(NAME, T, LD8, LD1)                                                              \
+#define ATTN_TASK(NAME, T, LD8, LD1, RND)                                                            \
 AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
                       int H, int Hkv, int D, int n, float scale, float *row) {                    \
     int kh = h / (H / Hkv);                                                                       \
     size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
-    const float *q = Q + ((size_t)t * H + h) * D;                                                 \
+    float q[512];                                  /* D <= 512, checked by the callers */       \
+    for (int i = 0; i < D; i++) q[i] = RND(Q[((size_t)t * H + h) * D + i]);                       \
     const T *K0 = Kc + (size_t)kh * D;                                                            \
     float mx = -INFINITY; int s = 0;                                                              \
     if (D % 8 == 0) {                                                                             \
@@ -75,40 +64,46 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
         row[s] = dot * scale;                                                                     \
         if (row[s] > mx) mx = row[s];                                                             \
     }                                                                                             \
-    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps(); s = 0;                           \
-    for (; s + 8 <= n; s += 8) {                                                                  \
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                          \
+    /* softmax as ggml's soft_max: exp 8 at a time (expf8), each 8's sum added in double, scaled  \
+     * by 1/sum computed in double; the cells past n are ggml's masked padding (exp -> 0) */      \
+    int n8 = (n + 7) & ~7;                                                                        \
+    for (int j = n; j < n8; j++) row[j] = -INFINITY;                                              \
+    __m256 vmx = _mm256_set1_ps(mx); double dsum = 0.0;                                           \
+    for (s = 0; s < n8; s += 8) {                                                                 \
+        __m256 e = expf8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                           \
         _mm256_storeu_ps(row + s, e);                                                             \
-        vsum = _mm256_add_ps(vsum, e);                                                            \
+        dsum += (double)hsum_avx(e);                                                              \
     }                                                                                             \
-    float sum = hsum_avx(vsum);                                                                   \
-    for (; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }                            \
-    float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;                                    \
+    float inv = (float)(1.0 / dsum), *o = O + ((size_t)t * H + h) * D;                            \
+    for (s = 0; s < n; s++) row[s] = RND(row[s] * inv);                                           \
+    /* out[d] = sum over positions of p * v[d], as ggml's prompt-batch (tinyBLAS) dot over the    \
+     * positions: lane i accumulates positions = i (mod 8) in order, then the lanes are reduced   \
+     * as hsum_avx reduces; eight dimensions at a time, one lane per register */                  \
     const T *V0 = V + (size_t)kh * D;                                                             \
-    if (D == 64) {                                 /* the output row lives in 8 registers */     \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-        for (int j = 0; j < n; j++) {                                                             \
-            const T *v = V0 + j * ks; __m256 p = _mm256_set1_ps(row[j] * inv);                    \
-            a0 = _mm256_fmadd_ps(p, LD8(v), a0);      a1 = _mm256_fmadd_ps(p, LD8(v + 8), a1);      \
-            a2 = _mm256_fmadd_ps(p, LD8(v + 16), a2); a3 = _mm256_fmadd_ps(p, LD8(v + 24), a3);     \
-            a4 = _mm256_fmadd_ps(p, LD8(v + 32), a4); a5 = _mm256_fmadd_ps(p, LD8(v + 40), a5);     \
-            a6 = _mm256_fmadd_ps(p, LD8(v + 48), a6); a7 = _mm256_fmadd_ps(p, LD8(v + 56), a7);     \
-        }                                                                                         \
-        _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2);      \
-        _mm256_storeu_ps(o + 24, a3); _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5); \
-        _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);                               \
-    } else {                                                                                      \
-        for (int i = 0; i < D; i++) o[i] = 0.f;                                                   \
-        for (int j = 0; j < n; j++) {                                                             \
-            const T *v = V0 + j * ks; float p = row[j] * inv; int i = 0;                          \
-            for (; i + 8 <= D; i += 8)                                                            \
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(p), LD8(v + i), _mm256_loadu_ps(o + i))); \
-            for (; i < D; i++) o[i] += p * LD1(v[i]);                                             \
-        }                                                                                         \
+    int d0 = 0;                                                                                   \
+    for (; d0 + 8 <= D; d0 += 8) {                                                                \
+        __m256 l[8];                                                                              \
+        for (int i = 0; i < 8; i++) l[i] = _mm256_setzero_ps();                                   \
+        int j = 0;                                                                                \
+        for (; j + 8 <= n; j += 8)                                                                \
+            for (int i = 0; i < 8; i++)                                                           \
+                l[i] = _mm256_fmadd_ps(LD8(V0 + (size_t)(j + i) * ks + d0), _mm256_set1_ps(row[j + i]), l[i]); \
+        for (int i = 0; j + i < n; i++)                                                           \
+            l[i] = _mm256_fmadd_ps(LD8(V0 + (size_t)(j + i) * ks + d0), _mm256_set1_ps(row[j + i]), l[i]); \
+        __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),  \
+                                 _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7]))); \
+        _mm256_storeu_ps(o + d0, r);                                                              \
+    }                                                                                             \
+    for (; d0 < D; d0++) {                         /* a head_dim that is not a multiple of 8 */  \
+        float l[8] = {0};                                                                         \
+        for (int j = 0; j < n; j++)                                                               \
+            l[j & 7] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(LD1(V0[(size_t)j * ks + d0])),     \
+                                                  _mm_set_ss(row[j]), _mm_set_ss(l[j & 7])));     \
+        o[d0] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));                \
     }                                                                                             \
 }
-ATTN_TASK(attn_task_avx2, float, LD8_F32, LD1_F32)
-ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16)
+ATTN_TASK(attn_task_avx2, float, LD8_F32, LD1_F32, RND_NONE)
+ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16, RND_F16)
 #endif
 
 static inline float vdot(const float *a, const float *b, int n) {
@@ -136,7 +131,7 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
     if (g_avx2) {
         #pragma omp parallel num_threads(nt) if(T * H > 1)
         {
-            float *sc = malloc((size_t)S * sizeof(float));
+            float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
             #pragma omp for schedule(static)
             for (int task = 0; task < T * H; task++) {
                 if (f16) attn_task_avx2_h(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc);
@@ -149,11 +144,12 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
 #endif
     #pragma omp parallel num_threads(nt)
     {
-        float *sc = malloc((size_t)S * sizeof(float));
+        float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
         #pragma omp for schedule(static)
         for (int task = 0; task < T * H; task++) {
             int t = task / H, h = task % H, kh = h / G, n = start + t + 1;
-            const float *q = Q + ((size_t)t * H + h) * D;
+            float q[512];                  /* with an fp16 cache, rounded as the AVX2 task does */
+            for (int i = 0; i < D; i++) q[i] = f16 ? round_fp16(Q[((size_t)t * H + h) * D + i]) : Q[((size_t)t * H + h) * D + i];
             float mx = -INFINITY;
             for (int s = 0; s < n; s++) {
                 float kt[512];
@@ -178,7 +174,7 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
                     for (int i = 0; i < D; i++) vt[i] = fp16_to_fp32(v16[i]);
                     v = vt;
                 }
-                vaxpy(o, sc[s] * inv, v, D);
+                vaxpy(o, f16 ? round_fp16(sc[s] * inv) : sc[s] * inv, v, D);
             }
         }
         free(sc);

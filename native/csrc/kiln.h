@@ -89,6 +89,35 @@ typedef struct {
 } Act;
 
 #ifdef KILN_X86
+/* exp of 8 floats exactly as ggml's AVX2 ggml_v_expf (adapted there from ARM's optimized
+ * routines; max error 1.45 ulp + 0.5): the softmaxes and SiLU use it so that near-ties (MoE
+ * routing) fall as they fall in llama.cpp. -inf gives 0. */
+AVX2 static inline __m256 expf8(__m256 x) {
+    const __m256 r = _mm256_set1_ps(0x1.8p23f);
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
+    const __m256 n = _mm256_sub_ps(z, r);
+    const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+    const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1))));
+    const __m256i c = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), n), _mm256_set1_ps(126), _CMP_GT_OQ));
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+        u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+    if (!_mm256_movemask_ps(_mm256_castsi256_ps(c))) return _mm256_fmadd_ps(j, k, k);
+    const __m256i g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                                       _mm256_set1_epi32(0x82000000u));
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000u)));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+    const __m256i d = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), n), _mm256_set1_ps(192), _CMP_GT_OQ));
+    return _mm256_or_ps(
+        _mm256_and_ps(_mm256_castsi256_ps(d), _mm256_mul_ps(s1, s1)),
+        _mm256_andnot_ps(_mm256_castsi256_ps(d),
+                         _mm256_or_ps(_mm256_and_ps(_mm256_castsi256_ps(c), _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                                      _mm256_andnot_ps(_mm256_castsi256_ps(c), _mm256_fmadd_ps(k, j, k)))));
+}
+
 AVX2 static inline float hsum_avx(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -119,6 +148,8 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
 #ifdef KILN_X86
 void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int h,
                     int H, int Hkv, int D, int n, float scale, float *row);
+void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, float *O, int t, int h,
+                      int H, int Hkv, int D, int n, float scale, float *row);
 #endif
 
 /* ---- layer.c -------------------------------------------------------------------------------- */
@@ -141,10 +172,11 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     const float *ffn_norm, *router;       /* router: F32 (E, n) */
     const uint8_t *wg, *wu, *wd;          /* (E, n_ff, n), (E, n_ff, n), (E, n, n_ff); E = 1 dense */
     int gu_t, wd_t, n_ff, E, k, normalize;
+    int kv_f16;               /* the K/V caches hold fp16 (else float32) */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */
-    float *k, *v;             /* the layer's K/V cache (capacity, Hkv, D), float32 */
+    void *k, *v;              /* the layer's K/V cache (capacity, Hkv, D), float32 or fp16 */
     int pos;                  /* the row's position: K/V written there, attention over 0..pos */
     const float *cos, *sin;   /* RoPE tables of that position (R/2) */
 } DecodeRow;

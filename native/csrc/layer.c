@@ -9,7 +9,7 @@
 
 void rms_row(const float *x, const float *w, float *o, int n, float eps) {
     double sum = 0.0;                       /* double accumulation, as ggml */
-    for (int i = 0; i < n; i++) sum += (double)x[i] * x[i];
+    for (int i = 0; i < n; i++) sum += (double)(x[i] * x[i]);   /* float square, double sum */
     float scale = 1.0f / sqrtf((float)(sum / n) + eps);
     for (int i = 0; i < n; i++) o[i] = x[i] * scale * w[i];
 }
@@ -27,7 +27,34 @@ void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int
     }
 }
 
+#ifdef KILN_X86
+AVX2 static void swiglu_avx2(float *g, const float *u, size_t n) {       /* as ggml_vec_swiglu_f32 */
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), expf8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+AVX2 static double softmax_avx2(float *p, int n, float mx) {            /* as ggml_vec_soft_max_f32 */
+    double sum = 0.0;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = expf8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(p + i, e);
+        sum += (double)hsum_avx(e);
+    }
+    for (; i < n; i++) { p[i] = expf(p[i] - mx); sum += (double)p[i]; }
+    return sum;
+}
+#endif
+
 void swiglu_row(float *g, const float *u, size_t n) {
+#ifdef KILN_X86
+    if (g_avx2) { swiglu_avx2(g, u, n); return; }
+#endif
     for (size_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
@@ -39,9 +66,13 @@ void route_row(const float *logits, int E, int k, int normalize, int *sel, float
     float p[MAX_EXPERTS];
     unsigned char used[MAX_EXPERTS] = {0};
     float mx = -INFINITY;
-    for (int i = 0; i < E; i++) if (logits[i] > mx) mx = logits[i];
+    for (int i = 0; i < E; i++) { p[i] = logits[i]; if (logits[i] > mx) mx = logits[i]; }
     double sum = 0.0;
-    for (int i = 0; i < E; i++) { p[i] = expf(logits[i] - mx); sum += p[i]; }
+#ifdef KILN_X86
+    if (g_avx2) sum = softmax_avx2(p, E, mx);
+    else
+#endif
+    for (int i = 0; i < E; i++) { p[i] = expf(p[i] - mx); sum += p[i]; }
     float inv = (float)(1.0 / sum);
     for (int i = 0; i < E; i++) p[i] *= inv;
     for (int j = 0; j < k; j++) {
@@ -50,10 +81,10 @@ void route_row(const float *logits, int E, int k, int normalize, int *sel, float
             if (!used[i] && (best < 0 || p[i] > p[best])) best = i;
         used[best] = 1; sel[j] = best; w[j] = p[best];
     }
-    if (normalize) {
-        float s = 0.f;
-        for (int j = 0; j < k; j++) s += w[j];
-        for (int j = 0; j < k; j++) w[j] = w[j] / s;
+    if (normalize) {                            /* ggml: sum_rows (double, rounded), then div */
+        double s = 0.0;
+        for (int j = 0; j < k; j++) s += (double)w[j];
+        for (int j = 0; j < k; j++) w[j] = w[j] / (float)s;
     }
     for (int j = 1; j < k; j++)                 /* ascending expert id, weights alongside */
         for (int m = j; m > 0 && sel[m - 1] > sel[m]; m--) {
@@ -126,7 +157,7 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
     float scale = 1.0f / sqrtf((float)D);
     #pragma omp parallel num_threads(nt)
     {
-        float *sc = malloc((size_t)S * sizeof(float));
+        float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
         #pragma omp single
         for (int b = 0; b < B; b++) { rms_row(x + (size_t)b * n, L->attn_norm, a + (size_t)b * n, n, L->eps); act_row(&aq, b, n); }
         rows_dot(&aq, B, n, L->qkv_t, &tq, 3, Wqkv, Nqkv, Oqkv);
@@ -135,13 +166,20 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
             rope_row(q + (size_t)b * qn, rows[b].cos, rows[b].sin, H, D, L->R, L->neox);
             rope_row(kb, rows[b].cos, rows[b].sin, Hkv, D, L->R, L->neox);
-            memcpy(rows[b].k + (size_t)rows[b].pos * kvn, kb, (size_t)kvn * 4);
-            memcpy(rows[b].v + (size_t)rows[b].pos * kvn, vb, (size_t)kvn * 4);
+            size_t at = (size_t)rows[b].pos * kvn;
+            if (L->kv_f16) {                  /* rounded to nearest even, as numpy's astype */
+                uint16_t *kc = (uint16_t *)rows[b].k + at, *vc = (uint16_t *)rows[b].v + at;
+                for (int i = 0; i < kvn; i++) { kc[i] = fp32_to_fp16(kb[i]); vc[i] = fp32_to_fp16(vb[i]); }
+            } else {
+                memcpy((float *)rows[b].k + at, kb, (size_t)kvn * 4);
+                memcpy((float *)rows[b].v + at, vb, (size_t)kvn * 4);
+            }
         }
         #pragma omp for schedule(static)
         for (int task = 0; task < B * H; task++) {
             int b = task / H;
-            attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc);
+            if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc);
+            else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc);
         }
         #pragma omp single
         for (int b = 0; b < B; b++) act_row(&ao, b, qn);
