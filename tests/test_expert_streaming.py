@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import reference, tiny_path
+from fidelity import assert_meets_bars, measure
 from kiln.native import kernels
 from kiln.native.expert_store import ExpertCache, ExpertStore, expert_map
 from kiln.native.model import load_model
@@ -74,3 +75,16 @@ def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so(e8k2_path, mo
     assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
     st = m.expert_provider.stats()
     assert st["io_mode"] == "buffered" and "EINVAL" in st["fallback_reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-moe-e8k2", "tiny/tiny-qwen2moe", "tiny/tiny-qwen3moe", "tiny/tiny-olmoe"])
+def test_streamed_models_meet_llama_cpps_bars(name, e8k2_path):
+    """Prompts and greedy continuations through a 25 % slot cache, held to the engine's bars."""
+    path = e8k2_path if name == "smollm2-moe-e8k2" else tiny_path(name.removeprefix("tiny/tiny-"))
+    ref, npz = reference(name)
+    m = load_model(path)
+    cache = ExpertCache(m.gguf, ExpertStore(path), slots=max(1, m.config.n_layer * m.config.n_expert // 4))
+    m.expert_provider = cache
+    assert_meets_bars(measure(m, ref, npz), f"{name} streamed")
+    assert cache.stats()["misses"] > 0
