@@ -8,6 +8,7 @@ from pathlib import Path
 from .config import read_config
 from .gguf_file import read_gguf
 from .kernels import COMPILED_TYPES, SUPPORTED_TYPES, kernel_info
+from .kv_cache import KV_DTYPE
 
 
 def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) -> dict:
@@ -25,7 +26,7 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
     else:
         engine_weights = 4 * n_params
     ctx = ctx or min(c.n_ctx_train, 4096)
-    kv_per_token = 2 * c.n_layer * c.n_head_kv * c.head_dim * 4
+    kv_per_token = 2 * c.n_layer * c.n_head_kv * c.head_dim * KV_DTYPE.itemsize
     unsupported = sorted({t.type.name for t in g.tensors.values()} - {t.name for t in SUPPORTED_TYPES})
     expert_bytes = sum(t.n_bytes for n, t in g.tensors.items() if "_exps." in n)
     info = {

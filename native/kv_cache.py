@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 _CHUNK = 256
+KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwise
 
 
 class KVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int,
-                 dtype: type = np.float16):
+                 dtype: type = KV_DTYPE):
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens

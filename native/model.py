@@ -26,7 +26,7 @@ from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFError, GGUFFile, read_gguf
 from .kernels import Weight, matmul, matmul_many
-from .kv_cache import KVCache
+from .kv_cache import KV_DTYPE, KVCache
 from .tokenizer import GGUFTokenizer
 
 LAYER_PARTS: dict[str, set[str]] = {
@@ -149,7 +149,7 @@ class Model:
                 total += w.nbytes
         return total
 
-    def new_cache(self, max_tokens: int | None = None, dtype: type = np.float16) -> KVCache:
+    def new_cache(self, max_tokens: int | None = None, dtype: type = KV_DTYPE) -> KVCache:
         """fp16 keys and values, as llama.cpp keeps them: half the memory and traffic of float32,
         and — with the query and probabilities rounded as ggml rounds them — closer to llama.cpp
         (the E8K2 variant meets its bars only so; float32 misses them, tests/data/README.md)."""

@@ -11,6 +11,7 @@ import psutil
 from .config import read_config
 from .gguf_file import read_gguf
 from .kernels import COMPILED_TYPES, kernel_info
+from .kv_cache import KV_DTYPE
 
 RUNTIME_BYTES = 120 * 2**20      # Python, numpy, tokenizer, scratch activations (measured ~100 MB)
 MIN_EXPERT_CACHE_SLOTS = 2       # per layer: the fewest experts a streamed step can work with
@@ -31,7 +32,7 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None) -> di
         if "_exps." in name:
             expert_bytes += engine
     weights = sum(held.values())
-    kv = 2 * c.n_layer * c.n_head_kv * c.head_dim * 4 * ctx
+    kv = 2 * c.n_layer * c.n_head_kv * c.head_dim * KV_DTYPE.itemsize * ctx
     total = weights + kv + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
