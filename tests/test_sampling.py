@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kiln.native.generate import ContextLengthError, Finish, Sequence, Token, generate_text
-from kiln.native.sampling import Sampler, SamplingError, SamplingParams
+from kiln.native.sampling import Sampler, SamplingError, SamplingParams, top_ranked
 
 
 def _logits(values):
@@ -123,3 +123,12 @@ def test_cancel_stops_between_tokens(default_model, chat_prompt):
         if isinstance(ev, Token):
             seen.append(ev.id)
     assert events[-1].reason == "cancelled" and events[-1].completion_tokens == 3
+
+
+def test_top_k_candidates_are_the_stable_sort_prefix_ties_included():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(1, 3000))
+        logits = (rng.integers(-4, 4, n) if trial % 2 else rng.standard_normal(n)).astype(np.float32)
+        k = int(rng.integers(1, n + 1))
+        assert np.array_equal(top_ranked(logits, k), np.argsort(-logits, kind="stable")[:k]), (n, k)
