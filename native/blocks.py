@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import ggml_round
 from .kernels import Weight, attention_compiled, compiled_module, matmul, matmul_many
 
 F32 = np.float32
@@ -23,8 +24,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         out = np.empty_like(x)
         C.rms_norm(x, weight, out, x.size // n, n, eps)
         return out
-    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=F32)
-    return x * (1.0 / np.sqrt(ms + F32(eps))).astype(F32) * weight
+    # as the kernel (and ggml): float squares summed in order in double, the mean rounded to float
+    total = np.cumsum(np.square(x, dtype=F32), axis=-1, dtype=np.float64)[..., -1:]
+    ms = (total / x.shape[-1]).astype(F32)
+    return x * (F32(1) / np.sqrt(ms + F32(eps))) * weight
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float):
@@ -78,13 +81,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     compiled = attention_compiled(q, k, v, start)
     if compiled is not None:
         return compiled
+    if k.dtype == np.float16:                   # the compiled kernel's (and ggml's) rounding
+        return ggml_round.attention_f16(q, k, v, start)
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
-    if k.dtype == np.float16:          # as ggml: the query and the probabilities meet fp16 K/V rounded
-        q = q.astype(np.float16).astype(np.float32)
-    rounded = k.dtype == np.float16
-    k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
+    k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)    # a float32 cache
     qg = q.reshape(T, Hkv, G, d).transpose(1, 2, 0, 3)               # (Hkv, G, T, d)
     scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])            # (Hkv, G, T, S)
     scores *= F32(1.0 / np.sqrt(d))
@@ -95,8 +97,6 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores *= F32(1.0) / scores.sum(axis=-1, keepdims=True)
-    if rounded:
-        scores = scores.astype(np.float16).astype(np.float32)
     out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])           # (Hkv, G, T, d)
     return out.transpose(2, 0, 1, 3).reshape(T, H * d)
 
@@ -115,7 +115,7 @@ def swiglu_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight, mm=matmul)
             g, u = mm(x, gate), mm(x, up)
         C.swiglu(g, u)
         return mm(g, down)
-    return mm(silu(mm(x, gate)) * mm(x, up), down)
+    return mm(ggml_round.silu(mm(x, gate)) * mm(x, up), down)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -136,11 +136,11 @@ def route(x: np.ndarray, router: Weight, k: int, normalize: bool):
         experts, weights = np.empty((T, k), np.int32), np.empty((T, k), F32)
         C.route(logits, T, E, k, normalize, experts, weights)
         return experts, weights
-    probs = softmax(logits)
+    probs = ggml_round.softmax(logits)                                  # as the C routing
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     w = np.take_along_axis(probs, top, axis=-1)
     if normalize:
-        w = w / w.sum(axis=-1, keepdims=True)
+        w = w / np.cumsum(w, axis=-1, dtype=np.float64)[:, -1:].astype(F32)
     return top, w.astype(F32)
 
 

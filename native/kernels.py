@@ -1,8 +1,9 @@
 """The kernel interface the forward pass calls: `matmul(x, W)` with W a `Weight`.
 
-This is the numpy reference path: a Weight holds a float32 copy dequantized once at load with
-`gguf.quants.dequantize`. Compiled kernels (a later step) plug in here and multiply the stored
-blocks directly; nothing above this module knows which path runs.
+The compiled kernels (_kernels, csrc/) multiply the stored blocks directly. Without them the
+numpy path runs: for Q4_0/Q4_1/Q8_0/F32 it reproduces the kernels' arithmetic bit for bit
+(ggml_round.py), for the other types it multiplies a float32 copy dequantized with
+`gguf.quants.dequantize`. Nothing above this module knows which path runs.
 
 Activations are quantized the way ggml's CPU kernels quantize them before a dot product with a
 quantized weight (`vec_dot_type`: Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the
@@ -20,6 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
+from . import ggml_round
 from .gguf_file import GGUFError, GGUFFile, TensorInfo
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
@@ -139,11 +141,20 @@ class Weight:
     `raw` is the stored GGUF blocks (a view into the memory-mapped file, one row of blocks per
     output row); `dense` is a float32 copy, made only when the numpy path needs it."""
 
-    __slots__ = ("name", "qtype", "shape", "raw", "_dense")
+    __slots__ = ("name", "qtype", "shape", "raw", "_dense", "_exact")
 
     def __init__(self, name: str, qtype: Q, shape: tuple, raw: np.ndarray | None = None,
                  dense: np.ndarray | None = None):
         self.name, self.qtype, self.shape, self.raw, self._dense = name, qtype, tuple(shape), raw, dense
+        self._exact = None
+
+    @property
+    def exact(self):
+        """The blocks unpacked for the numpy path's kernel-exact product (ggml_round.prepare)."""
+        if self._exact is None:
+            n = self.shape[-2] if len(self.shape) > 1 else 1
+            self._exact = ggml_round.prepare(self.raw, int(self.qtype), n, self.shape[-1])
+        return self._exact
 
     @property
     def dense(self) -> np.ndarray:
@@ -197,7 +208,7 @@ def load_weights(g: GGUFFile, names: list[str], threads: int = 2) -> dict[str, W
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         raw = raw.reshape(*info.shape[:-1], info.n_bytes // rows) if len(info.shape) > 1 else raw
         w = Weight(name, info.type, info.shape, raw)
-        if not w.compiled:
+        if not w.compiled and int(info.type) not in ggml_round.EXACT_TYPES:
             w.dense                                   # dequantize now, not on the first request
         return w
 
@@ -226,5 +237,9 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
         out = np.empty((T, N), np.float32)
         _C.matmul(x, w.raw, int(w.qtype), T, K, N, out, 0)
         return out
+    if _act_mode == "ggml" and w.raw is not None and int(w.qtype) in ggml_round.EXACT_TYPES \
+            and x.shape[-1] % 32 == 0:
+        # the compiled kernel's arithmetic, in numpy: same bits, so both paths route an MoE alike
+        return ggml_round.matmul(x, w.exact)
     kind = _ACT_QUANT.get(w.qtype) if _act_mode == "ggml" else None
     return quantize_activations(x, kind) @ w.dense.T

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from kiln.native import kernels
+from kiln.native import ggml_round, kernels
 from kiln.native.blocks import route, softmax
 from kiln.native.kernels import Weight
 
@@ -108,3 +108,26 @@ def test_bad_buffers_are_refused_not_read_past():
         C.matmul(np.zeros(60, np.float32), w.raw, int(Q.Q4_0), 1, 60, 8, np.zeros(8, np.float32), 0)
     with pytest.raises(ValueError, match="experts"):
         C.route(np.zeros(8, np.float32), 1, 8, 9, False, np.zeros(9, np.int32), np.zeros(9, np.float32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32], ids=lambda t: t.name)
+def test_the_numpy_path_computes_the_compiled_kernels_bits(qtype):
+    """native/ggml_round.py reproduces the AVX2 kernels (and so ggml) exactly: products,
+    attention over an fp16 cache, the softmax and SiLU — so both paths route an MoE alike."""
+    if not C.features()["avx2_fma"]:
+        pytest.skip("the portable kernels sum in another order")
+    rng = np.random.default_rng(int(qtype))
+    w = random_weight(qtype, 48, 576, rng)
+    x = rng.standard_normal((5, 576)).astype(np.float32)
+    assert np.array_equal(kernels.matmul(x, w), ggml_round.matmul(x, Weight(w.name, w.qtype, w.shape, w.raw).exact))
+    q = rng.standard_normal((4, 9, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((21, 3, 64)).astype(np.float16) for _ in range(2))
+    assert np.array_equal(kernels.attention_compiled(q, k, v, 17), ggml_round.attention_f16(q, k, v, 17))
+    g, u = (rng.standard_normal(1000).astype(np.float32) * 6 for _ in range(2))
+    fused = g.copy()
+    C.swiglu(fused, u)
+    assert np.array_equal(fused, ggml_round.silu(g) * u)
+    logits = rng.standard_normal((30, 8)).astype(np.float32) * 3
+    experts, weights = np.empty((30, 2), np.int32), np.empty((30, 2), np.float32)
+    C.route(logits, 30, 8, 2, False, experts, weights)
+    assert np.array_equal(np.take_along_axis(ggml_round.softmax(logits), experts, 1), weights)

@@ -1,0 +1,209 @@
+"""ggml's rounding on the numpy path: its AVX2 exp, its softmax sums, its attention sum orders.
+
+The compiled kernels (csrc/) compute these as llama.cpp's CPU graph does, because an MoE whose
+routing turns on 1e-4 probability gaps re-routes on any other rounding (tests/data/README.md).
+This is the same arithmetic in numpy, operation for operation, so the numpy path
+(KILN_NATIVE_KERNELS=0) rounds alike: float32 throughout, FMAs through float64 (a float32
+product is exact there; the sum then rounds twice only in rare exact-halfway cases).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def _fma(a, b, c) -> np.ndarray:
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(F32)
+
+
+_C1, _C2, _C3, _C4, _C5 = (F32(float.fromhex(h)) for h in
+                           ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1"))
+_R, _LOG2E = F32(float.fromhex("0x1.8p23")), F32(float.fromhex("0x1.715476p+0"))
+_LN2_HI, _LN2_LO = F32(float.fromhex("0x1.62e4p-1")), F32(float.fromhex("0x1.7f7d1cp-20"))
+
+
+def expf(x: np.ndarray) -> np.ndarray:
+    """exp as ggml's AVX2 ggml_v_expf (csrc/kiln.h expf8), elementwise; -inf gives 0."""
+    x = np.asarray(x, F32)
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        z = _fma(x, _LOG2E, _R)
+        n = z - _R
+        b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
+        e = (z.view(np.uint32) << np.uint32(23))
+        k = (e + np.array(1, F32).view(np.uint32)).view(F32)
+        u = b * b
+        j = _fma(_fma(_fma(_C1, b, _C2), u, _fma(_C3, b, _C4)), u, _C5 * b)
+        plain = _fma(j, k, k)
+        c = np.abs(n) > F32(126)
+        if not c.any():
+            return plain
+        g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0))
+        s1 = (g + np.uint32(0x7F000000)).view(F32)
+        s2 = (e - g).view(F32)
+        big = _fma(s2, j, s2) * s1
+        return np.where(np.abs(n) > F32(192), s1 * s1, np.where(c, big, plain)).astype(F32)
+
+
+def hsum8(x: np.ndarray) -> np.ndarray:
+    """The last axis (8) summed as an AVX 8-lane horizontal sum: ((0+4)+(2+6))+((1+5)+(3+7))."""
+    return ((x[..., 0] + x[..., 4]) + (x[..., 2] + x[..., 6])) + ((x[..., 1] + x[..., 5]) + (x[..., 3] + x[..., 7]))
+
+
+def lane_sums(x: np.ndarray) -> np.ndarray:
+    """Sum over the last axis as an 8-lane SIMD loop does: lane i adds elements i, i+8, ... in
+    order (from zero; the axis is zero-padded to a multiple of 8), then hsum8."""
+    n = x.shape[-1]
+    pad = -n % 8
+    if pad:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), x.dtype)], axis=-1)
+    lanes = x.reshape(x.shape[:-1] + (-1, 8))
+    return hsum8(np.cumsum(lanes, axis=-2, dtype=F32)[..., -1, :])
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Over the last axis as ggml's soft_max: max, expf, each 8's sum added in double, times a
+    float32 1/sum made in double. -inf entries (masked) give 0."""
+    x = np.asarray(x, F32)
+    e = expf(x - x.max(axis=-1, keepdims=True))
+    n = e.shape[-1]
+    pad = -n % 8
+    padded = np.concatenate([e, np.zeros(e.shape[:-1] + (pad,), F32)], axis=-1) if pad else e
+    chunks = hsum8(padded.reshape(padded.shape[:-1] + (-1, 8))).astype(np.float64)
+    total = np.cumsum(chunks, axis=-1)[..., -1:]
+    return e * (1.0 / total).astype(F32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, F32)
+    return x / (F32(1) + expf(F32(0) - x))
+
+
+def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal attention over an fp16 cache as the compiled task computes it (csrc/attention.c):
+    q rounded to fp16; each score an 8-lane sum over the head dimension, times 1/sqrt(d); ggml's
+    softmax; probabilities rounded to fp16; each output an 8-lane sum over the positions.
+    fp16 x fp16 products are exact in float32, so these sums are the FMAs' bits."""
+    T, H, d = q.shape
+    S, Hkv, _ = k.shape
+    G = H // Hkv
+    q = q.astype(np.float16).astype(F32)
+    k, v = k.astype(F32), v.astype(F32)
+    scale = F32(1) / np.sqrt(F32(d))
+    out = np.empty((T, H, d), F32)
+    step = max(1, (1 << 22) // max(1, S * H * d))            # rows per block: bounded temporaries
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        qg = q[t0:t1].reshape(t1 - t0, Hkv, G, d)
+        prod = qg[:, :, :, None, :] * k.transpose(1, 0, 2)[None, :, None, :, :]   # (t, Hkv, G, S, d)
+        scores = lane_sums(prod) * scale                                      # (t, Hkv, G, S)
+        mask = np.arange(S)[None, :] > (start + np.arange(t0, t1))[:, None]   # (t, S)
+        scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf
+        p = softmax(scores).astype(np.float16).astype(F32)
+        vt = v.transpose(1, 2, 0)                                             # (Hkv, d, S)
+        prod = p[:, :, :, None, :] * vt[None, :, None, :, :]                  # (t, Hkv, G, d, S)
+        out[t0:t1] = lane_sums(prod).reshape(t1 - t0, H, d)
+    return out.reshape(T, H * d)
+
+
+# -- quantized matrix products ---------------------------------------------------------------
+# The compiled kernels' AVX2 dot products (csrc/quant.c), in numpy: activations quantized per
+# block of 32 as they are there, each block's integer products summed in 8 lanes of 4 elements,
+# every block added to its lane by an FMA with the two scales' product, the lanes reduced by
+# hsum8 (Q4_1 adds its min term after). These are ggml's vec_dot_q4_0/q4_1/q8_0 for AVX2.
+
+EXACT_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0", 0: "f32"}      # ggml type ids
+_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+_ELEMENTS = 1 << 24                                           # bound on a temporary's elements
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, F32).astype(np.float16).astype(F32)
+
+
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (T, K) -> q (T, K/32, 32) int values as float32, d (T, K/32) fp16-rounded, s (T, K/32)
+    = fp16(d_unrounded * sum q) — as csrc/quant.c quantize_row (and ggml's quantize_row_q8_1)."""
+    T, K = x.shape
+    b = np.asarray(x, F32).reshape(T, K // 32, 32)
+    amax = np.abs(b).max(axis=-1)
+    dd = amax / F32(127)
+    inv = np.divide(F32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+    q = np.clip(np.rint(b * inv[..., None]), -127, 127).astype(F32)
+    return q, _fp16(dd), _fp16(dd * q.sum(axis=-1, dtype=np.int32).astype(F32))
+
+
+def _unpack(raw: np.ndarray, kind: str, N: int, nb: int):
+    """Weight blocks (N, nb*bytes) -> values (N, nb, 32) float32, d (N, nb), m (N, nb) or None."""
+    blk = np.asarray(raw).reshape(N, nb, _BLOCK_BYTES[kind])
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(F32)
+    if kind == "q8_0":
+        return blk[..., 2:].view(np.int8).astype(F32), d, None
+    qs = blk[..., -16:]
+    vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(F32)
+    if kind == "q4_0":
+        return vals - F32(8), d, None
+    return vals, d, blk[..., 2:4].copy().view(np.float16)[..., 0].astype(F32)
+
+
+def prepare(raw: np.ndarray, qtype: int, N: int, K: int):
+    """A weight's blocks unpacked once for `matmul`: the values laid out (blocks, lane, 4, N) for
+    the lane products, the scales (blocks, N) — float32, as much memory as a dequantized copy."""
+    kind = EXACT_TYPES[int(qtype)]
+    if kind == "f32":
+        return kind, np.asarray(raw).reshape(N, -1).view(F32)[:, :K], None, None
+    nb = K // 32
+    w, dw, mw = _unpack(raw, kind, N, nb)
+    wl = np.ascontiguousarray(w.reshape(N, nb, 8, 4).transpose(1, 2, 3, 0))
+    return kind, wl, np.ascontiguousarray(dw.T), None if mw is None else np.ascontiguousarray(mw.T)
+
+
+def matmul(x: np.ndarray, prepared) -> np.ndarray:
+    """x (T, K) float32 times a prepared weight, as the AVX2 kernel computes it."""
+    kind, wl, dw, mw = prepared
+    x = np.asarray(x, F32)
+    if kind == "f32":
+        return _matmul_f32(x, wl)
+    T, K = x.shape
+    nb, N = K // 32, wl.shape[-1]
+    q, dx, sx = quantize_q8(x)
+    out = np.empty((T, N), F32)
+    rows = max(1, _ELEMENTS // max(1, N * nb * 8))
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        ql = q[t0:t1].reshape(t1 - t0, nb, 8, 4).transpose(1, 2, 0, 3)  # (nb, 8, t, 4)
+        partial = np.matmul(ql, wl)                                      # (nb, 8, t, N): exact integers
+        acc = np.zeros((8, t1 - t0, N), F32)
+        for b in range(nb):
+            scale = (dx[t0:t1, b, None] * dw[b][None, :]).astype(np.float64)          # (t, N)
+            acc = (scale * partial[b] + acc).astype(F32)                 # the FMA, exactly rounded
+        res = hsum8(acc.transpose(1, 2, 0))
+        if mw is not None:
+            m = np.zeros((t1 - t0, N), F32)
+            for b in range(nb):
+                m = m + sx[t0:t1, b, None] * mw[b][None, :]
+            res = res + m
+        out[t0:t1] = res
+    return out
+
+
+def _matmul_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """F32 weights: 8 lanes of FMAs over the row, hsum8, then the tail in order."""
+    T, K = x.shape
+    N = w.shape[0]
+    k8 = K - K % 8
+    out = np.empty((T, N), F32)
+    rows = max(1, _ELEMENTS // max(1, N * 8))
+    wl = w[:, :k8].reshape(N, -1, 8).astype(np.float64)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        xl = x[t0:t1, :k8].reshape(t1 - t0, -1, 8).astype(np.float64)
+        acc = np.zeros((t1 - t0, N, 8), F32)
+        for i in range(k8 // 8):
+            acc = (xl[:, None, i, :] * wl[None, :, i, :] + acc).astype(F32)
+        r = hsum8(acc)
+        for i in range(k8, K):
+            r = r + x[t0:t1, i, None] * w[None, :, i]
+        out[t0:t1] = r
+    return out
