@@ -124,9 +124,10 @@ def quantize_activations(x: np.ndarray, kind: str | None) -> np.ndarray:
     if n % block:
         return x
     b = x.reshape(T, n // block, block)
-    d = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    q = np.rint(b * inv)                                 # AVX2 rounds half to even, as rint
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)   # as ggml: 127/amax
+    q = np.clip(np.rint(b * inv), -127, 127)             # AVX2 rounds half to even, as rint
     if kind != "q8_K":                                   # Q8_0/Q8_1 store d as fp16
         d = d.astype(np.float16).astype(np.float32)
     return (q * d).reshape(T, n)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
 from kiln.native import ggml_round, kernels
 from kiln.native.blocks import route, softmax
@@ -42,11 +43,10 @@ def random_weight(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> 
 
 
 def reference(x: np.ndarray, w: Weight) -> np.ndarray:
-    previous = kernels.use_compiled(False)
-    try:
-        return kernels.matmul(x, Weight(w.name, w.qtype, w.shape, w.raw))   # a fresh dense copy
-    finally:
-        kernels.use_compiled(previous)
+    """gguf.quants.dequantize + a numpy matmul, the activations rounded as ggml rounds them."""
+    dense = dequantize(w.raw, w.qtype).reshape(w.shape).astype(np.float32)
+    kind = kernels._ACT_QUANT.get(w.qtype)
+    return kernels.quantize_activations(x, kind) @ dense.T
 
 
 @pytest.fixture(params=["avx2", "portable"])
