@@ -30,21 +30,33 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (F32(1) / np.sqrt(ms + F32(eps))) * weight
 
 
+_ROPE: dict = {}          # (rope_dim, base, scale) -> (cos, sin) for positions 0..len-1
+
+
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float):
     """cos/sin of shape (T, rope_dim/2) for the given absolute positions.
 
     The angles are made as ggml makes them — in float32, each pair's from the previous one
     times base^(-2/rope_dim) — not exactly: a position's angles then carry ggml's rounding, and
-    llama.cpp's outputs are what the engine is held to."""
-    theta_scale = F32(float(base) ** (-2.0 / rope_dim))
-    theta = np.asarray(positions).astype(F32)
-    freq_scale = F32(1.0 / scale)
-    angles = np.empty((len(theta), rope_dim // 2), F32)
-    for i in range(rope_dim // 2):
-        angles[:, i] = theta * freq_scale
-        theta = theta * theta_scale
-    angles = angles.astype(np.float64)                 # cos/sin correctly rounded, as glibc's cosf
-    return np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+    llama.cpp's outputs are what the engine is held to. Made once per position (a table that
+    grows in chunks), so a decode step only indexes it."""
+    positions = np.asarray(positions, dtype=np.int64)
+    key = (rope_dim, float(base), float(scale))
+    cos, sin = _ROPE.get(key, (np.empty((0, rope_dim // 2), F32),) * 2)
+    need = int(positions.max(initial=-1)) + 1
+    if need > len(cos):
+        n = max(need, 2 * len(cos), 1024)
+        theta_scale = F32(float(base) ** (-2.0 / rope_dim))
+        theta = np.arange(n).astype(F32)
+        freq_scale = F32(1.0 / scale)
+        angles = np.empty((n, rope_dim // 2), F32)
+        for i in range(rope_dim // 2):
+            angles[:, i] = theta * freq_scale
+            theta = theta * theta_scale
+        angles = angles.astype(np.float64)             # cos/sin correctly rounded, as glibc's cosf
+        cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+        _ROPE[key] = (cos, sin)
+    return cos[positions], sin[positions]
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
@@ -99,10 +111,6 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     scores *= F32(1.0) / scores.sum(axis=-1, keepdims=True)
     out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])           # (Hkv, G, T, d)
     return out.transpose(2, 0, 1, 3).reshape(T, H * d)
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (F32(1.0) + np.exp(-x))
 
 
 def swiglu_ffn(x: np.ndarray, gate: Weight, up: Weight, down: Weight, mm=matmul) -> np.ndarray:

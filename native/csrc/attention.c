@@ -121,6 +121,14 @@ static inline void vaxpy(float *o, float p, const float *v, int n) {
     for (int i = 0; i < n; i++) o[i] += p * v[i];
 }
 
+/* D values of a float32 or fp16 cache from element `at`, as float32 (fp16 widened into buf) */
+static inline const float *kv_row(const void *cache, int f16, size_t at, int D, float *buf) {
+    if (!f16) return (const float *)cache + at;
+    const uint16_t *h = (const uint16_t *)cache + at;
+    for (int i = 0; i < D; i++) buf[i] = fp16_to_fp32(h[i]);
+    return buf;
+}
+
 /* attention over T query rows (T, H, D) at positions start..start+T-1 of a cache of S positions
  * (S, Hkv, D), float32 or fp16 (f16); head h reads KV head h / (H/Hkv); out (T, H*D). */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
@@ -153,13 +161,7 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             float mx = -INFINITY;
             for (int s = 0; s < n; s++) {
                 float kt[512];
-                const float *k = (const float *)K + ((size_t)s * Hkv + kh) * D;
-                if (f16) {
-                    const uint16_t *k16 = (const uint16_t *)K + ((size_t)s * Hkv + kh) * D;
-                    for (int i = 0; i < D; i++) kt[i] = fp16_to_fp32(k16[i]);
-                    k = kt;
-                }
-                sc[s] = vdot(q, k, D) * scale;
+                sc[s] = vdot(q, kv_row(K, f16, ((size_t)s * Hkv + kh) * D, D, kt), D) * scale;
                 if (sc[s] > mx) mx = sc[s];
             }
             float sum = 0.f;
@@ -168,13 +170,7 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             for (int i = 0; i < D; i++) o[i] = 0.f;
             for (int s = 0; s < n; s++) {
                 float vt[512];
-                const float *v = (const float *)V + ((size_t)s * Hkv + kh) * D;
-                if (f16) {
-                    const uint16_t *v16 = (const uint16_t *)V + ((size_t)s * Hkv + kh) * D;
-                    for (int i = 0; i < D; i++) vt[i] = fp16_to_fp32(v16[i]);
-                    v = vt;
-                }
-                vaxpy(o, f16 ? round_fp16(sc[s] * inv) : sc[s] * inv, v, D);
+                vaxpy(o, f16 ? round_fp16(sc[s] * inv) : sc[s] * inv, kv_row(V, f16, ((size_t)s * Hkv + kh) * D, D, vt), D);
             }
         }
         free(sc);
