@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -287,6 +288,8 @@ def config_cmd(file: Optional[str] = typer.Option(None, "--file", help="kiln.tom
 
 
 def main() -> None:
+    # Ctrl-C and `kill` work whatever signal mask the parent left us (some CI runners block them)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     app()
 
 

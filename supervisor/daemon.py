@@ -37,6 +37,8 @@ from .processes import WorkerProcess
 
 log = logging.getLogger("kiln.supervisor")
 
+HANDLED_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
 
 class AlreadyRunning(RuntimeError):
     def __init__(self, pid: int | None):
@@ -89,6 +91,7 @@ class Supervisor:
         self.events: deque = deque(maxlen=500)
         self.inbox: queue.Queue = queue.Queue()
         self.shutting_down = False
+        self._signals: list[int] = []            # appended by signal handlers, drained by the loop
         self.started_at = time.time()
         self.key = os.urandom(32)
         self.http = None
@@ -186,9 +189,11 @@ class Supervisor:
                 os.unlink(path)          # stale socket of a killed daemon: we hold the lock
             sock.bind(ep)
             os.chmod(path, 0o600)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in HANDLED_SIGNALS:
             signal.signal(sig, self._on_signal)
-        signal.signal(signal.SIGHUP, lambda *_: self.inbox.put((lambda: self.record("sighup", None, "ignored (no reload yet)"), Future())))
+        # A mask inherited from whoever started us (some CI runners and shells block SIGTERM) would
+        # leave the signal pending forever: `kill <pid>` must always stop the daemon.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
         try:
             self._start_http()
             self.record("daemon_started", None, f"pid {os.getpid()}, http {self.http_address}")
@@ -203,9 +208,23 @@ class Supervisor:
         return 0
 
     def _on_signal(self, signum, _frame) -> None:
-        # handlers only enqueue (gunicorn): the loop does the work
-        self.inbox.put((lambda: commands.run(self, "shutdown", {"reason": signal.Signals(signum).name}), Future()))
+        # Handlers only note the signal and wake the loop (gunicorn), taking no lock: a handler
+        # runs between two bytecodes of the main thread, which may hold the inbox's lock then.
+        self._signals.append(signum)
         self._wake()
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                self.record("sighup", None, "ignored (no reload yet)")
+            elif self.shutting_down:
+                self.record("signal", None, f"{name} again while stopping: killing the workers now")
+                for w in self.workers.values():
+                    w.kill()
+            else:
+                commands.run(self, "shutdown", {"reason": name})
 
     def _start_http(self) -> None:
         from .http_app import serve_http
@@ -243,6 +262,7 @@ class Supervisor:
         poller.register(self._wake_r, zmq.POLLIN)
         housekeeping = 0.0
         while True:
+            self._handle_signals()
             self._drain_inbox()
             now = time.monotonic()
             if now - housekeeping >= 0.02:      # not once per message: traffic stays cheap

@@ -72,8 +72,9 @@ def kiln(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedPro
 
 class Daemon:
     def __init__(self, home: Path, workers: dict, supervisor: dict | None = None,
-                 server: dict | None = None, extra_args: tuple = ()):
+                 server: dict | None = None, extra_args: tuple = (), blocked_signals: frozenset = frozenset()):
         self.home = Path(home)
+        self.blocked_signals = blocked_signals   # a signal mask `kiln up` inherits, as from some CI runners
         self.config = write_config(self.home, workers, supervisor, server)
         self.extra_args = extra_args
         self.paths = None
@@ -85,7 +86,9 @@ class Daemon:
         log = open(self.home / "daemon.out", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.supervisor.cli", "up", "--config",
                                       str(self.config), *self.extra_args],
-                                     env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.home)
+                                     env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.home,
+                                     preexec_fn=(lambda: signal.pthread_sigmask(signal.SIG_BLOCK, self.blocked_signals))
+                                     if self.blocked_signals else None)
         old = os.environ.get("KILN_HOME")
         os.environ["KILN_HOME"] = str(self.home)
         try:
@@ -153,6 +156,8 @@ class Daemon:
         return f"http://{host}:{port}"
 
     def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM, as a user's `kill` would; a daemon that does not stop fails the test."""
+        hung = None
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -160,6 +165,7 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                hung = f"kiln up ignored SIGTERM for {timeout:g} s; its output:\n{self.output()}"
         # no orphans: every worker pid we saw must be gone
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and [p for p in self.seen_pids if psutil.pid_exists(p)
@@ -171,9 +177,15 @@ class Daemon:
                     os.kill(p, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        if hung:
+            raise AssertionError(hung)
 
     def __enter__(self):
         return self.start() if self.proc is None else self
 
-    def __exit__(self, *exc):
-        self.stop()
+    def __exit__(self, exc_type, *_):
+        try:
+            self.stop()
+        except AssertionError:
+            if exc_type is None:       # else the test's own failure is the one to show
+                raise

@@ -74,8 +74,10 @@ def test_worker_crashing_every_start_goes_fatal_then_restart_revives_it(tmp_path
         assert w["pid"]
 
 
-def test_sigterm_to_the_daemon_leaves_no_orphans_sockets_or_pidfile(tmp_path):
-    d = Daemon(tmp_path, {"a": spec(), "b": spec()}).start()
+@pytest.mark.parametrize("inherited_mask", [frozenset(), frozenset({signal.SIGTERM, signal.SIGINT})],
+                         ids=["plain", "sigterm-blocked-by-the-parent"])
+def test_sigterm_to_the_daemon_leaves_no_orphans_sockets_or_pidfile(tmp_path, inherited_mask):
+    d = Daemon(tmp_path, {"a": spec(), "b": spec()}, blocked_signals=inherited_mask).start()
     d.wait_state("a", "running")
     d.wait_state("b", "running")
     pids = [w["pid"] for w in d.status()["workers"]]

@@ -143,6 +143,7 @@ class Runtime:
         self.jobs: queue.Queue = queue.Queue()
         self.requests: dict[str, Request] = {}            # queued or running, by id
         self.stopping = False
+        self._signalled = False
         self.exit_code = 0
         self.handlers = worker.ops()
         self.parent = os.getppid()
@@ -154,8 +155,13 @@ class Runtime:
 
     def run(self) -> int:
         _set_parent_death_signal()
-        signal.signal(signal.SIGTERM, lambda *_: self._begin_stop())
-        signal.signal(signal.SIGINT, lambda *_: self._begin_stop())
+        # the handler only notes the signal: it runs between two bytecodes of this thread, which
+        # may be holding a lock that stopping needs; the loop below acts on it within 0.25 s
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        # a blocked SIGTERM (a mask inherited through the supervisor) would defeat both the
+        # supervisor's graceful stop and the parent-death signal
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         self.sock.connect(self.endpoint)
         self.send(make("hello", name=self.worker.name, kind=self.worker.kind, pid=os.getpid(),
                        protocol=PROTOCOL_VERSION, ops=sorted(self.handlers),
@@ -175,6 +181,8 @@ class Runtime:
             if os.getppid() != self.parent:
                 print(f"kiln worker {self.worker.name}: supervisor gone; exiting", file=sys.stderr)
                 return 1
+            if self._signalled and not self.stopping:
+                self._begin_stop()
             if self.stopping:
                 stop_deadline = stop_deadline or now + self.worker.stop_grace
                 if (not self.requests and self.jobs.empty() and not self.worker.stop_pending()) \
@@ -238,6 +246,9 @@ class Runtime:
             threading.Thread(target=self._run_concurrent, args=(req,), name=f"kiln-op-{opname}", daemon=True).start()
         else:
             self.jobs.put(req)
+
+    def _on_signal(self, _signum, _frame) -> None:
+        self._signalled = True
 
     def _begin_stop(self) -> None:
         self.stopping = True
