@@ -14,6 +14,7 @@ on a worker that dies.
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import logging
 import os
@@ -193,7 +194,8 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         # A mask inherited from whoever started us (some CI runners and shells block SIGTERM) would
         # leave the signal pending forever: `kill <pid>` must always stop the daemon.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS | {signal.SIGUSR1})
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1`: stacks to the log
         try:
             self._start_http()
             self.record("daemon_started", None, f"pid {os.getpid()}, http {self.http_address}")

@@ -163,6 +163,8 @@ class Daemon:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGUSR1)     # faulthandler: every thread's stack
+                time.sleep(1)
                 self.proc.kill()
                 self.proc.wait()
                 hung = f"kiln up ignored SIGTERM for {timeout:g} s; its output:\n{self.output()}"

@@ -90,6 +90,18 @@ def test_sigterm_to_the_daemon_leaves_no_orphans_sockets_or_pidfile(tmp_path, in
     assert not d.paths.pidfile.exists() and not d.paths.keyfile.exists()
 
 
+def test_sigusr1_dumps_the_daemons_threads_to_its_log_and_it_keeps_serving(tmp_path):
+    with Daemon(tmp_path, {"a": spec()}) as d:
+        pid = d.wait_state("a", "running")["pid"]
+        d.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "_loop" not in d.output():
+            assert time.monotonic() < deadline, d.output()
+            time.sleep(0.05)
+        assert "kiln-http" in d.output() or "Thread 0x" in d.output()
+        assert d.status()["daemon"]["pid"] == d.proc.pid and d.worker("a")["pid"] == pid
+
+
 def test_sigkill_of_the_daemon_takes_the_workers_down_too(tmp_path):
     d = Daemon(tmp_path, {"a": spec()}).start()
     pid = d.wait_state("a", "running")["pid"]

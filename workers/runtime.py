@@ -17,6 +17,7 @@ exit; boot error → send `error` boot_failed, print the reason, exit 3.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import queue
@@ -161,7 +162,8 @@ class Runtime:
         signal.signal(signal.SIGINT, self._on_signal)
         # a blocked SIGTERM (a mask inherited through the supervisor) would defeat both the
         # supervisor's graceful stop and the parent-death signal
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1})
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1`: stacks to the log
         self.sock.connect(self.endpoint)
         self.send(make("hello", name=self.worker.name, kind=self.worker.kind, pid=os.getpid(),
                        protocol=PROTOCOL_VERSION, ops=sorted(self.handlers),
