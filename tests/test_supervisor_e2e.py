@@ -90,6 +90,32 @@ def test_sigterm_to_the_daemon_leaves_no_orphans_sockets_or_pidfile(tmp_path, in
     assert not d.paths.pidfile.exists() and not d.paths.keyfile.exists()
 
 
+def test_a_second_sigterm_while_stopping_kills_the_workers_at_once(tmp_path):
+    import threading
+    d = Daemon(tmp_path, {"a": spec()}, supervisor={"graceful_timeout": 60.0}).start()
+    try:
+        pid = d.wait_state("a", "running")["pid"]
+
+        def busy():                       # an op that ignores cancellation keeps the worker alive
+            try:
+                with d.client(60) as c:
+                    list(c.call("a", "sleep", {"seconds": 30}))
+            except Exception:  # noqa: BLE001 - the daemon goes away under it
+                pass
+        threading.Thread(target=busy, daemon=True).start()
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert d.proc.poll() is None and psutil.pid_exists(pid)    # still stopping gracefully
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(10) == 0 and time.monotonic() - t0 < 3
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert not d.paths.pidfile.exists()
+    finally:
+        d.stop()
+
+
 def test_sigusr1_dumps_the_daemons_threads_to_its_log_and_it_keeps_serving(tmp_path):
     with Daemon(tmp_path, {"a": spec()}) as d:
         pid = d.wait_state("a", "running")["pid"]
