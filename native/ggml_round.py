@@ -113,8 +113,8 @@ def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np
 # every block added to its lane by an FMA with the two scales' product, the lanes reduced by
 # hsum8 (Q4_1 adds its min term after). These are ggml's vec_dot_q4_0/q4_1/q8_0 for AVX2.
 
-EXACT_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0", 0: "f32"}      # ggml type ids
-_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+EXACT_TYPES = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 0: "f32"}   # ggml type ids
+_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}
 _ELEMENTS = 1 << 24                                           # bound on a temporary's elements
 
 
@@ -142,8 +142,13 @@ def _unpack(raw: np.ndarray, kind: str, N: int, nb: int):
         return blk[..., 2:].view(np.int8).astype(F32), d, None
     qs = blk[..., -16:]
     vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(F32)
+    if kind in ("q5_0", "q5_1"):                              # the fifth bit of value j: bit j of qh
+        qh = blk[..., -20:-16].copy().view("<u4")[..., 0]
+        vals = vals + ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(F32) * F32(16)
     if kind == "q4_0":
         return vals - F32(8), d, None
+    if kind == "q5_0":
+        return vals - F32(16), d, None
     return vals, d, blk[..., 2:4].copy().view(np.float16)[..., 0].astype(F32)
 
 

@@ -1,7 +1,7 @@
 """The kernel interface the forward pass calls: `matmul(x, W)` with W a `Weight`.
 
 The compiled kernels (_kernels, csrc/) multiply the stored blocks directly. Without them the
-numpy path runs: for Q4_0/Q4_1/Q8_0/F32 it reproduces the kernels' arithmetic bit for bit
+numpy path runs: for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/F32 it reproduces the kernels' arithmetic bit for bit
 (ggml_round.py), for the other types it multiplies a float32 copy dequantized with
 `gguf.quants.dequantize`. Nothing above this module knows which path runs.
 
@@ -128,7 +128,9 @@ def quantize_activations(x: np.ndarray, kind: str | None) -> np.ndarray:
     d = amax / np.float32(127)
     inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)   # as ggml: 127/amax
     q = np.clip(np.rint(b * inv), -127, 127)             # AVX2 rounds half to even, as rint
-    if kind != "q8_K":                                   # Q8_0/Q8_1 store d as fp16
+    if kind == "q8_K":                                   # ggml stores 1/iscale for Q8_K
+        d = np.divide(np.float32(1), inv, out=np.zeros_like(inv), where=inv > 0)
+    else:                                                # Q8_0/Q8_1 store d as fp16
         d = d.astype(np.float16).astype(np.float32)
     return (q * d).reshape(T, n)
 

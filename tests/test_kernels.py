@@ -74,7 +74,7 @@ def test_every_type_equals_dequantize_and_numpy(qtype, rows, simd):
     assert err <= bar, f"{qtype.name} ({simd}): relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype):
     rng = np.random.default_rng(7)
     w = random_weight(qtype, 64, 256, rng)
@@ -110,7 +110,7 @@ def test_bad_buffers_are_refused_not_read_past():
         C.route(np.zeros(8, np.float32), 1, 8, 9, False, np.zeros(9, np.int32), np.zeros(9, np.float32))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F32], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F32], ids=lambda t: t.name)
 def test_the_numpy_path_computes_the_compiled_kernels_bits(qtype):
     """native/ggml_round.py reproduces the AVX2 kernels (and so ggml) exactly: products,
     attention over an fp16 cache, the softmax and SiLU — so both paths route an MoE alike."""

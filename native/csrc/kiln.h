@@ -86,6 +86,7 @@ typedef struct {
     int8_t *q;            /* quantized values */
     float *d;             /* per block scale (fp16-rounded for Q8_0/Q8_1) */
     float *s;             /* Q8_1: fp16(d * sum q) */
+    int16_t *bs;          /* Q8_K: the sums of each 16 quantized values (ggml's bsums) */
 } Act;
 
 #ifdef KILN_X86

@@ -6,8 +6,10 @@
  * So a row's result never depends on how many rows were multiplied with it or on the thread
  * count — prefix reuse and batched decode give the same bits as a fresh, single run.
  *
- * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q8_0 — the types of the default model —
- * and portable C for every type, so a build is not tied to the machine that made it.
+ * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and F32
+ * — ggml's own AVX2 arithmetic, so the products are llama.cpp's bits (its repacked Q4_0/Q4_K
+ * layouts aside) — and portable C for every type, so a build is not tied to the machine that
+ * made it.
  */
 #include "kiln.h"
 
@@ -32,7 +34,8 @@ int type_info(int t, TypeInfo *ti) {
     return 0;
 }
 
-static void quantize_row(const float *x, int K, int kind, float *xr, int8_t *q, float *d, float *s) {
+static void quantize_row(const float *x, int K, int kind, float *xr, int8_t *q, float *d, float *s,
+                         int16_t *bs) {
     if (kind == A_F16) { for (int i = 0; i < K; i++) xr[i] = round_fp16(x[i]); return; }
     if (kind == A_BF16) { for (int i = 0; i < K; i++) xr[i] = round_bf16(x[i]); return; }
     int B = kind == A_Q8_K ? 256 : 32;
@@ -49,8 +52,16 @@ static void quantize_row(const float *x, int K, int kind, float *xr, int8_t *q, 
             q[b * B + i] = (int8_t)v;
             sum += (int)v;
         }
-        if (kind == A_Q8_K) { d[b] = dd; }
-        else {
+        if (kind == A_Q8_K) {
+            /* ggml stores 1/iscale (its sign follows the largest value's; the products are
+             * the same bits either way) and the sums of 16 for the weights' minimums */
+            d[b] = amax != 0.f ? 1.f / id : 0.f;
+            for (int j = 0; j < B / 16; j++) {
+                int s16 = 0;
+                for (int i = 0; i < 16; i++) s16 += q[b * B + j * 16 + i];
+                bs[b * (B / 16) + j] = (int16_t)s16;
+            }
+        } else {
             d[b] = round_fp16(dd);
             if (s) s[b] = round_fp16(dd * (float)sum);
         }
@@ -252,6 +263,167 @@ AVX2 static float dot_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     }
     return hsum_avx(acc);
 }
+AVX2 static inline __m256i bits32(const uint8_t *x) {    /* 32 bits -> 32 bytes, 0xFF where set */
+    uint32_t x32; memcpy(&x32, x, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                           0x0101010101010101LL, 0x0000000000000000LL);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+AVX2 static float dot_q5_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 22) {
+        __m256i x = _mm256_or_si256(nibbles32(w + 6), _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xF0)));
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
+    }
+    return hsum_avx(acc);
+}
+AVX2 static float dot_q5_1_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
+    __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
+    for (int b = 0; b < nb; b++, w += 24) {
+        __m256i x = _mm256_or_si256(nibbles32(w + 8), _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10)));
+        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        accm += H2F(w + 2) * s[b];
+        acc = _mm256_fmadd_ps(sum_u8_i8(x, y), _mm256_set1_ps(H2F(w) * d[b]), acc);
+    }
+    return hsum_avx(acc) + accm;
+}
+
+/* K-quants as ggml's AVX2 ggml_vec_dot_q{4,5,6}_K_q8_K compute them: integer sums per 256-value
+ * block (sub-block scales applied with madd), one float FMA per block, the minimums from the
+ * activations' sums of 16. */
+AVX2 static inline void unpack_k4_scales(const uint8_t *scales, uint32_t u[4]) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(u, scales, 12);
+    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = u[1] & kmask1;
+    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+    u[2] = uaux;
+    u[0] &= kmask1;
+}
+AVX2 static inline __m256i scale_shuffle_k4(int i) {      /* 16-bit scale i in every lane pair */
+    return _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8)));
+}
+AVX2 static inline __m128i scale_shuffle_q6(int i) {      /* bytes 2i (x8) then 2i+1 (x8) */
+    return _mm_set_epi64x(0x0101010101010101LL * (2 * i + 1), 0x0101010101010101LL * (2 * i));
+}
+AVX2 static float dot_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps(); __m128 acc_m = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 144, q8 += 256, bs += 16) {
+        const float d = yd[b] * H2F(w), dmin = -yd[b] * H2F(w + 2);
+        uint32_t u[4]; unpack_k4_scales(w + 4, u);
+        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+        const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const uint8_t *q4 = w + 16; const int8_t *y = q8;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i sl = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
+            const __m256i sh = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
+            const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y))); y += 32;
+            __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)y))); y += 32;
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    return hsum_avx(acc) + _mm_cvtss_f32(acc_m);
+}
+AVX2 static float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
+    const __m128i mzero = _mm_setzero_si128();
+    __m256 acc = _mm256_setzero_ps(); float summs = 0.f;
+    for (int b = 0; b < nb; b++, w += 176, q8 += 256, bs += 16) {
+        const float d = yd[b] * H2F(w), dmin = -yd[b] * H2F(w + 2);
+        uint32_t u[4]; unpack_k4_scales(w + 4, u);
+        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
+        const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+        summs += dmin * _mm_extract_epi32(hs, 0);
+        const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
+        __m256i hmask = mone, sumi = _mm256_setzero_si256();
+        const uint8_t *q5 = w + 48; const int8_t *y = q8; int bit = 0;
+        for (int j = 0; j < 4; j++) {
+            const __m256i s0 = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
+            const __m256i s1 = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q5); q5 += 32;
+            const __m256i l0 = _mm256_and_si256(bits, m4);
+            const __m256i h0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+            hmask = _mm256_slli_epi16(hmask, 1);
+            const __m256i l1 = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+            hmask = _mm256_slli_epi16(hmask, 1);
+            __m256i p0 = _mm256_maddubs_epi16(_mm256_add_epi8(l0, h0), _mm256_loadu_si256((const __m256i *)y)); y += 32;
+            __m256i p1 = _mm256_maddubs_epi16(_mm256_add_epi8(l1, h1), _mm256_loadu_si256((const __m256i *)y)); y += 32;
+            p0 = _mm256_madd_epi16(s0, p0); p1 = _mm256_madd_epi16(s1, p1);
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_avx(acc) + summs;
+}
+AVX2 static float dot_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 210, q8 += 256, bs += 16) {
+        const float d = yd[b] * H2F(w + 208);
+        const uint8_t *q4 = w, *qh = w + 128; const int8_t *y = q8;
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
+        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, _mm256_cvtepi8_epi16(scales)), 5);
+        __m256i sumi = _mm256_setzero_si256();
+        int is = 0;
+        for (int j = 0; j < 2; j++) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
+            const __m256i b2 = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
+            const __m256i bH = _mm256_loadu_si256((const __m256i *)qh); qh += 32;
+            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bH, m3), 4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(12)), 2);
+            const __m256i h2 = _mm256_and_si256(bH, _mm256_set1_epi8(48));
+            const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(-64)), 2);
+            const __m256i v0 = _mm256_or_si256(_mm256_and_si256(b1, m15), h0);
+            const __m256i v1 = _mm256_or_si256(_mm256_and_si256(b2, m15), h1);
+            const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), h2);
+            const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), h3);
+            __m256i p0 = _mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+            __m256i p1 = _mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+            __m256i p2 = _mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+            __m256i p3 = _mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+            p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 0))), p0);
+            p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 1))), p1);
+            p2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 2))), p2);
+            p3 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 3))), p3);
+            is += 4;
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p2, p3));
+        }
+        sumi = _mm256_sub_epi32(sumi, q8sclsub);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_avx(acc);
+}
 AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
     __m256 acc = _mm256_setzero_ps(); int i = 0;
     for (; i + 8 <= K; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
@@ -286,6 +458,16 @@ AVX2 static void dot4_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb, f
     }
     r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
 }
+AVX2 static void dot4_q5_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
+    DOT4_BEGIN(22)
+    for (int b = 0; b < nb; b++, w += 22) {
+        __m256i x = _mm256_or_si256(nibbles32(w + 6), _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xF0)));
+        float dw = H2F(w);
+        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
+        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
+    }
+    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
+}
 AVX2 static void dot4_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
     DOT4_BEGIN(20)
     const float *s0 = a->s + (size_t)t * nb, *s1 = s0 + nb, *s2 = s1 + nb, *s3 = s2 + nb;
@@ -310,6 +492,11 @@ float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int 
         case T_Q4_0: return dot_q4_0_avx2(w, a, t, nb);
         case T_Q4_1: return dot_q4_1_avx2(w, a, t, nb);
         case T_Q8_0: return dot_q8_0_avx2(w, a, t, nb);
+        case T_Q5_0: return dot_q5_0_avx2(w, a, t, nb);
+        case T_Q5_1: return dot_q5_1_avx2(w, a, t, nb);
+        case T_Q4_K: return dot_q4_K_avx2(w, a, t, nb);
+        case T_Q5_K: return dot_q5_K_avx2(w, a, t, nb);
+        case T_Q6_K: return dot_q6_K_avx2(w, a, t, nb);
         case T_F32: return dot_f32_avx2((const float *)w, a->xf + (size_t)t * K, K);
         }
     }
@@ -342,11 +529,12 @@ int pick_threads(int requested) {      /* 0: the default; the default 0: all Ope
  * row by row (each row on its own, so who quantizes it changes nothing). */
 void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K) {
     int B = ti->act == A_Q8_K ? 256 : 32;
-    *a = (Act){ti->act, x, NULL, NULL, NULL, NULL};
+    *a = (Act){ti->act, x, NULL, NULL, NULL, NULL, NULL};
     if (ti->act == A_F16 || ti->act == A_BF16) a->xr = malloc((size_t)T * K * sizeof(float));
     if (ti->act >= A_Q8_0) {
         a->q = malloc((size_t)T * K); a->d = malloc((size_t)T * (K / B) * sizeof(float));
         a->s = malloc((size_t)T * (K / B) * sizeof(float));
+        if (ti->act == A_Q8_K) a->bs = malloc((size_t)T * (K / 16) * sizeof(int16_t));
     }
 }
 void act_row(Act *a, int t, int K) {
@@ -354,9 +542,9 @@ void act_row(Act *a, int t, int K) {
     int B = a->kind == A_Q8_K ? 256 : 32;
     quantize_row(a->xf + (size_t)t * K, K, a->kind, a->xr ? a->xr + (size_t)t * K : NULL,
                  a->q ? a->q + (size_t)t * K : NULL, a->d ? a->d + (size_t)t * (K / B) : NULL,
-                 a->s ? a->s + (size_t)t * (K / B) : NULL);
+                 a->s ? a->s + (size_t)t * (K / B) : NULL, a->bs ? a->bs + (size_t)t * (K / 16) : NULL);
 }
-void act_free(Act *a) { free(a->xr); free(a->q); free(a->d); free(a->s); }
+void act_free(Act *a) { free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); }
 /* Row t of a as a one-row Act (no copy): to multiply one row of a batch on its own. */
 Act act_view(const Act *a, int t, int K) {
     int B = a->kind == A_Q8_K ? 256 : 32;
@@ -366,6 +554,7 @@ Act act_view(const Act *a, int t, int K) {
     if (a->q) v.q = a->q + (size_t)t * K;
     if (a->d) v.d = a->d + (size_t)t * (K / B);
     if (a->s) v.s = a->s + (size_t)t * (K / B);
+    if (a->bs) v.bs = a->bs + (size_t)t * (K / 16);
     return v;
 }
 
@@ -384,11 +573,12 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
         float *o = out[i];
         int Ni = N[i], t = 0;
 #ifdef KILN_X86
-        if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
+        if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0)) {
             int nb = K / ti->block; float res[4];
             for (; t + 4 <= T; t += 4) {
                 if (type == T_Q4_0) dot4_q4_0_avx2(w, a, t, nb, res);
                 else if (type == T_Q4_1) dot4_q4_1_avx2(w, a, t, nb, res);
+                else if (type == T_Q5_0) dot4_q5_0_avx2(w, a, t, nb, res);
                 else dot4_q8_0_avx2(w, a, t, nb, res);
                 for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
             }

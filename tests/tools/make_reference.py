@@ -1,0 +1,49 @@
+"""A llama.cpp reference for any GGUF, in ../shared/reference's layout (prompts with top-20 per
+position, margins, 32 greedy tokens; the last position's logits in the .npz), so that
+tests/fidelity.py can hold Kiln to it — e.g. for a model re-quantized to K-quants:
+
+    python tests/tools/make_reference.py MODEL.gguf tests/data/prompts.json OUT_PREFIX
+
+Same settings as the shared references: 2 threads, n_ctx 2048, default graph. Needs
+llama-cpp-python (0.3.36 made the shared references); session tool, not a test dependency.
+"""
+
+import json
+import sys
+
+import numpy as np
+from llama_cpp import Llama
+
+
+def main(model: str, prompts_path: str, out: str, n_greedy: int = 32) -> None:
+    spec = json.load(open(prompts_path))
+    llm = Llama(model, n_ctx=2048, n_threads=2, logits_all=True, verbose=False)
+    add_bos = bool(llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true")
+    ref, arrays = {"model": model, "n_threads": 2, "prompts": []}, {}
+    for i, text in enumerate(spec["prompts"]):
+        text = text["text"] if isinstance(text, dict) else text
+        ids = llm.tokenize(text.encode(), add_bos=add_bos, special=True)
+        llm.reset()
+        llm.eval(ids)
+        logits = np.array(llm.scores[:len(ids)], dtype=np.float32)
+        positions = []
+        for row in logits:
+            top = np.argsort(-row, kind="stable")[:20]
+            positions.append({"top_ids": top.tolist(), "top_logits": row[top].tolist(),
+                              "margin": float(row[top[0]] - row[top[1]])})
+        arrays[f"prompt{i}"] = logits[-1]
+        greedy, margins, last = [], [], logits[-1]
+        for _ in range(n_greedy):
+            top2 = np.argsort(-last, kind="stable")[:2]
+            greedy.append(int(top2[0]))
+            margins.append(float(last[top2[0]] - last[top2[1]]))
+            llm.eval([int(top2[0])])
+            last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        ref["prompts"].append({"text": text, "ids": list(ids), "positions": positions,
+                               "greedy_ids": greedy, "greedy_margins": margins})
+    json.dump(ref, open(out + ".json", "w"))
+    np.savez(out + ".npz", **arrays)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
