@@ -122,6 +122,21 @@ done:
     return ret;
 }
 
+/* rope_table(n, half, base, freq_scale, cos (n, half), sin (n, half)) */
+static PyObject *py_rope_table(PyObject *self, PyObject *args) {
+    Py_buffer cb, sb; int n, half; float base, fs;
+    if (!PyArg_ParseTuple(args, "iiffw*w*", &n, &half, &base, &fs, &cb, &sb)) return NULL;
+    PyObject *ret = NULL;
+    if (n < 0 || half < 0 || (size_t)cb.len < (size_t)n * half * 4 || (size_t)sb.len < (size_t)n * half * 4) {
+        PyErr_SetString(PyExc_ValueError, "rope_table: a buffer is smaller than its shape"); goto done;
+    }
+    rope_table(n, half, base, fs, (float *)cb.buf, (float *)sb.buf);
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&cb); PyBuffer_Release(&sb);
+    return ret;
+}
+
 /* swiglu(gate (n) in place, up (n)): gate = silu(gate) * up */
 static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     Py_buffer gb, ub;
@@ -291,6 +306,7 @@ static PyMethodDef methods[] = {
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},
+    {"rope_table", py_rope_table, METH_VARARGS, "rope_table(n, half, base, freq_scale, cos, sin)"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
     {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},
     {"set_threads", py_set_threads, METH_VARARGS, "default thread count (0: OpenMP's)"},

@@ -7,6 +7,10 @@ NEP 50).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
 import numpy as np
 
 from . import ggml_round
@@ -37,8 +41,9 @@ def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float)
     """cos/sin of shape (T, rope_dim/2) for the given absolute positions.
 
     The angles are made as ggml makes them — in float32, each pair's from the previous one
-    times base^(-2/rope_dim) — not exactly: a position's angles then carry ggml's rounding, and
-    llama.cpp's outputs are what the engine is held to. Made once per position (a table that
+    times powf(base, -2/rope_dim) — not exactly, and their cos/sin by the C library's cosf/sinf:
+    a position's angles then carry ggml's rounding, and llama.cpp's outputs are what the engine
+    is held to. Made once per position (a table that
     grows in chunks), so a decode step only indexes it."""
     positions = np.asarray(positions, dtype=np.int64)
     key = (rope_dim, float(base), float(scale))
@@ -46,17 +51,53 @@ def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float)
     need = int(positions.max(initial=-1)) + 1
     if need > len(cos):
         n = max(need, 2 * len(cos), 1024)
-        theta_scale = F32(float(base) ** (-2.0 / rope_dim))
-        theta = np.arange(n).astype(F32)
-        freq_scale = F32(1.0 / scale)
-        angles = np.empty((n, rope_dim // 2), F32)
-        for i in range(rope_dim // 2):
-            angles[:, i] = theta * freq_scale
-            theta = theta * theta_scale
-        angles = angles.astype(np.float64)             # cos/sin correctly rounded, as glibc's cosf
-        cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+        cos, sin = _rope_table(n, rope_dim // 2, float(base), 1.0 / scale)
         _ROPE[key] = (cos, sin)
     return cos[positions], sin[positions]
+
+
+def _rope_table(n: int, half: int, base: float, freq_scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) (n, half) float32 as ggml's rope cache: compiled, else libm through ctypes, else
+    numpy in float64 (which differs from glibc's cosf in ~2 % of entries by an ulp)."""
+    cos, sin = np.empty((n, half), F32), np.empty((n, half), F32)
+    C = compiled_module()
+    if C is not None:
+        C.rope_table(n, half, base, freq_scale, cos, sin)
+        return cos, sin
+    libm = _libm()
+    theta_scale = F32(libm.powf(base, -2.0 / (2 * half))) if libm else F32(base ** (-2.0 / (2 * half)))
+    theta = np.arange(n).astype(F32)
+    angles = np.empty((n, half), F32)
+    for i in range(half):
+        angles[:, i] = F32(freq_scale) * theta
+        theta = theta * theta_scale
+    if libm:
+        flat = angles.ravel()
+        cos.ravel()[:] = [libm.cosf(a) for a in flat]
+        sin.ravel()[:] = [libm.sinf(a) for a in flat]
+    else:
+        cos[:], sin[:] = np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))
+    return cos, sin
+
+
+@functools.lru_cache(maxsize=1)
+def _libm():
+    """The C library's float cosf/sinf/powf (those llama.cpp calls), or None."""
+    path = ctypes.util.find_library("m")
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    for name, nargs in (("cosf", 1), ("sinf", 1), ("powf", 2)):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float] * nargs
+    return lib
+
+
+def _fma_minus(a, b, c, d) -> np.ndarray:
+    """float32 fma(a, b, -(c*d)): a*b is exact in float64; the rounding to float64 before float32
+    can differ from one fused rounding only on a 2^-29-rare tie."""
+    return (a.astype(np.float64) * b - (c * d)).astype(F32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
@@ -72,14 +113,12 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
         C.rope(x, cos, sin, T, H, D, 2 * half, style != "normal")
         return x
     c, s = cos[:, None, :], sin[:, None, :]
-    if style == "normal":
-        a, b = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
-        x[..., 0:2 * half:2] = a * c - b * s
-        x[..., 1:2 * half:2] = a * s + b * c
-    else:
-        a, b = x[..., :half].copy(), x[..., half:2 * half].copy()
-        x[..., :half] = a * c - b * s
-        x[..., half:2 * half] = a * s + b * c
+    # as ggml: the first product fused with the difference (sum) of the second, rounded first
+    lo, hi = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if style == "normal" else \
+        (slice(0, half), slice(half, 2 * half))
+    a, b = x[..., lo].copy(), x[..., hi].copy()
+    x[..., lo] = _fma_minus(a, c, b, s)
+    x[..., hi] = _fma_minus(a, s, -b, c)
     return x
 
 

@@ -63,3 +63,29 @@ def test_e8k2_variant_matches_llama_cpp(e8k2_path, kernel_path):
     (native/ggml_round.py)."""
     ref, npz = reference("smollm2-moe-e8k2")
     assert_meets_bars(measure(load_model(e8k2_path), ref, npz), "E8K2")
+
+
+MODELS = [f"tiny/tiny-{a}" for a in TINY_ARCHS] + ["smollm2", "smollm2-moe-e8k2", "smollm2-moe-e8k8"]
+MODEL_FIXTURE = {"smollm2": "default_model_path", "smollm2-moe-e8k2": "e8k2_path", "smollm2-moe-e8k8": "e8k8_path"}
+
+
+@pytest.mark.parametrize("name", MODELS, ids=lambda n: n.split("/")[-1])
+def test_prompt_logits_are_llama_cpps_bits(name, request, kernel_path):
+    """Beyond the bars: at every prompt position the top-20 logits are llama.cpp's float32 values
+    exactly, on both paths (numpy: the tiny models; the SmolLM2 files take a minute each there).
+    What it takes is in tests/data/README.md — down to the C library's cosf for the RoPE table
+    and the product gcc fuses when ggml rotates a pair."""
+    C = kernels.compiled_module()
+    if kernel_path == "compiled" and not C.features()["avx2_fma"]:
+        pytest.skip("llama.cpp's bits are its AVX2 kernels' bits")
+    if kernel_path == "numpy" and not name.startswith("tiny/"):
+        pytest.skip("slow on the numpy path; the compiled run covers it")
+    path = tiny_path(name.split("tiny-")[1]) if name.startswith("tiny/") else request.getfixturevalue(MODEL_FIXTURE[name])
+    ref, _ = reference(name)
+    model = load_model(path)
+    for i, p in enumerate(ref["prompts"]):
+        logits = model.forward(p["ids"], model.new_cache(len(p["ids"]) + 1), all_logits=True)
+        for j, (row, pos) in enumerate(zip(logits, p["positions"])):
+            want = np.array(pos["top_logits"], np.float32)
+            assert np.array_equal(row[pos["top_ids"]], want), \
+                f"{name} prompt {i} position {j}: max |Δ| {np.abs(row[pos['top_ids']] - want).max():.3g}"

@@ -156,6 +156,7 @@ void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, flo
 /* ---- layer.c -------------------------------------------------------------------------------- */
 void rms_row(const float *x, const float *w, float *o, int n, float eps);
 void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox);
+void rope_table(int n, int half, float base, float freq_scale, float *c, float *s);
 void swiglu_row(float *g, const float *u, size_t n);
 void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w);
 

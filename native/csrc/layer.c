@@ -14,6 +14,23 @@ void rms_row(const float *x, const float *w, float *o, int n, float eps) {
     for (int i = 0; i < n; i++) o[i] = x[i] * scale * w[i];
 }
 
+/* cos/sin of positions [0, n) for R/2 pairs as ggml's rope cache makes them: the angle of pair i
+ * is the previous pair's times powf(base, -2/R) in float32 (from the position), then the C library's
+ * cosf/sinf — glibc's, like llama.cpp's; they differ from correctly rounded values in ~2 % of
+ * entries, enough to move a query or key by an ulp. */
+void rope_table(int n, int half, float base, float freq_scale, float *c, float *s) {
+    const float theta_scale = powf(base, -2.0f / (float)(2 * half));
+    for (int p = 0; p < n; p++) {
+        float theta = (float)p;
+        for (int i = 0; i < half; i++) {
+            float t = freq_scale * theta;
+            c[(size_t)p * half + i] = cosf(t);
+            s[(size_t)p * half + i] = sinf(t);
+            theta *= theta_scale;
+        }
+    }
+}
+
 void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox) {
     int half = R / 2;                       /* the first R of each head's D dimensions rotate */
     for (int h = 0; h < H; h++) {
@@ -21,8 +38,9 @@ void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int
         for (int i = 0; i < half; i++) {
             int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
             float a = v[i0], b = v[i1];
-            v[i0] = a * c[i] - b * s[i];
-            v[i1] = a * s[i] + b * c[i];
+            /* as ggml's rotate_pairs comes out of gcc -march=native: the first product fused */
+            v[i0] = fmaf(a, c[i], -(b * s[i]));
+            v[i1] = fmaf(a, s[i], b * c[i]);
         }
     }
 }

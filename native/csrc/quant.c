@@ -357,7 +357,7 @@ AVX2 static float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
         const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
         const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
         const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
-        summs += dmin * _mm_extract_epi32(hs, 0);
+        summs = fmaf(dmin, (float)_mm_extract_epi32(hs, 0), summs);   /* gcc fuses it in ggml */
         const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
         const __m256i scales = _mm256_set_m128i(sc128, sc128);
         const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));

@@ -2,9 +2,11 @@
 position, margins, 32 greedy tokens; the last position's logits in the .npz), so that
 tests/fidelity.py can hold Kiln to it — e.g. for a model re-quantized to K-quants:
 
-    python tests/tools/make_reference.py MODEL.gguf tests/data/prompts.json OUT_PREFIX
+    python tests/tools/make_reference.py MODEL.gguf tests/data/prompts.json OUT_PREFIX [N_BATCH]
 
-Same settings as the shared references: 2 threads, n_ctx 2048, default graph. Needs
+Same settings as the shared references: 2 threads, n_ctx 2048, default graph. N_BATCH (default
+512) below 8 keeps llama.cpp off its tiled K-quant matmul, which it takes for batches of >= 8
+rows (its vec_dot, which Kiln computes, for fewer) — llama.cpp's own batch dependence. Needs
 llama-cpp-python (0.3.36 made the shared references); session tool, not a test dependency.
 """
 
@@ -15,9 +17,10 @@ import numpy as np
 from llama_cpp import Llama
 
 
-def main(model: str, prompts_path: str, out: str, n_greedy: int = 32) -> None:
+def main(model: str, prompts_path: str, out: str, n_batch: str = "512", n_greedy: int = 32) -> None:
     spec = json.load(open(prompts_path))
-    llm = Llama(model, n_ctx=2048, n_threads=2, logits_all=True, verbose=False)
+    llm = Llama(model, n_ctx=2048, n_threads=2, logits_all=True, verbose=False,
+                n_batch=int(n_batch), n_ubatch=int(n_batch))
     add_bos = bool(llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true")
     ref, arrays = {"model": model, "n_threads": 2, "prompts": []}, {}
     for i, text in enumerate(spec["prompts"]):
@@ -46,4 +49,4 @@ def main(model: str, prompts_path: str, out: str, n_greedy: int = 32) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
