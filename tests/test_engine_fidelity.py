@@ -70,17 +70,20 @@ MODELS = [f"tiny/tiny-{a}" for a in TINY_ARCHS] + KQUANT + ["smollm2", "smollm2-
 MODEL_FIXTURE = {"smollm2": "default_model_path", "smollm2-moe-e8k2": "e8k2_path", "smollm2-moe-e8k8": "e8k8_path"}
 
 
-@pytest.mark.parametrize("name", MODELS, ids=lambda n: n.split("/")[-1])
-def test_prompt_logits_are_llama_cpps_bits(name, request, kernel_path):
+# numpy: the tiny models only (the SmolLM2 files take a minute each there; K-quants are
+# dequantized on that path, not multiplied in ggml's order)
+BITS_CASES = [(m, "compiled") for m in MODELS] + \
+    [(m, "numpy") for m in MODELS if m.startswith("tiny/") and m not in KQUANT]
+
+
+@pytest.mark.parametrize(("name", "kernel_path"), BITS_CASES, indirect=["kernel_path"],
+                         ids=[f"{m.split('/')[-1]}-{k}" for m, k in BITS_CASES])
+def test_prompt_logits_are_llama_cpps_bits(name, kernel_path, request):
     """Beyond the bars: at every prompt position the top-20 logits are llama.cpp's float32 values
-    exactly, on both paths (numpy: the tiny models; the SmolLM2 files take a minute each there).
-    What it takes is in tests/data/README.md — down to the C library's cosf for the RoPE table
-    and the product gcc fuses when ggml rotates a pair."""
-    C = kernels.compiled_module()
-    if kernel_path == "compiled" and not C.features()["avx2_fma"]:
+    exactly. What it takes is in tests/data/README.md — down to the C library's cosf for the
+    RoPE table and the product gcc fuses when ggml rotates a pair."""
+    if kernel_path == "compiled" and not kernels.compiled_module().features()["avx2_fma"]:
         pytest.skip("llama.cpp's bits are its AVX2 kernels' bits")
-    if kernel_path == "numpy" and (not name.startswith("tiny/") or name in KQUANT):
-        pytest.skip("slow on the numpy path (K-quants: dequantized there, not ggml's order)")
     path = tiny_path(name.split("tiny-")[1]) if name.startswith("tiny/") else request.getfixturevalue(MODEL_FIXTURE[name])
     ref, _ = reference(name)
     model = load_model(path)
