@@ -19,7 +19,7 @@ def kernel_path(request):
     kernels.use_compiled(previous)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS + ["llama-Q4_K_M", "llama-Q5_K_M", "llama-Q6_K"])
+@pytest.mark.parametrize("arch", TINY_ARCHS + ["llama-Q4_K_M", "llama-Q5_K_M", "llama-Q6_K", "llama-F16"])
 def test_tiny_model_matches_llama_cpp(arch, kernel_path):
     ref, npz = reference(f"tiny/tiny-{arch}")
     model = load_model(tiny_path(arch))
@@ -65,12 +65,12 @@ def test_e8k2_variant_matches_llama_cpp(e8k2_path, kernel_path):
     assert_meets_bars(measure(load_model(e8k2_path), ref, npz), "E8K2")
 
 
-KQUANT = [f"tiny/tiny-llama-{q}" for q in ("Q4_K_M", "Q5_K_M", "Q6_K")]      # tests/data/README.md
+KQUANT = [f"tiny/tiny-llama-{q}" for q in ("Q4_K_M", "Q5_K_M", "Q6_K", "F16")]   # tests/data/README.md
 MODELS = [f"tiny/tiny-{a}" for a in TINY_ARCHS] + KQUANT + ["smollm2", "smollm2-moe-e8k2", "smollm2-moe-e8k8"]
 MODEL_FIXTURE = {"smollm2": "default_model_path", "smollm2-moe-e8k2": "e8k2_path", "smollm2-moe-e8k8": "e8k8_path"}
 
 
-# numpy: the tiny models only (the SmolLM2 files take a minute each there; K-quants are
+# numpy: the tiny models only (the SmolLM2 files take a minute each there; K-quants and F16 are
 # dequantized on that path, not multiplied in ggml's order)
 BITS_CASES = [(m, "compiled") for m in MODELS] + \
     [(m, "numpy") for m in MODELS if m.startswith("tiny/") and m not in KQUANT]

@@ -6,7 +6,7 @@
  * So a row's result never depends on how many rows were multiplied with it or on the thread
  * count — prefix reuse and batched decode give the same bits as a fresh, single run.
  *
- * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and F32
+ * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, F32
  * — ggml's own AVX2 arithmetic, so the products are llama.cpp's bits (its repacked Q4_0/Q4_K
  * layouts aside) — and portable C for every type, so a build is not tied to the machine that
  * made it.
@@ -514,6 +514,14 @@ AVX2 static void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, f
     }
     for (int r = 0; r < 4; r++) res[r] = hsum_avx(acc[r]);
 }
+/* F16 weights as llama.cpp multiplies them (tinyBLAS, for one row or many): the activations
+ * rounded to fp16, 8 lanes of FMAs along the row, then the lanes' sum. */
+AVX2 static float dot_f16_avx2(const uint8_t *w, const float *x, int K) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < K; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), acc);
+    return hsum_avx(acc);
+}
 AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
     __m256 acc = _mm256_setzero_ps(); int i = 0;
     for (; i + 8 <= K; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
@@ -588,6 +596,7 @@ float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int 
         case T_Q5_K: return dot_q5_K_avx2(w, a, t, nb);
         case T_Q6_K: return dot_q6_K_avx2(w, a, t, nb);
         case T_F32: return dot_f32_avx2((const float *)w, a->xf + (size_t)t * K, K);
+        case T_F16: if (K % 8 == 0) return dot_f16_avx2(w, a->xr + (size_t)t * K, K); break;
         }
     }
 #endif
