@@ -522,6 +522,18 @@ AVX2 static float dot_f16_avx2(const uint8_t *w, const float *x, int K) {
         acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), acc);
     return hsum_avx(acc);
 }
+AVX2 static void dot4_f16_avx2(const uint8_t *w, const Act *a, int t, int K, float *r) {
+    const float *x0 = a->xr + (size_t)t * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int i = 0; i < K; i += 8) {
+        __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
+        c0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + i), c0);
+        c1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + i), c1);
+        c2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x2 + i), c2);
+        c3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x3 + i), c3);
+    }
+    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
+}
 AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
     __m256 acc = _mm256_setzero_ps(); int i = 0;
     for (; i + 8 <= K; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
@@ -673,10 +685,11 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
         int Ni = N[i], t = 0;
 #ifdef KILN_X86
         if (g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0 ||
-                       type == T_Q4_K || type == T_Q6_K)) {
+                       type == T_Q4_K || type == T_Q6_K || (type == T_F16 && K % 8 == 0))) {
             int nb = K / ti->block; float res[4];
             for (; t + 4 <= T; t += 4) {
-                if (type == T_Q4_0) dot4_q4_0_avx2(w, a, t, nb, res);
+                if (type == T_F16) dot4_f16_avx2(w, a, t, K, res);
+                else if (type == T_Q4_0) dot4_q4_0_avx2(w, a, t, nb, res);
                 else if (type == T_Q4_K) dot4_q4_K_avx2(w, a, t, nb, res);
                 else if (type == T_Q6_K) dot4_q6_K_avx2(w, a, t, nb, res);
                 else if (type == T_Q4_1) dot4_q4_1_avx2(w, a, t, nb, res);
