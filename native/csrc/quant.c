@@ -6,7 +6,7 @@
  * So a row's result never depends on how many rows were multiplied with it or on the thread
  * count — prefix reuse and batched decode give the same bits as a fresh, single run.
  *
- * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, F32
+ * AVX2/FMA paths (chosen at run time) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, F16, F32
  * — ggml's own AVX2 arithmetic, so the products are llama.cpp's bits (its repacked Q4_0/Q4_K
  * layouts aside) — and portable C for every type, so a build is not tied to the machine that
  * made it.
@@ -534,6 +534,79 @@ AVX2 static void dot4_f16_avx2(const uint8_t *w, const Act *a, int t, int K, flo
     }
     r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
 }
+AVX2 static inline __m256i scale_shuffle_q3k(int i) { /* int16 scale 2i in lane 0, 2i+1 in lane 1 */
+    return _mm256_set_m128i(_mm_set1_epi16((short)((4 * i + 2) | ((4 * i + 3) << 8))),
+                            _mm_set1_epi16((short)((4 * i) | ((4 * i + 1) << 8))));
+}
+AVX2 static float dot_q2_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 84, q8 += 256, bs += 16) {
+        const float d = yd[b] * H2F(w + 80), dmin = -yd[b] * H2F(w + 82);
+        const __m128i ms = _mm_loadu_si128((const __m128i *)w);
+        const __m128i scales8 = _mm_and_si128(ms, m4), mins8 = _mm_and_si128(_mm_srli_epi16(ms, 4), m4);
+        const __m256i prod = _mm256_madd_epi16(_mm256_cvtepi8_epi16(mins8), _mm256_loadu_si256((const __m256i *)bs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(prod), acc);
+        const __m256i all = _mm256_cvtepi8_epi16(scales8);
+        const __m128i ls = _mm256_extracti128_si256(all, 0), hs = _mm256_extracti128_si256(all, 1);
+        const __m256i scales[2] = {_mm256_set_m128i(ls, ls), _mm256_set_m128i(hs, hs)};
+        const uint8_t *q2 = w + 16; const int8_t *y = q8;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 2; j++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q2); q2 += 32;
+            __m256i p[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * k), m3);
+                p[k] = _mm256_madd_epi16(_mm256_shuffle_epi8(scales[j], scale_shuffle_q3k(k)),
+                                         _mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(y + 32 * k))));
+            }
+            y += 128;
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_avx(acc);
+}
+AVX2 static float dot_q3_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    const __m256i m3 = _mm256_set1_epi8(3), mone = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 110, q8 += 256) {
+        const float d = yd[b] * H2F(w + 108);
+        uint32_t aux[3]; memcpy(aux, w + 96, 12);
+        __m128i s128 = _mm_set_epi32(((aux[1] >> 4) & kmask2) | (((aux[2] >> 6) & kmask1) << 4),
+                                     ((aux[0] >> 4) & kmask2) | (((aux[2] >> 4) & kmask1) << 4),
+                                     (aux[1] & kmask2) | (((aux[2] >> 2) & kmask1) << 4),
+                                     (aux[0] & kmask2) | (((aux[2] >> 0) & kmask1) << 4));
+        s128 = _mm_sub_epi8(s128, _mm_set1_epi8(32));
+        const __m256i all = _mm256_cvtepi8_epi16(s128);
+        const __m128i ls = _mm256_extracti128_si256(all, 0), hs = _mm256_extracti128_si256(all, 1);
+        const __m256i scales[2] = {_mm256_set_m128i(ls, ls), _mm256_set_m128i(hs, hs)};
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)w);
+        const uint8_t *q3 = w + 32; const int8_t *y = q8;
+        __m256i sumi = _mm256_setzero_si256();
+        int bit = 0;
+        for (int j = 0; j < 2; j++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)q3); q3 += 32;
+            __m256i p[4];
+            for (int k = 0; k < 4; k++, bit++) {
+                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * k), m3);
+                const __m256i hi = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_andnot_si256(hbits, _mm256_slli_epi16(mone, bit)), bit), 2);
+                const __m256i yk = _mm256_loadu_si256((const __m256i *)(y + 32 * k));
+                __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(lo, yk), _mm256_maddubs_epi16(hi, yk));
+                p[k] = _mm256_madd_epi16(_mm256_shuffle_epi8(scales[j], scale_shuffle_q3k(k)), p16);
+            }
+            y += 128;
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_avx(acc);
+}
 AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
     __m256 acc = _mm256_setzero_ps(); int i = 0;
     for (; i + 8 <= K; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
@@ -604,6 +677,8 @@ float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int 
         case T_Q8_0: return dot_q8_0_avx2(w, a, t, nb);
         case T_Q5_0: return dot_q5_0_avx2(w, a, t, nb);
         case T_Q5_1: return dot_q5_1_avx2(w, a, t, nb);
+        case T_Q2_K: return dot_q2_K_avx2(w, a, t, nb);
+        case T_Q3_K: return dot_q3_K_avx2(w, a, t, nb);
         case T_Q4_K: return dot_q4_K_avx2(w, a, t, nb);
         case T_Q5_K: return dot_q5_K_avx2(w, a, t, nb);
         case T_Q6_K: return dot_q6_K_avx2(w, a, t, nb);
