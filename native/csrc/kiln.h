@@ -134,6 +134,12 @@ extern int default_threads;   /* 0: OpenMP's default */
 int pick_threads(int requested);
 int type_info(int t, TypeInfo *ti);
 float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int t, int K);
+#ifdef KILN_X86
+/* ---- dot_avx2.c ------------------------------------------------------------------------------ */
+int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *out);
+int has_dot4_avx2(int type, int K);
+void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res);
+#endif
 void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K);
 void act_row(Act *a, int t, int K);
 void act_free(Act *a);
