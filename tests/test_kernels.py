@@ -74,7 +74,7 @@ def test_every_type_equals_dequantize_and_numpy(qtype, rows, simd):
     assert err <= bar, f"{qtype.name} ({simd}): relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16], ids=lambda t: t.name)
 def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype):
     rng = np.random.default_rng(7)
     w = random_weight(qtype, 64, 256, rng)

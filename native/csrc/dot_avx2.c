@@ -260,6 +260,54 @@ AVX2 static void dot4_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, f
         res[r] = hsum_avx(acc[r]) + _mm_cvtss_f32(m);
     }
 }
+AVX2 static void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
+    const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
+    for (int r = 0; r < 4; r++) {
+        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
+        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
+    const __m128i mzero = _mm_setzero_si128();
+    __m256 acc[4]; float summs[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); summs[r] = 0.f; }
+    for (int b = 0; b < nb; b++, w += 176) {
+        const float xd = H2F(w), xm = H2F(w + 2);
+        uint32_t u[4]; unpack_k4_scales(w + 4, u);
+        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
+        __m256i v[8], sc[8], hmask = mone;
+        int bit = 0;
+        for (int j = 0; j < 4; j++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+            const __m256i h0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+            hmask = _mm256_slli_epi16(hmask, 1);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+            hmask = _mm256_slli_epi16(hmask, 1);
+            v[2 * j] = _mm256_add_epi8(_mm256_and_si256(bits, m4), h0);
+            v[2 * j + 1] = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h1);
+            sc[2 * j] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
+            sc[2 * j + 1] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
+        }
+        for (int r = 0; r < 4; r++) {
+            const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
+            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+            const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(_mm_madd_epi16(mins, q8s), mzero), mzero);
+            summs[r] = fmaf(dmin, (float)_mm_extract_epi32(hs, 0), summs[r]);
+            const int8_t *y = q8[r] + b * 256;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                __m256i p0 = _mm256_madd_epi16(sc[2 * j], _mm256_maddubs_epi16(v[2 * j], _mm256_loadu_si256((const __m256i *)(y + 64 * j))));
+                __m256i p1 = _mm256_madd_epi16(sc[2 * j + 1], _mm256_maddubs_epi16(v[2 * j + 1], _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32))));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) res[r] = hsum_avx(acc[r]) + summs[r];
+}
 AVX2 static void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
     const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
     for (int r = 0; r < 4; r++) {
@@ -478,7 +526,7 @@ int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb,
 /* Does this type have a four-row kernel (same bits as four one-row calls)? */
 int has_dot4_avx2(int type, int K) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0 || type == T_Q4_K ||
-           type == T_Q6_K || (type == T_F16 && K % 8 == 0);
+           type == T_Q5_K || type == T_Q6_K || (type == T_F16 && K % 8 == 0);
 }
 
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res) {
@@ -488,6 +536,7 @@ void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, f
     case T_Q4_1: dot4_q4_1_avx2(w, a, t, nb, res); break;
     case T_Q5_0: dot4_q5_0_avx2(w, a, t, nb, res); break;
     case T_Q4_K: dot4_q4_K_avx2(w, a, t, nb, res); break;
+    case T_Q5_K: dot4_q5_K_avx2(w, a, t, nb, res); break;
     case T_Q6_K: dot4_q6_K_avx2(w, a, t, nb, res); break;
     default: dot4_q8_0_avx2(w, a, t, nb, res);
     }
