@@ -4,13 +4,6 @@
 
 #ifdef KILN_X86
 /* attention helpers */
-AVX2 static float vdot_avx2(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps(); int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float r = hsum_avx(acc);
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
-}
 AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
     __m256 pp = _mm256_set1_ps(p); int i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
@@ -108,7 +101,7 @@ ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16, RND_F16)
 
 static inline float vdot(const float *a, const float *b, int n) {
 #ifdef KILN_X86
-    if (g_avx2) return vdot_avx2(a, b, n);
+    if (g_avx2) return dot_f32_avx2(a, b, n);
 #endif
     float r = 0.f;
     for (int i = 0; i < n; i++) r += a[i] * b[i];

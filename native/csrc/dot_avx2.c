@@ -24,36 +24,6 @@ AVX2 static inline __m256 sum_u8_i8(__m256i u, __m256i y) {     /* unsigned u ·
     __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
     return _mm256_cvtepi32_ps(dot);
 }
-AVX2 static float dot_q4_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
-    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 18) {
-        __m256i x = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
-    }
-    return hsum_avx(acc);
-}
-AVX2 static float dot_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb) {
-    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
-    __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
-    for (int b = 0; b < nb; b++, w += 20) {
-        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_u8_i8(nibbles32(w + 4), y), acc);
-        accm += H2F(w + 2) * s[b];
-    }
-    return hsum_avx(acc) + accm;
-}
-AVX2 static float dot_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
-    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 34) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
-    }
-    return hsum_avx(acc);
-}
 AVX2 static inline __m256i bits32(const uint8_t *x) {    /* 32 bits -> 32 bytes, 0xFF where set */
     uint32_t x32; memcpy(&x32, x, 4);
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
@@ -62,27 +32,51 @@ AVX2 static inline __m256i bits32(const uint8_t *x) {    /* 32 bits -> 32 bytes,
     bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
     return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
-AVX2 static float dot_q5_0_avx2(const uint8_t *w, const Act *a, int t, int nb) {
-    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 22) {
-        __m256i x = _mm256_or_si256(nibbles32(w + 6), _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xF0)));
-        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * d[b]), sum_i8_pairs(x, y), acc);
+/* The 32 values of one block of a type multiplied against Q8_0/Q8_1 activations: signed for
+ * Q4_0/Q5_0/Q8_0, unsigned (their minimum m applied apart) for Q4_1/Q5_1 — as ggml unpacks them. */
+#define HAS_MIN(type) ((type) == T_Q4_1 || (type) == T_Q5_1)
+AVX2 static inline __attribute__((always_inline)) __m256i block_values(int type, const uint8_t *w) {
+    switch (type) {
+    case T_Q4_0: return _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+    case T_Q5_0: return _mm256_or_si256(nibbles32(w + 6), _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xF0)));
+    case T_Q8_0: return _mm256_loadu_si256((const __m256i *)(w + 2));
+    case T_Q4_1: return nibbles32(w + 4);
+    default:     return _mm256_or_si256(nibbles32(w + 8), _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10)));
     }
-    return hsum_avx(acc);
 }
-AVX2 static float dot_q5_1_avx2(const uint8_t *w, const Act *a, int t, int nb) {
-    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb, *s = a->s + (size_t)t * nb;
-    __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
-    for (int b = 0; b < nb; b++, w += 24) {
-        __m256i x = _mm256_or_si256(nibbles32(w + 8), _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10)));
-        __m256i y = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        accm += H2F(w + 2) * s[b];
-        acc = _mm256_fmadd_ps(sum_u8_i8(x, y), _mm256_set1_ps(H2F(w) * d[b]), acc);
+AVX2 static inline __attribute__((always_inline)) __m256 block_dot(int type, __m256i x, __m256i y) {
+    return HAS_MIN(type) ? sum_u8_i8(x, y) : sum_i8_pairs(x, y);
+}
+/* R (1 or 4) activation rows from t against one weight row of 32-value blocks: per block, one
+ * FMA of d_w * d_x into 8 lanes, the minimum's m * s summed apart (ggml's order per row). */
+AVX2 static inline __attribute__((always_inline)) void dot_q8_blocks(int type, int bytes, int R, const uint8_t *w,
+                                                                   const Act *a, int t, int nb, float *r) {
+    __m256 acc[4]; float accm[4];
+    for (int i = 0; i < R; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = 0.f; }
+    for (int b = 0; b < nb; b++, w += bytes) {
+        const __m256i x = block_values(type, w);
+        const float dw = H2F(w);
+        for (int i = 0; i < R; i++) {
+            const size_t blk = (size_t)(t + i) * nb + b;
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + blk * 32));
+            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a->d[blk]), block_dot(type, x, y), acc[i]);
+            if (HAS_MIN(type)) accm[i] += H2F(w + 2) * a->s[blk];
+        }
     }
-    return hsum_avx(acc) + accm;
+    for (int i = 0; i < R; i++) r[i] = HAS_MIN(type) ? hsum_avx(acc[i]) + accm[i] : hsum_avx(acc[i]);
 }
+#define Q8_KERNELS(name, TYPE, BYTES)                                                               \
+    AVX2 static float dot_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb) {            \
+        float r; dot_q8_blocks(TYPE, BYTES, 1, w, a, t, nb, &r); return r;                          \
+    }                                                                                               \
+    AVX2 static void dot4_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
+        dot_q8_blocks(TYPE, BYTES, 4, w, a, t, nb, r);                                              \
+    }
+Q8_KERNELS(q4_0, T_Q4_0, 18)
+Q8_KERNELS(q4_1, T_Q4_1, 20)
+Q8_KERNELS(q5_0, T_Q5_0, 22)
+Q8_KERNELS(q5_1, T_Q5_1, 24)
+Q8_KERNELS(q8_0, T_Q8_0, 34)
 
 /* K-quants as ggml's AVX2 ggml_vec_dot_q{4,5,6}_K_q8_K compute them: integer sums per 256-value
  * block (sub-block scales applied with madd), one float FMA per block, the minimums from the
@@ -446,62 +440,6 @@ AVX2 static float dot_q3_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     }
     return hsum_avx(acc);
 }
-AVX2 static float dot_f32_avx2(const float *w, const float *x, int K) {
-    __m256 acc = _mm256_setzero_ps(); int i = 0;
-    for (; i + 8 <= K; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
-    float r = hsum_avx(acc);
-    for (; i < K; i++) r += w[i] * x[i];
-    return r;
-}
-
-/* Four activation rows against one weight row: the weight block is unpacked once. Each row's
- * operations are exactly those of the one-row kernel, so the results are bit-identical. */
-#define DOT4_BEGIN(BYTES)                                                                     \
-    const int8_t *q0 = a->q + (size_t)t * nb * 32, *q1 = q0 + nb * 32, *q2 = q1 + nb * 32, *q3 = q2 + nb * 32; \
-    const float *d0 = a->d + (size_t)t * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;      \
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-#define DOT4_ROW(C, Q, D, SUM) C = _mm256_fmadd_ps(_mm256_set1_ps(dw * D[b]), SUM(x, _mm256_loadu_si256((const __m256i *)(Q + b * 32))), C)
-
-AVX2 static void dot4_q4_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
-    DOT4_BEGIN(18)
-    for (int b = 0; b < nb; b++, w += 18) {
-        __m256i x = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)); float dw = H2F(w);
-        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
-        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
-    }
-    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
-}
-AVX2 static void dot4_q8_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
-    DOT4_BEGIN(34)
-    for (int b = 0; b < nb; b++, w += 34) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(w + 2)); float dw = H2F(w);
-        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
-        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
-    }
-    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
-}
-AVX2 static void dot4_q5_0_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
-    DOT4_BEGIN(22)
-    for (int b = 0; b < nb; b++, w += 22) {
-        __m256i x = _mm256_or_si256(nibbles32(w + 6), _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xF0)));
-        float dw = H2F(w);
-        DOT4_ROW(c0, q0, d0, sum_i8_pairs); DOT4_ROW(c1, q1, d1, sum_i8_pairs);
-        DOT4_ROW(c2, q2, d2, sum_i8_pairs); DOT4_ROW(c3, q3, d3, sum_i8_pairs);
-    }
-    r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
-}
-AVX2 static void dot4_q4_1_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {
-    DOT4_BEGIN(20)
-    const float *s0 = a->s + (size_t)t * nb, *s1 = s0 + nb, *s2 = s1 + nb, *s3 = s2 + nb;
-    float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;
-    for (int b = 0; b < nb; b++, w += 20) {
-        __m256i x = nibbles32(w + 4); float dw = H2F(w), mw = H2F(w + 2);
-        DOT4_ROW(c0, q0, d0, sum_u8_i8); DOT4_ROW(c1, q1, d1, sum_u8_i8);
-        DOT4_ROW(c2, q2, d2, sum_u8_i8); DOT4_ROW(c3, q3, d3, sum_u8_i8);
-        m0 += mw * s0[b]; m1 += mw * s1[b]; m2 += mw * s2[b]; m3 += mw * s3[b];
-    }
-    r[0] = hsum_avx(c0) + m0; r[1] = hsum_avx(c1) + m1; r[2] = hsum_avx(c2) + m2; r[3] = hsum_avx(c3) + m3;
-}
 
 /* One row's dot product if this type has an AVX2 kernel (1), else 0: the caller runs the
  * portable one. */
@@ -525,8 +463,8 @@ int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb,
 
 /* Does this type have a four-row kernel (same bits as four one-row calls)? */
 int has_dot4_avx2(int type, int K) {
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0 || type == T_Q4_K ||
-           type == T_Q5_K || type == T_Q6_K || (type == T_F16 && K % 8 == 0);
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 ||
+           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || (type == T_F16 && K % 8 == 0);
 }
 
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res) {
@@ -535,6 +473,7 @@ void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, f
     case T_Q4_0: dot4_q4_0_avx2(w, a, t, nb, res); break;
     case T_Q4_1: dot4_q4_1_avx2(w, a, t, nb, res); break;
     case T_Q5_0: dot4_q5_0_avx2(w, a, t, nb, res); break;
+    case T_Q5_1: dot4_q5_1_avx2(w, a, t, nb, res); break;
     case T_Q4_K: dot4_q4_K_avx2(w, a, t, nb, res); break;
     case T_Q5_K: dot4_q5_K_avx2(w, a, t, nb, res); break;
     case T_Q6_K: dot4_q6_K_avx2(w, a, t, nb, res); break;

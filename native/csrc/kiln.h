@@ -126,6 +126,14 @@ AVX2 static inline float hsum_avx(__m256 v) {
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
 }
+/* float dot product: 8 lanes of FMAs, their sum, then the tail in order (tinyBLAS's F32 order) */
+AVX2 static inline float dot_f32_avx2(const float *w, const float *x, int n) {
+    __m256 acc = _mm256_setzero_ps(); int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
+    float r = hsum_avx(acc);
+    for (; i < n; i++) r += w[i] * x[i];
+    return r;
+}
 #endif
 
 /* ---- quant.c -------------------------------------------------------------------------------- */
