@@ -1,6 +1,6 @@
 """A client of the supervisor's command bus over its control socket: named commands, and
-`call`s of a worker's op (chunks streamed back). The CLI uses it, and so do workers that need
-another worker's service (the evaluator generates through the inference worker this way)."""
+routed ops (generate, train.submit, …) and `call`s of a named worker's op, chunks streamed back.
+The CLI uses it. Workers never do: they send their requests up their own socket."""
 
 from __future__ import annotations
 
@@ -57,10 +57,10 @@ class BusClient:
                 raise CommandFailed(reply.get("code"), reply.get("message"), bool(reply.get("retryable")))
             return reply.body
 
-    def call(self, worker: str, op: str, body: Any = None, timeout: float = 60.0) -> Iterator[Message]:
-        """Send op to a worker through the daemon; yield each chunk, then the reply (or raise
-        CommandFailed on an error)."""
-        msg = make("request", op="call", body={"worker": worker, "op": op, "body": body, "timeout": timeout})
+    def stream(self, op: str, body: Any = None, timeout: float = 60.0) -> Iterator[Message]:
+        """Send a routed op (generate, score, train.submit, …) or a `call`; yield each chunk, then
+        the reply (or raise CommandFailed on an error)."""
+        msg = make("request", op=op, body=body or {})
         self.sock.send_multipart(encode_frames(msg, self.key))
         self.last_call_id = msg.id
         while True:
@@ -72,6 +72,11 @@ class BusClient:
             yield m
             if m.type == "reply":
                 return
+
+    def call(self, worker: str, op: str, body: Any = None, timeout: float = 60.0) -> Iterator[Message]:
+        """Send op to one named worker through the daemon's router; yield each chunk, then the
+        reply (or raise CommandFailed on an error)."""
+        return self.stream("call", {"worker": worker, "op": op, "body": body, "timeout": timeout}, timeout)
 
     def cancel(self, call_id: str) -> None:
         self.sock.send_multipart(encode_frames(make("cancel", id=call_id), self.key))

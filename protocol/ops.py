@@ -35,6 +35,7 @@ SCHEMAS: dict[str, Schema] = {
     # trainer
     "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False),
                      "model": (str, False)},
+    "job_cancel": {"id": (str, True)},
     "detokenize": {"tokens": (list, True)},
     "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False)},
     "info": {},

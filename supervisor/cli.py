@@ -78,7 +78,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
        expert_cache: str = typer.Option("25%", "--expert-cache", help="expert cache size with --stream: 512MiB, 2GiB, or % of RAM")):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from .client import daemon_pid
-    from .daemon import AlreadyRunning, Supervisor
+    from .daemon import Supervisor
+    from .run_files import AlreadyRunning
     paths = _paths()
     cli = {"server.host": host, "server.port": port}
     if stream and not model:

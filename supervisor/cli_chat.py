@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from typing import Optional
 
 import typer
@@ -28,39 +27,33 @@ def _ensure_daemon(model: Optional[str]):
     return ControlClient(Paths.from_env())
 
 
-def _pick_worker(client, model: Optional[str], timeout: float = 300.0) -> str:
-    shown = False
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = [w for w in client.command("status")["workers"] if w["kind"] in ("inference", "moe-stream")]
-        if not workers:
-            fail("the daemon serves no inference worker; add one to kiln.toml or use `kiln up --model M`")
-        w = workers[0]
-        if model:
-            w = next((w for w in workers if model in (w["name"], w["model"], (w["stats"] or {}).get("model"))), None)
-            if w is None:
-                fail(f"no worker serves {model!r} (workers: {', '.join(x['name'] for x in workers)}); "
-                     f"`kiln down` then `kiln up --model {model}`")
-        if w["state"] == "fatal":
-            fail(f"worker {w['name']} is fatal: {w['reason']}")
-        if w["state"] == "running" and w["worker_state"] not in ("booting", "loading"):
-            return w["name"]
-        if not shown:
-            typer.echo(f"kiln: waiting for worker {w['name']} ({w['worker_state'] or w['state']})…", err=True)
-            shown = True
-        if time.monotonic() > deadline:
-            fail(f"worker {w['name']} did not become ready within {timeout:g} s (`kiln logs {w['name']}`)")
-        time.sleep(0.2)
+def _pick_worker(client, model: Optional[str]) -> str:
+    """The worker that serves `model` (the router's answer, without waiting); says so when it is
+    still loading — the router itself waits for it when the question is sent."""
+    from .client import CommandFailed
+    try:
+        r = client.command("route", {"model": model} if model else {})
+    except CommandFailed as e:
+        hint = f"; `kiln down` then `kiln up --model {model}`" if e.code == "model_not_found" else ""
+        fail(e.message + hint)
+    if r["state"] == "fatal":
+        fail(f"worker {r['worker']} is fatal: {r['reason']} (`kiln restart {r['worker']}` once fixed)")
+    if r["state"] != "running" or r["worker_state"] not in ("ready", "busy"):
+        typer.echo(f"kiln: worker {r['worker']} is {r['worker_state'] or r['state']}; the answer starts when it "
+                   f"is ready", err=True)
+    return r["worker"]
 
 
 def _stream_answer(client, worker: str, messages: list[dict], params: dict, adapter: Optional[str] = None) -> str:
-    """Print the answer as it arrives; Ctrl-C cancels it (KeyboardInterrupt propagates)."""
+    """Print the answer as it arrives; Ctrl-C cancels it (KeyboardInterrupt propagates). The
+    router waits for the worker while it loads or restarts, and retries a request a crash cut
+    before its first token."""
     from .client import CommandFailed
     out = []
-    body = {"messages": messages, "params": params}
+    body = {"messages": messages, "params": params, "worker": worker, "timeout": 3600}
     if adapter is not None:
         body["adapter"] = adapter
-    calls = client.call(worker, "generate", body, timeout=3600)
+    calls = client.stream("generate", body, timeout=3600)
     try:
         for msg in calls:
             piece = msg.body["text"] if msg.type == "chunk" else msg.body.get("text", "")

@@ -16,10 +16,10 @@ from .cli_train import _client, _cmd
 
 
 def _submit(c, op: str, body: dict) -> dict:
+    """A routed evaluator op (eval.register, eval.submit): the router finds the evaluator."""
     from .client import CommandFailed
-    worker = _cmd(c, "eval.evaluator")["worker"]
     try:
-        return [m for m in c.call(worker, op, body, timeout=600)][-1].body
+        return [m for m in c.stream(op, body, timeout=600)][-1].body
     except CommandFailed as e:
         fail(e.message)
 
@@ -82,7 +82,7 @@ def _suite_body(suite: Optional[str], file: Optional[Path]) -> dict:
 def register(file: Path = typer.Argument(..., help="suite JSON (or header JSON with examples.jsonl beside it)")):
     """Validate a suite and register it under its name (then: kiln eval run --suite NAME)."""
     with _client() as c:
-        r = _submit(c, "eval_register", {"file": str(file.resolve())})
+        r = _submit(c, "eval.register", {"file": str(file.resolve())})
     typer.echo(f"registered suite {r['name']}: {r['examples']} examples, hash {r['hash'][:12]}")
 
 
@@ -98,7 +98,7 @@ def run(suite: Optional[str] = typer.Option(None, "--suite", "-s", help="registe
     if seed is not None:
         body["seed"] = seed
     with _client() as c:
-        job = _submit(c, "eval_submit", body)
+        job = _submit(c, "eval.submit", body)
         if not as_json:
             typer.echo(f"{job['id']} queued ({job['total']} completions)", err=True)
         _finish(_wait(c, job["id"], watch and not as_json), as_json)
@@ -120,7 +120,7 @@ def compare(suite: Optional[str] = typer.Option(None, "--suite", "-s", help="reg
     if seed is not None:
         body["seed"] = seed
     with _client() as c:
-        job = _submit(c, "eval_submit", body)
+        job = _submit(c, "eval.submit", body)
         _finish(_wait(c, job["id"], watch and not as_json), as_json)
 
 
@@ -131,7 +131,7 @@ def replay(job: str = typer.Argument(..., help="a completed eval job"),
     if every completion is byte-identical (matched); mismatch names the examples and the first
     differing byte; error means an identity (model, adapter, suite) changed."""
     with _client() as c:
-        j = _submit(c, "eval_submit", {"replay_of": job})
+        j = _submit(c, "eval.submit", {"replay_of": job})
         j = _wait(c, j["id"], False)
     if as_json:
         typer.echo(json.dumps({k: j.get(k) for k in ("id", "state", "error", "verdict", "verdict_detail")}))

@@ -36,6 +36,17 @@ def _cmd(client, name: str, args: dict | None = None):
         fail(str(e))
 
 
+def _routed(client, op: str, args: dict):
+    """A routed op (train.cancel, eval.cancel): the router takes it to the job's worker."""
+    from .client import CommandFailed
+    try:
+        return [m for m in client.stream(op, args, timeout=60)][-1].body
+    except CommandFailed as e:
+        fail(e.message)
+    except TimeoutError as e:
+        fail(str(e))
+
+
 # -- train ---------------------------------------------------------------------------------------
 
 @train_app.command("sft")
@@ -71,9 +82,8 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
     if model:
         body["model"] = model
     with _client() as c:
-        trainer = _cmd(c, "train.trainer")["worker"]
         try:
-            job = [m for m in c.call(trainer, "train_submit", body, timeout=600)][-1].body
+            job = [m for m in c.stream("train.submit", body, timeout=600)][-1].body
         except CommandFailed as e:
             fail(e.message)
         if as_json and not follow:
@@ -176,7 +186,7 @@ def status(job: Optional[str] = typer.Argument(None, help="a job id (default: ev
 def cancel(job: str = typer.Argument(..., help="the job id")):
     """Cancel a queued or running job."""
     with _client() as c:
-        j = _cmd(c, "train.cancel", {"id": job})
+        j = _routed(c, "train.cancel", {"id": job})
         typer.echo(f"{j['id']}: cancel requested ({j['state']})")
 
 

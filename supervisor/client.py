@@ -6,7 +6,7 @@ import os
 
 from kiln.protocol.client import BusClient, CommandFailed  # noqa: F401  (CommandFailed: for callers)
 
-from .daemon import read_pid
+from .run_files import read_pid
 from .paths import Paths
 
 

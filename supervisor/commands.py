@@ -14,9 +14,12 @@ from typing import Any, Callable
 
 import psutil
 
+from kiln.protocol.vocab import WORKER_LOADING, http_status
+
 from . import policy
 
 COMMANDS: dict[str, Callable] = {}
+OFF_LOOP: set[str] = set()      # commands that read files or processes: run on a thread, not the loop
 
 
 class CommandError(Exception):
@@ -25,9 +28,13 @@ class CommandError(Exception):
         self.code, self.message, self.status = code, message, status
 
 
-def command(name: str):
+def command(name: str, off_loop: bool = False):
+    """Register a bus command. An `off_loop` one may be slow (disk, psutil) and so must only read
+    state that is safe from another thread; it never delays the loop's liveness checks."""
     def register(fn):
         COMMANDS[name] = fn
+        if off_loop:
+            OFF_LOOP.add(name)
         return fn
     return register
 
@@ -60,8 +67,31 @@ def status(sup, args):
                    "http": list(sup.http_address) if sup.http_address else None,
                    "home": str(sup.paths.home), "shutting_down": sup.shutting_down},
         "workers": [w.describe(now) for w in sup.workers.values()],
-        "events": list(sup.events)[-int(args.get("events", 50)):],
+        "router": {"pending": len(sup.router.pending), "waiting": sup.router.waiting(), **sup.router.counts},
+        "events": sup.events.since(0, int(args.get("events", 50))),
     }
+
+
+@command("events")
+def events(sup, args):
+    """Events after sequence number `after` (0: the last `limit`): worker started, exited,
+    fatal, requests retried, jobs. `wait` seconds (≤ 30) waits for the next one."""
+    after, limit = int(args.get("after") or 0), int(args.get("limit") or 200)
+    wait = min(float(args.get("wait") or 0), 30.0)
+    got = sup.events.wait(after, wait) if wait > 0 else sup.events.since(after)
+    return {"events": got[-limit:] if after == 0 else got[:limit], "last": sup.events.last_seq}
+
+
+@command("route")
+def route(sup, args):
+    """Which worker serves a model (`model`, default: the default model) — without waiting."""
+    from .router import RouteError, Target
+    try:
+        w = sup.router.resolve(Target(model=args.get("model")))
+    except RouteError as e:
+        raise CommandError(e.code, e.message, status=http_status(e.code)) from None
+    return {"worker": w.name, "state": w.ps.state, "worker_state": w.worker_state, "reason": w.ps.reason,
+            "model": w.status.get("model") or w.spec.get("model"), "n_ctx": w.status.get("n_ctx")}
 
 
 @command("worker")
@@ -87,22 +117,21 @@ def system_info(sup) -> dict:
             "load_avg": list(os.getloadavg()), "disk": disks}
 
 
-@command("health")
+@command("health", off_loop=True)
 def health(sup, args):
     """ok when every enabled worker is running and ready; otherwise the reasons."""
     reasons = []
     workers = {}
     for w in sup.workers.values():
         ws = w.status.get("state")
-        workers[w.name] = {"state": w.ps.state, "worker_state": ws, "pid": w.pid,
-                           "rss_bytes": w.describe(time.time())["rss_bytes"]}
+        workers[w.name] = {"state": w.ps.state, "worker_state": ws, "pid": w.pid, "rss_bytes": w.rss}
         if "expert_cache" in w.status:
             workers[w.name]["expert_cache"] = w.status["expert_cache"]
         if not w.spec.get("enabled", True) and w.ps.state == "stopped":
             continue
         if w.ps.state != "running":
             reasons.append(f"worker {w.name} is {w.ps.state}" + (f": {w.ps.reason}" if w.ps.reason else ""))
-        elif ws in ("booting", "loading"):
+        elif ws in WORKER_LOADING:
             reasons.append(f"worker {w.name}: loading model")
     if sup.shutting_down:
         reasons.insert(0, "shutting down")
@@ -148,6 +177,7 @@ def shutdown(sup, args):
     if not sup.shutting_down:
         sup.shutting_down = True
         sup.record("shutdown", None, args.get("reason", "requested"))
+        sup.router.fail_all("shutting_down", "kiln is shutting down")
         for w in sup.workers.values():
             sup.apply(w, policy.Stop())
     return {"ok": True, "pid": os.getpid()}

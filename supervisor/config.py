@@ -45,15 +45,19 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "threads": Field(int, 16, "HTTP threads (each open stream holds one)", 1, 512),
         "max_queue": Field(int, 64, "requests waiting for a worker before 503 'server busy'", 1, 100000),
         "request_timeout": Field(float, 600.0, "longest a request may take, seconds", 1, None),
+        "wait_for_worker": Field(float, 60.0, "longest a request waits for its worker to start or restart "
+                                 "before 503, seconds", 0, None),
     },
     "supervisor": {
         "heartbeat_interval": Field(float, 1.0, "seconds between worker heartbeats", 0.05, 60),
         "liveness": Field(int, 3, "missed heartbeats before a worker is declared dead", 1, 100),
         "graceful_timeout": Field(float, 5.0, "seconds between SIGTERM and SIGKILL", 0.1, 600),
         "start_secs": Field(float, 1.0, "seconds a worker must stay up after hello to be running", 0, 600),
-        "max_restarts": Field(int, 5, "restarts within restart_window before fatal", 0, 1000),
-        "restart_window": Field(float, 60.0, "seconds over which restarts are counted", 1, None),
-        "backoff_initial": Field(float, 1.0, "first restart delay, seconds (doubles each time)", 0, 600),
+        "max_restarts": Field(int, 5, "failed starts in a row (within restart_window) before fatal", 1, 1000),
+        "restart_window": Field(float, 60.0, "seconds over which failed starts are counted", 1, None),
+        "backoff_initial": Field(float, 0.5, "restart delay after a short-lived crash, seconds (doubles for "
+                                 "each failed start in a row)", 0, 600),
+        "stable_secs": Field(float, 10.0, "seconds a worker must have run for its crash to restart it at once", 0, None),
         "backoff_max": Field(float, 30.0, "longest restart delay, seconds", 0, 3600),
         "boot_timeout": Field(float, 120.0, "seconds a worker may take from spawn to hello", 1, None),
         "memory_budget": Field(int, 0, "bytes a model may plan to use (0: the RAM available)", 0, None),

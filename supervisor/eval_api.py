@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import falcon
 
-from .http_app import JSONError, bus, worker_op
+from .http_common import JSONError, bus, routed
 
 FIELDS = ("suite", "file", "inline", "adapter", "adapters", "seed", "replay_of")
-_STATUS = {"bad_suite": 400, "bad_request": 400, "suite_not_found": 404, "adapter_not_found": 404,
-           "job_not_found": 404, "worker_unavailable": 503, "worker_crashed": 502}
 
 
 class Eval:
@@ -25,8 +23,7 @@ class Eval:
         unknown = set(body) - set(FIELDS)
         if unknown:
             raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; known: {', '.join(FIELDS)}")
-        evaluator = bus(self.sup, "eval.evaluator")["worker"]
-        resp.media = worker_op(self.sup, evaluator, "eval_submit", body, _STATUS)
+        resp.media = routed(self.sup, "eval.submit", body)
         resp.status = falcon.HTTP_201
 
     def on_get_jobs(self, req, resp):
@@ -36,7 +33,7 @@ class Eval:
         resp.media = bus(self.sup, "eval.job", {"id": job_id})
 
     def on_delete_job(self, req, resp, job_id):
-        resp.media = bus(self.sup, "eval.cancel", {"id": job_id})
+        resp.media = routed(self.sup, "eval.cancel", {"id": job_id}, 60)
 
 
 def install(app: falcon.App, sup, read_json) -> None:

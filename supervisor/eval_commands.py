@@ -1,5 +1,6 @@
 """Bus commands for evaluation jobs: status and results read the job store on disk (the
-evaluator writes it); submitting is the evaluator worker's `eval_submit` op."""
+evaluator writes it); submitting, registering and cancelling
+are the evaluator's ops, routed (`eval.submit`, `eval.register`, `eval.cancel`: supervisor/router.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,6 @@ from .commands import CommandError, command
 
 def _store(sup) -> JobStore:
     return JobStore(sup.paths.home, "eval")
-
-
-@command("eval.evaluator")
-def eval_evaluator(sup, args):
-    """Which worker evaluates (front ends send it `eval_submit` and `eval_register`)."""
-    for w in sup.workers.values():
-        if w.kind == "evaluator" and w.spec.get("enabled", True):
-            return {"worker": w.name}
-    raise CommandError("no_evaluator", "no evaluator worker is configured; add [workers.evaluator] kind = "
-                                       "\"evaluator\" to kiln.toml (the default configuration has one)", status=503)
 
 
 @command("eval.jobs")
@@ -44,15 +35,3 @@ def eval_job(sup, args):
     except OSError:
         job["results"] = []
     return job
-
-
-@command("eval.cancel")
-def eval_cancel(sup, args):
-    """Cancel a queued or running evaluation."""
-    try:
-        job = _store(sup).get(str(args.get("id")))
-    except JobNotFound:
-        raise CommandError("job_not_found", f"no evaluation job {args.get('id')!r}", status=404) from None
-    if job["state"] in ("completed", "failed", "cancelled"):
-        raise CommandError("job_finished", f"job {job['id']} is already {job['state']}", status=409)
-    return _store(sup).request_cancel(job["id"])

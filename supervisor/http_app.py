@@ -8,28 +8,13 @@ from __future__ import annotations
 
 import hmac
 import json
-import queue
 import threading
 
 import falcon
 import waitress
 
-from .commands import CommandError
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 502: "server_error", 503: "server_error", 504: "server_error"}
-
-
-def error_body(status: int, code: str, message: str, **extra) -> dict:
-    return {"error": {"code": code, "type": _TYPES.get(status, "server_error"), "message": message, **extra}}
-
-
-class JSONError(falcon.HTTPError):
-    def __init__(self, status: int, code: str, message: str, headers: dict | None = None, **extra):
-        super().__init__(falcon.code_to_http_status(status), headers=headers)
-        self.kiln_body = error_body(status, code, message, **extra)
-
+from . import eval_api, openai_api, train_api
+from .http_common import JSONError, bus, error_body
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     body = getattr(exc, "kiln_body", None)
@@ -61,27 +46,6 @@ class Auth:
         if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):
             raise JSONError(401, "invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
-
-
-def bus(sup, name: str, args: dict | None = None):
-    try:
-        return sup.command(name, args or {})
-    except CommandError as e:
-        raise JSONError(e.status, e.code, e.message) from None
-
-
-def worker_op(sup, worker: str, op: str, body: dict, status: dict, timeout: float = 600) -> dict:
-    """One op on a worker through the supervisor, its reply body or its error as a JSONError
-    (`status` maps the worker's error codes to HTTP statuses; others are 500)."""
-    call = sup.call(worker, op, body, timeout)
-    try:
-        msg = call.events.get(timeout=timeout + 5)
-    except queue.Empty:
-        raise JSONError(504, "timeout", f"worker {worker} did not answer {op}") from None
-    if msg.type == "error":
-        code = msg.get("code") or "error"
-        raise JSONError(status.get(code, 500), code, msg.get("message") or code)
-    return msg.body
 
 
 class Health:
@@ -123,7 +87,6 @@ def make_app(sup) -> falcon.App:
     app.add_route("/v1/workers", workers)
     app.add_route("/v1/workers/{name}", workers, suffix="one")
     app.add_route("/v1/workers/{name}/{action}", workers, suffix="action")
-    from . import eval_api, openai_api, train_api
     api = openai_api.install(app, sup)
     train_api.install(app, sup, api.read_json)
     eval_api.install(app, sup, api.read_json)

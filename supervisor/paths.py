@@ -48,6 +48,12 @@ class Paths:
         return self.run / "hmac.key"
 
     @property
+    def worker_keyfile(self) -> Path:
+        """The key of the worker socket — a different key from the control socket's, so that a
+        worker can sign its own messages but cannot speak on the control socket."""
+        return self.run / "workers.key"
+
+    @property
     def worker_endpoint(self) -> str:
         return f"ipc://{self.run / 'workers.sock'}"
 

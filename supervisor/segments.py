@@ -55,3 +55,36 @@ def create(home: Path, worker: str, size: int) -> Path:
     finally:
         os.close(fd)
     return path
+
+
+def make_for_workers(home: Path, table, record) -> list[Path]:
+    """Expert-cache segments for the moe-stream workers, sized from their model and budget; stale
+    ones of a killed daemon are removed first. A worker whose segment cannot be made gets none and
+    then fails at boot with a clear reason."""
+    import psutil
+
+    from kiln.native.expert_store import ExpertStore, segment_bytes
+    from kiln.native.gguf_file import GGUFError, read_gguf
+    from kiln.native.library import ModelNotFound, resolve_model
+
+    stale = remove_stale(home)
+    if stale:
+        record("stale_segments_removed", None, ", ".join(stale))
+    made = []
+    for w in table:
+        if w.kind != "moe-stream":
+            continue
+        try:
+            path = resolve_model(w.spec["model"])
+            budget = parse_size(w.spec["settings"].get("expert_cache", "25%"), psutil.virtual_memory().total)
+            store = ExpertStore(path)
+            slots, size = segment_bytes(read_gguf(path, skip_arrays=True), store, budget)
+            store.close()
+        except (ModelNotFound, GGUFError, ValueError, OSError) as e:
+            record("segment_failed", w.name, str(e))
+            continue
+        seg = create(home, w.name, size)
+        made.append(seg)
+        w.spec = dict(w.spec, settings={**w.spec["settings"], "shm": str(seg), "shm_slots": slots})
+        record("segment_created", w.name, f"{seg.name}: {slots} expert slots, {size / 2**20:.1f} MiB")
+    return made

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import falcon
 
-from .http_app import JSONError, bus, worker_op
+from .http_common import JSONError, bus, routed
 
 OPTIONS = ("epochs", "lr", "rank", "alpha", "targets", "max_seq_len", "checkpoint_interval", "seed",
            "grad_accum", "warmup", "schedule", "weight_decay", "betas")
-_STATUS = {"bad_request": 400, "bad_data": 400, "adapter_exists": 409, "unsupported_model": 400,
-           "model_not_found": 404, "bad_model": 400, "worker_unavailable": 503, "worker_crashed": 502}
 
 
 class Train:
@@ -38,8 +36,7 @@ class Train:
         work = {"file": body["file"], "adapter": body["adapter"], "options": options}
         if body.get("model"):
             work["model"] = body["model"]
-        trainer = bus(self.sup, "train.trainer")["worker"]
-        resp.media = worker_op(self.sup, trainer, "train_submit", work, _STATUS)
+        resp.media = routed(self.sup, "train.submit", work)
         resp.status = falcon.HTTP_201
 
     def on_get_jobs(self, req, resp):
@@ -49,7 +46,7 @@ class Train:
         resp.media = bus(self.sup, "train.job", {"id": job_id, "since": req.get_param_as_int("since") or 0})
 
     def on_delete_job(self, req, resp, job_id):
-        resp.media = bus(self.sup, "train.cancel", {"id": job_id})
+        resp.media = routed(self.sup, "train.cancel", {"id": job_id}, 60)
 
 
 class Adapters:

@@ -1,9 +1,8 @@
 """Bus commands for training jobs and adapters.
 
-Job status, loss history and cancellation read and mark the job store on disk (the trainer
-writes it), so they answer while the trainer is busy or restarting. Submitting a job is the
-trainer worker's `train_submit` op (it validates the data against the model), which the front
-ends call through `trainer_worker`.
+Job status and loss history read the job store on disk (the trainer writes it), so they answer
+while the trainer is busy or restarting. Submitting and cancelling are the trainer's ops, routed
+(`train.submit`, `train.cancel`: supervisor/router.py).
 """
 
 from __future__ import annotations
@@ -29,21 +28,6 @@ def _job(sup, job_id) -> dict:
                            + (f" (jobs: {', '.join(ids[-10:])})" if ids else " (no jobs yet)"), status=404) from None
 
 
-def trainer_worker(sup) -> str:
-    """The name of the trainer worker that takes new jobs."""
-    for w in sup.workers.values():
-        if w.kind == "trainer" and w.spec.get("enabled", True):
-            return w.name
-    raise CommandError("no_trainer", "no trainer worker is configured; add [workers.trainer] kind = "
-                                     "\"trainer\" to kiln.toml (the default configuration has one)", status=503)
-
-
-@command("train.trainer")
-def train_trainer(sup, args):
-    """Which worker trains (front ends send it `train_submit`)."""
-    return {"worker": trainer_worker(sup)}
-
-
 @command("train.jobs")
 def train_jobs(sup, args):
     """Every training job, oldest first: state, step/total, epoch, loss, tokens/s, ETA."""
@@ -56,15 +40,6 @@ def train_job(sup, args):
     job = _job(sup, args.get("id"))
     job["losses"] = _store(sup).losses(job["id"], int(args.get("since") or 0))
     return job
-
-
-@command("train.cancel")
-def train_cancel(sup, args):
-    """Cancel a queued or running job (a running one stops after its current example)."""
-    job = _job(sup, args.get("id"))
-    if job["state"] in ("completed", "failed", "cancelled"):
-        raise CommandError("job_finished", f"job {job['id']} is already {job['state']}", status=409)
-    return _store(sup).request_cancel(job["id"])
 
 
 # -- adapters ------------------------------------------------------------------------------------
@@ -89,7 +64,7 @@ def adapters_list(sup, args):
             "adapters": [dict(a, in_use=_in_use(sup, a["name"])) for a in sup.adapters.list()]}
 
 
-@command("adapters.load")
+@command("adapters.load", off_loop=True)
 def adapters_load(sup, args):
     """Make an adapter the active one: applied to every request that names none. Refused if it
     does not fit the model an inference worker serves."""

@@ -77,3 +77,22 @@ def _isolated_kiln_home(tmp_path_factory, monkeypatch):
     for k in list(os.environ):
         if k.startswith(("KILN_SERVER_", "KILN_SUPERVISOR_")) or k in ("KILN_CONFIG", "KILN_MODEL_PATH"):
             monkeypatch.delenv(k)
+
+
+# -- tiers -------------------------------------------------------------------------------------
+# `pytest -m "not e2e"` is the fast tier (< 60 s on 2 cores): no daemon, fake spawner and clock,
+# small models. Everything that starts `kiln up`, or runs the default model through the numpy
+# path, is end-to-end.
+E2E_MODULES = {"test_evaluator_e2e", "test_http_foundation", "test_hub_pull", "test_model_library",
+               "test_moe_stream_worker", "test_serving", "test_supervisor_e2e", "test_trainer_e2e",
+               "test_router_e2e"}
+E2E_TESTS = ("test_default_model_matches_llama_cpp[numpy]", "test_e8k2_variant_matches_llama_cpp[numpy]",
+             "test_e8k8_variant_gives_the_dense_logits", "test_ten_thousand_random_frame_lists_raise_only_protocol_error",
+             "test_llama_cpp_logits_with_our_adapter_meet_the_engine_bars")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.split(".")[-1] in E2E_MODULES or item.name in E2E_TESTS \
+                or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.e2e)

@@ -180,7 +180,7 @@ def test_forged_and_foreign_version_frames_are_refused_and_counted(two_workers):
     s.send_multipart(forged)
     s.send_multipart([b"KILN/9"] + forged[1:])
     assert s.poll(5000), "a KILN/9 frame must be answered"
-    key = d.paths.keyfile.read_bytes()
+    key = d.paths.worker_keyfile.read_bytes()
     reply = decode_frames(s.recv_multipart(), key)
     assert reply.type == "error" and "KILN/1" in reply.get("message") and "KILN/9" in reply.get("message")
     h = d.wait(lambda st: (hh := d.command("health"))["protocol"]["bad_frames"].get("signature") and hh,
@@ -195,7 +195,7 @@ def test_ten_thousand_fuzzed_frames_leave_the_supervisor_healthy(two_workers):
     d = two_workers
     rng = random.Random(1234)
     s = _raw_socket(d)
-    key = d.paths.keyfile.read_bytes()
+    key = d.paths.worker_keyfile.read_bytes()
     good = encode_frames(make("heartbeat"), key)
     for i in range(10_000):
         kind = rng.randrange(4)

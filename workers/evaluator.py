@@ -1,9 +1,10 @@
 """The evaluator worker (kind `evaluator`): suites run against the served model, arms compared,
 runs replayed byte for byte.
 
-It loads no weights: every completion is a `generate` call to the inference worker through the
-supervisor's command bus (the same path as `kiln run`), one example at a time so that a run is
-reproducible. Jobs live in the queue on disk (<state>/eval/jobs/<id>/: job.json, suite.json,
+It loads no weights: every completion is a `generate` request it sends up its own socket to the
+supervisor's router (which checks it against the evaluator's allow-list, waits through restarts
+of the inference worker and retries a request that produced nothing), one example at a time so
+that a run is reproducible. Jobs live in the queue on disk (<state>/eval/jobs/<id>/: job.json, suite.json,
 results.jsonl); the supervisor reads them for status.
 
 Each run records its identities — the suite's hash, the model file's sha256, each adapter's
@@ -23,13 +24,12 @@ from pathlib import Path
 
 from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry
 from kiln.native.job_store import JobNotFound, JobStore, write_json_atomic
-from kiln.protocol.client import CommandFailed
 
 from .eval_metrics import compare, first_difference, metrics
-from .runtime import OpError, Worker, bus_client, main, op, state_dir
+from .jobs import cancel_job
+from .runtime import OpError, Worker, main, op, state_dir
 from .scoring import Suite, SuiteError, load_suite, read_suite_file, score
 
-RETRYABLE = ("worker_crashed", "worker_unavailable", "shutting_down")
 
 
 class EvaluatorWorker(Worker):
@@ -79,6 +79,10 @@ class EvaluatorWorker(Worker):
         except SuiteError as e:
             raise OpError("bad_suite", f"the suite is not valid, nothing was run: {e}") from None
         raise OpError("bad_request", "name a suite: suite (registered name), file, or inline")
+
+    @op("job_cancel", concurrent=True)
+    def job_cancel(self, req):
+        return cancel_job(self.store, req.body["id"], "evaluation")
 
     @op("eval_register")
     def register(self, req):
@@ -157,35 +161,34 @@ class EvaluatorWorker(Worker):
         job.update(state="running", started=time.time())
         self.store.save(job)
         suite = load_suite(json.loads(self.store.path(jid, "suite.json").read_text()))
-        with bus_client(60) as bus:
-            worker, model_path = self._inference_worker(bus, spec.get("worker"))
-            identities = {"suite_sha256": suite.hash, "model": Path(model_path).name,
-                          "model_sha256": self._file_hash(Path(model_path)),
-                          "adapters": {a: self._adapter_hash(a) for a in spec["arms"] if a},
-                          "generation": spec["generation"]}
-            job["identities"] = identities
-            if spec["mode"] == "replay":
-                changed = self._changed_identities(spec["replay_of"], identities)
-                if changed:
-                    job.update(state="completed", finished=time.time(), verdict="error", verdict_detail=changed)
+        worker, model_path = self._inference_worker(spec.get("worker"))
+        identities = {"suite_sha256": suite.hash, "model": Path(model_path).name,
+                      "model_sha256": self._file_hash(Path(model_path)),
+                      "adapters": {a: self._adapter_hash(a) for a in spec["arms"] if a},
+                      "generation": spec["generation"]}
+        job["identities"] = identities
+        if spec["mode"] == "replay":
+            changed = self._changed_identities(spec["replay_of"], identities)
+            if changed:
+                job.update(state="completed", finished=time.time(), verdict="error", verdict_detail=changed)
+                return self.store.save(job)
+        self.store.save(job)
+        results: dict[str, list[dict]] = {}
+        out = self.store.path(jid, "results.jsonl")
+        for arm in spec["arms"]:
+            results[arm] = []
+            for ex in suite.examples:
+                if self.stopping.is_set() or self.store.cancel_requested(jid):
+                    stopped = self.store.cancel_requested(jid)
+                    job.update(state="cancelled" if stopped else "failed", finished=time.time(),
+                               error=None if stopped else "the evaluator was stopped during the run; run it again")
                     return self.store.save(job)
-            self.store.save(job)
-            results: dict[str, list[dict]] = {}
-            out = self.store.path(jid, "results.jsonl")
-            for arm in spec["arms"]:
-                results[arm] = []
-                for ex in suite.examples:
-                    if self.stopping.is_set() or self.store.cancel_requested(jid):
-                        stopped = self.store.cancel_requested(jid)
-                        job.update(state="cancelled" if stopped else "failed", finished=time.time(),
-                                   error=None if stopped else "the evaluator was stopped during the run; run it again")
-                        return self.store.save(job)
-                    r = self._one(bus, worker, suite, ex, arm, spec["generation"])
-                    results[arm].append(r)
-                    with open(out, "a") as f:
-                        f.write(json.dumps(r) + "\n")
-                    job["done"] += 1
-                    self.store.save(job)
+                r = self._one(worker, suite, ex, arm, spec["generation"])
+                results[arm].append(r)
+                with open(out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+                job["done"] += 1
+                self.store.save(job)
         job["metrics"] = {arm or "base": metrics(rs, suite.examples) for arm, rs in results.items()}
         arms = spec["arms"]
         if len(arms) > 1:
@@ -198,26 +201,23 @@ class EvaluatorWorker(Worker):
 
     # -- one completion -----------------------------------------------------------------------------
 
-    def _one(self, bus, worker: str, suite: Suite, ex: dict, arm: str, generation: dict) -> dict:
+    def _one(self, worker: str, suite: Suite, ex: dict, arm: str, generation: dict) -> dict:
+        """One completion through the router (it waits through a restart of the inference worker
+        and retries a request that produced nothing, so no retry loop here)."""
         messages = ([{"role": "system", "content": suite.system_prompt}] if suite.system_prompt else []) + ex["messages"]
-        body = {"messages": messages, "params": generation, "adapter": arm}
-        for attempt in (0, 1):
-            t0 = time.perf_counter()
-            text, final = [], None
-            try:
-                for msg in bus.call(worker, "generate", body, timeout=600):
-                    if msg.type == "chunk":
-                        text.append(msg.body["text"])
-                    else:
-                        final = msg.body
-                        text.append(final["text"])
-                break
-            except CommandFailed as e:
-                if e.code in RETRYABLE and attempt == 0:
-                    self._await_worker(bus, worker)
-                    continue
-                return {"id": ex["id"], "arm": arm, "text": None, "outcome": "error", "score": 0.0,
-                        "detail": f"{e.code}: {e.message}", "latency_s": None}
+        body = {"messages": messages, "params": generation, "adapter": arm, "worker": worker}
+        t0 = time.perf_counter()
+        text, final = [], None
+        try:
+            for msg in self.request_up("generate", body, timeout=600):
+                if msg.type == "chunk":
+                    text.append(msg.body["text"])
+                else:
+                    final = msg.body
+                    text.append(final["text"])
+        except OpError as e:
+            return {"id": ex["id"], "arm": arm, "text": None, "outcome": "error", "score": 0.0,
+                    "detail": f"{e.code}: {e.message}", "latency_s": None}
         latency = time.perf_counter() - t0
         answer = "".join(text)
         o = score(answer, ex, ex["scorer"])
@@ -226,30 +226,15 @@ class EvaluatorWorker(Worker):
                 "latency_s": round(latency, 4), "prompt_tokens": u["prompt_tokens"],
                 "completion_tokens": u["completion_tokens"], "finish_reason": final["finish_reason"]}
 
-    @staticmethod
-    def _await_worker(bus, worker: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            w = bus.command("worker", {"name": worker})
-            if w["state"] == "running" and w["worker_state"] not in ("booting", "loading"):
-                return
-            time.sleep(0.2)
-
-    def _inference_worker(self, bus, name: str | None) -> tuple[str, str]:
-        """(worker name, model path) of the inference worker to use, waiting while it loads."""
-        deadline = time.monotonic() + 300
-        while True:
-            ws = [w for w in bus.command("status")["workers"] if w["kind"] in ("inference", "moe-stream")
-                  and (name is None or w["name"] == name)]
-            if not ws:
-                raise OpError("no_model", f"no inference worker {name or ''} to evaluate with".replace("  ", " "))
-            w = ws[0]
-            path = (w["stats"] or {}).get("path")
-            if w["state"] == "running" and path and w["worker_state"] not in ("booting", "loading"):
-                return w["name"], path
-            if w["state"] == "fatal" or time.monotonic() > deadline:
-                raise OpError("worker_unavailable", f"inference worker {w['name']} is {w['state']}: {w.get('reason')}")
-            time.sleep(0.2)
+    def _inference_worker(self, name: str | None) -> tuple[str, str]:
+        """(worker name, model path) of the inference worker to use — its `info`, asked through
+        the router, which waits while the worker loads."""
+        body = {"worker": name} if name else {}
+        try:
+            info = [m for m in self.request_up("info", body, timeout=300)][-1]
+        except OpError as e:
+            raise OpError(e.code, f"no inference worker to evaluate with: {e.message}") from None
+        return info.get("worker"), info.body["path"]
 
     # -- identities ---------------------------------------------------------------------------------
 

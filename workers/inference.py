@@ -119,11 +119,14 @@ class InferenceWorker(Worker):
     @op("generate", concurrent=True)
     def generate(self, req):
         """Stream one chunk per token; the scheduler batches the decode steps of all requests."""
+        raw = dict(req.body.get("params") or {})
+        prompt = self._prompt(req.body)
+        if raw.get("max_tokens") == -1:        # to the end of the context
+            raw["max_tokens"] = max(1, self.n_ctx - len(prompt))
         try:
-            params = SamplingParams.from_dict(dict(req.body.get("params") or {}))
+            params = SamplingParams.from_dict(raw)
         except (SamplingError, TypeError) as e:
             raise OpError("bad_request", str(e)) from None
-        prompt = self._prompt(req.body)
         adapter = self._adapter(req.body)
         try:
             job = self.scheduler.submit(prompt, params, req.cancelled, adapter)

@@ -64,6 +64,7 @@ class Request:
     buffers: list[bytes]
     deadline: float | None
     _cancel: threading.Event = field(default_factory=threading.Event)
+    stopping: bool = False              # cancelled because the worker stops (the router retries it)
 
     def cancelled(self) -> bool:
         return self._cancel.is_set() or (self.deadline is not None and time.time() > self.deadline)
@@ -81,6 +82,7 @@ def op(name: str, concurrent: bool = False):
 
 class Worker:
     kind = "base"
+    runtime: "Runtime | None" = None          # set by the runtime; request_up goes through it
 
     def __init__(self, name: str, settings: dict):
         self.name, self.settings = name, settings
@@ -110,6 +112,12 @@ class Worker:
                 if hasattr(fn, "_kiln_op"):
                     found[fn._kiln_op] = getattr(self, attr)
         return found
+
+    def request_up(self, op: str, body: dict | None = None, timeout: float = 600.0) -> Iterator["Message"]:
+        """A service of the supervisor (another worker's op, through the router); see Runtime."""
+        if self.runtime is None:
+            raise OpError("no_supervisor", "this worker runs without a supervisor")
+        return self.runtime.request_up(op, body, timeout)
 
     @op("ping")
     def _ping(self, req: Request):
@@ -148,6 +156,9 @@ class Runtime:
         self.exit_code = 0
         self.handlers = worker.ops()
         self.parent = os.getppid()
+        self.upward: dict[str, queue.Queue] = {}          # our own requests to the supervisor, by id
+        self._beat_now = False
+        worker.runtime = self
 
     # -- main thread --------------------------------------------------------------------------
 
@@ -177,7 +188,8 @@ class Runtime:
         stop_deadline = None
         while True:
             now = time.monotonic()
-            if now >= next_beat:
+            if now >= next_beat or self._beat_now:
+                self._beat_now = False
                 self.send(make("heartbeat", body={"state": self.worker.state, **self.worker.status()}))
                 next_beat = now + self.interval
             if os.getppid() != self.parent:
@@ -198,6 +210,10 @@ class Runtime:
                         self.send(payload)
                     elif kind == "done":
                         self.requests.pop(payload, None)
+                    elif kind == "beat":               # state changed (booted): tell the supervisor now
+                        self._beat_now = True
+                    elif kind == "up":                 # a request of ours, sent up to the router
+                        self.send(payload)
                     elif kind == "boot_failed":
                         self.send(make("error", code="boot_failed", message=payload))
                         print(f"kiln worker {self.worker.name}: boot failed: {payload}", file=sys.stderr)
@@ -214,7 +230,9 @@ class Runtime:
                 self.sock.send_multipart(version_error(e.peer_version, self.key))
             print(f"kiln worker {self.worker.name}: dropped a message: {e}", file=sys.stderr)
             return
-        if msg.type == "request":
+        if msg.type in ("chunk", "reply", "error") and msg.id in self.upward:
+            self.upward[msg.id].put(msg)
+        elif msg.type == "request":
             self._accept(msg)
         elif msg.type == "cancel":
             req = self.requests.get(msg.id)
@@ -255,6 +273,7 @@ class Runtime:
     def _begin_stop(self) -> None:
         self.stopping = True
         for req in self.requests.values():
+            req.stopping = True
             req._cancel.set()
         self.worker.on_stop()
 
@@ -291,6 +310,7 @@ class Runtime:
         try:
             self.worker.boot()
             self.worker.state = "busy" if self._busy else "ready"
+            post(("beat", None))
         except BootError as e:
             post(("boot_failed", str(e)))
             return
@@ -301,13 +321,55 @@ class Runtime:
         while True:
             req = self.jobs.get()
             if req.cancelled():
-                post(("send", make("error", id=req.id, code="cancelled", message="cancelled before it ran")))
+                post(("send", self._cancelled(req)))
             else:
                 self._busy_delta(1)
                 for msg in self._execute(req):
                     post(("send", msg))
                 self._busy_delta(-1)
             post(("done", req.id))
+
+    def _cancelled(self, req: Request) -> Message:
+        if req.stopping:        # not the client's wish: the router sends it again to our successor
+            return make("error", id=req.id, code="shutting_down", retryable=True,
+                        message=f"worker {self.worker.name} is shutting down")
+        return make("error", id=req.id, code="cancelled", message="cancelled")
+
+    # -- requests of our own, sent up (any thread) ------------------------------------------------
+
+    def request_up(self, op: str, body: dict | None = None, timeout: float = 600.0) -> Iterator[Message]:
+        """Ask the supervisor's router for a service (e.g. the evaluator's `generate`): yields each
+        chunk, then the reply; an error raises OpError with the router's code. The router checks
+        the op against this worker kind's allow-list."""
+        msg = make("request", op=op, body=body or {}, deadline=time.time() + timeout)
+        q: queue.Queue = queue.Queue()
+        self.upward[msg.id] = q
+        out = self._outbox()
+        done = False
+        try:
+            out.send_pyobj(("up", msg))
+            deadline = time.monotonic() + timeout + 5
+            while True:
+                try:
+                    m = q.get(timeout=max(0.01, min(0.25, deadline - time.monotonic())))
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise OpError("timeout", f"the supervisor did not answer {op} within {timeout:g} s",
+                                      retryable=True) from None
+                    continue
+                if m.type == "error":
+                    done = True
+                    raise OpError(m.get("code") or "error", m.get("message") or "", bool(m.get("retryable")))
+                if m.type == "reply":
+                    done = True
+                yield m
+                if done:
+                    return
+        finally:
+            self.upward.pop(msg.id, None)
+            if not done:                        # abandoned by the caller: the router drops it
+                out.send_pyobj(("up", make("cancel", id=msg.id)))
+            out.close()
 
     def _execute(self, req: Request) -> Iterator[Message]:
         try:
@@ -317,7 +379,7 @@ class Runtime:
                 while True:
                     if req.cancelled():
                         result.close()
-                        yield make("error", id=req.id, code="cancelled", message="cancelled")
+                        yield self._cancelled(req)
                         return
                     try:
                         item = next(result)
@@ -328,7 +390,7 @@ class Runtime:
                     yield make("chunk", id=req.id, seq=seq, body=chunk.body, buffers=chunk.buffers)
                     seq += 1
             if req._cancel.is_set():
-                yield make("error", id=req.id, code="cancelled", message="cancelled")
+                yield self._cancelled(req)
                 return
             if req.deadline is not None and time.time() > req.deadline:
                 yield make("error", id=req.id, code="deadline_exceeded",
@@ -350,16 +412,9 @@ def state_dir() -> Path:
     return Path(os.environ.get("KILN_STATE_DIR") or os.environ.get("KILN_HOME") or Path.home() / ".kiln")
 
 
-def bus_client(timeout: float = 30.0):
-    """A client of the supervisor's command bus, for a worker that needs another worker."""
-    from kiln.protocol.client import BusClient
-    return BusClient(os.environ["KILN_CONTROL_ENDPOINT"], open(os.environ["KILN_KEY_FILE"], "rb").read(),
-                     timeout, "the supervisor")
-
-
 def main(worker_cls: type[Worker]) -> None:
     """Entry point of a worker process; its configuration comes from the environment the
-    supervisor sets: KILN_WORKER_NAME, KILN_ENDPOINT, KILN_KEY_FILE, KILN_WORKER_SETTINGS
+    supervisor sets: KILN_WORKER_NAME, KILN_ENDPOINT, KILN_WORKER_KEY_FILE, KILN_WORKER_SETTINGS
     (JSON), KILN_HEARTBEAT_INTERVAL."""
     name = os.environ.get("KILN_WORKER_NAME", worker_cls.kind)
     try:
@@ -369,7 +424,7 @@ def main(worker_cls: type[Worker]) -> None:
         pass
     try:
         endpoint = os.environ["KILN_ENDPOINT"]
-        key = open(os.environ["KILN_KEY_FILE"], "rb").read()
+        key = open(os.environ["KILN_WORKER_KEY_FILE"], "rb").read()
         settings = json.loads(os.environ.get("KILN_WORKER_SETTINGS") or "{}")
         interval = float(os.environ.get("KILN_HEARTBEAT_INTERVAL", "1.0"))
     except (KeyError, OSError, ValueError) as e:

@@ -3,8 +3,8 @@
 `train_submit` validates the data file against the model's chat template (every bad line is
 reported; nothing is queued unless the whole file is good), copies it into the job folder and
 queues the job. A background thread runs jobs FIFO — an interrupted one (the trainer was
-killed, or stopped by `kiln down`) first, from its checkpoint. Status, loss history and
-cancellation go through the job store on disk, which the supervisor reads directly.
+killed, or stopped by `kiln down`) first, from its checkpoint. Status and loss history are
+read from the job store on disk by the supervisor; a cancel comes as the `job_cancel` op.
 
 The process is its own: a training crash or OOM never touches inference. `threads` (the
 worker's setting) bounds BLAS threads, set before numpy loads.
@@ -44,6 +44,7 @@ from kiln.native.sft_data import DataError, data_hash, load_sft_file  # noqa: E4
 from kiln.native.sft_trainer import SFTRun, TrainSpec  # noqa: E402
 from kiln.native.job_store import FINAL, JobStore  # noqa: E402
 
+from .jobs import cancel_job  # noqa: E402
 from .runtime import OpError, Worker, main, op, state_dir  # noqa: E402
 
 
@@ -102,6 +103,10 @@ class TrainerWorker(Worker):
             return self._model
 
     # -- ops ----------------------------------------------------------------------------------------
+
+    @op("job_cancel", concurrent=True)
+    def job_cancel(self, req):
+        return cancel_job(self.store, req.body["id"], "training")
 
     @op("train_submit")
     def submit(self, req):

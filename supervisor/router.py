@@ -1,0 +1,300 @@
+"""The router: the one owner of every request's life between the front ends and the workers.
+
+    submit ─► admitted (bounded) ─► waiting for a worker that can serve ─► sent ─► chunks… ─► reply
+                  │ full: server_busy      │ deadline: worker_unavailable      │ worker died, nothing
+                  ▼                        ▼ fatal/stopped: worker_fatal       ▼ produced yet: waiting again
+
+Every front end — HTTP, the CLI over the control socket, a worker sending a request up — hands
+a request to `submit` with a `Client` (where the answer goes) and a `Target` (which worker: by
+name, by model, or by kind). The router chooses the worker, waits through its start or restart
+up to `wait_for_worker` instead of answering 503, retries a request that produced nothing when
+its worker died, applies the active adapter, and honours cancel and deadlines. 503 comes only
+when the queue is full or the wait is over. It runs on the daemon's loop thread: no locks.
+
+Workers may send requests up; `WORKER_ALLOWED` says which ops each kind may ask for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kiln.protocol import Message, make, new_id
+from kiln.protocol.vocab import FATAL, retryable
+
+from .process_table import ProcessTable, WorkerProcess
+
+MAX_ATTEMPTS = 3                  # a request that produced nothing is sent at most this often
+MODEL_KINDS = ("inference", "moe-stream")
+
+# Ops a front end may name, and how each is routed: to a model's worker, or to a kind's.
+MODEL_OPS = ("generate", "score", "tokenize", "detokenize", "apply_template", "info")
+KIND_OPS = {"train.submit": ("trainer", "train_submit"), "train.cancel": ("trainer", "job_cancel"),
+            "eval.submit": ("evaluator", "eval_submit"), "eval.register": ("evaluator", "eval_register"),
+            "eval.cancel": ("evaluator", "job_cancel")}
+ROUTED_OPS = MODEL_OPS + tuple(KIND_OPS)
+
+# What a worker may ask the router for (anything else is `forbidden`).
+WORKER_ALLOWED: dict[str, frozenset] = {
+    "evaluator": frozenset({"generate", "score", "tokenize", "detokenize", "apply_template", "info"}),
+    "trainer": frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    worker: str | None = None     # a worker by name
+    model: str | None = None      # a model (worker name, model stem or spec); None: the default
+    kind: str | None = None       # the first enabled worker of a kind
+
+
+@dataclass
+class Client:
+    """Where a request's messages go. `deliver` gets messages whose id is the client's own id."""
+    id: str
+    deliver: Callable[[Message], None]
+    origin: str = "local"          # "http" | "control" | "worker:<name>" — for logs
+
+
+@dataclass
+class Pending:
+    id: str                        # the router's id, as the worker sees it
+    op: str
+    body: Any
+    client: Client
+    target: Target
+    deadline: float                # monotonic: the request's whole life
+    wait_until: float              # monotonic: the longest it may wait for a worker
+    worker: str | None = None      # where it is running now (None: waiting)
+    got_output: bool = False
+    attempts: int = 0
+    adapter: str | None = None
+    retried_after: list = field(default_factory=list)   # why it was sent again (shown in the reply)
+
+
+class RouteError(Exception):
+    def __init__(self, code: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.code, self.message, self.retry_after = code, message, retry_after
+
+
+class Router:
+    def __init__(self, table: ProcessTable, send: Callable[[WorkerProcess, Message], None], *,
+                 max_queue: int = 64, wait_for_worker: float = 60.0, request_timeout: float = 600.0,
+                 adapters=None, record: Callable[[str, str | None, str], None] = lambda *a: None):
+        self.table, self.send, self.record = table, send, record
+        self.max_queue, self.wait_for_worker, self.request_timeout = max_queue, wait_for_worker, request_timeout
+        self.adapters = adapters
+        self.pending: dict[str, Pending] = {}
+        self.closed = False
+        self.counts = {"admitted": 0, "retried": 0, "busy": 0, "completed": 0, "failed": 0}
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def submit(self, op: str, body: Any, client: Client, target: Target,
+               timeout: float | None = None) -> str | None:
+        """Admit a request; its answer (or error) goes to `client`. Returns the router's id, or
+        None when it was refused at once (the error was delivered)."""
+        try:
+            if self.closed:
+                raise RouteError("shutting_down", "kiln is shutting down")
+            if len(self.pending) >= self.max_queue:
+                self.counts["busy"] += 1
+                raise RouteError("server_busy", f"server busy: {len(self.pending)} requests are queued or "
+                                 f"running (server.max_queue = {self.max_queue}); retry later", retry_after=1)
+            w = self.resolve(target)            # unknown worker or model: a clear error now
+            body, adapter = self._adapter(op, w, body)
+        except RouteError as e:
+            self._error(client, e.code, e.message, e.retry_after)
+            return None
+        now = self.table.clock.monotonic()
+        timeout = timeout or self.request_timeout
+        p = Pending(new_id(), op, body, client, target, now + timeout,
+                    now + min(timeout, self.wait_for_worker), adapter=adapter)
+        self.pending[p.id] = p
+        self.counts["admitted"] += 1
+        self._try_send(p, now)
+        return p.id
+
+    def resolve(self, target: Target) -> WorkerProcess:
+        """The worker a target names, or RouteError (unknown worker, model not served)."""
+        table = self.table
+        if target.worker is not None:
+            if target.worker not in table:
+                raise RouteError("unknown_worker", f"no worker named {target.worker!r} "
+                                 f"(workers: {', '.join(w.name for w in table) or 'none'})")
+            return table[target.worker]
+        if target.kind is not None:
+            ws = [w for w in table if w.kind == target.kind]
+            enabled = [w for w in ws if w.spec.get("enabled", True)] or ws
+            if not enabled:
+                raise RouteError("no_worker", f"no {target.kind} worker is configured; add [workers.{target.kind}] "
+                                 f"kind = \"{target.kind}\" to kiln.toml (the default configuration has one)")
+            return enabled[0]
+        ws = [w for w in table if w.kind in MODEL_KINDS]
+        if not ws:
+            raise RouteError("no_model", "no inference worker is configured (kiln up --model M, or "
+                             "[workers.NAME] kind = \"inference\" in kiln.toml)")
+        if target.model is None:
+            return next((w for w in ws if w.spec.get("enabled", True)), ws[0])
+        for w in ws:
+            if target.model in (w.name, w.status.get("model"), w.spec.get("model")):
+                return w
+        raise RouteError("model_not_found", f"model {target.model!r} is not served here (models: "
+                         f"{', '.join(w.name for w in ws)}; GET /v1/models)")
+
+    def _adapter(self, op: str, w: WorkerProcess, body: Any) -> tuple[Any, str | None]:
+        """The active adapter applies to generate/score unless the request names one ("" = none)."""
+        if op not in ("generate", "score") or w.kind not in MODEL_KINDS or not isinstance(body, dict) \
+                or self.adapters is None:
+            return body, None
+        adapter = body.get("adapter")
+        if adapter is None:
+            adapter = self.adapters.active()
+            if adapter:
+                body = {**body, "adapter": adapter}
+        elif adapter:
+            try:
+                self.adapters.get(adapter)
+            except (KeyError, ValueError, LookupError) as e:
+                raise RouteError("adapter_not_found", str(e).strip("'\"")) from None
+        return body, adapter or None
+
+    # -- sending and waiting --------------------------------------------------------------------
+
+    def _try_send(self, p: Pending, now: float) -> bool:
+        w = self.resolve(p.target) if p.target.worker is None else self.table[p.target.worker]
+        if w.can_serve() or (w.identity is not None and w.ps.state in ("starting", "running")
+                             and p.op not in ("generate", "score")):
+            # non-generate ops queue inside a loading worker's executor; generation waits here,
+            # so that a request never sits in a worker that may still fail to load
+            p.worker = w.name
+            p.attempts += 1
+            self.send(w, make("request", id=p.id, op=p.op, body=p.body,
+                              deadline=self.table.clock.time() + max(0.0, p.deadline - now)))
+            return True
+        if self.table.gone_for_good(w):
+            why = w.ps.reason or w.ps.state
+            fix = f"`kiln restart {w.name}`" + (" after fixing its configuration" if w.ps.state == FATAL else "")
+            self._finish(p, "worker_fatal" if w.ps.state == FATAL else "worker_unavailable",
+                         f"worker {w.name} is {w.ps.state}: {why}; {fix}")
+            return False
+        if now >= p.wait_until:
+            self._finish(p, "worker_unavailable",
+                         f"worker {w.name} did not become ready within {self.wait_for_worker:g} s "
+                         f"(it is {w.ps.state}" + (f", {w.worker_state}" if w.worker_state else "") + ")",
+                         retry_after=2)
+        return False
+
+    def pump(self) -> None:
+        """Send what waits for a worker that can now serve; expire deadlines. Called by the loop."""
+        now = self.table.clock.monotonic()
+        for p in list(self.pending.values()):
+            if p.id not in self.pending:
+                continue
+            if now > p.deadline:
+                self._cancel_on_worker(p)
+                self._finish(p, "deadline_exceeded", "the request took longer than its deadline "
+                             f"({p.deadline - (p.wait_until - min(self.wait_for_worker, p.deadline)):.0f} s)")
+            elif p.worker is None:
+                try:
+                    self._try_send(p, now)
+                except RouteError as e:            # the worker it named was removed
+                    self._finish(p, e.code, e.message)
+
+    def waiting(self) -> int:
+        return sum(1 for p in self.pending.values() if p.worker is None)
+
+    # -- worker traffic -----------------------------------------------------------------------
+
+    def on_worker_message(self, w: WorkerProcess, msg: Message) -> None:
+        p = self.pending.get(msg.id)
+        if p is None or p.worker != w.name:
+            return                     # cancelled, expired or retried elsewhere: late traffic is expected
+        if msg.type == "chunk":
+            p.got_output = True
+            p.client.deliver(self._for_client(p, msg))
+            return
+        if msg.type == "error" and not p.got_output and msg.get("code") == "shutting_down" \
+                and p.attempts < MAX_ATTEMPTS:
+            p.worker = None            # the worker is stopping: wait for its successor
+            return
+        del self.pending[p.id]
+        self.counts["completed" if msg.type == "reply" else "failed"] += 1
+        p.client.deliver(self._for_client(p, msg))
+
+    def on_worker_exit(self, w: WorkerProcess, how: str) -> None:
+        """A worker died: its requests that produced nothing wait for the restart and run again;
+        the others end with worker_crashed."""
+        for p in list(self.pending.values()):
+            if p.worker != w.name:
+                continue
+            if not p.got_output and p.attempts < MAX_ATTEMPTS:
+                p.worker = None
+                p.retried_after.append(how)
+                self.counts["retried"] += 1
+                self.record("request_retried", w.name, f"{p.op} {p.id}: the worker died ({how}) before any output")
+            else:
+                self._finish(p, "worker_crashed", f"worker {w.name} died ({how}) during the request"
+                             + (" after it had produced output" if p.got_output else f" ({p.attempts} attempts)"))
+
+    def on_worker_request(self, w: WorkerProcess, msg: Message, deliver: Callable[[Message], None]) -> None:
+        """A request a worker sends up on its own socket, checked against its kind's allow-list."""
+        op = msg.get("op")
+        client = Client(msg.id, deliver, f"worker:{w.name}")
+        if op not in WORKER_ALLOWED.get(w.kind, frozenset()):
+            allowed = ", ".join(sorted(WORKER_ALLOWED.get(w.kind, ()))) or "nothing"
+            self._error(client, "forbidden", f"worker {w.name} ({w.kind}) may not ask for {op!r} (allowed: {allowed})")
+            return
+        body = dict(msg.body) if isinstance(msg.body, dict) else {}
+        target = Target(model=body.pop("model", None), worker=body.pop("worker", None))
+        dl = msg.get("deadline")
+        timeout = max(1.0, dl - self.table.clock.time()) if isinstance(dl, (int, float)) else None
+        self.submit(op, body, client, target, timeout)
+
+    # -- cancel and endings -------------------------------------------------------------------
+
+    def cancel(self, rid: str, notify: bool = False) -> None:
+        p = self.pending.get(rid)
+        if p is None:
+            return
+        self._cancel_on_worker(p)
+        del self.pending[rid]
+        if notify:
+            self._error(p.client, "cancelled", "cancelled")
+
+    def cancel_client(self, client_id: str, origin: str) -> None:
+        for p in list(self.pending.values()):
+            if p.client.id == client_id and p.client.origin == origin:
+                self.cancel(p.id)
+
+    def _cancel_on_worker(self, p: Pending) -> None:
+        if p.worker is not None and p.worker in self.table:
+            w = self.table[p.worker]
+            if w.identity:
+                self.send(w, make("cancel", id=p.id))
+
+    def fail_all(self, code: str, message: str) -> None:
+        self.closed = True
+        for p in list(self.pending.values()):
+            self._cancel_on_worker(p)
+            self._finish(p, code, message)
+
+    def _finish(self, p: Pending, code: str, message: str, retry_after: float | None = None) -> None:
+        self.pending.pop(p.id, None)
+        self.counts["failed"] += 1
+        self._error(p.client, code, message, retry_after)
+
+    @staticmethod
+    def _error(client: Client, code: str, message: str, retry_after: float | None = None) -> None:
+        extra = {"retry_after": retry_after} if retry_after is not None else {}
+        client.deliver(make("error", id=client.id, code=code, message=message, retryable=retryable(code), **extra))
+
+    @staticmethod
+    def _for_client(p: Pending, msg: Message) -> Message:
+        fields = {k: v for k, v in msg.header.items() if k not in ("type", "id", "ts")}
+        if msg.type == "reply" and p.worker:
+            fields["worker"] = p.worker
+            if p.retried_after:
+                fields["retried_after"] = p.retried_after
+        return make(msg.type, id=p.client.id, body=msg.body, buffers=msg.buffers, **fields)
