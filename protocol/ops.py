@@ -21,6 +21,9 @@ SCHEMAS: dict[str, Schema] = {
     "crash": {"code": (int, False), "after": (NUM, False)},
     "hang": {"seconds": (NUM, False)},
     "sleep": {"seconds": (NUM, True)},
+    "block": {"started": (str, True), "release": (str, True)},
+    "ask_up": {"op": (str, True), "body": (dict, False)},
+    "environ": {},
     # inference
     "generate": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "messages": (list, False),
                  "params": (dict, False), "session": (str, False), "adapter": (str, False)},

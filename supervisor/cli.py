@@ -187,9 +187,13 @@ def _fmt_exit(e: dict | None) -> str:
 
 
 @app.command()
-def status(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+def status(as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+           watch: bool = typer.Option(False, "--watch", "-w", help="then follow the daemon's events (worker "
+                                      "started, exited, fatal, requests retried…) until Ctrl-C")):
     """Every worker: state, pid, uptime, restarts, last exit, memory, CPU."""
     st = _command("status")
+    if watch:
+        return _watch(st, as_json)
     if as_json:
         typer.echo(json.dumps(st))
         return
@@ -204,6 +208,30 @@ def status(as_json: bool = typer.Option(False, "--json", help="machine-readable 
                               and w["worker_state"] != "ready" else "")
         extra = w["reason"] if w["state"] in ("fatal", "backoff", "stopped") and w["reason"] else _fmt_exit(w["last_exit"])
         typer.echo(f"{w['name']:<16}{w['kind']:<12}{state:<10}{w['pid'] or '-':>8}{up_s:>9}{w['restarts']:>9}{rss:>9}{cpu:>7}  {extra}")
+
+
+def _watch(st: dict, as_json: bool) -> None:
+    """Print the status once, then every event as it happens (the daemon's event stream)."""
+    from .client import ControlClient, DaemonNotRunning
+    from .paths import Paths
+    if not as_json:
+        typer.echo(f"{len(st['workers'])} workers: " + ", ".join(f"{w['name']} {w['state']}" for w in st["workers"]))
+    after = max([e["seq"] for e in st["events"]], default=0)
+    try:
+        with ControlClient(Paths.from_env(), 45) as c:
+            while True:
+                got = c.command("events", {"after": after, "wait": 30}, 45)
+                for e in got["events"]:
+                    if as_json:
+                        typer.echo(json.dumps(e))
+                    else:
+                        when = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+                        typer.echo(f"{when} {(e['worker'] or 'kiln'):<12} {e['event']:<18} {e['detail']}")
+                after = got["last"]
+    except KeyboardInterrupt:
+        pass
+    except (DaemonNotRunning, TimeoutError):
+        fail("the daemon stopped")
 
 
 @app.command()

@@ -72,7 +72,7 @@ def status(sup, args):
     }
 
 
-@command("events")
+@command("events", off_loop=True)
 def events(sup, args):
     """Events after sequence number `after` (0: the last `limit`): worker started, exited,
     fatal, requests retried, jobs. `wait` seconds (≤ 30) waits for the next one."""

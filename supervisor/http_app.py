@@ -77,12 +77,40 @@ class Workers:
         resp.media = bus(self.sup, "worker", {"name": name}) if name != "all" else {"ok": True}
 
 
+class Events:
+    """GET /v1/events: the daemon's event stream as server-sent events (`?after=SEQ` to resume);
+    a comment line every 15 s keeps idle connections open."""
+
+    def __init__(self, sup):
+        self.sup = sup
+
+    def on_get(self, req, resp):
+        after = req.get_param_as_int("after") or 0
+        disconnected = req.env.get("waitress.client_disconnected") or (lambda: False)
+        log = self.sup.events
+
+        def stream():
+            nonlocal after
+            while not disconnected():
+                got = log.wait(after, 15.0)
+                if not got:
+                    yield b": keep-alive\n\n"
+                    continue
+                for e in got:
+                    yield f"id: {e['seq']}\nevent: {e['event']}\ndata: {json.dumps(e)}\n\n".encode()
+                    after = e["seq"]
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.stream = stream()
+
+
 def make_app(sup) -> falcon.App:
     app = falcon.App(middleware=[Auth(sup.cfg["server"]["api_key"])])
     app.req_options.strip_url_path_trailing_slash = True
     app.set_error_serializer(_serialize_error)
     app.add_error_handler(Exception, _unexpected)
     app.add_route("/health", Health(sup))
+    app.add_route("/v1/events", Events(sup))
     workers = Workers(sup)
     app.add_route("/v1/workers", workers)
     app.add_route("/v1/workers/{name}", workers, suffix="one")

@@ -64,6 +64,7 @@ class Pending:
     client: Client
     target: Target
     deadline: float                # monotonic: the request's whole life
+    timeout: float                 # seconds, for messages
     wait_until: float              # monotonic: the longest it may wait for a worker
     worker: str | None = None      # where it is running now (None: waiting)
     got_output: bool = False
@@ -109,7 +110,7 @@ class Router:
             return None
         now = self.table.clock.monotonic()
         timeout = timeout or self.request_timeout
-        p = Pending(new_id(), op, body, client, target, now + timeout,
+        p = Pending(new_id(), op, body, client, target, now + timeout, timeout,
                     now + min(timeout, self.wait_for_worker), adapter=adapter)
         self.pending[p.id] = p
         self.counts["admitted"] += 1
@@ -194,8 +195,7 @@ class Router:
                 continue
             if now > p.deadline:
                 self._cancel_on_worker(p)
-                self._finish(p, "deadline_exceeded", "the request took longer than its deadline "
-                             f"({p.deadline - (p.wait_until - min(self.wait_for_worker, p.deadline)):.0f} s)")
+                self._finish(p, "deadline_exceeded", f"the request took longer than its deadline ({p.timeout:g} s)")
             elif p.worker is None:
                 try:
                     self._try_send(p, now)

@@ -54,6 +54,31 @@ class TestWorker(Worker):
             time.sleep(0.01)
         return {"cancelled": req.cancelled()}
 
+    @op("block")
+    def block(self, req):
+        """Hold the worker until the file `release` exists (a test's way to pin a request in
+        flight without sleeping); `started` is created once it runs."""
+        open(req.body["started"], "w").close()
+        while not os.path.exists(req.body["release"]):
+            if req.cancelled():
+                return {"released": False}
+            time.sleep(0.01)
+        return {"released": True}
+
+    @op("ask_up")
+    def ask_up(self, req):
+        """Send a request up to the router, as the evaluator does; report what came back."""
+        from kiln.workers.runtime import OpError
+        try:
+            msgs = list(self.request_up(req.body["op"], req.body.get("body") or {}, timeout=30))
+            return {"reply": msgs[-1].body}
+        except OpError as e:
+            return {"error": e.code, "message": e.message}
+
+    @op("environ")
+    def environ(self, req):
+        return {"environ": dict(os.environ)}
+
     @op("sleep")
     def sleep(self, req):
         time.sleep(req.body["seconds"])

@@ -195,17 +195,22 @@ def test_client_disconnect_frees_the_worker_within_a_second(served):
 
 
 def test_kill_before_the_first_token_is_retried_invisibly(served, client):
-    long_prompt = [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 180}]
+    long_prompt = [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 400}]
+    served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready")
     pid = worker(served)["pid"]
+    retried = served.status()["router"]["retried"]
     result = {}
     t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
         model="default", messages=long_prompt, temperature=0, max_tokens=5)))
     t.start()
-    time.sleep(1.0)                                 # inside the prefill of ~1000 tokens
+    # inside the prefill of ~1000 tokens: the worker reports the request (no output yet)
+    served.wait(lambda st: st["workers"][0]["stats"].get("active") or st["workers"][0]["worker_state"] == "busy",
+                timeout=30, what="the request to be running")
     os.kill(pid, signal.SIGKILL)
     t.join(120)
     assert result["r"].choices[0].message.content and result["r"].usage.completion_tokens == 5
     assert worker(served)["pid"] != pid
+    assert served.status()["router"]["retried"] == retried + 1      # the retry really happened
 
 
 def test_kill_mid_stream_ends_with_an_error_event_then_done(served, client):

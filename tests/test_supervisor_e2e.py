@@ -105,7 +105,7 @@ def test_a_second_sigterm_while_stopping_kills_the_workers_at_once(tmp_path):
         threading.Thread(target=busy, daemon=True).start()
         d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
         d.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        d.wait(lambda st: st["workers"][0]["state"] == "stopping", timeout=10, what="a stopping")
         assert d.proc.poll() is None and psutil.pid_exists(pid)    # still stopping gracefully
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
@@ -287,3 +287,46 @@ def test_runtime_dir_key_and_sockets_are_private(two_workers):
     assert os.stat(p.run).st_mode & 0o777 == 0o700
     assert os.stat(p.keyfile).st_mode & 0o777 == 0o600
     assert os.stat(p.run / "workers.sock").st_mode & 0o077 == 0
+
+
+def test_a_worker_may_not_send_up_what_its_kind_is_not_allowed(tmp_path):
+    """An evaluator-kind worker asking for adapters.delete gets `forbidden`; its environment holds
+    neither the control socket nor the control key."""
+    ev = {"kind": "evaluator", "module": "kiln_test_worker", "settings": {}}
+    with Daemon(tmp_path, {"ev": ev}) as d:
+        d.wait_state("ev", "running")
+        with d.client() as c:
+            r = [m for m in c.call("ev", "ask_up", {"op": "adapters.delete", "body": {"name": "x"}})][-1].body
+            env = [m for m in c.call("ev", "environ", {})][-1].body["environ"]
+        assert r["error"] == "forbidden" and "adapters.delete" in r["message"]
+        control_key = d.paths.keyfile.read_bytes()
+        assert not [k for k, v in env.items() if "control" in v or str(d.paths.keyfile) == v]
+        assert "KILN_KEY_FILE" not in env and "KILN_CONTROL_ENDPOINT" not in env
+        assert open(env["KILN_WORKER_KEY_FILE"], "rb").read() != control_key
+
+
+def test_a_request_waits_for_a_restarting_worker_and_is_retried_once_it_is_back(tmp_path):
+    """A request in flight when its worker is killed, having produced nothing, runs again on the
+    restarted worker; the client sees only the answer (and the router counts the retry)."""
+    import threading
+    started, release = tmp_path / "started", tmp_path / "release"
+    with Daemon(tmp_path, {"a": spec()}) as d:
+        pid = d.wait_state("a", "running")["pid"]
+        out = {}
+
+        def ask():
+            with d.client(60) as c:
+                out["r"] = [m for m in c.call("a", "block", {"started": str(started), "release": str(release)},
+                                              timeout=60)][-1]
+        t = threading.Thread(target=ask)
+        t.start()
+        d.wait(lambda st: started.exists(), timeout=10, what="the op to start")
+        started.unlink()
+        os.kill(pid, signal.SIGKILL)
+        d.wait(lambda st: started.exists(), timeout=20, what="the op to run again on the new worker")
+        release.touch()
+        t.join(30)
+        assert out["r"].body == {"released": True} and out["r"].get("retried_after") == ["signal 9 (SIGKILL)"]
+        st = d.status()
+        assert st["workers"][0]["pid"] != pid and st["router"]["retried"] == 1
+        assert any(e["event"] == "request_retried" for e in d.command("events", {"after": 0})["events"])
