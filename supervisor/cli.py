@@ -319,6 +319,11 @@ def config_cmd(file: Optional[str] = typer.Option(None, "--file", help="kiln.tom
 def main() -> None:
     # Ctrl-C and `kill` work whatever signal mask the parent left us (some CI runners block them)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    # ...and whatever disposition: a shell's background job starts with SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler — Ctrl-C (or `kill -INT`) would do nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     app()
 
 

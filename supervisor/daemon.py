@@ -294,7 +294,7 @@ class Supervisor:
         if msg is None:
             return
         if msg.type == "hello":
-            hello = {k: msg.get(k) for k in ("kind", "ops", "protocol")}
+            hello = {k: msg.get(k) for k in ("kind", "ops", "protocol", "stop_grace")}
             if self.table.on_hello(identity, msg.get("name"), msg.get("pid"), hello, msg.body) is None:
                 self.bad_frames["unknown_peer"] += 1
             return

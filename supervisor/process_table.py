@@ -19,6 +19,9 @@ from . import policy
 from .processes import sample
 
 
+MAX_STOP_GRACE = 120.0          # the longest a worker may ask to wind down
+
+
 class SystemClock:
     monotonic = staticmethod(time.monotonic)
     time = staticmethod(time.time)
@@ -119,10 +122,17 @@ class ProcessTable:
             elif action[0] == "terminate":
                 self.send_shutdown(w)
                 self._signal(w, signal.SIGTERM, signal.SIGCONT)   # SIGCONT: a stopped process can act
-                w.kill_at = now + self.graceful_timeout
+                w.kill_at = now + self.grace(w)
             elif action[0] == "kill":
                 self.record("killed", w.name, action[1])
                 self._signal(w, signal.SIGKILL)
+
+    def grace(self, w: WorkerProcess) -> float:
+        """Seconds between SIGTERM and SIGKILL: graceful_timeout, or longer when the worker said
+        in its hello that it needs longer to wind down (the trainer writes a checkpoint), capped."""
+        asked = (w.hello or {}).get("stop_grace")
+        return max(self.graceful_timeout, min(float(asked), MAX_STOP_GRACE)) \
+            if isinstance(asked, (int, float)) else self.graceful_timeout
 
     def _spawn(self, w: WorkerProcess) -> None:
         try:

@@ -41,6 +41,8 @@ def wait_job(d, job_id, timeout=300):
 
 
 def test_a_malformed_suite_is_rejected_before_any_generation(daemon, tmp_path):
+    jobs_before = len(daemon.command("eval.jobs")["jobs"])
+    requests_before = daemon.worker("default")["stats"].get("requests", 0)
     suite = json.loads((DATA / "arith20.json").read_text())
     suite["examples"][1] = {"messages": [{"role": "user", "content": "2+2?"}]}          # no target
     bad = tmp_path / "bad.json"
@@ -51,14 +53,20 @@ def test_a_malformed_suite_is_rejected_before_any_generation(daemon, tmp_path):
                             "scorer": {"type": "regex", "pattern": "("}}
     status, body = http(daemon, "POST", "/v1/eval/run", {"inline": suite})
     assert status == 400 and "examples[1].scorer.pattern" in body["error"]["message"]
-    assert daemon.command("eval.jobs")["jobs"] == []
-    assert daemon.worker("default")["stats"]["requests"] == 0
+    assert len(daemon.command("eval.jobs")["jobs"]) == jobs_before
+    assert daemon.worker("default")["stats"].get("requests", 0) == requests_before
 
 
-def test_arithmetic_suite_runs_end_to_end_and_replays_byte_identically(daemon):
+@pytest.fixture(scope="module")
+def arith_job(daemon) -> dict:
+    """The arithmetic suite run once on the module's model, whichever test asks first."""
     r = kiln(daemon.home, "eval", "run", "--file", str(DATA / "arith20.json"), "--json", timeout=300)
     assert r.returncode == 0, r.stderr
-    job = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def test_arithmetic_suite_runs_end_to_end_and_replays_byte_identically(daemon, arith_job):
+    job = arith_job
     m = job["metrics"]["base"]
     assert m["n"] == 20 and sum(m["counts"].values()) == 20 and m["counts"]["error"] == 0
     lo, hi = m["accuracy_ci95"]
@@ -68,7 +76,6 @@ def test_arithmetic_suite_runs_end_to_end_and_replays_byte_identically(daemon):
     assert len(ids["model_sha256"]) == 64 and ids["generation"]["temperature"] == 0 and ids["suite_sha256"]
     detail = daemon.command("eval.job", {"id": job["id"]})
     assert len(detail["results"]) == 20 and all(isinstance(x["text"], str) for x in detail["results"])
-    daemon.arith_job = job["id"]
     r = kiln(daemon.home, "eval", "replay", job["id"], timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("matched"), r.stdout + r.stderr
 
@@ -91,22 +98,32 @@ def test_killing_the_evaluator_mid_run_fails_the_job_with_a_reason_and_the_next_
 
 
 def test_the_evaluator_holds_no_copy_of_the_weights(daemon):
-    st = {w["name"]: w for w in daemon.status()["workers"]}
+    st = daemon.wait(lambda s: all(w["rss_bytes"] for w in s["workers"]) and s, timeout=30, what="RSS sampled")
+    st = {w["name"]: w for w in st["workers"]}
     model_bytes = daemon.model.stat().st_size
     assert st["evaluator"]["rss_bytes"] < model_bytes / 2, (st["evaluator"]["rss_bytes"], model_bytes)
     assert st["evaluator"]["rss_bytes"] < st["default"]["rss_bytes"] / 2
 
 
-def test_replay_after_the_model_file_is_swapped_is_an_error_not_a_mismatch(daemon, e8k8_path):
+def _load(daemon, source) -> None:
+    """Put `source` in place of the module's model file and restart the inference worker on it."""
     tmp = daemon.model.with_suffix(".swap")
-    shutil.copyfile(e8k8_path, tmp)
+    shutil.copyfile(source, tmp)
     os.replace(tmp, daemon.model)
     old = daemon.worker("default")["pid"]
     assert kiln(daemon.home, "restart", "default").returncode == 0
     daemon.wait(lambda st: any(w["name"] == "default" and w["state"] == "running" and w["worker_state"] == "ready"
                                and w["pid"] not in (None, old) for w in st["workers"]), timeout=90,
                 what="swapped model loaded")
-    r = kiln(daemon.home, "eval", "replay", daemon.arith_job, "--json", timeout=300)
-    assert r.returncode == 1
-    out = json.loads(r.stdout)
-    assert out["verdict"] == "error" and "model changed" in out["verdict_detail"][0], out
+
+
+def test_replay_after_the_model_file_is_swapped_is_an_error_not_a_mismatch(daemon, arith_job, e8k8_path,
+                                                                           default_model_path):
+    _load(daemon, e8k8_path)
+    try:
+        r = kiln(daemon.home, "eval", "replay", arith_job["id"], "--json", timeout=300)
+        assert r.returncode == 1
+        out = json.loads(r.stdout)
+        assert out["verdict"] == "error" and "model changed" in out["verdict_detail"][0], out
+    finally:
+        _load(daemon, default_model_path)          # the other tests see the module's own model

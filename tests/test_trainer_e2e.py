@@ -79,12 +79,14 @@ def test_bad_data_is_refused_with_line_numbers_and_nothing_is_queued(daemon, tmp
     assert status == 400 and body["error"]["code"] == "bad_data" and "line 3:" in body["error"]["message"]
     status, body = http(daemon, "POST", "/v1/train/sft", {"file": str(bad), "adapter": "bad", "epochs": 0})
     assert status == 400 and "epochs" in body["error"]["message"]
-    assert daemon.command("train.jobs")["jobs"] == []
+    assert not [j for j in daemon.command("train.jobs")["jobs"] if j["adapter"] == "bad"]
 
 
-def test_it_learns_the_fact_and_inference_answers_throughout(daemon):
+@pytest.fixture(scope="module")
+def zorb(daemon) -> dict:
+    """The adapter "zorb", trained once for the module whichever test asks first, with what was
+    seen while it trained (inference answered; the losses)."""
     before = ask(daemon)
-    assert "4721" not in before
     job_id = submit(daemon, "zorb")
     answered_while_training = 0
     while (job := daemon.command("train.job", {"id": job_id}))["state"] in ("queued", "running"):
@@ -94,18 +96,24 @@ def test_it_learns_the_fact_and_inference_answers_throughout(daemon):
             assert status == 200, body
             answered_while_training += 1
         time.sleep(0.5)
+    return {"job": job, "before": before, "answered_while_training": answered_while_training}
+
+
+def test_it_learns_the_fact_and_inference_answers_throughout(daemon, zorb):
+    assert "4721" not in zorb["before"]
+    job = zorb["job"]
     assert job["state"] == "completed", job
-    assert answered_while_training >= 2
+    assert zorb["answered_while_training"] >= 2
     losses = [rec["loss"] for rec in job["losses"]]
     assert len(losses) == job["total_steps"] == 16
     assert losses[-1] < 0.2 * losses[0], losses
     assert "4721" in ask(daemon, "--adapter", "zorb")
     assert "4721" not in ask(daemon, "--adapter", "")
-    status, body = http(daemon, "GET", f"/v1/train/jobs/{job_id}")
+    status, body = http(daemon, "GET", f"/v1/train/jobs/{job['id']}")
     assert status == 200 and body["state"] == "completed" and len(body["losses"]) == 16
 
 
-def test_eval_compare_of_base_and_adapter_reports_flips_and_a_p_value(daemon):
+def test_eval_compare_of_base_and_adapter_reports_flips_and_a_p_value(daemon, zorb):
     suite = str(DATA / "zorblax_suite.json")
     r = kiln(daemon.home, "eval", "compare", "--file", suite, "--adapter", "", "--adapter", "zorb", "--json", timeout=300)
     assert r.returncode == 0, r.stderr
@@ -120,7 +128,7 @@ def test_eval_compare_of_base_and_adapter_reports_flips_and_a_p_value(daemon):
     assert same["improved"] == same["regressed"] == 0 and same["sign_test_p"] == 1.0
 
 
-def test_adapters_load_unload_and_delete_refused_while_active(daemon):
+def test_adapters_load_unload_and_delete_refused_while_active(daemon, zorb):
     listed = json.loads(kiln(daemon.home, "adapters", "list", "--json").stdout)
     zorb = next(a for a in listed["adapters"] if a["name"] == "zorb")
     assert zorb["rank"] == 16 and zorb["base_model"].startswith("SmolLM2") and not zorb["active"]
@@ -137,10 +145,10 @@ def test_adapters_load_unload_and_delete_refused_while_active(daemon):
                         {"messages": [{"role": "user", "content": QUESTION}], "adapter": "nope", "max_tokens": 4})
     assert status == 404 and body["error"]["code"] == "adapter_not_found"
     status, body = http(daemon, "GET", "/v1/adapters")
-    assert status == 200 and body["active"] is None and [a["name"] for a in body["data"]] == ["zorb"]
+    assert status == 200 and body["active"] is None and "zorb" in [a["name"] for a in body["data"]]
 
 
-def test_kill_9_mid_job_resumes_to_a_bit_identical_adapter(daemon):
+def test_kill_9_mid_job_resumes_to_a_bit_identical_adapter(daemon, zorb):
     job_id = submit(daemon, "zorb-resumed", "--checkpoint-interval", "3")
     ckpt = Path(daemon.home) / "train" / "jobs" / job_id / "checkpoint.npz"
     deadline = time.monotonic() + 300
@@ -161,21 +169,21 @@ def test_kill_9_mid_job_resumes_to_a_bit_identical_adapter(daemon):
     for n in a.tensors:
         for x, y in zip(a.tensors[n], b.tensors[n]):
             assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), n
+    assert kiln(daemon.home, "adapters", "delete", "zorb-resumed").returncode == 0
+    assert "zorb-resumed" not in [a["name"] for a in daemon.command("adapters.list")["adapters"]]
 
 
-def test_a_graceful_restart_checkpoints_pauses_and_resumes_bit_identically(daemon):
+def test_a_graceful_restart_checkpoints_pauses_and_resumes_bit_identically(daemon, zorb):
     job_id = submit(daemon, "zorb-restarted")            # no periodic checkpoint before step 50
     deadline = time.monotonic() + 300
     while daemon.command("train.job", {"id": job_id})["step"] < 3:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert kiln(daemon.home, "restart", "trainer").returncode == 0
-    seen = set()
-    while (job := daemon.command("train.job", {"id": job_id}))["state"] not in ("completed", "failed"):
-        seen.add(job["state"])
-        assert time.monotonic() < deadline + 300
-        time.sleep(0.05)
-    assert job["state"] == "completed" and "paused" in seen, (job, seen)
+    job = wait_job(daemon, job_id)
+    # it was paused with a checkpoint (not killed: the trainer asks for the time to write it)
+    assert job["state"] == "completed" and job["pauses"] == 1 and job["paused_at_step"] >= 3, job
+    assert daemon.worker("trainer")["last_exit"]["code"] == 0
     a = load_adapter(Path(daemon.home) / "adapters" / "zorb.gguf")
     b = load_adapter(Path(daemon.home) / "adapters" / "zorb-restarted.gguf")
     for n in a.tensors:
@@ -196,5 +204,3 @@ def test_cancel_a_running_and_a_queued_job_and_delete(daemon):
     names = [a["name"] for a in daemon.command("adapters.list")["adapters"]]
     assert "long" not in names and "queued" not in names
     assert kiln(daemon.home, "train", "cancel", long_id).returncode == 1       # already cancelled
-    assert kiln(daemon.home, "adapters", "delete", "zorb-resumed").returncode == 0
-    assert "zorb-resumed" not in [a["name"] for a in daemon.command("adapters.list")["adapters"]]

@@ -103,7 +103,8 @@ class Worker:
         the process exits when it turns False, or after `stop_grace` seconds."""
         return False
 
-    stop_grace = 5.0
+    stop_grace: float | None = None     # seconds it needs to wind down; None: 5 s and the
+                                        # supervisor's graceful_timeout (said in hello when set)
 
     def ops(self) -> dict[str, Callable[[Request], Any]]:
         found = {}
@@ -177,7 +178,7 @@ class Runtime:
         faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1`: stacks to the log
         self.sock.connect(self.endpoint)
         self.send(make("hello", name=self.worker.name, kind=self.worker.kind, pid=os.getpid(),
-                       protocol=PROTOCOL_VERSION, ops=sorted(self.handlers),
+                       protocol=PROTOCOL_VERSION, ops=sorted(self.handlers), stop_grace=self.worker.stop_grace,
                        body={"state": self.worker.state}))
         executor = threading.Thread(target=self._executor, name="kiln-executor", daemon=True)
         executor.start()
@@ -198,7 +199,7 @@ class Runtime:
             if self._signalled and not self.stopping:
                 self._begin_stop()
             if self.stopping:
-                stop_deadline = stop_deadline or now + self.worker.stop_grace
+                stop_deadline = stop_deadline or now + (self.worker.stop_grace or 5.0)
                 if (not self.requests and self.jobs.empty() and not self.worker.stop_pending()) \
                         or now > stop_deadline:
                     return self.exit_code

@@ -199,8 +199,8 @@ class TrainerWorker(Worker):
                 job.update(state="completed", finished=time.time(), eta_s=0)
             elif self.store.cancel_requested(jid):
                 job.update(state="cancelled", finished=time.time())
-            else:
-                job.update(state="paused")
+            else:                    # stopped gracefully: checkpointed; the next trainer resumes it
+                job.update(state="paused", pauses=job.get("pauses", 0) + 1, paused_at_step=job["step"])
         except OpError as e:
             job.update(state="failed", finished=time.time(), error=e.message)
         except Exception as e:  # noqa: BLE001 - the job fails with its reason; the worker goes on
