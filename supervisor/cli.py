@@ -17,6 +17,8 @@ from typing import Optional
 
 import typer
 
+from kiln.protocol import vocab
+
 from . import cli_chat
 from .cli_engine import debug_app, eval_app, fail, models_app
 from .cli_train import adapters_app, train_app
@@ -206,7 +208,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="machine-readable 
         cpu = f"{w['cpu_percent']:.0f}" if w["cpu_percent"] is not None else "-"
         state = w["state"] + (f"/{w['worker_state']}" if w["worker_state"] and w["state"] == "running"
                               and w["worker_state"] != "ready" else "")
-        extra = w["reason"] if w["state"] in ("fatal", "backoff", "stopped") and w["reason"] else _fmt_exit(w["last_exit"])
+        extra = w["reason"] if w["state"] in (vocab.FATAL, vocab.BACKOFF, vocab.STOPPED) and w["reason"] else _fmt_exit(w["last_exit"])
         typer.echo(f"{w['name']:<16}{w['kind']:<12}{state:<10}{w['pid'] or '-':>8}{up_s:>9}{w['restarts']:>9}{rss:>9}{cpu:>7}  {extra}")
 
 

@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from kiln.protocol import vocab
+
 from .cli_engine import fail
 
 
@@ -36,9 +38,9 @@ def _pick_worker(client, model: Optional[str]) -> str:
     except CommandFailed as e:
         hint = f"; `kiln down` then `kiln up --model {model}`" if e.code == "model_not_found" else ""
         fail(e.message + hint)
-    if r["state"] == "fatal":
+    if r["state"] == vocab.FATAL:
         fail(f"worker {r['worker']} is fatal: {r['reason']} (`kiln restart {r['worker']}` once fixed)")
-    if r["state"] != "running" or r["worker_state"] not in ("ready", "busy"):
+    if not vocab.serving(r["state"], r["worker_state"]):
         typer.echo(f"kiln: worker {r['worker']} is {r['worker_state'] or r['state']}; the answer starts when it "
                    f"is ready", err=True)
     return r["worker"]

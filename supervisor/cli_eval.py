@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from kiln.protocol import vocab
+
 from .cli_engine import eval_app, fail
 from .cli_train import _client, _cmd
 
@@ -32,7 +34,7 @@ def _wait(c, job_id: str, watch: bool) -> dict:
             shown = job.get("done")
             sys.stderr.write(f"\r{job_id} {job['state']} {shown}/{job.get('total')}   ")
             sys.stderr.flush()
-        if job["state"] in ("completed", "failed", "cancelled"):
+        if job["state"] in vocab.JOB_FINISHED:
             if watch:
                 sys.stderr.write("\n")
             return job

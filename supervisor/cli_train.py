@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from kiln.protocol import vocab
+
 from .cli_engine import fail
 
 train_app = typer.Typer(help="Fine-tune the model with LoRA (jobs run in the trainer worker).", no_args_is_help=True)
@@ -133,7 +135,7 @@ def _follow(c, job_id: str, as_json: bool) -> None:
                              f"epoch {job['epoch']} loss {loss} (start {first_loss if first_loss is None else round(first_loss, 4)}) "
                              f"{job['tokens_per_s'] or 0:.0f} tok/s ETA {_fmt_eta(job['eta_s'])}   ")
             sys.stderr.flush()
-        if job["state"] in ("completed", "failed", "cancelled"):
+        if job["state"] in vocab.JOB_FINISHED:
             sys.stderr.write("\n")
             if as_json:
                 typer.echo(json.dumps({k: v for k, v in job.items() if k != "losses"}))

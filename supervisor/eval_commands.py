@@ -15,13 +15,13 @@ def _store(sup) -> JobStore:
     return JobStore(sup.paths.home, "eval")
 
 
-@command("eval.jobs")
+@command("eval.jobs", off_loop=True)
 def eval_jobs(sup, args):
     """Every evaluation job, oldest first (without per-example results)."""
     return {"jobs": _store(sup).list()}
 
 
-@command("eval.job")
+@command("eval.job", off_loop=True)
 def eval_job(sup, args):
     """One job with its per-example results."""
     store = _store(sup)

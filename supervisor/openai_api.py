@@ -22,6 +22,8 @@ import falcon
 
 from kiln.protocol import Message
 
+from kiln.protocol import vocab
+
 from . import openai_shapes as shapes
 from .http_common import JSONError, bus, error_from, routed
 from .openai_validate import adapter, bad, logprobs, messages, prompts, sampling_params
@@ -123,7 +125,7 @@ class OpenAI:
             if code == "model_not_found":
                 raise bad("model", e.message, "model_not_found") from None
             raise JSONError(getattr(e, "status", 500), code, getattr(e, "message", str(e))) from None
-        if r["state"] == "fatal":
+        if r["state"] == vocab.FATAL:
             raise JSONError(503, "worker_fatal", f"worker {r['worker']} is fatal: {r['reason']}; fix its "
                             f"configuration, then `kiln restart {r['worker']}`")
         return r

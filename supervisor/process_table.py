@@ -229,9 +229,23 @@ class ProcessTable:
         w.last_heartbeat = self.clock.monotonic()
         if isinstance(body, dict):
             was = w.can_serve()
+            self._job_progress(w, w.status, body)
             w.status = body
             if not was and w.can_serve():
                 self.on_ready(w)
+
+    def _job_progress(self, w: WorkerProcess, old: dict, new: dict) -> None:
+        """A job event when a trainer's or evaluator's heartbeat shows its job moved on."""
+        job = new.get("job")
+        if not job and old.get("job"):
+            self.record("job_idle", w.name, f"{old['job']} no longer running")
+        if not job:
+            return
+        done = new.get("step", new.get("done"))
+        if job != old.get("job") or done != old.get("step", old.get("done")):
+            total = new.get("total_steps", new.get("total"))
+            loss = f", loss {new['loss']:.4f}" if isinstance(new.get("loss"), (int, float)) else ""
+            self.record("job_progress", w.name, f"{job} {done}/{total}{loss}")
 
     def by_peer(self, identity: bytes) -> WorkerProcess | None:
         name = self.by_identity.get(identity)

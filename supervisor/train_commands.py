@@ -28,13 +28,13 @@ def _job(sup, job_id) -> dict:
                            + (f" (jobs: {', '.join(ids[-10:])})" if ids else " (no jobs yet)"), status=404) from None
 
 
-@command("train.jobs")
+@command("train.jobs", off_loop=True)
 def train_jobs(sup, args):
     """Every training job, oldest first: state, step/total, epoch, loss, tokens/s, ETA."""
     return {"jobs": _store(sup).list()}
 
 
-@command("train.job")
+@command("train.job", off_loop=True)
 def train_job(sup, args):
     """One job, with its loss history after step `since` (default 0: all of it)."""
     job = _job(sup, args.get("id"))
@@ -54,10 +54,10 @@ def _adapter(sup, name) -> dict:
 
 
 def _in_use(sup, name: str) -> int:
-    return sum(1 for p in sup.pending.values() if p.adapter == name)
+    return sum(1 for p in list(sup.pending.values()) if p.adapter == name)   # list(): safe off the loop
 
 
-@command("adapters.list")
+@command("adapters.list", off_loop=True)
 def adapters_list(sup, args):
     """Registered adapters: base model, rank, alpha, targets, size, whether active or in use."""
     return {"active": sup.adapters.active(),

@@ -139,3 +139,14 @@ def test_psutil_is_sampled_by_the_tick_not_by_describe():
     r.start_running()
     d = r.w.describe(r.clock.time())
     assert d["state"] == "running" and d["pid"] == r.w.pid and "rss_bytes" in d
+
+
+def test_a_jobs_progress_in_heartbeats_becomes_events():
+    r = Rig()
+    r.start_running()
+    for step in (1, 1, 2):
+        r.table.on_heartbeat(r.w, {"state": "busy", "job": "train-1", "step": step, "total_steps": 16, "loss": 1.5})
+    r.table.on_heartbeat(r.w, {"state": "ready", "job": None})
+    progress = [d for e, w, d in r.events if e == "job_progress"]
+    assert progress == ["train-1 1/16, loss 1.5000", "train-1 2/16, loss 1.5000"]
+    assert ("job_idle", "w", "train-1 no longer running") in r.events

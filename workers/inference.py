@@ -26,6 +26,8 @@ from kiln.native.model import load_model
 from kiln.native.sampling import SamplingError, SamplingParams
 from kiln.native.tokenizer import TokenizerError
 
+from kiln.protocol import vocab
+
 from .runtime import BootError, OpError, Worker, main, op, state_dir
 
 
@@ -33,7 +35,7 @@ class InferenceWorker(Worker):
     kind = "inference"
 
     def boot(self):
-        self.state = "loading"
+        self.state = vocab.LOADING
         spec = self.settings.get("model") or "default"
         try:
             path = resolve_model(spec, pull=(spec == "default"))

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import zmq
 
 from kiln.protocol import (PROTOCOL_VERSION, Message, ProtocolError, SchemaError, decode_frames,
-                           encode_frames, make, validate_body, version_error)
+                           encode_frames, make, validate_body, version_error, vocab)
 
 EXIT_BOOT_ERROR = 3
 
@@ -86,7 +86,7 @@ class Worker:
 
     def __init__(self, name: str, settings: dict):
         self.name, self.settings = name, settings
-        self.state = "booting"
+        self.state = vocab.BOOTING
 
     def boot(self) -> None:
         """Load what the worker needs. Raise BootError for a configuration mistake."""
@@ -289,11 +289,11 @@ class Runtime:
     def _busy_delta(self, n: int) -> None:
         with self._busy_lock:
             self._busy += n
-            if self.worker.state in ("ready", "busy"):
-                self.worker.state = "busy" if self._busy else "ready"
+            if self.worker.state in (vocab.READY, vocab.BUSY):
+                self.worker.state = vocab.BUSY if self._busy else vocab.READY
 
     def _run_concurrent(self, req: Request) -> None:
-        while self.worker.state in ("booting", "loading") and not req.cancelled():
+        while self.worker.state in vocab.WORKER_LOADING and not req.cancelled():
             time.sleep(0.05)                      # a request that arrives while booting waits
         out = self._outbox()
         self._busy_delta(1)
@@ -310,7 +310,7 @@ class Runtime:
         post = out.send_pyobj
         try:
             self.worker.boot()
-            self.worker.state = "busy" if self._busy else "ready"
+            self.worker.state = vocab.BUSY if self._busy else vocab.READY
             post(("beat", None))
         except BootError as e:
             post(("boot_failed", str(e)))
