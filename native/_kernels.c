@@ -67,8 +67,9 @@ done:
  * causal; query t sits at position start+t; head h reads KV head h / (H/Hkv). */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_buffer qb, kb, vb, ob;
-    int T, H, Hkv, D, S, start, threads, f16 = 0;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|p", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16))
+    int T, H, Hkv, D, S, start, threads, f16 = 0; float kq_scale = 0.f;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|pf", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16,
+                          &kq_scale))
         return NULL;
     PyObject *ret = NULL;
     size_t es = f16 ? 2 : 4;
@@ -80,7 +81,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     if (D > 512) { PyErr_SetString(PyExc_ValueError, "attention: head_dim must be <= 512"); goto done; }
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
-    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, f16, nt, S);
+    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, f16, nt, S, kq_scale);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None); ret = Py_None;
 done:
@@ -122,18 +123,19 @@ done:
     return ret;
 }
 
-/* rope_table(n, half, base, freq_scale, cos (n, half), sin (n, half)) */
+/* rope_table(n, half, base, freq_scale, factors (half), cos (n, half), sin (n, half)) */
 static PyObject *py_rope_table(PyObject *self, PyObject *args) {
-    Py_buffer cb, sb; int n, half; float base, fs;
-    if (!PyArg_ParseTuple(args, "iiffw*w*", &n, &half, &base, &fs, &cb, &sb)) return NULL;
+    Py_buffer fb, cb, sb; int n, half; float base, fs;
+    if (!PyArg_ParseTuple(args, "iiffy*w*w*", &n, &half, &base, &fs, &fb, &cb, &sb)) return NULL;
     PyObject *ret = NULL;
-    if (n < 0 || half < 0 || (size_t)cb.len < (size_t)n * half * 4 || (size_t)sb.len < (size_t)n * half * 4) {
+    if (n < 0 || half < 0 || (size_t)fb.len < (size_t)half * 4 || (size_t)cb.len < (size_t)n * half * 4
+            || (size_t)sb.len < (size_t)n * half * 4) {
         PyErr_SetString(PyExc_ValueError, "rope_table: a buffer is smaller than its shape"); goto done;
     }
-    rope_table(n, half, base, fs, (float *)cb.buf, (float *)sb.buf);
+    rope_table(n, half, base, fs, (const float *)fb.buf, (float *)cb.buf, (float *)sb.buf);
     Py_INCREF(Py_None); ret = Py_None;
 done:
-    PyBuffer_Release(&cb); PyBuffer_Release(&sb);
+    PyBuffer_Release(&fb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
     return ret;
 }
 
@@ -193,8 +195,9 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOip", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
-                          &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kv_f16))
+    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOip|ff", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
+                          &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kv_f16,
+                          &L.q_scale, &L.kq_scale))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -306,7 +309,7 @@ static PyMethodDef methods[] = {
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},
-    {"rope_table", py_rope_table, METH_VARARGS, "rope_table(n, half, base, freq_scale, cos, sin)"},
+    {"rope_table", py_rope_table, METH_VARARGS, "rope_table(n, half, base, freq_scale, factors, cos, sin)"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
     {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},
     {"set_threads", py_set_threads, METH_VARARGS, "default thread count (0: OpenMP's)"},

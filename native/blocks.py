@@ -34,42 +34,49 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (F32(1) / np.sqrt(ms + F32(eps))) * weight
 
 
-_ROPE: dict = {}          # (rope_dim, base, scale) -> (cos, sin) for positions 0..len-1
+_ROPE: dict = {}          # (rope_dim, base, scale, factors) -> (cos, sin) for positions 0..len-1
 
 
-def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float):
+def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float,
+                factors: np.ndarray | None = None):
     """cos/sin of shape (T, rope_dim/2) for the given absolute positions.
 
     The angles are made as ggml makes them — in float32, each pair's from the previous one
     times powf(base, -2/rope_dim) — not exactly, and their cos/sin by the C library's cosf/sinf:
     a position's angles then carry ggml's rounding, and llama.cpp's outputs are what the engine
-    is held to. Made once per position (a table that
-    grows in chunks), so a decode step only indexes it."""
+    is held to. `factors` (Llama 3's rope_freqs: one per pair) divide each pair's angle before
+    the linear scale, as ggml's rope cache does. Made once per position (a table that grows in
+    chunks), so a decode step only indexes it."""
     positions = np.asarray(positions, dtype=np.int64)
-    key = (rope_dim, float(base), float(scale))
-    cos, sin = _ROPE.get(key, (np.empty((0, rope_dim // 2), F32),) * 2)
+    half = rope_dim // 2
+    ff = np.ones(half, F32) if factors is None else np.ascontiguousarray(factors, F32)
+    if ff.shape != (half,):
+        raise ValueError(f"rope factors: {ff.shape[0]} values for {half} rotated pairs")
+    key = (rope_dim, float(base), float(scale), ff.tobytes())
+    cos, sin = _ROPE.get(key, (np.empty((0, half), F32),) * 2)
     need = int(positions.max(initial=-1)) + 1
     if need > len(cos):
         n = max(need, 2 * len(cos), 1024)
-        cos, sin = _rope_table(n, rope_dim // 2, float(base), 1.0 / scale)
+        cos, sin = _rope_table(n, half, float(base), 1.0 / scale, ff)
         _ROPE[key] = (cos, sin)
     return cos[positions], sin[positions]
 
 
-def _rope_table(n: int, half: int, base: float, freq_scale: float) -> tuple[np.ndarray, np.ndarray]:
+def _rope_table(n: int, half: int, base: float, freq_scale: float,
+                factors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(cos, sin) (n, half) float32 as ggml's rope cache: compiled, else libm through ctypes, else
     numpy in float64 (which differs from glibc's cosf in ~2 % of entries by an ulp)."""
     cos, sin = np.empty((n, half), F32), np.empty((n, half), F32)
     C = compiled_module()
     if C is not None:
-        C.rope_table(n, half, base, freq_scale, cos, sin)
+        C.rope_table(n, half, base, freq_scale, factors, cos, sin)
         return cos, sin
     libm = _libm()
     theta_scale = F32(libm.powf(base, -2.0 / (2 * half))) if libm else F32(base ** (-2.0 / (2 * half)))
     theta = np.arange(n).astype(F32)
     angles = np.empty((n, half), F32)
     for i in range(half):
-        angles[:, i] = F32(freq_scale) * theta
+        angles[:, i] = F32(freq_scale) * (theta / factors[i])        # theta / 1.0f is exact
         theta = theta * theta_scale
     if libm:
         flat = angles.ravel()
@@ -122,25 +129,25 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
     return x
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float | None = None) -> np.ndarray:
     """Causal multi-head attention with grouped KV heads.
 
     q (T, H, d) for positions start..start+T-1; k, v (S, Hkv, d) for positions 0..S-1 with
-    S = start + T. Query head h reads KV head h // (H / Hkv), as ggml broadcasts.
-    Returns (T, H*d).
+    S = start + T. Query head h reads KV head h // (H / Hkv), as ggml broadcasts. `scale`
+    multiplies the scores (default 1/sqrt(d)). Returns (T, H*d).
     """
-    compiled = attention_compiled(q, k, v, start)
+    compiled = attention_compiled(q, k, v, start, scale)
     if compiled is not None:
         return compiled
     if k.dtype == np.float16:                   # the compiled kernel's (and ggml's) rounding
-        return ggml_round.attention_f16(q, k, v, start)
+        return ggml_round.attention_f16(q, k, v, start, scale)
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
     k, v = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)    # a float32 cache
     qg = q.reshape(T, Hkv, G, d).transpose(1, 2, 0, 3)               # (Hkv, G, T, d)
     scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])            # (Hkv, G, T, S)
-    scores *= F32(1.0 / np.sqrt(d))
+    scores *= F32(scale) if scale else F32(1.0 / np.sqrt(d))
     if T > 1:
         # query i sits at position start + i and may see keys 0..start+i
         mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]

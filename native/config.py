@@ -4,19 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arch import UnknownArchitecture, family, supported
 from .gguf_file import GGUFError, GGUFFile
-
-# architecture -> (rope style, MoE router weights renormalised after top-k by default)
-ARCHITECTURES: dict[str, dict] = {
-    "llama":    {"rope": "normal", "norm_topk": True},
-    "mistral":  {"rope": "normal", "norm_topk": True},
-    "qwen2":    {"rope": "neox", "norm_topk": False},
-    "qwen3":    {"rope": "neox", "norm_topk": True},
-    "qwen2moe": {"rope": "neox", "norm_topk": False},
-    "qwen3moe": {"rope": "neox", "norm_topk": True},
-    "olmoe":    {"rope": "neox", "norm_topk": False},
-}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -40,6 +29,10 @@ class ModelConfig:
     n_ff_expert: int = 0
     n_ff_shared: int = 0
     expert_weights_norm: bool = False
+    extra: tuple = ()               # the family's own hyperparameters, as (key, value) pairs
+
+    def get(self, name: str, default=None):
+        return dict(self.extra).get(name, default)
 
     @property
     def is_moe(self) -> bool:
@@ -48,10 +41,11 @@ class ModelConfig:
 
 def read_config(g: GGUFFile) -> ModelConfig:
     arch = g.architecture
-    if arch not in ARCHITECTURES:
+    try:
+        fam = family(arch)
+    except UnknownArchitecture:
         raise GGUFError(f"{g.path}: architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(ARCHITECTURES)})")
-    traits = ARCHITECTURES[arch]
+                        f"(supported: {', '.join(supported())})") from None
 
     def key(name, default=None, required=True):
         full = f"{arch}.{name}"
@@ -85,12 +79,13 @@ def read_config(g: GGUFFile) -> ModelConfig:
         rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
         rope_base=float(key("rope.freq_base", 10000.0, required=False)),
         rope_dim=int(key("rope.dimension_count", head_dim, required=False)),
-        rope_style=traits["rope"],
+        rope_style=fam.rope,
         rope_scale=factor,
         n_vocab=int(n_vocab),
         n_expert=n_expert,
         n_expert_used=int(key("expert_used_count", 0, required=False)),
         n_ff_expert=int(key("expert_feed_forward_length", 0, required=False)),
         n_ff_shared=int(key("expert_shared_feed_forward_length", 0, required=False)),
-        expert_weights_norm=bool(key("expert_weights_norm", traits["norm_topk"], required=False)),
+        expert_weights_norm=bool(key("expert_weights_norm", fam.norm_topk, required=False)),
+        extra=tuple(sorted(fam.hparams(key).items())),
     )

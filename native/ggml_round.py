@@ -80,7 +80,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (F32(1) + expf(F32(0) - x))
 
 
-def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_scale: float | None = None) -> np.ndarray:
     """Causal attention over an fp16 cache as the compiled task computes it (csrc/attention.c):
     q rounded to fp16; each score an 8-lane sum over the head dimension, times 1/sqrt(d); ggml's
     softmax; probabilities rounded to fp16; each output an 8-lane sum over the positions.
@@ -90,7 +90,7 @@ def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np
     G = H // Hkv
     q = q.astype(np.float16).astype(F32)
     k, v = k.astype(F32), v.astype(F32)
-    scale = F32(1) / np.sqrt(F32(d))
+    scale = F32(kq_scale) if kq_scale else F32(1) / np.sqrt(F32(d))
     out = np.empty((T, H, d), F32)
     step = max(1, (1 << 22) // max(1, S * H * d))            # rows per block: bounded temporaries
     for t0 in range(0, T, step):

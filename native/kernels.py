@@ -62,7 +62,8 @@ def set_threads(n: int) -> None:
         _C.set_threads(int(n))
 
 
-def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray | None:
+def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
+                       scale: float | None = None) -> np.ndarray | None:
     """Causal attention in C (batch-invariant), or None when the numpy path runs."""
     if not _compiled_on:
         return None
@@ -71,7 +72,7 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) 
     out = np.empty((T, H * d), np.float32)
     f16 = k.dtype == np.float16
     _C.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out,
-                 T, H, Hkv, d, S, start, 0, f16)
+                 T, H, Hkv, d, S, start, 0, f16, float(scale or 0.0))
     return out
 
 
@@ -173,6 +174,13 @@ class Weight:
         return Weight(f"{self.name}[{e}]", self.qtype, self.shape[1:],
                       None if self.raw is None else self.raw[e],
                       None if self._dense is None else self._dense[e])
+
+    def row_slice(self, name: str, start: int, stop: int) -> "Weight":
+        """Output rows start..stop as a weight of its own (a fused q|k|v matrix split): a view of
+        the stored blocks, so its products are the same bits as the whole matrix's rows."""
+        return Weight(name, self.qtype, (stop - start, self.shape[-1]),
+                      None if self.raw is None else self.raw[start:stop],
+                      None if self._dense is None else self._dense[start:stop])
 
     def rows(self, ids) -> np.ndarray:
         """Rows `ids` as float32 (embedding lookup): only those rows are dequantized."""

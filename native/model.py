@@ -1,15 +1,10 @@
 """A loaded model: config, tokenizer, weights, and the forward pass.
 
-The forward pass is one decoder layer composed of shared blocks; what differs between
-architectures is which optional pieces a layer has, and those are fixed per architecture in
-`LAYER_PARTS` (so a missing tensor is an error that names it, not a silent skip):
-
-    llama / mistral    dense SwiGLU, or Mixtral-style MoE when the file has experts
-    qwen2              + q/k/v biases
-    qwen3              + per-head q/k RMS norm
-    qwen2moe           + biases, MoE with a sigmoid-gated shared expert
-    qwen3moe           + per-head q/k norm, MoE
-    olmoe              + q/k RMS norm over the whole projection, MoE
+What an architecture's layer holds and how it computes is declared by its family in the
+registry (native/arch/); this module loads those tensors into `Layer`s, provides the blocks a
+family's `layer()` is written in (norm, attention, ffn), and decides how each block runs: a
+decode step of a layer in the llama skeleton runs as one compiled call, everything else through
+the compiled products or numpy — bit for bit the same either way.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from . import kernels
+from .arch import family
 from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFError, GGUFFile, read_gguf
@@ -29,14 +25,14 @@ from .kernels import Weight, matmul, matmul_many
 from .kv_cache import KV_DTYPE, KVCache
 from .tokenizer import GGUFTokenizer
 
-LAYER_PARTS: dict[str, set[str]] = {
-    "llama": set(), "mistral": set(),
-    "qwen2": {"qkv_bias"},
-    "qwen3": {"qk_norm_head"},
-    "qwen2moe": {"qkv_bias", "shared_expert"},
-    "qwen3moe": {"qk_norm_head"},
-    "olmoe": {"qk_norm_full"},
-}
+
+@dataclass
+class Ctx:
+    """What every block of one forward shares: rope tables, the sequences' caches, the adapter."""
+    cos: np.ndarray
+    sin: np.ndarray
+    segments: list                 # (cache, first row, end row) per sequence
+    adapter: object = None
 
 
 @dataclass
@@ -64,6 +60,7 @@ class Layer:
     down_exps: Weight | None = None
     # shared expert (qwen2moe)
     shared_gate_inp: Weight | None = None      # (1, n_embd)
+    shared_gate: np.ndarray | None = None      # the same, as loaded
     gate_shexp: Weight | None = None
     up_shexp: Weight | None = None
     down_shexp: Weight | None = None
@@ -91,49 +88,41 @@ class Model:
 
     def _load(self, threads: int) -> None:
         g, c = self.gguf, self.config
-        parts = LAYER_PARTS[c.arch]
+        fam = self.family = family(c.arch)
         names = ["token_embd.weight"]
         self.tied_output = "output.weight" not in g.tensors
         if not self.tied_output:
             names.append("output.weight")
-        per_layer = []
-        for i in range(c.n_layer):
-            p = f"blk.{i}."
-            mats = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output"}
-            if c.is_moe:
-                mats |= {"gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps",
-                         "down_exps": "ffn_down_exps"}
-                if "shared_expert" in parts:
-                    mats |= {"gate_shexp": "ffn_gate_shexp", "up_shexp": "ffn_up_shexp",
-                             "down_shexp": "ffn_down_shexp"}
-            else:
-                mats |= {"gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
-            mats = {k: p + v + ".weight" for k, v in mats.items()}
-            per_layer.append(mats)
-            names.extend(mats.values())
-        for n in names:            # fail fast, before any work, on a missing tensor
-            g.tensor(n)
+        plan = [(fam.matrices(c, i), fam.vectors(c, i), fam.fused(c, i)) for i in range(c.n_layer)]
+        for mats, vecs, fused in plan:
+            names += list(mats.values()) + list(fused)
+        for n in names + [n for _, vecs, _ in plan for n in vecs.values()]:
+            g.tensor(n)              # fail fast, before any work, on a missing tensor (named)
         weights = kernels.load_weights(g, names, threads)
         vec = lambda n: kernels.load_vector(g, n)  # noqa: E731
         self.token_embd = weights["token_embd.weight"]
         self.output = self.token_embd if self.tied_output else weights["output.weight"]
         self.output_norm = vec("output_norm.weight")
+        self.attn_scales = fam.attention_scales(c)
+        extra = {k: vec(n) for k, n in fam.model_tensors(g).items()}
+        self.rope_factors = extra.get("rope_freqs")
         self.layers: list[Layer] = []
-        for i, mats in enumerate(per_layer):
-            p = f"blk.{i}."
-            L = Layer(attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + "ffn_norm.weight"),
-                      **{k: weights[n] for k, n in mats.items()})
-            if "qkv_bias" in parts:
-                L.bq, L.bk, L.bv = (vec(p + f"attn_{x}.bias") for x in "qkv")
-            if parts & {"qk_norm_head", "qk_norm_full"}:
-                L.q_norm, L.k_norm = vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")
-                L.qk_norm_per_head = "qk_norm_head" in parts
-            if c.is_moe:
-                L.router = kernels.load_weights(g, [p + "ffn_gate_inp.weight"], 1)[p + "ffn_gate_inp.weight"]
-                if "shared_expert" in parts:
-                    v = vec(p + "ffn_gate_inp_shexp.weight").reshape(1, -1)
-                    L.shared_gate_inp = Weight(p + "ffn_gate_inp_shexp.weight", kernels.Q.F32, v.shape,
-                                               v.view(np.uint8).reshape(1, -1), v)
+        for mats, vecs, fused in plan:
+            fields = {k: weights[n] for k, n in mats.items()}
+            for n, parts in fused.items():
+                start = 0
+                for fld, rows in parts:
+                    fields[fld] = weights[n].row_slice(f"{n}[{fld}]", start, start + rows)
+                    start += rows
+                if start != weights[n].shape[0]:
+                    raise GGUFError(f"{g.path}: tensor {n!r} has {weights[n].shape[0]} rows, expected {start} "
+                                    f"({' + '.join(f'{f} {r}' for f, r in parts)})")
+            fields |= {k: vec(n) for k, n in vecs.items()}
+            L = Layer(**fields)
+            L.qk_norm_per_head = getattr(fam, "qk_norm", "head") == "head"
+            if L.shared_gate is not None:
+                v = L.shared_gate.reshape(1, -1)
+                L.shared_gate_inp = Weight(vecs["shared_gate"], kernels.Q.F32, v.shape, v.view(np.uint8).reshape(1, -1), v)
             self.layers.append(L)
 
     @property
@@ -200,23 +189,35 @@ class Model:
         """The decoder stack over rows that belong to one or more sequences; `segments` lists
         (cache, first row, end row) for each sequence."""
         c = self.config
-        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale)
+        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale, self.rope_factors)
+        ctx = Ctx(cos, sin, segments, adapter)
         x = self.token_embd.rows(tokens)
         # a decode step (one row per sequence) runs each layer in one compiled call
-        fuse = len(segments) <= 64 and all(b - a == 1 for _, a, b in segments) and adapter is None \
-            and len({cache.dtype for cache, _, _ in segments}) == 1 and kernels.compiled_module() is not None
+        fuse = self.family.llama_skeleton and len(segments) <= 64 and all(b - a == 1 for _, a, b in segments) \
+            and adapter is None and len({cache.dtype for cache, _, _ in segments}) == 1 \
+            and kernels.compiled_module() is not None
         for i, L in enumerate(self.layers):
             how = self._fusable[i] if fuse else None
             if how == "moe" and self.expert_provider is not None:
                 how = "attention"                # streamed experts: the worker fetches them in Python
-            if how is not None:
-                self._decode_layer(i, L, x, [cache for cache, _, _ in segments], cos, sin, ffn=how)
-                if how != "attention":
-                    continue
-            else:
-                x = x + self._attention(i, L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin, segments, adapter)
-            x = x + self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps), i, adapter)
+            if how is None:
+                x = self.family.layer(self, i, L, x, ctx)
+                continue
+            self._decode_layer(i, L, x, [cache for cache, _, _ in segments], cos, sin, ffn=how)
+            if how == "attention":
+                x = x + self.ffn(i, L, self.norm(x, L.ffn_norm), ctx)
         return x
+
+    # -- the blocks a family's layer() is written in ----------------------------------------------
+
+    def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return rms_norm(x, w, self.config.rms_eps)
+
+    def attention(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        return self._attention(i, L, x, ctx.cos, ctx.sin, ctx.segments, ctx.adapter)
+
+    def ffn(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx) -> np.ndarray:
+        return self._ffn(L, x, i, ctx.adapter)
 
     def _decode_layer(self, i: int, L: Layer, x: np.ndarray, caches: list[KVCache], cos, sin, ffn: str) -> None:
         """One decode step of len(caches) sequences (row b of x (B, n) is caches[b]'s) through
@@ -237,7 +238,8 @@ class Model:
         kernels.compiled_module().decode_layer(
             x, L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
             L.wo.raw, int(L.wo.qtype), seqs, cos, sin, c.n_head, c.n_head_kv,
-            c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0, caches[0].dtype == np.float16)
+            c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0, caches[0].dtype == np.float16,
+            *self.attn_scales)
 
     @property
     def _fusable(self) -> list[str | None]:
@@ -292,10 +294,13 @@ class Model:
             q, k = rms_norm(q, L.q_norm, c.rms_eps), rms_norm(k, L.k_norm, c.rms_eps)
         q = apply_rope(np.ascontiguousarray(q), cos, sin, c.rope_style)
         k = apply_rope(np.ascontiguousarray(k), cos, sin, c.rope_style)
+        q_scale, kq_scale = self.attn_scales
+        if q_scale:
+            q *= np.float32(q_scale)
         outs = []
         for cache, a, b in segments:
             keys, values = cache.store(i, k[a:b], v[a:b])
-            outs.append(attention(q[a:b], keys, values, cache.n))
+            outs.append(attention(q[a:b], keys, values, cache.n, kq_scale or None))
         return mm(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo, adapter)
 
     def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None) -> np.ndarray:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import TINY_ARCHS, reference, tiny_path
+from conftest import BITS_ARCHS, TINY_ARCHS, reference, tiny_path
 from fidelity import assert_meets_bars, measure
 from kiln.native import kernels
 from kiln.native.model import load_model
@@ -66,7 +66,7 @@ def test_e8k2_variant_matches_llama_cpp(e8k2_path, kernel_path):
 
 
 KQUANT = [f"tiny/tiny-llama-{q}" for q in ("Q4_K_M", "Q5_K_M", "Q6_K", "F16")]   # tests/data/README.md
-MODELS = [f"tiny/tiny-{a}" for a in TINY_ARCHS] + KQUANT + ["smollm2", "smollm2-moe-e8k2", "smollm2-moe-e8k8"]
+MODELS = [f"tiny/tiny-{a}" for a in BITS_ARCHS] + KQUANT + ["smollm2", "smollm2-moe-e8k2", "smollm2-moe-e8k8"]
 MODEL_FIXTURE = {"smollm2": "default_model_path", "smollm2-moe-e8k2": "e8k2_path", "smollm2-moe-e8k8": "e8k8_path"}
 
 

@@ -125,9 +125,9 @@ static inline const float *kv_row(const void *cache, int f16, size_t at, int D, 
 /* attention over T query rows (T, H, D) at positions start..start+T-1 of a cache of S positions
  * (S, Hkv, D), float32 or fp16 (f16); head h reads KV head h / (H/Hkv); out (T, H*D). */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S) {
+                    int start, int f16, int nt, int S, float kq_scale) {
     int G = H / Hkv;
-    float scale = 1.0f / sqrtf((float)D);
+    float scale = kq_scale > 0.f ? kq_scale : 1.0f / sqrtf((float)D);   /* 0: ggml's default 1/sqrt(D) */
 #ifdef KILN_X86
     if (g_avx2) {
         #pragma omp parallel num_threads(nt) if(T * H > 1)

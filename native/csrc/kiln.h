@@ -159,7 +159,7 @@ void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int
 
 /* ---- attention.c ---------------------------------------------------------------------------- */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S);
+                    int start, int f16, int nt, int S, float kq_scale);
 #ifdef KILN_X86
 void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int h,
                     int H, int Hkv, int D, int n, float scale, float *row);
@@ -170,7 +170,7 @@ void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, flo
 /* ---- layer.c -------------------------------------------------------------------------------- */
 void rms_row(const float *x, const float *w, float *o, int n, float eps);
 void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox);
-void rope_table(int n, int half, float base, float freq_scale, float *c, float *s);
+void rope_table(int n, int half, float base, float freq_scale, const float *ff, float *c, float *s);
 void swiglu_row(float *g, const float *u, size_t n);
 void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w);
 
@@ -189,6 +189,8 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     const uint8_t *wg, *wu, *wd;          /* (E, n_ff, n), (E, n_ff, n), (E, n, n_ff); E = 1 dense */
     int gu_t, wd_t, n_ff, E, k, normalize;
     int kv_f16;               /* the K/V caches hold fp16 (else float32) */
+    float q_scale;            /* q multiplied by this after RoPE (phi3, gemma3); 0: not scaled */
+    float kq_scale;           /* the attention scores' scale; 0: 1/sqrt(D) */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */

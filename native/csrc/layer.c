@@ -18,12 +18,12 @@ void rms_row(const float *x, const float *w, float *o, int n, float eps) {
  * is the previous pair's times powf(base, -2/R) in float32 (from the position), then the C library's
  * cosf/sinf — glibc's, like llama.cpp's; they differ from correctly rounded values in ~2 % of
  * entries, enough to move a query or key by an ulp. */
-void rope_table(int n, int half, float base, float freq_scale, float *c, float *s) {
+void rope_table(int n, int half, float base, float freq_scale, const float *ff, float *c, float *s) {
     const float theta_scale = powf(base, -2.0f / (float)(2 * half));
     for (int p = 0; p < n; p++) {
         float theta = (float)p;
         for (int i = 0; i < half; i++) {
-            float t = freq_scale * theta;
+            float t = freq_scale * (theta / ff[i]);      /* ggml's rope cache: theta/ff, then the scale */
             c[(size_t)p * half + i] = cosf(t);
             s[(size_t)p * half + i] = sinf(t);
             theta *= theta_scale;
@@ -172,7 +172,7 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
     Act aq, ao, ag = {0}, ad = {0}, ar = {0};
     act_alloc(&aq, &tq, a, B, n); act_alloc(&ao, &to, att, B, qn);
     if (L->ffn) { act_alloc(&ag, &tg, f, B, n); act_alloc(&ad, &td, g, fr, n_ff); act_alloc(&ar, &tf, f, B, n); }
-    float scale = 1.0f / sqrtf((float)D);
+    float scale = L->kq_scale > 0.f ? L->kq_scale : 1.0f / sqrtf((float)D);
     #pragma omp parallel num_threads(nt)
     {
         float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
@@ -184,6 +184,8 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
             rope_row(q + (size_t)b * qn, rows[b].cos, rows[b].sin, H, D, L->R, L->neox);
             rope_row(kb, rows[b].cos, rows[b].sin, Hkv, D, L->R, L->neox);
+            if (L->q_scale > 0.f)             /* ggml_scale of the roped q (phi3, gemma3) */
+                for (int i = 0; i < qn; i++) q[(size_t)b * qn + i] *= L->q_scale;
             size_t at = (size_t)rows[b].pos * kvn;
             if (L->kv_f16) {                  /* rounded to nearest even, as numpy's astype */
                 uint16_t *kc = (uint16_t *)rows[b].k + at, *vc = (uint16_t *)rows[b].v + at;

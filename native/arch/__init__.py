@@ -1,0 +1,33 @@
+"""The architecture registry: one module per family (native/arch/*.py), each declaring its
+hyperparameters, the tensors a layer needs, and its `layer()`. `family(arch)` finds one; an
+architecture not listed is refused with the list of those that are."""
+
+from __future__ import annotations
+
+from .base import Family
+from .llama import Llama
+from .phi3 import Phi3
+from .qwen import Olmoe, Qwen2, Qwen2Moe, Qwen3, Qwen3Moe
+
+FAMILIES: dict[str, Family] = {}
+for _f in (Llama(), Qwen2(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3()):
+    for _name in (_f.name, *_f.aliases):
+        FAMILIES[_name] = _f
+
+
+class UnknownArchitecture(KeyError):
+    pass
+
+
+def family(arch: str) -> Family:
+    try:
+        return FAMILIES[arch]
+    except KeyError:
+        raise UnknownArchitecture(arch) from None
+
+
+def supported() -> list[str]:
+    return list(FAMILIES)
+
+
+__all__ = ["FAMILIES", "Family", "UnknownArchitecture", "family", "supported"]

@@ -1,0 +1,73 @@
+"""What every architecture family declares, and the layer skeleton most of them share.
+
+A family says which GGUF tensors a layer needs (`matrices`: multiplied by the kernels;
+`vectors`: float32 norms and biases; `fused`: one stored matrix that holds several, split by
+rows at load), reads its own hyperparameters from the metadata (`hparams`), and writes its
+`layer()` as named blocks of the model: norm, attention, ffn. Which kernel runs a block — the
+one-call compiled decode, the compiled products, numpy — is decided below, in native/model.py,
+and is invisible here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+
+class Family:
+    name = "base"
+    aliases: tuple[str, ...] = ()
+    rope = "normal"               # "normal": adjacent pairs (llama); "neox": rotate-half
+    norm_topk = False             # MoE: renormalise the top-k router weights (when the file says nothing)
+    moe = False                   # routed experts in every layer
+    shared_expert = False
+    # True when layer() is the llama skeleton below (pre-norm attention, pre-norm FFN): such a
+    # layer may run as one compiled call per decode step
+    llama_skeleton = True
+    notes = ""                    # what the family needed, for the README and `models inspect`
+
+    # -- what a layer needs -------------------------------------------------------------------
+
+    def matrices(self, c, i: int) -> dict[str, str]:
+        p = f"blk.{i}."
+        mats = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output"}
+        if c.is_moe:
+            mats |= {"gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps", "down_exps": "ffn_down_exps",
+                     "router": "ffn_gate_inp"}
+            if self.shared_expert:
+                mats |= {"gate_shexp": "ffn_gate_shexp", "up_shexp": "ffn_up_shexp", "down_shexp": "ffn_down_shexp"}
+        else:
+            mats |= {"gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+        return {k: p + v + ".weight" for k, v in mats.items()}
+
+    def vectors(self, c, i: int) -> dict[str, str]:
+        p = f"blk.{i}."
+        return {"attn_norm": p + "attn_norm.weight", "ffn_norm": p + "ffn_norm.weight"}
+
+    def fused(self, c, i: int) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Stored matrices that hold several of a layer's: name -> ((field, rows), …) in row order."""
+        return {}
+
+    def hparams(self, key: Callable[..., Any]) -> dict:
+        """Family-specific configuration read with key(name, default, required=False)."""
+        return {}
+
+    def model_tensors(self, g) -> dict[str, str]:
+        """Whole-model vectors beyond the norms (e.g. rope_freqs), field -> name, if present."""
+        return {}
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def layer(self, m, i: int, L, x: np.ndarray, ctx) -> np.ndarray:
+        """The llama skeleton: x + attention(norm(x)), then + ffn(norm(x))."""
+        x = x + m.attention(i, L, m.norm(x, L.attn_norm), ctx)
+        return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
+
+    def attention_scales(self, c) -> tuple[float, float]:
+        """(q_scale, kq_scale): q multiplied after RoPE (0: not), the scores' scale (0: 1/sqrt(d))."""
+        return 0.0, 0.0
+
+    def facts(self, c) -> dict:
+        """What `kiln models inspect` shows about this family's model beyond the common fields."""
+        return {}

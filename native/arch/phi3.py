@@ -1,0 +1,28 @@
+"""phi3 (Phi-3, Phi-3.5, Phi-4-mini): the llama skeleton with fused projections — `attn_qkv`
+holds q | k | v and `ffn_up` holds gate | up, split by rows at load (a row of blocks is a row
+of weights, so the split copies nothing and changes no bit). Rotate-half rope."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Family
+
+
+class Phi3(Family):
+    name, rope = "phi3", "neox"
+    notes = "fused attn_qkv (q|k|v) and ffn_up (gate|up) split by rows at load; rotate-half rope"
+
+    def matrices(self, c, i):
+        p = f"blk.{i}."
+        return {"wo": p + "attn_output.weight", "down": p + "ffn_down.weight"}
+
+    def fused(self, c, i):
+        p = f"blk.{i}."
+        q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        return {p + "attn_qkv.weight": (("wq", q), ("wk", kv), ("wv", kv)),
+                p + "ffn_up.weight": (("gate", c.n_ff), ("up", c.n_ff))}
+
+    def attention_scales(self, c):
+        # llama.cpp scales the roped q by 1/sqrt(head_dim) and the scores by 1
+        return float(np.float32(1) / np.sqrt(np.float32(c.head_dim))), 1.0

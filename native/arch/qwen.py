@@ -1,0 +1,57 @@
+"""The Qwen 2 / 3 families and their MoE variants, and OLMoE — the llama skeleton with:
+
+    qwen2      q/k/v biases                     qwen2moe   + biases, a sigmoid-gated shared expert
+    qwen3      per-head q/k RMSNorm             qwen3moe   + per-head q/k norm, routed experts
+    olmoe      q/k RMSNorm over the whole projection, routed experts
+"""
+
+from __future__ import annotations
+
+from .base import Family
+
+
+def _bias(i: int) -> dict[str, str]:
+    return {f"b{x}": f"blk.{i}.attn_{x}.bias" for x in "qkv"}
+
+
+def _qk_norm(i: int) -> dict[str, str]:
+    return {"q_norm": f"blk.{i}.attn_q_norm.weight", "k_norm": f"blk.{i}.attn_k_norm.weight"}
+
+
+class Qwen2(Family):
+    name, rope, norm_topk = "qwen2", "neox", False
+    notes = "q/k/v biases, rotate-half rope"
+
+    def vectors(self, c, i):
+        return super().vectors(c, i) | _bias(i)
+
+
+class Qwen3(Family):
+    name, rope, norm_topk = "qwen3", "neox", True
+    notes = "per-head q/k RMSNorm"
+    qk_norm = "head"
+
+    def vectors(self, c, i):
+        return super().vectors(c, i) | _qk_norm(i)
+
+
+class Qwen2Moe(Qwen2):
+    name, moe, shared_expert = "qwen2moe", True, True
+    notes = "q/k/v biases, routed experts plus a sigmoid-gated shared expert"
+
+    def vectors(self, c, i):
+        return super().vectors(c, i) | {"shared_gate": f"blk.{i}.ffn_gate_inp_shexp.weight"}
+
+
+class Qwen3Moe(Qwen3):
+    name, moe = "qwen3moe", True
+    notes = "per-head q/k RMSNorm, routed experts"
+
+
+class Olmoe(Family):
+    name, rope, norm_topk, moe = "olmoe", "neox", False, True
+    notes = "q/k RMSNorm over the whole projection, routed experts"
+    qk_norm = "full"
+
+    def vectors(self, c, i):
+        return super().vectors(c, i) | _qk_norm(i)
