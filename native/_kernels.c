@@ -67,9 +67,9 @@ done:
  * causal; query t sits at position start+t; head h reads KV head h / (H/Hkv). */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_buffer qb, kb, vb, ob;
-    int T, H, Hkv, D, S, start, threads, f16 = 0; float kq_scale = 0.f;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|pf", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16,
-                          &kq_scale))
+    int T, H, Hkv, D, S, start, threads, f16 = 0, win = 0; float kq_scale = 0.f;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|pfi", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16,
+                          &kq_scale, &win))
         return NULL;
     PyObject *ret = NULL;
     size_t es = f16 ? 2 : 4;
@@ -81,7 +81,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     if (D > 512) { PyErr_SetString(PyExc_ValueError, "attention: head_dim must be <= 512"); goto done; }
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
-    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, f16, nt, S, kq_scale);
+    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, f16, nt, S, kq_scale, win);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None); ret = Py_None;
 done:

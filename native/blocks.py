@@ -129,18 +129,20 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
     return x
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float | None = None) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float | None = None,
+              window: int = 0) -> np.ndarray:
     """Causal multi-head attention with grouped KV heads.
 
     q (T, H, d) for positions start..start+T-1; k, v (S, Hkv, d) for positions 0..S-1 with
     S = start + T. Query head h reads KV head h // (H / Hkv), as ggml broadcasts. `scale`
-    multiplies the scores (default 1/sqrt(d)). Returns (T, H*d).
+    multiplies the scores (default 1/sqrt(d)); `window` > 0 lets a query see only itself and the
+    window - 1 positions before it (sliding-window layers). Returns (T, H*d).
     """
-    compiled = attention_compiled(q, k, v, start, scale)
+    compiled = attention_compiled(q, k, v, start, scale, window)
     if compiled is not None:
         return compiled
     if k.dtype == np.float16:                   # the compiled kernel's (and ggml's) rounding
-        return ggml_round.attention_f16(q, k, v, start, scale)
+        return ggml_round.attention_f16(q, k, v, start, scale, window)
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
@@ -148,9 +150,11 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
     qg = q.reshape(T, Hkv, G, d).transpose(1, 2, 0, 3)               # (Hkv, G, T, d)
     scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])            # (Hkv, G, T, S)
     scores *= F32(scale) if scale else F32(1.0 / np.sqrt(d))
-    if T > 1:
+    if T > 1 or window:
         # query i sits at position start + i and may see keys 0..start+i
         mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+        if window:
+            mask |= np.arange(S)[None, :] <= (start + np.arange(T))[:, None] - window
         scores[..., mask] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)

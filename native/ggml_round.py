@@ -80,7 +80,8 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (F32(1) + expf(F32(0) - x))
 
 
-def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_scale: float | None = None) -> np.ndarray:
+def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_scale: float | None = None,
+                  window: int = 0) -> np.ndarray:
     """Causal attention over an fp16 cache as the compiled task computes it (csrc/attention.c):
     q rounded to fp16; each score an 8-lane sum over the head dimension, times 1/sqrt(d); ggml's
     softmax; probabilities rounded to fp16; each output an 8-lane sum over the positions.
@@ -98,7 +99,10 @@ def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_sc
         qg = q[t0:t1].reshape(t1 - t0, Hkv, G, d)
         prod = qg[:, :, :, None, :] * k.transpose(1, 0, 2)[None, :, None, :, :]   # (t, Hkv, G, S, d)
         scores = lane_sums(prod) * scale                                      # (t, Hkv, G, S)
-        mask = np.arange(S)[None, :] > (start + np.arange(t0, t1))[:, None]   # (t, S)
+        pos = (start + np.arange(t0, t1))[:, None]
+        mask = np.arange(S)[None, :] > pos                                    # (t, S)
+        if window:                                                            # sliding window
+            mask |= np.arange(S)[None, :] <= pos - window
         scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf
         p = softmax(scores).astype(np.float16).astype(F32)
         vt = v.transpose(1, 2, 0)                                             # (Hkv, d, S)
@@ -212,3 +216,38 @@ def _matmul_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
             r = r + x[t0:t1, i, None] * w[None, :, i]
         out[t0:t1] = r
     return out
+
+
+# -- GELU as ggml computes it (GGML_GELU_FP16) ---------------------------------------------------
+# ggml's f32 GELU (and GEGLU) do not evaluate the formula: the input is rounded to fp16 and looked
+# up in a 65 536-entry table of fp16 results, made once with the C library's tanhf; inputs at or
+# below -10 give 0 and at or above 10 pass through.
+_GELU: dict = {}
+
+
+def gelu_table(fused: bool = True) -> np.ndarray:
+    """The fp16 results (as float32) for every fp16 bit pattern: 0.5x(1 + tanh(√(2/π)·x·(1 +
+    0.044715x²))) in float32, `1 + a·x·x` fused as gcc -march=native compiles it."""
+    if fused not in _GELU:
+        import ctypes
+        import ctypes.util
+        libm = ctypes.CDLL(ctypes.util.find_library("m"))
+        libm.tanhf.restype, libm.tanhf.argtypes = ctypes.c_float, [ctypes.c_float]
+        x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
+        with np.errstate(invalid="ignore", over="ignore"):       # the NaN and inf patterns
+            ax = F32(0.044715) * x
+            inner = (ax.astype(np.float64) * x + 1.0).astype(F32) if fused else F32(1) + ax * x
+            arg = F32(0.79788456080286535587989211986876) * x * inner
+            t = np.array([libm.tanhf(float(a)) for a in arg], F32)
+            y = F32(0.5) * x * (F32(1) + t)
+            _GELU[fused] = y.astype(np.float16).astype(F32)
+    return _GELU[fused]
+
+
+def geglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """ggml_geglu_split: gelu(g) * u, gelu by the fp16 table."""
+    table = gelu_table()
+    idx = g.astype(np.float16).view(np.uint16)
+    y = table[idx] * u
+    y = np.where(g <= F32(-10), F32(0), y)
+    return np.where(g >= F32(10), g * u, y).astype(F32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from .arch import family
 from .config import read_config
 from .gguf_file import read_gguf
 from .kernels import COMPILED_TYPES, SUPPORTED_TYPES, kernel_info
@@ -14,6 +15,7 @@ from .kv_cache import KV_DTYPE
 def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) -> dict:
     g = read_gguf(path)
     c = read_config(g)
+    fam = family(c.arch)
     n_params = sum(t.n_elements for t in g.tensors.values())
     types = Counter(t.type.name for t in g.tensors.values())
     tied = "output.weight" not in g.tensors
@@ -33,6 +35,7 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
         "path": str(path),
         "name": c.name,
         "architecture": c.arch,
+        "family": {"name": fam.name, "needs": fam.notes, **fam.facts(c)},
         "parameters": n_params,
         "file_bytes": g.file_size,
         "tensor_types": dict(types.most_common()),

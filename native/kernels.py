@@ -63,7 +63,7 @@ def set_threads(n: int) -> None:
 
 
 def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
-                       scale: float | None = None) -> np.ndarray | None:
+                       scale: float | None = None, window: int = 0) -> np.ndarray | None:
     """Causal attention in C (batch-invariant), or None when the numpy path runs."""
     if not _compiled_on:
         return None
@@ -72,7 +72,7 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
     out = np.empty((T, H * d), np.float32)
     f16 = k.dtype == np.float16
     _C.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out,
-                 T, H, Hkv, d, S, start, 0, f16, float(scale or 0.0))
+                 T, H, Hkv, d, S, start, 0, f16, float(scale or 0.0), int(window))
     return out
 
 

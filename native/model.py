@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels
+from . import ggml_round, kernels
 from .arch import family
 from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn
 from .config import ModelConfig, read_config
@@ -33,6 +33,16 @@ class Ctx:
     sin: np.ndarray
     segments: list                 # (cache, first row, end row) per sequence
     adapter: object = None
+    positions: np.ndarray | None = None
+    model: object = None
+    _ropes: dict = field(default_factory=dict)
+
+    def rope(self, base: float) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) of these positions for another rope base (gemma3's sliding layers)."""
+        if base not in self._ropes:
+            c = self.model.config
+            self._ropes[base] = rope_tables(self.positions, c.rope_dim, base, c.rope_scale, self.model.rope_factors)
+        return self._ropes[base]
 
 
 @dataclass
@@ -61,6 +71,8 @@ class Layer:
     # shared expert (qwen2moe)
     shared_gate_inp: Weight | None = None      # (1, n_embd)
     shared_gate: np.ndarray | None = None      # the same, as loaded
+    post_attn_norm: np.ndarray | None = None   # gemma3: norms of the attention and FFN outputs
+    post_ffn_norm: np.ndarray | None = None
     gate_shexp: Weight | None = None
     up_shexp: Weight | None = None
     down_shexp: Weight | None = None
@@ -104,6 +116,7 @@ class Model:
         self.output = self.token_embd if self.tied_output else weights["output.weight"]
         self.output_norm = vec("output_norm.weight")
         self.attn_scales = fam.attention_scales(c)
+        self.embed_scale = fam.embed_scale(c)
         extra = {k: vec(n) for k, n in fam.model_tensors(g).items()}
         self.rope_factors = extra.get("rope_freqs")
         self.layers: list[Layer] = []
@@ -190,8 +203,10 @@ class Model:
         (cache, first row, end row) for each sequence."""
         c = self.config
         cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale, self.rope_factors)
-        ctx = Ctx(cos, sin, segments, adapter)
+        ctx = Ctx(cos, sin, segments, adapter, positions, self)
         x = self.token_embd.rows(tokens)
+        if self.embed_scale:
+            x *= np.float32(self.embed_scale)
         # a decode step (one row per sequence) runs each layer in one compiled call
         fuse = self.family.llama_skeleton and len(segments) <= 64 and all(b - a == 1 for _, a, b in segments) \
             and adapter is None and len({cache.dtype for cache, _, _ in segments}) == 1 \
@@ -213,10 +228,17 @@ class Model:
     def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return rms_norm(x, w, self.config.rms_eps)
 
-    def attention(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx) -> np.ndarray:
-        return self._attention(i, L, x, ctx.cos, ctx.sin, ctx.segments, ctx.adapter)
+    def attention(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx, window: int = 0, rope=None) -> np.ndarray:
+        """Self-attention over each sequence's cache; `window` > 0: sliding; `rope`: other tables."""
+        cos, sin = rope if rope is not None else (ctx.cos, ctx.sin)
+        return self._attention(i, L, x, cos, sin, ctx.segments, ctx.adapter, window)
 
-    def ffn(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx) -> np.ndarray:
+    def ffn(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx, act: str = "silu") -> np.ndarray:
+        """The layer's FFN: SiLU-gated (dense or routed experts), or GELU-gated (`act="gelu"`)."""
+        if act == "gelu":
+            g, u = (self._mm(x, w, ctx.adapter) for w in (L.gate, L.up)) if ctx.adapter is not None \
+                else matmul_many(x, [L.gate, L.up])
+            return self._mm(ggml_round.geglu(g, u), L.down, ctx.adapter)
         return self._ffn(L, x, i, ctx.adapter)
 
     def _decode_layer(self, i: int, L: Layer, x: np.ndarray, caches: list[KVCache], cos, sin, ffn: str) -> None:
@@ -273,7 +295,8 @@ class Model:
                 y += d
         return y
 
-    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, segments: list, adapter=None) -> np.ndarray:
+    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, segments: list, adapter=None,
+                   window: int = 0) -> np.ndarray:
         c = self.config
         T = x.shape[0]
         mm = self._mm
@@ -300,7 +323,7 @@ class Model:
         outs = []
         for cache, a, b in segments:
             keys, values = cache.store(i, k[a:b], v[a:b])
-            outs.append(attention(q[a:b], keys, values, cache.n, kq_scale or None))
+            outs.append(attention(q[a:b], keys, values, cache.n, kq_scale or None, window))
         return mm(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo, adapter)
 
     def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None) -> np.ndarray:

@@ -64,6 +64,14 @@ class Family:
         x = x + m.attention(i, L, m.norm(x, L.attn_norm), ctx)
         return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
 
+    def embed_scale(self, c) -> float | None:
+        """Token embeddings are multiplied by this before the first layer (gemma: √n_embd)."""
+        return None
+
+    def sliding(self, c, i: int) -> bool:
+        """Does layer i attend within a sliding window (of c.get("sliding_window") positions)?"""
+        return False
+
     def attention_scales(self, c) -> tuple[float, float]:
         """(q_scale, kq_scale): q multiplied after RoPE (0: not), the scores' scale (0: 1/sqrt(d))."""
         return 0.0, 0.0

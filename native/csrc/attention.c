@@ -26,7 +26,7 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
 #define LD1_F16(x) _cvtsh_ss(x)
 #define ATTN_TASK(NAME, T, LD8, LD1, RND)                                                            \
 AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
-                      int H, int Hkv, int D, int n, float scale, float *row) {                    \
+                      int H, int Hkv, int D, int n, float scale, float *row, int win) {           \
     int kh = h / (H / Hkv);                                                                       \
     size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
     float q[512];                                  /* D <= 512, checked by the callers */       \
@@ -56,6 +56,11 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
         for (; i < D; i++) dot += q[i] * LD1(k[i]);                                               \
         row[s] = dot * scale;                                                                     \
         if (row[s] > mx) mx = row[s];                                                             \
+    }                                                                                             \
+    if (win > 0 && n > win) {                      /* sliding window: ggml's -inf mask */       \
+        mx = -INFINITY;                                                                           \
+        for (s = 0; s < n - win; s++) row[s] = -INFINITY;                                         \
+        for (; s < n; s++) if (row[s] > mx) mx = row[s];                                          \
     }                                                                                             \
     /* softmax as ggml's soft_max: exp 8 at a time (expf8), each 8's sum added in double, scaled  \
      * by 1/sum computed in double; the cells past n are ggml's masked padding (exp -> 0) */      \
@@ -125,7 +130,7 @@ static inline const float *kv_row(const void *cache, int f16, size_t at, int D, 
 /* attention over T query rows (T, H, D) at positions start..start+T-1 of a cache of S positions
  * (S, Hkv, D), float32 or fp16 (f16); head h reads KV head h / (H/Hkv); out (T, H*D). */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S, float kq_scale) {
+                    int start, int f16, int nt, int S, float kq_scale, int win) {
     int G = H / Hkv;
     float scale = kq_scale > 0.f ? kq_scale : 1.0f / sqrtf((float)D);   /* 0: ggml's default 1/sqrt(D) */
 #ifdef KILN_X86
@@ -135,8 +140,8 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
             #pragma omp for schedule(static)
             for (int task = 0; task < T * H; task++) {
-                if (f16) attn_task_avx2_h(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc);
-                else attn_task_avx2(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc);
+                if (f16) attn_task_avx2_h(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win);
+                else attn_task_avx2(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win);
             }
             free(sc);
         }
@@ -152,9 +157,10 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             float q[512];                  /* with an fp16 cache, rounded as the AVX2 task does */
             for (int i = 0; i < D; i++) q[i] = f16 ? round_fp16(Q[((size_t)t * H + h) * D + i]) : Q[((size_t)t * H + h) * D + i];
             float mx = -INFINITY;
+            int lo = win > 0 && n > win ? n - win : 0;     /* sliding window: keys before lo masked */
             for (int s = 0; s < n; s++) {
                 float kt[512];
-                sc[s] = vdot(q, kv_row(K, f16, ((size_t)s * Hkv + kh) * D, D, kt), D) * scale;
+                sc[s] = s < lo ? -INFINITY : vdot(q, kv_row(K, f16, ((size_t)s * Hkv + kh) * D, D, kt), D) * scale;
                 if (sc[s] > mx) mx = sc[s];
             }
             float sum = 0.f;

@@ -159,12 +159,12 @@ void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int
 
 /* ---- attention.c ---------------------------------------------------------------------------- */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S, float kq_scale);
+                    int start, int f16, int nt, int S, float kq_scale, int win);
 #ifdef KILN_X86
 void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int h,
-                    int H, int Hkv, int D, int n, float scale, float *row);
+                    int H, int Hkv, int D, int n, float scale, float *row, int win);
 void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, float *O, int t, int h,
-                      int H, int Hkv, int D, int n, float scale, float *row);
+                      int H, int Hkv, int D, int n, float scale, float *row, int win);
 #endif
 
 /* ---- layer.c -------------------------------------------------------------------------------- */

@@ -198,8 +198,8 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
         #pragma omp for schedule(static)
         for (int task = 0; task < B * H; task++) {
             int b = task / H;
-            if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc);
-            else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc);
+            if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0);
+            else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0);
         }
         #pragma omp single
         for (int b = 0; b < B; b++) act_row(&ao, b, qn);

@@ -1,0 +1,66 @@
+"""gemma3 (Gemma 3): embeddings × √n_embd; per layer RMSNorm → attention (per-head q/k RMSNorm,
+rotate-half rope, q × 1/√key_length and scores × 1) → RMSNorm of its output → residual; RMSNorm →
+GELU-gated FFN → RMSNorm of its output → residual. Five of every six layers attend within a
+sliding window (llama.cpp's default pattern: layer i is global iff i % 6 == 5) with their own
+rope base (`rope.freq_base_swa`, 10 000 when the file has none); the output head is the
+token embedding (tied)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Family
+
+F32 = np.float32
+
+
+class Gemma3(Family):
+    name, rope = "gemma3", "neox"
+    llama_skeleton = False
+    qk_norm = "head"
+    notes = ("embeddings × √n_embd, four norms per layer, per-head q/k norms, GELU-gated FFN, "
+             "sliding-window layers (pattern 6, own rope base), tied output")
+
+    def vectors(self, c, i):
+        p = f"blk.{i}."
+        return {"attn_norm": p + "attn_norm.weight", "q_norm": p + "attn_q_norm.weight",
+                "k_norm": p + "attn_k_norm.weight", "post_attn_norm": p + "post_attention_norm.weight",
+                "ffn_norm": p + "ffn_norm.weight", "post_ffn_norm": p + "post_ffw_norm.weight"}
+
+    def hparams(self, key) -> dict:
+        pattern = key("attention.sliding_window_pattern", 6, required=False)
+        if isinstance(pattern, list):             # newer files: one flag per layer (true: sliding)
+            pattern = tuple(bool(x) for x in pattern)
+        return {"sliding_window": int(key("attention.sliding_window", 0, required=False) or 0),
+                "swa_pattern": pattern,
+                "rope_base_swa": float(key("rope.freq_base_swa", 10000.0, required=False))}
+
+    def sliding(self, c, i: int) -> bool:
+        pattern = c.get("swa_pattern")
+        if not c.get("sliding_window"):
+            return False
+        if isinstance(pattern, tuple):
+            return pattern[i]
+        return (i % int(pattern)) != int(pattern) - 1 if pattern else False
+
+    def attention_scales(self, c):
+        # llama.cpp: q × 1/√key_length (n_embd/n_head for the 62-layer 27B), scores × 1
+        d = c.n_embd / c.n_head if c.n_layer == 62 else c.head_dim
+        return float(F32(1) / np.sqrt(F32(d))), 1.0
+
+    def embed_scale(self, c) -> float:
+        return float(np.sqrt(F32(c.n_embd)))
+
+    def layer(self, m, i, L, x, ctx):
+        c = m.config
+        local = self.sliding(c, i)
+        rope = ctx.rope(c.get("rope_base_swa")) if local else None
+        h = m.attention(i, L, m.norm(x, L.attn_norm), ctx, window=c.get("sliding_window") if local else 0, rope=rope)
+        x = x + m.norm(h, L.post_attn_norm)
+        h = m.ffn(i, L, m.norm(x, L.ffn_norm), ctx, act="gelu")
+        return x + m.norm(h, L.post_ffn_norm)
+
+    def facts(self, c) -> dict:
+        local = [i for i in range(c.n_layer) if self.sliding(c, i)]
+        return {"sliding_window": c.get("sliding_window"), "sliding_layers": len(local),
+                "global_layers": c.n_layer - len(local), "rope_base_swa": c.get("rope_base_swa")}

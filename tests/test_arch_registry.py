@@ -1,0 +1,54 @@
+"""The architecture registry (fast tier): every family is listed, inspect names each tiny model's
+family and facts, a missing tensor is an error naming it, an unknown architecture lists the
+supported ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_ARCHS, tiny_path
+from kiln.native.arch import FAMILIES, family
+from kiln.native.gguf_file import GGUFError
+from kiln.native.inspect import inspect_model
+from kiln.native.model import load_model
+
+FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
+             "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3"}
+
+
+def test_the_registry_lists_every_family_with_what_it_needed():
+    assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3"} <= set(FAMILIES)
+    assert all(f.notes for f in FAMILIES.values())
+    assert family("mistral") is family("llama")
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_inspect_names_the_family(arch):
+    info = inspect_model(tiny_path(arch))
+    assert info["family"]["name"] == FAMILY_OF[arch] and info["family"]["needs"]
+
+
+def test_gemma3_facts_count_its_sliding_layers():
+    f = inspect_model(tiny_path("gemma3"))["family"]
+    assert f["sliding_window"] == 16 and f["sliding_layers"] == 5 and f["global_layers"] == 1
+    assert f["rope_base_swa"] == 10000.0
+
+
+def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
+    from gguf import GGUFWriter
+    path = tmp_path / "x.gguf"
+    w = GGUFWriter(str(path), "mamba9")
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(GGUFError, match="'mamba9' is not supported.*gemma3"):
+        load_model(path)
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    """A phi3 file whose fused qkv of layer 1 is renamed (same length, in the header's bytes):
+    the error names the tensor the family needs."""
+    data = tiny_path("phi3").read_bytes()
+    assert data.count(b"blk.1.attn_qkv.weight") == 1
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(data.replace(b"blk.1.attn_qkv.weight", b"blk.1.attn_qkx.weight"))
+    with pytest.raises(GGUFError, match="blk.1.attn_qkv.weight"):
+        load_model(broken)
