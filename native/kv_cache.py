@@ -15,7 +15,7 @@ KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwis
 
 class KVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int,
-                 dtype: type = KV_DTYPE):
+                 dtype: type = KV_DTYPE, recurrent: dict | None = None):
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens
@@ -25,6 +25,17 @@ class KVCache:
         self._cap = 0
         self._k: list[np.ndarray] = []
         self._v: list[np.ndarray] = []
+        # recurrent layers (linear attention): their state after position n-1, by layer
+        self._recurrent_shapes = recurrent or {}
+        self._states: dict[int, dict[str, np.ndarray]] = {}
+
+    def recurrent_state(self, layer: int) -> dict[str, np.ndarray]:
+        """The state arrays of a recurrent layer (zero before the first token), updated in place."""
+        st = self._states.get(layer)
+        if st is None:
+            st = self._states[layer] = {k: np.zeros(shape, np.float32)
+                                        for k, shape in self._recurrent_shapes[layer].items()}
+        return st
 
     def _reserve(self, total: int) -> None:
         if total > self.max_tokens:
@@ -62,7 +73,12 @@ class KVCache:
         self.tokens.extend(tokens)
 
     def truncate(self, n: int) -> None:
-        """Forget every position from n on."""
+        """Forget every position from n on. A recurrent state cannot be rolled back: with
+        recurrent layers only n == 0 (start over) or n >= the filled positions are possible."""
+        if self._recurrent_shapes and 0 < n < self.n:
+            raise ValueError(f"a recurrent state cannot be rolled back from {self.n} to {n} positions")
+        if n == 0:
+            self._states.clear()
         self.n = min(self.n, n)
         del self.tokens[self.n:]
 
@@ -75,6 +91,8 @@ class KVCache:
             if a != b:
                 break
             n += 1
+        if self._recurrent_shapes and (n < self.n or n >= len(tokens)):
+            return 0               # recurrent layers: only an exact extension of what is cached
         return n
 
     @property

@@ -48,11 +48,11 @@ class Ctx:
 @dataclass
 class Layer:
     attn_norm: np.ndarray
-    wq: Weight
-    wk: Weight
-    wv: Weight
-    wo: Weight
-    ffn_norm: np.ndarray
+    wq: Weight | None = None             # None in a recurrent layer (qwen35's delta nets)
+    wk: Weight | None = None
+    wv: Weight | None = None
+    wo: Weight | None = None
+    ffn_norm: np.ndarray | None = None
     bq: np.ndarray | None = None
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
@@ -131,7 +131,11 @@ class Model:
                     raise GGUFError(f"{g.path}: tensor {n!r} has {weights[n].shape[0]} rows, expected {start} "
                                     f"({' + '.join(f'{f} {r}' for f, r in parts)})")
             fields |= {k: vec(n) for k, n in vecs.items()}
-            L = Layer(**fields)
+            known = Layer.__dataclass_fields__
+            L = Layer(**{k: v for k, v in fields.items() if k in known})
+            for k, v in fields.items():              # a family's own tensors (ssm_conv, …)
+                if k not in known:
+                    setattr(L, k, v)
             L.qk_norm_per_head = getattr(fam, "qk_norm", "head") == "head"
             if L.shared_gate is not None:
                 v = L.shared_gate.reshape(1, -1)
@@ -156,7 +160,8 @@ class Model:
         and — with the query and probabilities rounded as ggml rounds them — closer to llama.cpp
         (the E8K2 variant meets its bars only so; float32 misses them, tests/data/README.md)."""
         c = self.config
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, dtype)
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, dtype,
+                       self.family.recurrent_state(c))
 
     # -- forward ------------------------------------------------------------------------------
 

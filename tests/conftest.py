@@ -63,7 +63,8 @@ def reference(name: str) -> tuple[dict, dict]:
     return ref, {k: npz[k] for k in npz.files}
 
 
-TINY_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "llama3", "gemma3"]
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "llama3", "gemma3", "qwen35",
+              "qwen35moe"]
 # llama.cpp's float32 bits are reproduced at every prompt position for these (the others meet
 # the fidelity bars; tests/data/README.md says where they part)
 BITS_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3"]

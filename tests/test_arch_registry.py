@@ -13,11 +13,13 @@ from kiln.native.inspect import inspect_model
 from kiln.native.model import load_model
 
 FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
-             "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3"}
+             "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3",
+             "qwen35": "qwen35", "qwen35moe": "qwen35moe"}
 
 
 def test_the_registry_lists_every_family_with_what_it_needed():
-    assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3"} <= set(FAMILIES)
+    assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3", "qwen35",
+            "qwen35moe"} <= set(FAMILIES)
     assert all(f.notes for f in FAMILIES.values())
     assert family("mistral") is family("llama")
 
@@ -52,3 +54,23 @@ def test_a_missing_tensor_is_named(tmp_path):
     broken.write_bytes(data.replace(b"blk.1.attn_qkv.weight", b"blk.1.attn_qkx.weight"))
     with pytest.raises(GGUFError, match="blk.1.attn_qkv.weight"):
         load_model(broken)
+
+
+def test_qwen35_facts_give_its_recurrent_state():
+    f = inspect_model(tiny_path("qwen35"))["family"]
+    assert f["recurrent_layers"] == 6 and f["attention_layers"] == 2
+    # per sequence: conv (3 x 256) + delta-net state (4 heads x 32 x 32), float32, for 6 layers
+    assert f["recurrent_state_bytes"] == 6 * 4 * (3 * 256 + 4 * 32 * 32)
+
+
+def test_a_recurrent_cache_reuses_only_an_exact_extension():
+    m = load_model(tiny_path("qwen35"))
+    cache = m.new_cache(64)
+    m.forward([5, 6, 7, 8], cache)
+    assert cache.common_prefix([5, 6, 7, 8, 9]) == 4          # extends what is cached
+    assert cache.common_prefix([5, 6, 7]) == 0                 # would need the state at 3: start over
+    assert cache.common_prefix([5, 6, 9, 9, 9]) == 0
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        cache.truncate(2)
+    cache.truncate(0)
+    assert cache.n == 0 and not cache._states

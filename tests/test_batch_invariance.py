@@ -109,3 +109,27 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, defau
     finally:
         m._fusable_cache = saved
     assert np.array_equal(fused, stepwise)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe"])
+def test_new_families_batch_exactly_as_they_run_alone(arch):
+    """Batched decode steps of the newer families (gemma3's sliding windows and own rope base,
+    phi3's split projections, llama3's rope factors) give each sequence its solo tokens."""
+    from conftest import tiny_path
+    from kiln.native.generate import Finish, Sequence
+    from kiln.native.model import load_model
+    from kiln.native.sampling import SamplingParams
+    from kiln.native.scheduler import Scheduler
+    m = load_model(tiny_path(arch))
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 37)]           # past gemma3's 16-token window
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24) for i in range(3)]
+    alone = [[e.id for e in Sequence(m).generate(p, sp) if not isinstance(e, Finish)] for p, sp in zip(prompts, params)]
+    sched = Scheduler(m, 512, slots=3)
+    jobs = [sched.submit(p, sp, lambda: False) for p, sp in zip(prompts, params)]
+    got = []
+    for j in jobs:
+        ids = []
+        while not isinstance(ev := j.events.get(timeout=60), Finish):
+            ids.append(ev.id)
+        got.append(ids)
+    assert got == alone

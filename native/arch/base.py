@@ -64,6 +64,10 @@ class Family:
         x = x + m.attention(i, L, m.norm(x, L.attn_norm), ctx)
         return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
 
+    def recurrent_state(self, c) -> dict[int, dict[str, tuple]]:
+        """Per-sequence state of recurrent layers: layer -> {name: shape} (none by default)."""
+        return {}
+
     def embed_scale(self, c) -> float | None:
         """Token embeddings are multiplied by this before the first layer (gemma: √n_embd)."""
         return None

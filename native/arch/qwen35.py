@@ -1,0 +1,190 @@
+"""qwen35 / qwen35moe (Qwen3.5): hybrid layers. Every `full_attention_interval`-th layer is gated
+full attention; the others are gated delta nets (linear attention with a recurrent state).
+
+    layer:  x + mixer(norm(x))  →  x + ffn(post_attention_norm(x))      (ffn: SwiGLU, or routed
+                                                                         experts + sigmoid-gated shared expert)
+    full attention:  attn_q gives per head 64 query rows then 64 gate rows; q/k RMSNorm per
+        head; rope (rotate-half) on the first rope.dimension_count dims — IMRoPE's sections all
+        see the text position, so it is plain rope there; attention × sigmoid(gate) → attn_output.
+    gated delta net:  attn_qkv → causal depthwise conv (kernel ssm.conv_kernel, its last inputs
+        kept per sequence) → SiLU → q | k | v; q, k L2-normed per head, value head h reads key
+        head h mod n_k_heads; β = sigmoid(ssm_beta·x); g = ssm_a · softplus(ssm_alpha·x + dt_bias);
+        the state S (per value head, d_k × d_v) decays by exp(g) and is corrected toward v by β
+        (the delta rule); output q·S, RMSNorm per head (ssm_norm) × SiLU(attn_gate·x) → ssm_out.
+
+The prompt runs the delta rule in chunks of 64 (a triangular solve per chunk, as llama.cpp's
+chunked path), a decode step as the plain recurrence. The recurrent and conv states live in the
+sequence's cache; prefix reuse is exact-extension only (a state cannot be rolled back)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..blocks import apply_rope, attention, rms_norm
+from ..kernels import matmul, matmul_many
+from .base import Family
+
+F32 = np.float32
+CHUNK = 64
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.where(x > F32(20), x, np.log1p(np.exp(np.minimum(x, F32(20))))).astype(F32)
+
+
+def _l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_l2_norm over the last axis: squares summed in double, x / max(‖x‖, eps)."""
+    s = np.sqrt(np.square(x, dtype=F32).sum(axis=-1, dtype=np.float64, keepdims=True).astype(F32))
+    return x * (F32(1) / np.maximum(s, F32(eps)))
+
+
+class Qwen35(Family):
+    name, rope, norm_topk = "qwen35", "neox", True
+    llama_skeleton = False
+    notes = ("gated delta-net layers (conv1d and recurrent state per sequence, chunked prefill) "
+             "interleaved with gated full attention (q|gate projection, q/k norms, partial rope)")
+
+    def hparams(self, key) -> dict:
+        return {"full_attention_interval": int(key("full_attention_interval", 4, required=False)),
+                "ssm_conv": int(key("ssm.conv_kernel")), "ssm_inner": int(key("ssm.inner_size")),
+                "ssm_state": int(key("ssm.state_size")), "ssm_v_heads": int(key("ssm.time_step_rank")),
+                "ssm_k_heads": int(key("ssm.group_count"))}
+
+    def recurrent(self, c, i: int) -> bool:
+        return (i + 1) % c.get("full_attention_interval") != 0
+
+    def matrices(self, c, i):
+        p = f"blk.{i}."
+        if self.recurrent(c, i):
+            mats = {"wqkv": "attn_qkv", "wgate": "attn_gate", "ssm_beta": "ssm_beta", "ssm_alpha": "ssm_alpha",
+                    "ssm_out": "ssm_out"}
+        else:
+            mats = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output"}
+        ffn = super().matrices(c, i)
+        return {k: p + v + ".weight" for k, v in mats.items()} | {k: v for k, v in ffn.items()
+                                                                 if k not in ("wq", "wk", "wv", "wo")}
+
+    def vectors(self, c, i):
+        p = f"blk.{i}."
+        v = {"attn_norm": p + "attn_norm.weight", "post_attn_norm": p + "post_attention_norm.weight"}
+        if self.recurrent(c, i):
+            v |= {"ssm_conv": p + "ssm_conv1d.weight", "ssm_dt": p + "ssm_dt.bias", "ssm_a": p + "ssm_a",
+                  "ssm_norm": p + "ssm_norm.weight"}
+        else:
+            v |= {"q_norm": p + "attn_q_norm.weight", "k_norm": p + "attn_k_norm.weight"}
+        if c.is_moe and self.shared_expert:
+            v["shared_gate"] = p + "ffn_gate_inp_shexp.weight"
+        return v
+
+    def recurrent_state(self, c) -> dict[int, dict[str, tuple]]:
+        """Shapes of the per-sequence state of each recurrent layer."""
+        channels = 2 * c.get("ssm_k_heads") * c.get("ssm_state") + c.get("ssm_inner")
+        dv = c.get("ssm_inner") // c.get("ssm_v_heads")
+        return {i: {"conv": (c.get("ssm_conv") - 1, channels), "ssm": (c.get("ssm_v_heads"), c.get("ssm_state"), dv)}
+                for i in range(c.n_layer) if self.recurrent(c, i)}
+
+    def facts(self, c) -> dict:
+        shapes = self.recurrent_state(c)
+        per_seq = sum(4 * int(np.prod(s)) for st in shapes.values() for s in st.values())
+        return {"recurrent_layers": len(shapes), "attention_layers": c.n_layer - len(shapes),
+                "recurrent_state_bytes": per_seq, "ssm": {k: c.get(k) for k in ("ssm_conv", "ssm_inner", "ssm_state",
+                                                                               "ssm_v_heads", "ssm_k_heads")}}
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def layer(self, m, i, L, x, ctx):
+        h = m.norm(x, L.attn_norm)
+        x = x + (self.delta_net(m, i, L, h, ctx) if self.recurrent(m.config, i) else self.gated_attention(m, i, L, h, ctx))
+        return x + m.ffn(i, L, m.norm(x, L.post_attn_norm), ctx)
+
+    def gated_attention(self, m, i, L, x, ctx):
+        c = m.config
+        T, H, D = x.shape[0], c.n_head, c.head_dim
+        qg, k, v = matmul_many(x, [L.wq, L.wk, L.wv])
+        qg = qg.reshape(T, H, 2, D)
+        q, gate = np.ascontiguousarray(qg[:, :, 0]), qg[:, :, 1].reshape(T, H * D)
+        q = rms_norm(q, L.q_norm, c.rms_eps)
+        k = rms_norm(k.reshape(T, c.n_head_kv, D), L.k_norm, c.rms_eps)
+        v = v.reshape(T, c.n_head_kv, D)
+        q = apply_rope(q, ctx.cos, ctx.sin, c.rope_style)
+        k = apply_rope(np.ascontiguousarray(k), ctx.cos, ctx.sin, c.rope_style)
+        outs = []
+        for cache, a, b in ctx.segments:
+            keys, values = cache.store(i, k[a:b], v[a:b])
+            outs.append(attention(q[a:b], keys, values, cache.n))
+        out = outs[0] if len(outs) == 1 else np.concatenate(outs)
+        return matmul(out * _sigmoid(gate), L.wo)
+
+    def delta_net(self, m, i, L, x, ctx):
+        c = m.config
+        Hk, Hv, dk = c.get("ssm_k_heads"), c.get("ssm_v_heads"), c.get("ssm_state")
+        dv = c.get("ssm_inner") // Hv
+        mixed, z = matmul_many(x, [L.wqkv, L.wgate])
+        beta = _sigmoid(matmul(x, L.ssm_beta))                                         # (T, Hv)
+        g = _softplus(matmul(x, L.ssm_alpha) + L.ssm_dt) * L.ssm_a                      # (T, Hv) log-decay
+        out = np.empty((x.shape[0], Hv, dv), F32)
+        for cache, a, b in ctx.segments:
+            st = cache.recurrent_state(i)
+            conv_in = np.concatenate([st["conv"], mixed[a:b]])                           # (K-1+T, C)
+            st["conv"][:] = conv_in[-st["conv"].shape[0]:]
+            K, T = L.ssm_conv.shape[1], b - a
+            conv = conv_in[0:T] * L.ssm_conv[:, 0]
+            for j in range(1, K):
+                conv = conv + conv_in[j:j + T] * L.ssm_conv[:, j]
+            conv = conv * _sigmoid(conv)                                                 # SiLU
+            q = _l2_norm(conv[:, :Hk * dk].reshape(T, Hk, dk), c.rms_eps)
+            k = _l2_norm(conv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk), c.rms_eps)
+            v = conv[:, 2 * Hk * dk:].reshape(T, Hv, dv)
+            rep = np.arange(Hv) % Hk                                                     # value head h: key head h mod Hk
+            q, k = q[:, rep] * F32(1 / np.sqrt(F32(dk))), k[:, rep]
+            out[a:b] = gated_delta_rule(q, k, v, g[a:b], beta[a:b], st["ssm"])
+        o = rms_norm(out, L.ssm_norm, c.rms_eps) * (z.reshape(-1, Hv, dv) * _sigmoid(z.reshape(-1, Hv, dv)))
+        return matmul(o.reshape(x.shape[0], Hv * dv).astype(F32), L.ssm_out)
+
+
+class Qwen35Moe(Qwen35):
+    name, moe, shared_expert = "qwen35moe", True, True
+    notes = Qwen35.notes + "; routed experts (softmax, top-k renormalised) plus a sigmoid-gated shared expert"
+
+
+def gated_delta_rule(q, k, v, g, beta, S) -> np.ndarray:
+    """o_t = q_t·S_t with S_t = e^{g_t} S_{t-1} + k_t ⊗ β_t (v_t − k_t·e^{g_t} S_{t-1}), per head.
+
+    q, k (T, H, dk); v (T, H, dv); g, beta (T, H); S (H, dk, dv) updated in place. One token:
+    the recurrence; more: chunks of CHUNK positions, each solved at once (no per-token loop)."""
+    T = q.shape[0]
+    if T == 1:
+        S *= np.exp(g[0])[:, None, None]
+        kv = np.einsum("hk,hkv->hv", k[0], S)
+        delta = (v[0] - kv) * beta[0][:, None]
+        S += k[0][:, :, None] * delta[:, None, :]
+        return np.einsum("hk,hkv->hv", q[0], S)[None].astype(F32)
+    out = np.empty(v.shape, F32)
+    qh, kh, vh = (np.ascontiguousarray(a.transpose(1, 0, 2)) for a in (q, k, v))     # (H, T, d)
+    gh, bh = np.ascontiguousarray(g.T), np.ascontiguousarray(beta.T)                 # (H, T)
+    for s in range(0, T, CHUNK):
+        e = min(T, s + CHUNK)
+        qc, kc, vc, gc, bc = qh[:, s:e], kh[:, s:e], vh[:, s:e], gh[:, s:e], bh[:, s:e]
+        C = e - s
+        gcum = np.cumsum(gc, axis=1, dtype=F32)                                       # (H, C)
+        diff = gcum[:, :, None] - gcum[:, None, :]                                    # g_i - g_j
+        lower = np.tril(np.ones((C, C), bool))
+        decay = np.where(lower, np.exp(np.where(lower, diff, 0)), 0).astype(F32)      # (H, C, C)
+        kb = kc * bc[:, :, None]
+        A = -(kb @ kc.transpose(0, 2, 1)) * decay * (~np.eye(C, dtype=bool))          # strictly lower
+        # (I - A) W = I  ↔  the forward substitution of the chunked delta rule
+        W = np.linalg.solve(np.eye(C, dtype=F32) - A, np.broadcast_to(np.eye(C, dtype=F32), A.shape)).astype(F32)
+        u = W @ (vc * bc[:, :, None])                                                 # (H, C, dv)
+        w = W @ (kb * np.exp(gcum)[:, :, None])                                       # (H, C, dk)
+        v_new = u - w @ S                                                             # (H, C, dv)
+        attn = (qc @ kc.transpose(0, 2, 1)) * decay                                   # (H, C, C), lower incl. diag
+        o = (qc * np.exp(gcum)[:, :, None]) @ S + attn @ v_new
+        out[s:e] = o.transpose(1, 0, 2)
+        last = gcum[:, -1]
+        S *= np.exp(last)[:, None, None]
+        S += (kc * np.exp(last[:, None] - gcum)[:, :, None]).transpose(0, 2, 1) @ v_new
+    return out
