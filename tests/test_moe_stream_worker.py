@@ -148,3 +148,19 @@ def test_kiln_up_streams_an_moe_model_whose_experts_do_not_fit(e8k2_path, tmp_pa
         assert complete(d, "Once upon a time", 4)
     finally:
         d.stop()
+
+
+def test_kiln_up_streams_qwen35moe_with_the_same_greedy_text_as_in_ram(tmp_path):
+    """`kiln up --model tiny-qwen35moe.gguf --stream --expert-cache 25%`: the hybrid model's
+    experts stream through the moe-stream worker, its answer equals the engine's in RAM."""
+    from conftest import tiny_path
+    path = tiny_path("qwen35moe")
+    engine = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "debug", "generate", str(path),
+                             "Once upon a time", "--max-tokens", "12", "--json"],
+                            capture_output=True, text=True, env=env_for(tmp_path), check=True)
+    with Daemon(tmp_path, {}, extra_args=("--model", str(path), "--stream", "--expert-cache", "25%")) as d:
+        ready(d)
+        w = d.status()["workers"][0]
+        assert w["kind"] == "moe-stream"
+        assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
+        assert settled_stats(d)["misses"] > 0
