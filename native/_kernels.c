@@ -68,10 +68,16 @@ done:
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_buffer qb, kb, vb, ob;
     int T, H, Hkv, D, S, start, threads, f16 = 0, win = 0; float kq_scale = 0.f;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|pfi", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16,
-                          &kq_scale, &win))
+    Py_buffer sb = {0};                        /* optional: one sink logit per head (gpt-oss) */
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|pfiy*", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16,
+                          &kq_scale, &win, &sb))
         return NULL;
     PyObject *ret = NULL;
+    const float *sinks = NULL;
+    if (sb.buf) {
+        if ((size_t)sb.len < (size_t)H * 4) { PyErr_SetString(PyExc_ValueError, "attention: sinks has fewer than H values"); goto done; }
+        sinks = (const float *)sb.buf;
+    }
     size_t es = f16 ? 2 : 4;
     if ((size_t)qb.len < (size_t)T * H * D * 4 || (size_t)kb.len < (size_t)S * Hkv * D * es ||
         (size_t)vb.len < (size_t)S * Hkv * D * es || (size_t)ob.len < (size_t)T * H * D * 4 || start + T > S ||
@@ -81,11 +87,12 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     if (D > 512) { PyErr_SetString(PyExc_ValueError, "attention: head_dim must be <= 512"); goto done; }
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
-    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, f16, nt, S, kq_scale, win);
+    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, f16, nt, S, kq_scale, win, sinks);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None); ret = Py_None;
 done:
     PyBuffer_Release(&qb); PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
+    if (sb.buf) PyBuffer_Release(&sb);
     return ret;
 }
 
@@ -125,14 +132,14 @@ done:
 
 /* rope_table(n, half, base, freq_scale, factors (half), cos (n, half), sin (n, half)) */
 static PyObject *py_rope_table(PyObject *self, PyObject *args) {
-    Py_buffer fb, cb, sb; int n, half; float base, fs;
-    if (!PyArg_ParseTuple(args, "iiffy*w*w*", &n, &half, &base, &fs, &fb, &cb, &sb)) return NULL;
+    Py_buffer fb, cb, sb; int n, half; float base, fs, ext = 0.f, c0 = 0.f, c1 = 0.f, ms = 1.f;
+    if (!PyArg_ParseTuple(args, "iiffy*w*w*|ffff", &n, &half, &base, &fs, &fb, &cb, &sb, &ext, &c0, &c1, &ms)) return NULL;
     PyObject *ret = NULL;
     if (n < 0 || half < 0 || (size_t)fb.len < (size_t)half * 4 || (size_t)cb.len < (size_t)n * half * 4
             || (size_t)sb.len < (size_t)n * half * 4) {
         PyErr_SetString(PyExc_ValueError, "rope_table: a buffer is smaller than its shape"); goto done;
     }
-    rope_table(n, half, base, fs, (const float *)fb.buf, (float *)cb.buf, (float *)sb.buf);
+    rope_table(n, half, base, fs, (const float *)fb.buf, ext, c0, c1, ms, (float *)cb.buf, (float *)sb.buf);
     Py_INCREF(Py_None); ret = Py_None;
 done:
     PyBuffer_Release(&fb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);

@@ -37,8 +37,24 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 _ROPE: dict = {}          # (rope_dim, base, scale, factors) -> (cos, sin) for positions 0..len-1
 
 
+def yarn_params(rope_dim: int, base: float, scale: float, n_ctx_orig: int, beta_fast: float = 32.0,
+                beta_slow: float = 1.0, ext_factor: float = 1.0, attn_factor: float = 1.0) -> tuple:
+    """(ext_factor, corr0, corr1, mscale) of ggml's YaRN for a linear `scale` (factor), as
+    ggml_rope_yarn_corr_dims and rope_yarn make them (float32, the C library's logf)."""
+    libm = _libm()
+    logf = (lambda v: F32(libm.logf(float(v)))) if libm else (lambda v: F32(np.log(np.float64(v))))
+
+    def corr_dim(n_rot: float) -> F32:
+        return F32(rope_dim) * logf(F32(n_ctx_orig) / (F32(n_rot) * F32(2) * F32(np.pi))) / (F32(2) * logf(F32(base)))
+    corr0 = max(F32(0), np.floor(corr_dim(beta_fast)))
+    corr1 = min(F32(rope_dim - 1), np.ceil(corr_dim(beta_slow)))
+    freq_scale = F32(1) / F32(scale)
+    mscale = F32(attn_factor) * F32(np.float64(F32(0.1)) * np.float64(logf(F32(1) / freq_scale)) + 1.0)
+    return float(ext_factor), float(corr0), float(corr1), float(mscale)
+
+
 def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float,
-                factors: np.ndarray | None = None):
+                factors: np.ndarray | None = None, yarn: tuple | None = None):
     """cos/sin of shape (T, rope_dim/2) for the given absolute positions.
 
     The angles are made as ggml makes them — in float32, each pair's from the previous one
@@ -52,31 +68,38 @@ def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float,
     ff = np.ones(half, F32) if factors is None else np.ascontiguousarray(factors, F32)
     if ff.shape != (half,):
         raise ValueError(f"rope factors: {ff.shape[0]} values for {half} rotated pairs")
-    key = (rope_dim, float(base), float(scale), ff.tobytes())
+    key = (rope_dim, float(base), float(scale), ff.tobytes(), yarn)
     cos, sin = _ROPE.get(key, (np.empty((0, half), F32),) * 2)
     need = int(positions.max(initial=-1)) + 1
     if need > len(cos):
         n = max(need, 2 * len(cos), 1024)
-        cos, sin = _rope_table(n, half, float(base), 1.0 / scale, ff)
+        cos, sin = _rope_table(n, half, float(base), 1.0 / scale, ff, yarn)
         _ROPE[key] = (cos, sin)
     return cos[positions], sin[positions]
 
 
 def _rope_table(n: int, half: int, base: float, freq_scale: float,
-                factors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                factors: np.ndarray, yarn: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(cos, sin) (n, half) float32 as ggml's rope cache: compiled, else libm through ctypes, else
     numpy in float64 (which differs from glibc's cosf in ~2 % of entries by an ulp)."""
     cos, sin = np.empty((n, half), F32), np.empty((n, half), F32)
     C = compiled_module()
     if C is not None:
-        C.rope_table(n, half, base, freq_scale, factors, cos, sin)
+        C.rope_table(n, half, base, freq_scale, factors, cos, sin, *(yarn or ()))
         return cos, sin
     libm = _libm()
     theta_scale = F32(libm.powf(base, -2.0 / (2 * half))) if libm else F32(base ** (-2.0 / (2 * half)))
     theta = np.arange(n).astype(F32)
     angles = np.empty((n, half), F32)
+    ext, c0, c1, mscale = yarn or (0.0, 0.0, 0.0, 1.0)
     for i in range(half):
-        angles[:, i] = F32(freq_scale) * (theta / factors[i])        # theta / 1.0f is exact
+        extrap = theta / factors[i]                                  # theta / 1.0f is exact
+        angles[:, i] = F32(freq_scale) * extrap
+        if ext:                                                      # YaRN's ramp, fused as gcc fuses it
+            y = (F32(i) - F32(c0)) / max(F32(0.001), F32(c1) - F32(c0))
+            ramp = (F32(1) - min(F32(1), max(F32(0), y))) * F32(ext)
+            angles[:, i] = (angles[:, i].astype(np.float64) * np.float64(F32(1) - ramp)
+                            + (extrap * ramp).astype(np.float64)).astype(F32)
         theta = theta * theta_scale
     if libm:
         flat = angles.ravel()
@@ -84,6 +107,9 @@ def _rope_table(n: int, half: int, base: float, freq_scale: float,
         sin.ravel()[:] = [libm.sinf(a) for a in flat]
     else:
         cos[:], sin[:] = np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))
+    if mscale != 1.0:
+        cos *= F32(mscale)
+        sin *= F32(mscale)
     return cos, sin
 
 
@@ -95,7 +121,7 @@ def _libm():
         lib = ctypes.CDLL(path)
     except OSError:
         return None
-    for name, nargs in (("cosf", 1), ("sinf", 1), ("powf", 2)):
+    for name, nargs in (("cosf", 1), ("sinf", 1), ("powf", 2), ("logf", 1)):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float] * nargs
     return lib
@@ -130,19 +156,20 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float | None = None,
-              window: int = 0) -> np.ndarray:
+              window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal multi-head attention with grouped KV heads.
 
     q (T, H, d) for positions start..start+T-1; k, v (S, Hkv, d) for positions 0..S-1 with
     S = start + T. Query head h reads KV head h // (H / Hkv), as ggml broadcasts. `scale`
     multiplies the scores (default 1/sqrt(d)); `window` > 0 lets a query see only itself and the
-    window - 1 positions before it (sliding-window layers). Returns (T, H*d).
+    window - 1 positions before it (sliding-window layers); `sinks` (H): a logit per head that
+    joins each softmax's denominator (gpt-oss). Returns (T, H*d).
     """
-    compiled = attention_compiled(q, k, v, start, scale, window)
+    compiled = attention_compiled(q, k, v, start, scale, window, sinks)
     if compiled is not None:
         return compiled
     if k.dtype == np.float16:                   # the compiled kernel's (and ggml's) rounding
-        return ggml_round.attention_f16(q, k, v, start, scale, window)
+        return ggml_round.attention_f16(q, k, v, start, scale, window, sinks)
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
@@ -156,9 +183,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
         if window:
             mask |= np.arange(S)[None, :] <= (start + np.arange(T))[:, None] - window
         scores[..., mask] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
+    mx = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:                                            # (Hkv, G) per head
+        sk = np.asarray(sinks, F32).reshape(Hkv, G)[:, :, None, None]
+        mx = np.maximum(mx, sk)
+    scores -= mx
     np.exp(scores, out=scores)
-    scores *= F32(1.0) / scores.sum(axis=-1, keepdims=True)
+    denom = scores.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(sk - mx)
+    scores *= F32(1.0) / denom
     out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])           # (Hkv, G, T, d)
     return out.transpose(2, 0, 1, 3).reshape(T, H * d)
 

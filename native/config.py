@@ -22,7 +22,7 @@ class ModelConfig:
     rope_base: float
     rope_dim: int
     rope_style: str                 # "normal" (adjacent pairs) or "neox" (rotate half)
-    rope_scale: float               # linear position scaling (1.0 = none)
+    rope_scale: float               # position scaling factor (1.0 = none)
     n_vocab: int
     n_expert: int = 0
     n_expert_used: int = 0
@@ -30,6 +30,8 @@ class ModelConfig:
     n_ff_shared: int = 0
     expert_weights_norm: bool = False
     extra: tuple = ()               # the family's own hyperparameters, as (key, value) pairs
+    rope_scaling: str = "none"      # "none", "linear" or "yarn"
+    yarn: tuple = ()                # (n_ctx_orig, beta_fast, beta_slow, attn_factor) with YaRN
 
     def get(self, name: str, default=None):
         return dict(self.extra).get(name, default)
@@ -59,9 +61,13 @@ def read_config(g: GGUFFile) -> ModelConfig:
     n_head = int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", n_embd // n_head, required=False))
     scaling = key("rope.scaling.type", "none", required=False)
-    if scaling not in ("none", "linear"):
-        raise GGUFError(f"{g.path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
-    factor = float(key("rope.scaling.factor", 1.0, required=False)) if scaling == "linear" else 1.0
+    if scaling not in ("none", "linear", "yarn"):
+        raise GGUFError(f"{g.path}: rope scaling {scaling!r} is not supported (supported: none, linear, yarn)")
+    factor = float(key("rope.scaling.factor", 1.0, required=False)) if scaling != "none" else 1.0
+    yarn = (int(key("rope.scaling.original_context_length", 0, required=False) or 0),
+            float(key("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+            float(key("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+            float(key("rope.scaling.attn_factor", 1.0, required=False))) if scaling == "yarn" else ()
     n_vocab = key("vocab_size", None, required=False)
     if n_vocab is None:
         n_vocab = len(g.metadata.get("tokenizer.ggml.tokens", [])) or g.tensor("token_embd.weight").shape[0]
@@ -88,4 +94,6 @@ def read_config(g: GGUFFile) -> ModelConfig:
         n_ff_shared=int(key("expert_shared_feed_forward_length", 0, required=False)),
         expert_weights_norm=bool(key("expert_weights_norm", fam.norm_topk, required=False)),
         extra=tuple(sorted(fam.hparams(key).items())),
+        rope_scaling=scaling,
+        yarn=yarn,
     )

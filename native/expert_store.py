@@ -52,7 +52,7 @@ def expert_map(g: GGUFFile) -> dict[tuple[int, str], ExpertSlice]:
     out = {}
     for name, t in g.tensors.items():
         parts = name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2].endswith("_exps"):
+        if len(parts) == 4 and parts[0] == "blk" and parts[2].endswith("_exps") and parts[3] == "weight":
             proj = parts[2][len("ffn_"):-len("_exps")]
             n_expert = t.shape[0]
             out[(int(parts[1]), proj)] = ExpertSlice(name, t.type, t.shape[1:], t.offset, t.n_bytes // n_expert)

@@ -62,17 +62,40 @@ def lane_sums(x: np.ndarray) -> np.ndarray:
     return hsum8(np.cumsum(lanes, axis=-2, dtype=F32)[..., -1, :])
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
+def softmax(x: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
     """Over the last axis as ggml's soft_max: max, expf, each 8's sum added in double, times a
-    float32 1/sum made in double. -inf entries (masked) give 0."""
+    float32 1/sum made in double. -inf entries (masked) give 0. `sink` (x.shape[:-1]): a logit
+    that joins the max and the denominator but has no output (gpt-oss's attention sinks), its
+    exponential by the C library's expf, as ggml's."""
     x = np.asarray(x, F32)
-    e = expf(x - x.max(axis=-1, keepdims=True))
+    mx = x.max(axis=-1, keepdims=True)
+    if sink is not None:
+        mx = np.maximum(mx, np.asarray(sink, F32)[..., None])
+    e = expf(x - mx)
     n = e.shape[-1]
     pad = -n % 8
     padded = np.concatenate([e, np.zeros(e.shape[:-1] + (pad,), F32)], axis=-1) if pad else e
     chunks = hsum8(padded.reshape(padded.shape[:-1] + (-1, 8))).astype(np.float64)
     total = np.cumsum(chunks, axis=-1)[..., -1:]
+    if sink is not None:
+        total = total + libm_expf(np.broadcast_to(np.asarray(sink, F32)[..., None], mx.shape) - mx).astype(np.float64)
     return e * (1.0 / total).astype(F32)
+
+
+def libm_expf(x: np.ndarray) -> np.ndarray:
+    """The C library's expf, element by element (what ggml's scalar code calls)."""
+    import ctypes
+    import ctypes.util
+    global _EXPF
+    if _EXPF is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("m"))
+        lib.expf.restype, lib.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+        _EXPF = lib.expf
+    x = np.asarray(x, F32)
+    return np.array([_EXPF(float(v)) for v in x.ravel()], F32).reshape(x.shape)
+
+
+_EXPF = None
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -81,7 +104,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_scale: float | None = None,
-                  window: int = 0) -> np.ndarray:
+                  window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal attention over an fp16 cache as the compiled task computes it (csrc/attention.c):
     q rounded to fp16; each score an 8-lane sum over the head dimension, times 1/sqrt(d); ggml's
     softmax; probabilities rounded to fp16; each output an 8-lane sum over the positions.
@@ -104,7 +127,9 @@ def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_sc
         if window:                                                            # sliding window
             mask |= np.arange(S)[None, :] <= pos - window
         scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf
-        p = softmax(scores).astype(np.float16).astype(F32)
+        sk = None if sinks is None else np.broadcast_to(np.asarray(sinks, F32).reshape(Hkv, G)[None],
+                                                        scores.shape[:-1])
+        p = softmax(scores, sk).astype(np.float16).astype(F32)
         vt = v.transpose(1, 2, 0)                                             # (Hkv, d, S)
         prod = p[:, :, :, None, :] * vt[None, :, None, :, :]                  # (t, Hkv, G, d, S)
         out[t0:t1] = lane_sums(prod).reshape(t1 - t0, H, d)

@@ -27,7 +27,7 @@ from .gguf_file import GGUFError, GGUFFile, TensorInfo
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
                    Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
-                   Q.IQ1_S, Q.IQ1_M)
+                   Q.IQ1_S, Q.IQ1_M, Q.MXFP4)
 
 try:
     from . import _kernels as _C
@@ -35,7 +35,7 @@ except ImportError:          # built without a C compiler: the numpy path serves
     _C = None
 
 COMPILED_TYPES = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-                            Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)) if _C else frozenset()
+                            Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)) if _C else frozenset()
 _compiled_on = _C is not None and os.environ.get("KILN_NATIVE_KERNELS", "1") != "0"
 
 
@@ -63,7 +63,8 @@ def set_threads(n: int) -> None:
 
 
 def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
-                       scale: float | None = None, window: int = 0) -> np.ndarray | None:
+                       scale: float | None = None, window: int = 0,
+                       sinks: np.ndarray | None = None) -> np.ndarray | None:
     """Causal attention in C (batch-invariant), or None when the numpy path runs."""
     if not _compiled_on:
         return None
@@ -72,7 +73,8 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
     out = np.empty((T, H * d), np.float32)
     f16 = k.dtype == np.float16
     _C.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out,
-                 T, H, Hkv, d, S, start, 0, f16, float(scale or 0.0), int(window))
+                 T, H, Hkv, d, S, start, 0, f16, float(scale or 0.0), int(window),
+                 *(() if sinks is None else (np.ascontiguousarray(sinks, np.float32),)))
     return out
 
 
@@ -84,7 +86,7 @@ def compiled_module():
 KERNEL_PATH = "compiled" if _compiled_on else "numpy"
 
 # weight type -> how ggml quantizes the activation it is multiplied with
-_ACT_QUANT = {Q.Q4_0: "q8_0", Q.Q5_0: "q8_0", Q.Q8_0: "q8_0", Q.IQ4_NL: "q8_0",
+_ACT_QUANT = {Q.Q4_0: "q8_0", Q.Q5_0: "q8_0", Q.Q8_0: "q8_0", Q.IQ4_NL: "q8_0", Q.MXFP4: "q8_0",
               Q.Q4_1: "q8_1", Q.Q5_1: "q8_1",
               Q.Q2_K: "q8_K", Q.Q3_K: "q8_K", Q.Q4_K: "q8_K", Q.Q5_K: "q8_K", Q.Q6_K: "q8_K",
               Q.IQ4_XS: "q8_K", Q.IQ2_XXS: "q8_K", Q.IQ2_XS: "q8_K", Q.IQ2_S: "q8_K",

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import ggml_round, kernels
 from .arch import family
-from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn
+from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn, yarn_params
 from .config import ModelConfig, read_config
 from .gguf_file import GGUFError, GGUFFile, read_gguf
 from .kernels import Weight, matmul, matmul_many
@@ -41,7 +41,8 @@ class Ctx:
         """(cos, sin) of these positions for another rope base (gemma3's sliding layers)."""
         if base not in self._ropes:
             c = self.model.config
-            self._ropes[base] = rope_tables(self.positions, c.rope_dim, base, c.rope_scale, self.model.rope_factors)
+            self._ropes[base] = rope_tables(self.positions, c.rope_dim, base, c.rope_scale, self.model.rope_factors,
+                                            self.model.rope_yarn)
         return self._ropes[base]
 
 
@@ -119,6 +120,11 @@ class Model:
         self.embed_scale = fam.embed_scale(c)
         extra = {k: vec(n) for k, n in fam.model_tensors(g).items()}
         self.rope_factors = extra.get("rope_freqs")
+        self.rope_yarn = None
+        if c.rope_scaling == "yarn":
+            orig, fast, slow, attn = c.yarn
+            self.rope_yarn = yarn_params(c.rope_dim, c.rope_base, c.rope_scale, orig or c.n_ctx_train, fast, slow,
+                                         1.0, attn)
         self.layers: list[Layer] = []
         for mats, vecs, fused in plan:
             fields = {k: weights[n] for k, n in mats.items()}
@@ -207,7 +213,7 @@ class Model:
         """The decoder stack over rows that belong to one or more sequences; `segments` lists
         (cache, first row, end row) for each sequence."""
         c = self.config
-        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale, self.rope_factors)
+        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale, self.rope_factors, self.rope_yarn)
         ctx = Ctx(cos, sin, segments, adapter, positions, self)
         x = self.token_embd.rows(tokens)
         if self.embed_scale:

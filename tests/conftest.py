@@ -64,7 +64,7 @@ def reference(name: str) -> tuple[dict, dict]:
 
 
 TINY_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "llama3", "gemma3", "qwen35",
-              "qwen35moe"]
+              "qwen35moe", "gpt-oss"]
 # llama.cpp's float32 bits are reproduced at every prompt position for these (the others meet
 # the fidelity bars; tests/data/README.md says where they part)
 BITS_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3"]

@@ -14,12 +14,12 @@ from kiln.native.model import load_model
 
 FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3",
-             "qwen35": "qwen35", "qwen35moe": "qwen35moe"}
+             "qwen35": "qwen35", "qwen35moe": "qwen35moe", "gpt-oss": "gpt-oss"}
 
 
 def test_the_registry_lists_every_family_with_what_it_needed():
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3", "qwen35",
-            "qwen35moe"} <= set(FAMILIES)
+            "qwen35moe", "gpt-oss"} <= set(FAMILIES)
     assert all(f.notes for f in FAMILIES.values())
     assert family("mistral") is family("llama")
 
@@ -74,3 +74,29 @@ def test_a_recurrent_cache_reuses_only_an_exact_extension():
         cache.truncate(2)
     cache.truncate(0)
     assert cache.n == 0 and not cache._states
+
+
+def test_gpt_oss_facts_and_mxfp4_bytes():
+    info = inspect_model(tiny_path("gpt-oss"))
+    f = info["family"]
+    assert f["sliding_window"] == 32 and f["sliding_layers"] == 2 and f["rope_scaling"] == "yarn" and f["rope_factor"] == 32
+    assert info["tensor_types"]["MXFP4"] == 12 and not info["unsupported_tensor_types"]
+
+
+def test_the_compiled_mxfp4_product_is_the_numpy_paths():
+    """An MXFP4 expert matrix times Q8_0-quantized activations: the AVX2 kernel against the
+    dequantized matrix (gguf's reference) with the same activation rounding."""
+    import numpy as np
+    from kiln.native import kernels
+    if kernels.compiled_module() is None:
+        pytest.skip("the compiled extension is not built")
+    m = load_model(tiny_path("gpt-oss"))
+    w = m.layers[1].down_exps.expert(5)
+    x = np.random.default_rng(3).standard_normal((5, w.shape[1])).astype(np.float32)
+    compiled = kernels.matmul(x, w)
+    previous = kernels.use_compiled(False)
+    try:
+        reference = kernels.matmul(x, w)
+    finally:
+        kernels.use_compiled(previous)
+    assert np.allclose(compiled, reference, rtol=1e-5, atol=1e-5)

@@ -111,7 +111,7 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, defau
     assert np.array_equal(fused, stepwise)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe", "gpt-oss"])
 def test_new_families_batch_exactly_as_they_run_alone(arch):
     """Batched decode steps of the newer families (gemma3's sliding windows and own rope base,
     phi3's split projections, llama3's rope factors) give each sequence its solo tokens."""

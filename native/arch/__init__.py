@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from .base import Family
 from .gemma3 import Gemma3
+from .gpt_oss import GptOss
 from .llama import Llama
 from .phi3 import Phi3
 from .qwen import Olmoe, Qwen2, Qwen2Moe, Qwen3, Qwen3Moe
 from .qwen35 import Qwen35, Qwen35Moe
 
 FAMILIES: dict[str, Family] = {}
-for _f in (Llama(), Qwen2(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe()):
+for _f in (Llama(), Qwen2(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe(), GptOss()):
     for _name in (_f.name, *_f.aliases):
         FAMILIES[_name] = _f
 

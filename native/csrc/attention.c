@@ -26,7 +26,8 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
 #define LD1_F16(x) _cvtsh_ss(x)
 #define ATTN_TASK(NAME, T, LD8, LD1, RND)                                                            \
 AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
-                      int H, int Hkv, int D, int n, float scale, float *row, int win) {           \
+                      int H, int Hkv, int D, int n, float scale, float *row, int win,             \
+                      const float *sinks) {                                                       \
     int kh = h / (H / Hkv);                                                                       \
     size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
     float q[512];                                  /* D <= 512, checked by the callers */       \
@@ -66,12 +67,14 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
      * by 1/sum computed in double; the cells past n are ggml's masked padding (exp -> 0) */      \
     int n8 = (n + 7) & ~7;                                                                        \
     for (int j = n; j < n8; j++) row[j] = -INFINITY;                                              \
+    if (sinks && sinks[h] > mx) mx = sinks[h];     /* a sink logit joins the max (ggml) */       \
     __m256 vmx = _mm256_set1_ps(mx); double dsum = 0.0;                                           \
     for (s = 0; s < n8; s += 8) {                                                                 \
         __m256 e = expf8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                           \
         _mm256_storeu_ps(row + s, e);                                                             \
         dsum += (double)hsum_avx(e);                                                              \
     }                                                                                             \
+    if (sinks) dsum += (double)expf(sinks[h] - mx); /* ... and the denominator, with no value */  \
     float inv = (float)(1.0 / dsum), *o = O + ((size_t)t * H + h) * D;                            \
     for (s = 0; s < n; s++) row[s] = RND(row[s] * inv);                                           \
     /* out[d] = sum over positions of p * v[d], as ggml's prompt-batch (tinyBLAS) dot over the    \
@@ -130,7 +133,7 @@ static inline const float *kv_row(const void *cache, int f16, size_t at, int D, 
 /* attention over T query rows (T, H, D) at positions start..start+T-1 of a cache of S positions
  * (S, Hkv, D), float32 or fp16 (f16); head h reads KV head h / (H/Hkv); out (T, H*D). */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S, float kq_scale, int win) {
+                    int start, int f16, int nt, int S, float kq_scale, int win, const float *sinks) {
     int G = H / Hkv;
     float scale = kq_scale > 0.f ? kq_scale : 1.0f / sqrtf((float)D);   /* 0: ggml's default 1/sqrt(D) */
 #ifdef KILN_X86
@@ -140,8 +143,8 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
             #pragma omp for schedule(static)
             for (int task = 0; task < T * H; task++) {
-                if (f16) attn_task_avx2_h(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win);
-                else attn_task_avx2(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win);
+                if (f16) attn_task_avx2_h(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win, sinks);
+                else attn_task_avx2(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win, sinks);
             }
             free(sc);
         }
@@ -163,8 +166,10 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
                 sc[s] = s < lo ? -INFINITY : vdot(q, kv_row(K, f16, ((size_t)s * Hkv + kh) * D, D, kt), D) * scale;
                 if (sc[s] > mx) mx = sc[s];
             }
+            if (sinks && sinks[h] > mx) mx = sinks[h];
             float sum = 0.f;
             for (int s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
+            if (sinks) sum += expf(sinks[h] - mx);
             float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;
             for (int i = 0; i < D; i++) o[i] = 0.f;
             for (int s = 0; s < n; s++) {

@@ -21,7 +21,15 @@
 
 /* ggml type ids */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39 };
+
+/* MXFP4 (gpt-oss experts): 32 e2m1 values as 4-bit codes, doubled to integers, with a shared
+ * E8M0 exponent; ggml multiplies the doubled values and halves the scale. */
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float e8m0_to_fp32_half(uint8_t x) {
+    uint32_t bits = x < 2 ? 0x00200000u << x : (uint32_t)(x - 1) << 23;
+    float f; memcpy(&f, &bits, 4); return f;
+}
 /* activation forms */
 enum { A_F32, A_F16, A_BF16, A_Q8_0, A_Q8_1, A_Q8_K };
 
@@ -159,18 +167,19 @@ void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int
 
 /* ---- attention.c ---------------------------------------------------------------------------- */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S, float kq_scale, int win);
+                    int start, int f16, int nt, int S, float kq_scale, int win, const float *sinks);
 #ifdef KILN_X86
 void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int h,
-                    int H, int Hkv, int D, int n, float scale, float *row, int win);
+                    int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
 void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, float *O, int t, int h,
-                      int H, int Hkv, int D, int n, float scale, float *row, int win);
+                      int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
 #endif
 
 /* ---- layer.c -------------------------------------------------------------------------------- */
 void rms_row(const float *x, const float *w, float *o, int n, float eps);
 void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox);
-void rope_table(int n, int half, float base, float freq_scale, const float *ff, float *c, float *s);
+void rope_table(int n, int half, float base, float freq_scale, const float *ff, float ext_factor,
+                float corr0, float corr1, float mscale, float *c, float *s);
 void swiglu_row(float *g, const float *u, size_t n);
 void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w);
 

@@ -18,14 +18,22 @@ void rms_row(const float *x, const float *w, float *o, int n, float eps) {
  * is the previous pair's times powf(base, -2/R) in float32 (from the position), then the C library's
  * cosf/sinf — glibc's, like llama.cpp's; they differ from correctly rounded values in ~2 % of
  * entries, enough to move a query or key by an ulp. */
-void rope_table(int n, int half, float base, float freq_scale, const float *ff, float *c, float *s) {
+void rope_table(int n, int half, float base, float freq_scale, const float *ff, float ext_factor,
+                float corr0, float corr1, float mscale, float *c, float *s) {
     const float theta_scale = powf(base, -2.0f / (float)(2 * half));
     for (int p = 0; p < n; p++) {
         float theta = (float)p;
         for (int i = 0; i < half; i++) {
-            float t = freq_scale * (theta / ff[i]);      /* ggml's rope cache: theta/ff, then the scale */
-            c[(size_t)p * half + i] = cosf(t);
-            s[(size_t)p * half + i] = sinf(t);
+            /* ggml's rope cache (rope_yarn): theta/ff, the linear scale, and with YaRN a ramp
+             * between interpolated and extrapolated angles; the products fused as gcc fuses them */
+            float extrap = theta / ff[i], t = freq_scale * extrap;
+            if (ext_factor != 0.0f) {
+                float y = ((float)i - corr0) / fmaxf(0.001f, corr1 - corr0);
+                float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
+                t = fmaf(t, 1.0f - ramp, extrap * ramp);
+            }
+            c[(size_t)p * half + i] = cosf(t) * mscale;
+            s[(size_t)p * half + i] = sinf(t) * mscale;
             theta *= theta_scale;
         }
     }
@@ -198,8 +206,8 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
         #pragma omp for schedule(static)
         for (int task = 0; task < B * H; task++) {
             int b = task / H;
-            if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0);
-            else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0);
+            if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
+            else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
         }
         #pragma omp single
         for (int b = 0; b < B; b++) act_row(&ao, b, qn);

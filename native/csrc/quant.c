@@ -29,6 +29,7 @@ int type_info(int t, TypeInfo *ti) {
     case T_Q4_K: *ti = (TypeInfo){256, 144, A_Q8_K}; return 1;
     case T_Q5_K: *ti = (TypeInfo){256, 176, A_Q8_K}; return 1;
     case T_Q6_K: *ti = (TypeInfo){256, 210, A_Q8_K}; return 1;
+    case T_MXFP4: *ti = (TypeInfo){32, 17, A_Q8_0}; return 1;
     }
     return 0;
 }
@@ -117,6 +118,17 @@ static float dot_q5_1(const uint8_t *w, const Act *a, int t, int nb) {
             sum += v0 * y[j] + v1 * y[j + 16];
         }
         acc += fp16_to_fp32(rd16(w)) * d[b] * (float)sum + fp16_to_fp32(rd16(w + 2)) * s[b];
+    }
+    return acc;
+}
+
+static float dot_mxfp4(const uint8_t *w, const Act *a, int t, int nb) {     /* ggml's generic order */
+    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
+    float acc = 0.f;
+    for (int b = 0; b < nb; b++, w += 17) {
+        const uint8_t *qs = w + 1; const int8_t *y = q + b * 32; int s1 = 0, s2 = 0;
+        for (int j = 0; j < 16; j++) { s1 += y[j] * KVALUES_MXFP4[qs[j] & 0xf]; s2 += y[j + 16] * KVALUES_MXFP4[qs[j] >> 4]; }
+        acc += d[b] * e8m0_to_fp32_half(w[0]) * (float)(s1 + s2);
     }
     return acc;
 }
@@ -229,6 +241,7 @@ float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int 
     case T_Q5_0: return dot_q5_0(w, a, t, nb);
     case T_Q5_1: return dot_q5_1(w, a, t, nb);
     case T_Q8_0: return dot_q8_0(w, a, t, nb);
+    case T_MXFP4: return dot_mxfp4(w, a, t, nb);
     case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K:
         return dot_kquant(type, ti->bytes, w, a, t, nb);
     default: return dot_float(type, w, a, t, K);

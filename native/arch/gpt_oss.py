@@ -1,0 +1,100 @@
+"""gpt-oss: the llama skeleton with attention biases and sinks (one logit per head in every
+softmax's denominator), sliding-window attention on alternate layers (llama.cpp's pattern 2:
+even layers), YaRN rope, the pre-FFN norm named post_attention_norm, and a biased MoE: router
+logits + bias, the top-k logits softmaxed into weights, experts with biased gate/up/down and the
+swiglu-oai activation (clamp(up, ±7) + 1) · g·sigmoid(1.702 g), g = min(gate, 7). Expert
+weights are MXFP4."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..blocks import apply_rope, attention
+from ..ggml_round import libm_expf
+from ..kernels import matmul, matmul_many
+from .base import Family
+
+F32 = np.float32
+ALPHA, LIMIT = F32(1.702), F32(7.0)
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """ggml's swiglu_oai: x = min(gate, 7), y = clamp(up, -7, 7), x / (1 + expf(1.702·(−x))) · (y + 1)."""
+    x = np.minimum(gate, LIMIT)
+    y = np.clip(up, -LIMIT, LIMIT)
+    return (x / (F32(1) + libm_expf(ALPHA * -x))) * (y + F32(1))
+
+
+def softmax_c(x: np.ndarray) -> np.ndarray:
+    """A softmax over a handful of values as ggml's scalar path: max, expf, the sum in double."""
+    e = libm_expf(x - x.max(axis=-1, keepdims=True))
+    return e * (1.0 / e.astype(np.float64).sum(axis=-1, keepdims=True)).astype(F32)
+
+
+class GptOss(Family):
+    name, aliases, rope, moe = "gpt-oss", ("gpt_oss",), "neox", True
+    llama_skeleton = False
+    notes = ("attention sinks, biased q/k/v/o, alternate sliding-window layers, YaRN rope, biased MoE with "
+             "softmax over the chosen logits and the swiglu-oai activation, MXFP4 expert weights")
+
+    def hparams(self, key) -> dict:
+        return {"sliding_window": int(key("attention.sliding_window", 0, required=False) or 0)}
+
+    def sliding(self, c, i: int) -> bool:
+        return bool(c.get("sliding_window")) and i % 2 == 0
+
+    def matrices(self, c, i):
+        p = f"blk.{i}."
+        return {k: p + v + ".weight" for k, v in {
+            "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "router": "ffn_gate_inp",
+            "gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps", "down_exps": "ffn_down_exps"}.items()}
+
+    def vectors(self, c, i):
+        p = f"blk.{i}."
+        return {"attn_norm": p + "attn_norm.weight", "ffn_norm": p + "post_attention_norm.weight",
+                "bq": p + "attn_q.bias", "bk": p + "attn_k.bias", "bv": p + "attn_v.bias", "bo": p + "attn_output.bias",
+                "sinks": p + "attn_sinks.weight", "router_b": p + "ffn_gate_inp.bias",
+                "gate_b": p + "ffn_gate_exps.bias", "up_b": p + "ffn_up_exps.bias", "down_b": p + "ffn_down_exps.bias"}
+
+    def facts(self, c) -> dict:
+        return {"sliding_window": c.get("sliding_window"),
+                "sliding_layers": sum(self.sliding(c, i) for i in range(c.n_layer)),
+                "rope_scaling": c.rope_scaling, "rope_factor": c.rope_scale}
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def layer(self, m, i, L, x, ctx):
+        x = x + self.attention(m, i, L, m.norm(x, L.attn_norm), ctx)
+        return x + self.moe(m, i, L, m.norm(x, L.ffn_norm))
+
+    def attention(self, m, i, L, x, ctx):
+        c = m.config
+        T = x.shape[0]
+        q, k, v = matmul_many(x, [L.wq, L.wk, L.wv])
+        q = apply_rope(np.ascontiguousarray((q + L.bq).reshape(T, c.n_head, c.head_dim)), ctx.cos, ctx.sin, c.rope_style)
+        k = apply_rope(np.ascontiguousarray((k + L.bk).reshape(T, c.n_head_kv, c.head_dim)), ctx.cos, ctx.sin,
+                       c.rope_style)
+        v = (v + L.bv).reshape(T, c.n_head_kv, c.head_dim)
+        window = c.get("sliding_window") if self.sliding(c, i) else 0
+        outs = []
+        for cache, a, b in ctx.segments:
+            keys, values = cache.store(i, k[a:b], v[a:b])
+            outs.append(attention(q[a:b], keys, values, cache.n, None, window, L.sinks))
+        return matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo) + L.bo
+
+    def moe(self, m, i, L, x):
+        c = m.config
+        logits = matmul(x, L.router) + L.router_b                                     # (T, E)
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :c.n_expert_used]        # chosen by logit
+        weights = softmax_c(np.take_along_axis(logits, top, axis=-1))
+        provider = m.expert_provider
+        if provider is not None:
+            provider.prefetch(i, np.unique(top), rows=len(x))
+        out = np.zeros_like(x)
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            gate, up, down = L.expert(int(e)) if provider is None else provider.weights(i, int(e))
+            xs = x[rows]
+            h = swiglu_oai(matmul(xs, gate) + L.gate_b[e], matmul(xs, up) + L.up_b[e])
+            out[rows] += weights[rows, slot, None] * (matmul(h, down) + L.down_b[e])
+        return out
