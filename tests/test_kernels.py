@@ -36,7 +36,9 @@ def random_weight(qtype: Q, n_out: int, n_in: int, rng: np.random.Generator) -> 
         return Weight(f"random {qtype.name}", qtype, (n_out, n_in), np.ascontiguousarray(raw.reshape(n_out, -1)))
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (n_out, n_in // block, size), dtype=np.uint8)
-    for off in FP16_FIELDS[qtype]:
+    if qtype == Q.MXFP4:                               # an E8M0 exponent byte: keep the scale sane
+        blocks[:, :, 0] = rng.integers(118, 130, (n_out, n_in // block), dtype=np.uint8)
+    for off in FP16_FIELDS.get(qtype, ()):
         scale = (rng.uniform(0.2, 1.0, (n_out, n_in // block)) * rng.choice([-1, 1], (n_out, n_in // block)) / 64)
         blocks[:, :, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_out, n_in // block, 2)
     return Weight(f"random {qtype.name}", qtype, (n_out, n_in), blocks.reshape(n_out, -1))
