@@ -28,7 +28,7 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
     else:
         engine_weights = 4 * n_params
     ctx = ctx or min(c.n_ctx_train, 4096)
-    kv_per_token = 2 * c.n_layer * c.n_head_kv * c.head_dim * KV_DTYPE.itemsize
+    kv_per_token = fam.kv_bytes_per_token(c, KV_DTYPE.itemsize)
     unsupported = sorted({t.type.name for t in g.tensors.values()} - {t.name for t in SUPPORTED_TYPES})
     expert_bytes = sum(t.n_bytes for n, t in g.tensors.items() if "_exps." in n)
     info = {
@@ -58,7 +58,8 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
             "kv_cache_bytes_per_token": kv_per_token,
             "context": ctx,
             "kv_cache_bytes": kv_per_token * ctx,
-            "total_bytes": engine_weights + kv_per_token * ctx,
+            "recurrent_state_bytes": fam.recurrent_state_bytes(c),
+            "total_bytes": engine_weights + kv_per_token * ctx + fam.recurrent_state_bytes(c),
         },
     }
     if tensors:

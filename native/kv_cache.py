@@ -44,10 +44,13 @@ class KVCache:
             return
         cap = min(self.max_tokens, max(total, self._cap + _CHUNK, -(-total // _CHUNK) * _CHUNK))
         shape = (cap, self.n_head_kv, self.head_dim)
-        new_k = [np.empty(shape, self.dtype) for _ in range(self.n_layer)]
-        new_v = [np.empty(shape, self.dtype) for _ in range(self.n_layer)]
+        # a recurrent layer keeps a state instead of keys and values: no room for it
+        none = (0, self.n_head_kv, self.head_dim)
+        new_k = [np.empty(none if i in self._recurrent_shapes else shape, self.dtype) for i in range(self.n_layer)]
+        new_v = [np.empty(none if i in self._recurrent_shapes else shape, self.dtype) for i in range(self.n_layer)]
         for old, new in zip(self._k + self._v, new_k + new_v):
-            new[:self.n] = old[:self.n]
+            if len(new):
+                new[:self.n] = old[:self.n]
         self._k, self._v = new_k, new_v
         self._cap = cap
 
@@ -97,4 +100,6 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.n_layer * self._cap * self.n_head_kv * self.head_dim * self.dtype.itemsize
+        kv_layers = self.n_layer - len(self._recurrent_shapes)
+        states = sum(a.nbytes for st in self._states.values() for a in st.values())
+        return 2 * kv_layers * self._cap * self.n_head_kv * self.head_dim * self.dtype.itemsize + states

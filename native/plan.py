@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 
+from .arch import family
 from .config import read_config
 from .gguf_file import read_gguf
 from .kernels import COMPILED_TYPES, kernel_info
@@ -32,13 +33,17 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None) -> di
         if "_exps." in name:
             expert_bytes += engine
     weights = sum(held.values())
-    kv = 2 * c.n_layer * c.n_head_kv * c.head_dim * KV_DTYPE.itemsize * ctx
+    fam = family(c.arch)
+    # keys and values of the layers that keep them (sliding-window layers too: their cache is
+    # not bounded yet), plus the recurrent state of linear-attention layers
+    kv = fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.recurrent_state_bytes(c)
     total = weights + kv + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
     out = {"model": str(path), "architecture": c.arch, "context": ctx, "kernel_path": "compiled" if compiled else "numpy",
            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
-           "kv_cache_bytes": kv, "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
+           "kv_cache_bytes": kv, "recurrent_state_bytes": fam.recurrent_state_bytes(c),
+           "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
            "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
     if total <= 0.9 * avail:
         out["verdict"] = "fits"

@@ -64,6 +64,19 @@ class Family:
         x = x + m.attention(i, L, m.norm(x, L.attn_norm), ctx)
         return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
 
+    def kv_layers(self, c) -> list[int]:
+        """The layers that keep keys and values (all of them, but for recurrent ones)."""
+        rec = self.recurrent_state(c)
+        return [i for i in range(c.n_layer) if i not in rec]
+
+    def kv_bytes_per_token(self, c, itemsize: int = 2) -> int:
+        return 2 * len(self.kv_layers(c)) * c.n_head_kv * c.head_dim * itemsize
+
+    def recurrent_state_bytes(self, c) -> int:
+        """Bytes of recurrent state one sequence holds (float32), whatever its length."""
+        import numpy as np
+        return sum(4 * int(np.prod(s)) for st in self.recurrent_state(c).values() for s in st.values())
+
     def recurrent_state(self, c) -> dict[int, dict[str, tuple]]:
         """Per-sequence state of recurrent layers: layer -> {name: shape} (none by default)."""
         return {}
