@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     a = ap.parse_args()
     from daemon_harness import Daemon
-    from kiln.native.library import resolve_model
+    from kiln.native.models.library import resolve_model
     path = resolve_model(a.model, pull=(a.model == "default"))
     with tempfile.TemporaryDirectory() as home:
         # the daemon's own defaults for the restart policy; only the HTTP port is chosen for us

@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--kernels", choices=["compiled", "numpy"], default="compiled")
     args = ap.parse_args()
     from kiln.native import kernels
-    from kiln.native.library import resolve_model
+    from kiln.native.models.library import resolve_model
     kernels.use_compiled(args.kernels == "compiled")
     kernels.set_threads(args.threads)
     path = resolve_model(args.model, pull=args.model == "default")

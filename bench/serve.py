@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     from kiln.native.chat_template import render_and_tokenize, template_for
     from kiln.native.generate import Sequence
-    from kiln.native.library import resolve_model
+    from kiln.native.models.library import resolve_model
     from kiln.native.model import load_model
     from kiln.native.sampling import SamplingParams
     path = resolve_model(args.model, pull=args.model == "default")

@@ -30,11 +30,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     args = ap.parse_args()
 
-    from kiln.native.library import resolve_model
+    from kiln.native.models.library import resolve_model
     from kiln.native.lora import LoraConfig, init_adapter
-    from kiln.native.lora_grad import FrozenBase, loss_and_grads
+    from kiln.native.training.lora_grad import FrozenBase, loss_and_grads
     from kiln.native.model import load_model
-    from kiln.native.optim import AdamW
+    from kiln.native.training.optim import AdamW
 
     path = resolve_model(args.model, pull=args.model == "default")
     t = time.perf_counter()

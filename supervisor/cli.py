@@ -144,8 +144,8 @@ def _preflight(cfg) -> None:
     """Refuse a model that cannot run here, with the plan's numbers, before starting anything;
     route an MoE model whose experts do not fit (verdict `streams`) to a moe-stream worker."""
     from kiln.native.gguf_file import GGUFError
-    from kiln.native.library import ModelNotFound, resolve_model
-    from kiln.native.plan import plan
+    from kiln.native.models.library import ModelNotFound, resolve_model
+    from kiln.native.models.plan import plan
     for name, spec in cfg.workers.items():
         if spec["kind"] != "inference" or not spec.get("enabled", True):
             continue

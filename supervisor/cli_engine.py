@@ -23,7 +23,7 @@ def fail(message: str, code: int = 1) -> None:
 
 
 def _model_path(spec: str):
-    from kiln.native.library import ModelNotFound, PullError, resolve_model
+    from kiln.native.models.library import ModelNotFound, PullError, resolve_model
     try:
         return resolve_model(spec, pull=(spec == "default"),
                              progress=lambda m: typer.echo(f"kiln: {m}", err=True))
@@ -58,7 +58,7 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
                    ctx: Optional[int] = typer.Option(None, "--ctx", help="context size for the KV-cache estimate")):
     """Architecture, parameters, tensor types, context, tokenizer, and the memory the engine needs."""
     from kiln.native.gguf_file import GGUFError
-    from kiln.native.inspect import inspect_model
+    from kiln.native.models.inspect import inspect_model
     path = _model_path(model)
     try:
         info = inspect_model(path, tensors=tensors, ctx=ctx)
@@ -93,7 +93,7 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
 @models_app.command("list")
 def models_list(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """GGUF models in the model folders, the Hugging Face cache, Ollama's store and Python packages."""
-    from kiln.native.discovery import as_dicts, discover
+    from kiln.native.models.discovery import as_dicts, discover
     entries = as_dicts(discover())
     if as_json:
         typer.echo(json.dumps(entries))
@@ -117,7 +117,7 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
                 as_json: bool = typer.Option(False, "--json")):
     """Will it run here? Weights, KV cache and runtime against available RAM: fits / streams / too_large."""
     from kiln.native.gguf_file import GGUFError
-    from kiln.native.plan import plan
+    from kiln.native.models.plan import plan
     path = _model_path(model)
     try:
         p = plan(path, ctx)
@@ -136,7 +136,7 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
 def models_rm(model: str = typer.Argument(..., help="name or path of a model in a Kiln model folder"),
               yes: bool = typer.Option(False, "--yes", "-y", help="do not ask")):
     """Delete a model from a Kiln model folder (refused while a running worker uses it)."""
-    from kiln.native.library import model_dirs
+    from kiln.native.models.library import model_dirs
     path = _model_path(model).resolve()
     if not any(d.resolve() in path.parents for d in model_dirs() if d.exists()):
         fail(f"{path} is not in a Kiln model folder; remove it with the tool that put it there")
@@ -179,12 +179,12 @@ def _progress_bar():
 @models_app.command("pull")
 def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct), or hf:ORG/REPO[/FILE.gguf][@REV]")):
     """Download a model (verified by sha256; an interrupted pull resumes when run again)."""
-    from kiln.native.library import PullError, pull_default
+    from kiln.native.models.library import PullError, pull_default
     try:
         if model == "default":
             path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
         elif model.startswith("hf:"):
-            from kiln.native.hub import pull_hf
+            from kiln.native.models.hub import pull_hf
             path = pull_hf(model, _progress_bar())
         else:
             fail(f"cannot pull {model!r}: give 'default' or hf:ORG/REPO[/FILE.gguf][@REV]")

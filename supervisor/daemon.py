@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import zmq
 
-from kiln.native.adapter_registry import AdapterRegistry
+from kiln.protocol.store.adapter_registry import AdapterRegistry
 from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, make, new_id, version_error
 
 from . import commands, eval_commands, policy, segments, train_commands  # noqa: F401  (they register bus commands)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kiln.native.job_store import JobNotFound, JobStore
+from kiln.protocol.store.job_store import JobNotFound, JobStore
 
 from .commands import CommandError, command
 

@@ -65,7 +65,7 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
 
     from kiln.native.expert_store import ExpertStore, segment_bytes
     from kiln.native.gguf_file import GGUFError, read_gguf
-    from kiln.native.library import ModelNotFound, resolve_model
+    from kiln.native.models.library import ModelNotFound, resolve_model
 
     stale = remove_stale(home)
     if stale:

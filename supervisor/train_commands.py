@@ -7,10 +7,10 @@ while the trainer is busy or restarting. Submitting and cancelling are the train
 
 from __future__ import annotations
 
-from kiln.native.adapter_registry import AdapterNotFound
+from kiln.protocol.store.adapter_registry import AdapterNotFound
 from kiln.native.gguf_file import GGUFError, read_gguf
 from kiln.native.lora import AdapterError, load_adapter
-from kiln.native.job_store import JobNotFound, JobStore
+from kiln.protocol.store.job_store import JobNotFound, JobStore
 
 from .commands import CommandError, command
 

@@ -26,7 +26,7 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    from kiln.native.library import pull_default
+    from kiln.native.models.library import pull_default
     return pull_default(cache_dir())
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import TINY_ARCHS, tiny_path
 from kiln.native.arch import FAMILIES, family
 from kiln.native.gguf_file import GGUFError
-from kiln.native.inspect import inspect_model
+from kiln.native.models.inspect import inspect_model
 from kiln.native.model import load_model
 
 FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
@@ -103,7 +103,7 @@ def test_the_compiled_mxfp4_product_is_the_numpy_paths():
 
 
 def test_plan_counts_only_the_layers_that_keep_keys_and_the_recurrent_state():
-    from kiln.native.plan import plan
+    from kiln.native.models.plan import plan
     dense = plan(tiny_path("llama"), ctx=1024, available=2**40)
     hybrid = plan(tiny_path("qwen35"), ctx=1024, available=2**40)
     assert dense["kv_cache_bytes"] == 2 * 2 * 2 * 32 * 2 * 1024            # 2 layers, K and V, 2 heads of 32, fp16

@@ -9,9 +9,9 @@ import pytest
 
 from conftest import DATA
 from kiln.native.lora import AdapterError, LoraConfig, init_adapter
-from kiln.native.lora_grad import FrozenBase, loss_and_grads
+from kiln.native.training.lora_grad import FrozenBase, loss_and_grads
 from kiln.native.model import load_model
-from kiln.native.optim import AdamW, learning_rate
+from kiln.native.training.optim import AdamW, learning_rate
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 

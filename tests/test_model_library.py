@@ -74,7 +74,7 @@ def test_human_listing_shows_unreadable_files_with_their_reason(stores):
 
 
 def test_plan_says_fits_or_too_large_with_numbers(default_model_path):
-    from kiln.native.plan import plan
+    from kiln.native.models.plan import plan
     p = plan(default_model_path, ctx=2048)
     assert p["verdict"] == "fits" and p["weights_bytes"] > 90e6 and p["kv_cache_bytes"] == 2 * 30 * 3 * 64 * 2 * 2048   # fp16 K and V
     small = plan(default_model_path, ctx=2048, available=150 * 2**20)
@@ -96,7 +96,7 @@ generate_text(m, ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=Tr
 print(psutil.Process().memory_info().rss)
 """
     rss = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
-    from kiln.native.plan import plan
+    from kiln.native.models.plan import plan
     planned = plan(default_model_path, ctx=256)["total_bytes"]
     assert abs(planned - rss) / rss <= 0.15, (planned, rss)
 
@@ -130,8 +130,8 @@ def test_rm_refuses_a_model_a_running_worker_uses(tmp_path):
 
 
 def test_inspect_and_plan_on_the_moe_variants(e8k8_path, e8k2_path):
-    from kiln.native.inspect import inspect_model
-    from kiln.native.plan import plan
+    from kiln.native.models.inspect import inspect_model
+    from kiln.native.models.plan import plan
     for path, k in ((e8k8_path, 8), (e8k2_path, 2)):
         info = inspect_model(path)
         assert info["moe"]["experts"] == 8 and info["moe"]["experts_used"] == k and info["moe"]["expert_bytes"] == 30 * 3 * 1536 * 576 * 20 // 32

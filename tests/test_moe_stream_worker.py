@@ -132,7 +132,7 @@ def test_a_dense_model_is_refused_by_the_stream_worker(default_model_path, tmp_p
 
 
 def test_kiln_up_streams_an_moe_model_whose_experts_do_not_fit(e8k2_path, tmp_path):
-    from kiln.native.plan import plan
+    from kiln.native.models.plan import plan
     p = plan(e8k2_path, ctx=2048)
     budget = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["runtime_bytes"] + 40 * 2**20   # experts: ~69 MB
     d = Daemon(tmp_path, {"default": {"kind": "inference", "model": str(e8k2_path), "settings": {"ctx": 2048}}},

@@ -22,8 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
-from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry
-from kiln.native.job_store import JobNotFound, JobStore, write_json_atomic
+from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistry
+from kiln.protocol.store.job_store import JobNotFound, JobStore, write_json_atomic
 
 from .eval_metrics import compare, first_difference, metrics
 from .jobs import cancel_job

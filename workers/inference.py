@@ -13,7 +13,7 @@ import os
 import queue
 import time
 
-from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry
+from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistry
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
 from kiln.native.lora import AdapterError, load_adapter
 
@@ -21,7 +21,7 @@ from kiln.native.generate import ContextLengthError, Finish, Token, score_prompt
 from kiln.native.scheduler import Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
-from kiln.native.library import ModelNotFound, PullError, resolve_model
+from kiln.native.models.library import ModelNotFound, PullError, resolve_model
 from kiln.native.model import load_model
 from kiln.native.sampling import SamplingError, SamplingParams
 from kiln.native.tokenizer import TokenizerError

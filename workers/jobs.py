@@ -4,7 +4,7 @@ stops after its current step or example; a queued one never starts)."""
 
 from __future__ import annotations
 
-from kiln.native.job_store import FINAL, JobNotFound, JobStore
+from kiln.protocol.store.job_store import FINAL, JobNotFound, JobStore
 
 from .runtime import OpError
 

@@ -34,15 +34,15 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from kiln.native.adapter_registry import AdapterNotFound, AdapterRegistry, check_name  # noqa: E402
+from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistry, check_name  # noqa: E402
 from kiln.native.chat_template import TemplateError, template_for  # noqa: E402
 from kiln.native.gguf_file import GGUFError  # noqa: E402
-from kiln.native.library import ModelNotFound, PullError, resolve_model  # noqa: E402
+from kiln.native.models.library import ModelNotFound, PullError, resolve_model  # noqa: E402
 from kiln.native.lora import TRAINABLE_ARCHS, file_sha256  # noqa: E402
 from kiln.native.model import load_model  # noqa: E402
-from kiln.native.sft_data import DataError, data_hash, load_sft_file  # noqa: E402
-from kiln.native.sft_trainer import SFTRun, TrainSpec  # noqa: E402
-from kiln.native.job_store import FINAL, JobStore  # noqa: E402
+from kiln.native.training.sft_data import DataError, data_hash, load_sft_file  # noqa: E402
+from kiln.native.training.sft_trainer import SFTRun, TrainSpec  # noqa: E402
+from kiln.protocol.store.job_store import FINAL, JobStore  # noqa: E402
 
 from .jobs import cancel_job  # noqa: E402
 from .runtime import OpError, Worker, main, op, state_dir  # noqa: E402

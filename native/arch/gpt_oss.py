@@ -65,7 +65,7 @@ class GptOss(Family):
 
     def layer(self, m, i, L, x, ctx):
         x = x + self.attention(m, i, L, m.norm(x, L.attn_norm), ctx)
-        return x + self.moe(m, i, L, m.norm(x, L.ffn_norm))
+        return x + self.experts(m, i, L, m.norm(x, L.ffn_norm))
 
     def attention(self, m, i, L, x, ctx):
         c = m.config
@@ -82,7 +82,7 @@ class GptOss(Family):
             outs.append(attention(q[a:b], keys, values, cache.n, None, window, L.sinks))
         return matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo) + L.bo
 
-    def moe(self, m, i, L, x):
+    def experts(self, m, i, L, x):
         c = m.config
         logits = matmul(x, L.router) + L.router_b                                     # (T, E)
         top = np.argsort(-logits, axis=-1, kind="stable")[:, :c.n_expert_used]        # chosen by logit

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from .lora import TARGETS, Adapter, LoraConfig, init_adapter, save_adapter
+from ..lora import TARGETS, Adapter, LoraConfig, init_adapter, save_adapter
 from .lora_grad import FrozenBase, loss_and_grads
 from .optim import SCHEDULES, AdamW, learning_rate
 from .sft_data import Example

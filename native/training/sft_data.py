@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .chat_template import ChatTemplate, TemplateError, render_and_tokenize
+from ..chat_template import ChatTemplate, TemplateError, render_and_tokenize
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_ERRORS = 20

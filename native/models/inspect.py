@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .arch import family
-from .config import read_config
-from .gguf_file import read_gguf
-from .kernels import COMPILED_TYPES, SUPPORTED_TYPES, kernel_info
-from .kv_cache import KV_DTYPE
+from ..arch import family
+from ..config import read_config
+from ..gguf_file import read_gguf
+from ..kernels import COMPILED_TYPES, SUPPORTED_TYPES, kernel_info
+from ..kv_cache import KV_DTYPE
 
 
 def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) -> dict:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import psutil
 
-from .arch import family
-from .config import read_config
-from .gguf_file import read_gguf
-from .kernels import COMPILED_TYPES, kernel_info
-from .kv_cache import KV_DTYPE
+from ..arch import family
+from ..config import read_config
+from ..gguf_file import read_gguf
+from ..kernels import COMPILED_TYPES, kernel_info
+from ..kv_cache import KV_DTYPE
 
 RUNTIME_BYTES = 120 * 2**20      # Python, numpy, tokenizer, scratch activations (measured ~100 MB)
 MIN_EXPERT_CACHE_SLOTS = 2       # per layer: the fewest experts a streamed step can work with

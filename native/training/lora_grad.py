@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .lora import TRAINABLE_ARCHS, AdapterError
+from ..lora import TRAINABLE_ARCHS, AdapterError
 
 
 @dataclass
