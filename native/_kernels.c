@@ -146,6 +146,19 @@ done:
     return ret;
 }
 
+/* expf(x (n) in place): the C library's expf element by element — what ggml's scalar code calls
+ * (sigmoid, swiglu-oai, the attention sinks) — without a Python call per element */
+static PyObject *py_expf(PyObject *self, PyObject *args) {
+    Py_buffer xb;
+    if (!PyArg_ParseTuple(args, "w*", &xb)) return NULL;
+    float *x = (float *)xb.buf; Py_ssize_t n = xb.len / 4;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) x[i] = expf(x[i]);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xb);
+    Py_RETURN_NONE;
+}
+
 /* swiglu(gate (n) in place, up (n)): gate = silu(gate) * up */
 static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     Py_buffer gb, ub;
@@ -317,6 +330,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},
     {"rope_table", py_rope_table, METH_VARARGS, "rope_table(n, half, base, freq_scale, factors, cos, sin)"},
+    {"expf", py_expf, METH_VARARGS, "expf(x) in place, the C library's"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
     {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},
     {"set_threads", py_set_threads, METH_VARARGS, "default thread count (0: OpenMP's)"},
