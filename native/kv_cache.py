@@ -15,7 +15,7 @@ KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwis
 
 class KVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int,
-                 dtype: type = KV_DTYPE, recurrent: dict | None = None):
+                 dtype: type = KV_DTYPE, recurrent: dict | None = None, windows: dict | None = None):
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens
@@ -27,6 +27,12 @@ class KVCache:
         self._v: list[np.ndarray] = []
         # recurrent layers (linear attention): their state after position n-1, by layer
         self._recurrent_shapes = recurrent or {}
+        # sliding-window layers: layer -> window; they keep only the keys a query can still see,
+        # rows from position _off[layer] on, in buffers of their own
+        self._windows = windows or {}
+        self._off = {i: 0 for i in self._windows}
+        self._wk: dict[int, np.ndarray] = {}
+        self._wv: dict[int, np.ndarray] = {}
         self._states: dict[int, dict[str, np.ndarray]] = {}
 
     def recurrent_state(self, layer: int) -> dict[str, np.ndarray]:
@@ -46,8 +52,9 @@ class KVCache:
         shape = (cap, self.n_head_kv, self.head_dim)
         # a recurrent layer keeps a state instead of keys and values: no room for it
         none = (0, self.n_head_kv, self.head_dim)
-        new_k = [np.empty(none if i in self._recurrent_shapes else shape, self.dtype) for i in range(self.n_layer)]
-        new_v = [np.empty(none if i in self._recurrent_shapes else shape, self.dtype) for i in range(self.n_layer)]
+        skip = set(self._recurrent_shapes) | set(self._windows)
+        new_k = [np.empty(none if i in skip else shape, self.dtype) for i in range(self.n_layer)]
+        new_v = [np.empty(none if i in skip else shape, self.dtype) for i in range(self.n_layer)]
         for old, new in zip(self._k + self._v, new_k + new_v):
             if len(new):
                 new[:self.n] = old[:self.n]
@@ -66,6 +73,34 @@ class KVCache:
         self._v[layer][self.n:self.n + T] = v
         return self._k[layer][:self.n + T], self._v[layer][:self.n + T]
 
+    def store_window(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """As store() for a sliding-window layer: (keys, values, start) where the arrays begin at
+        an absolute position off and `start` = n - off is the first new row's index in them.
+        Positions no query from n on can see (before n - window + 1) are dropped first, so the
+        layer holds at most window + T rows: memory bounded by the window, not the context."""
+        T, W = k.shape[0], self._windows[layer]
+        off = self._off[layer]
+        # drop whole groups of 8 positions: the attention kernels sum scores and values in lanes
+        # by position mod 8, so the rows kept are summed exactly as with nothing dropped
+        keep_from = max(off, (self.n - W + 1) // 8 * 8)
+        kb, vb = self._wk.get(layer), self._wv.get(layer)
+        have = self.n - off                                       # rows held now
+        drop = keep_from - off
+        need = have - drop + T
+        if kb is None or need > len(kb) or len(kb) > 2 * max(need, W + _CHUNK):   # grow, or give back
+            cap = max(need, W + _CHUNK)
+            nk = np.empty((cap, self.n_head_kv, self.head_dim), self.dtype)
+            nv = np.empty_like(nk)
+            if kb is not None and have - drop > 0:
+                nk[:have - drop], nv[:have - drop] = kb[drop:have], vb[drop:have]
+            kb, vb = self._wk[layer], self._wv[layer] = nk, nv
+        elif drop > 0:
+            kb[:have - drop], vb[:have - drop] = kb[drop:have].copy(), vb[drop:have].copy()
+        off = self._off[layer] = keep_from
+        start = self.n - off
+        kb[start:start + T], vb[start:start + T] = k, v
+        return kb[:start + T], vb[:start + T], start
+
     def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The whole key and value arrays of `layer` (capacity, Hkv, d), for a compiled step
         that writes position n itself (after begin())."""
@@ -82,6 +117,9 @@ class KVCache:
             raise ValueError(f"a recurrent state cannot be rolled back from {self.n} to {n} positions")
         if n == 0:
             self._states.clear()
+            self._off = {i: 0 for i in self._windows}
+        elif n < self.n and any(n < off for off in self._off.values()):
+            raise ValueError(f"a sliding-window layer no longer holds position {n}")
         self.n = min(self.n, n)
         del self.tokens[self.n:]
 
@@ -96,10 +134,13 @@ class KVCache:
             n += 1
         if self._recurrent_shapes and (n < self.n or n >= len(tokens)):
             return 0               # recurrent layers: only an exact extension of what is cached
+        if n < self.n and any(n - w + 1 < self._off[i] for i, w in self._windows.items()):
+            return 0               # a window layer dropped keys the shorter prefix's next query needs
         return n
 
     @property
     def nbytes(self) -> int:
-        kv_layers = self.n_layer - len(self._recurrent_shapes)
+        kv_layers = self.n_layer - len(self._recurrent_shapes) - len(self._windows)
         states = sum(a.nbytes for st in self._states.values() for a in st.values())
-        return 2 * kv_layers * self._cap * self.n_head_kv * self.head_dim * self.dtype.itemsize + states
+        windows = sum(a.nbytes for a in list(self._wk.values()) + list(self._wv.values()))
+        return 2 * kv_layers * self._cap * self.n_head_kv * self.head_dim * self.dtype.itemsize + states + windows

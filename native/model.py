@@ -166,8 +166,9 @@ class Model:
         and — with the query and probabilities rounded as ggml rounds them — closer to llama.cpp
         (the E8K2 variant meets its bars only so; float32 misses them, tests/data/README.md)."""
         c = self.config
+        windows = {i: c.get("sliding_window") for i in range(c.n_layer) if self.family.sliding(c, i)}
         return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, dtype,
-                       self.family.recurrent_state(c))
+                       self.family.recurrent_state(c), windows)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -333,8 +334,11 @@ class Model:
             q *= np.float32(q_scale)
         outs = []
         for cache, a, b in segments:
-            keys, values = cache.store(i, k[a:b], v[a:b])
-            outs.append(attention(q[a:b], keys, values, cache.n, kq_scale or None, window))
+            if window:
+                keys, values, start = cache.store_window(i, k[a:b], v[a:b])
+            else:
+                (keys, values), start = cache.store(i, k[a:b], v[a:b]), cache.n
+            outs.append(attention(q[a:b], keys, values, start, kq_scale or None, window))
         return mm(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo, adapter)
 
     def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None) -> np.ndarray:

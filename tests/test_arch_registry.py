@@ -113,3 +113,22 @@ def test_plan_counts_only_the_layers_that_keep_keys_and_the_recurrent_state():
     cache = m.new_cache(64)
     m.forward(list(range(5, 25)), cache)
     assert cache.nbytes == 2 * 2 * 2 * 64 * 2 * 64 + hybrid["recurrent_state_bytes"]
+
+
+def test_sliding_window_layers_hold_only_their_window_and_compute_the_same_bits():
+    """gemma3's five local layers (window 16) keep at most window + a chunk of keys however long
+    the sequence, and dropping whole groups of 8 old positions leaves every logit's bits as they
+    were: a 400-token sequence run at once equals the same run in chunks and single steps."""
+    import numpy as np
+    m = load_model(tiny_path("gemma3"))
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, 280, 400)]
+    whole = m.forward(ids, m.new_cache(512), all_logits=True)
+    cache = m.new_cache(512)
+    parts = [m.forward(ids[:100], cache, all_logits=True), m.forward(ids[100:356], cache, all_logits=True)]
+    parts += [m.forward([t], cache)[None] for t in ids[356:]]
+    assert np.array_equal(np.concatenate(parts), whole)
+    held = max(len(k) for k in cache._wk.values())       # the window (+ up to 7 of its group) + a chunk
+    assert len(cache._wk) == 5 and held <= 16 + 8 + 256
+    from kiln.native.models.plan import plan
+    p = plan(tiny_path("gemma3"), ctx=4096, available=2**40)
+    assert p["kv_cache_bytes"] == 2 * 1 * 2 * 64 * 2 * 4096 + 2 * 5 * 2 * 64 * 2 * (16 + 256)

@@ -65,12 +65,17 @@ class Family:
         return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
 
     def kv_layers(self, c) -> list[int]:
-        """The layers that keep keys and values (all of them, but for recurrent ones)."""
+        """The layers whose keys and values grow with the context (not recurrent, not sliding)."""
         rec = self.recurrent_state(c)
-        return [i for i in range(c.n_layer) if i not in rec]
+        return [i for i in range(c.n_layer) if i not in rec and not self.sliding(c, i)]
 
     def kv_bytes_per_token(self, c, itemsize: int = 2) -> int:
         return 2 * len(self.kv_layers(c)) * c.n_head_kv * c.head_dim * itemsize
+
+    def window_kv_bytes(self, c, itemsize: int = 2, chunk: int = 256) -> int:
+        """Keys and values the sliding-window layers hold at most: their window and one chunk."""
+        n = sum(self.sliding(c, i) for i in range(c.n_layer))
+        return 2 * n * c.n_head_kv * c.head_dim * itemsize * (c.get("sliding_window", 0) + chunk) if n else 0
 
     def recurrent_state_bytes(self, c) -> int:
         """Bytes of recurrent state one sequence holds (float32), whatever its length."""

@@ -78,8 +78,11 @@ class GptOss(Family):
         window = c.get("sliding_window") if self.sliding(c, i) else 0
         outs = []
         for cache, a, b in ctx.segments:
-            keys, values = cache.store(i, k[a:b], v[a:b])
-            outs.append(attention(q[a:b], keys, values, cache.n, None, window, L.sinks))
+            if window:
+                keys, values, start = cache.store_window(i, k[a:b], v[a:b])
+            else:
+                (keys, values), start = cache.store(i, k[a:b], v[a:b]), cache.n
+            outs.append(attention(q[a:b], keys, values, start, None, window, L.sinks))
         return matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo) + L.bo
 
     def experts(self, m, i, L, x):

@@ -57,9 +57,10 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
             "weights_bytes": engine_weights,
             "kv_cache_bytes_per_token": kv_per_token,
             "context": ctx,
-            "kv_cache_bytes": kv_per_token * ctx,
+            "kv_cache_bytes": kv_per_token * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize),
             "recurrent_state_bytes": fam.recurrent_state_bytes(c),
-            "total_bytes": engine_weights + kv_per_token * ctx + fam.recurrent_state_bytes(c),
+            "total_bytes": engine_weights + kv_per_token * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize)
+            + fam.recurrent_state_bytes(c),
         },
     }
     if tensors:

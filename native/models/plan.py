@@ -34,9 +34,10 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None) -> di
             expert_bytes += engine
     weights = sum(held.values())
     fam = family(c.arch)
-    # keys and values of the layers that keep them (sliding-window layers too: their cache is
-    # not bounded yet), plus the recurrent state of linear-attention layers
-    kv = fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.recurrent_state_bytes(c)
+    # keys and values of the layers that keep every position, the sliding-window layers' window,
+    # and the recurrent state of linear-attention layers
+    kv = fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize) \
+        + fam.recurrent_state_bytes(c)
     total = weights + kv + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
