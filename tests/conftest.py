@@ -92,7 +92,8 @@ E2E_MODULES = {"test_evaluator_e2e", "test_http_foundation", "test_hub_pull", "t
                "test_router_e2e"}
 E2E_TESTS = ("test_default_model_matches_llama_cpp[numpy]", "test_e8k2_variant_matches_llama_cpp[numpy]",
              "test_e8k8_variant_gives_the_dense_logits", "test_ten_thousand_random_frame_lists_raise_only_protocol_error",
-             "test_llama_cpp_logits_with_our_adapter_meet_the_engine_bars", "test_tiny_model_matches_llama_cpp[numpy-llama3]")
+             "test_llama_cpp_logits_with_our_adapter_meet_the_engine_bars", "test_tiny_model_matches_llama_cpp[numpy-llama3]",
+             "test_prompt_logits_are_llama_cpps_bits[tiny-llama3-numpy]")
 
 
 def pytest_collection_modifyitems(config, items):
