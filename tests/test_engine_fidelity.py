@@ -67,7 +67,7 @@ def test_e8k2_variant_matches_llama_cpp(e8k2_path, kernel_path):
 
 KQUANT = [f"tiny/tiny-llama-{q}" for q in ("Q4_K_M", "Q5_K_M", "Q6_K", "F16")]   # tests/data/README.md
 # the newer families' references remade here by llama.cpp built for AVX2/FMA/F16C (tests/data/README.md)
-AVX2_REFS = ["tiny/avx2/tiny-llama3", "tiny/avx2/tiny-gemma3"]
+AVX2_REFS = ["tiny/avx2/tiny-llama3", "tiny/avx2/tiny-gemma3", "tiny/avx2/tiny-gpt-oss"]
 MODELS = [f"tiny/tiny-{a}" for a in BITS_ARCHS] + AVX2_REFS + KQUANT + ["smollm2", "smollm2-moe-e8k2", "smollm2-moe-e8k8"]
 MODEL_FIXTURE = {"smollm2": "default_model_path", "smollm2-moe-e8k2": "e8k2_path", "smollm2-moe-e8k8": "e8k8_path"}
 

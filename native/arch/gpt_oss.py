@@ -93,11 +93,14 @@ class GptOss(Family):
         provider = m.expert_provider
         if provider is not None:
             provider.prefetch(i, np.unique(top), rows=len(x))
-        out = np.zeros_like(x)
+        per_slot = np.empty((x.shape[0], top.shape[1], x.shape[1]), F32)
         for e in np.unique(top):
             rows, slot = np.nonzero(top == e)
             gate, up, down = L.expert(int(e)) if provider is None else provider.weights(i, int(e))
             xs = x[rows]
             h = swiglu_oai(matmul(xs, gate) + L.gate_b[e], matmul(xs, up) + L.up_b[e])
-            out[rows] += weights[rows, slot, None] * (matmul(h, down) + L.down_b[e])
+            per_slot[rows, slot] = weights[rows, slot, None] * (matmul(h, down) + L.down_b[e])
+        out = per_slot[:, 0].copy()
+        for j in range(1, top.shape[1]):          # summed slot by slot, in the chosen (logit) order, as ggml
+            out += per_slot[:, j]
         return out
