@@ -332,14 +332,20 @@ class Model:
         q_scale, kq_scale = self.attn_scales
         if q_scale:
             q *= np.float32(q_scale)
+        return mm(self.attend(i, q, k, v, segments, kq_scale or None, window), L.wo, adapter)
+
+    @staticmethod
+    def attend(i: int, q, k, v, segments: list, scale=None, window: int = 0, sinks=None) -> np.ndarray:
+        """Store each sequence's new keys and values in layer i of its cache (a sliding-window
+        layer keeps only its window) and attend over them: (T, H*d) for rows of all sequences."""
         outs = []
         for cache, a, b in segments:
             if window:
                 keys, values, start = cache.store_window(i, k[a:b], v[a:b])
             else:
                 (keys, values), start = cache.store(i, k[a:b], v[a:b]), cache.n
-            outs.append(attention(q[a:b], keys, values, start, kq_scale or None, window))
-        return mm(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo, adapter)
+            outs.append(attention(q[a:b], keys, values, start, scale, window, sinks))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None) -> np.ndarray:
         if L.router is None:

@@ -67,6 +67,7 @@ class Pending:
     timeout: float                 # seconds, for messages
     wait_until: float              # monotonic: the longest it may wait for a worker
     worker: str | None = None      # where it is running now (None: waiting)
+    target_worker: str = ""        # the worker its target resolved to at admission
     got_output: bool = False
     attempts: int = 0
     adapter: str | None = None
@@ -111,7 +112,7 @@ class Router:
         now = self.table.clock.monotonic()
         timeout = timeout or self.request_timeout
         p = Pending(new_id(), op, body, client, target, now + timeout, timeout,
-                    now + min(timeout, self.wait_for_worker), adapter=adapter)
+                    now + min(timeout, self.wait_for_worker), adapter=adapter, target_worker=w.name)
         self.pending[p.id] = p
         self.counts["admitted"] += 1
         self._try_send(p, now)
@@ -164,7 +165,7 @@ class Router:
     # -- sending and waiting --------------------------------------------------------------------
 
     def _try_send(self, p: Pending, now: float) -> bool:
-        w = self.resolve(p.target) if p.target.worker is None else self.table[p.target.worker]
+        w = self.table[p.target_worker]            # the worker set is fixed for the daemon's life
         if w.can_serve() or (w.identity is not None and w.ps.state in ("starting", "running")
                              and p.op not in ("generate", "score")):
             # non-generate ops queue inside a loading worker's executor; generation waits here,
@@ -197,10 +198,7 @@ class Router:
                 self._cancel_on_worker(p)
                 self._finish(p, "deadline_exceeded", f"the request took longer than its deadline ({p.timeout:g} s)")
             elif p.worker is None:
-                try:
-                    self._try_send(p, now)
-                except RouteError as e:            # the worker it named was removed
-                    self._finish(p, e.code, e.message)
+                self._try_send(p, now)
 
     def waiting(self) -> int:
         return sum(1 for p in self.pending.values() if p.worker is None)

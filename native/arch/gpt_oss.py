@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..blocks import apply_rope, attention
+from ..blocks import apply_rope
 from ..ggml_round import libm_expf
 from ..kernels import matmul, matmul_many
 from .base import Family
@@ -76,14 +76,7 @@ class GptOss(Family):
                        c.rope_style)
         v = (v + L.bv).reshape(T, c.n_head_kv, c.head_dim)
         window = c.get("sliding_window") if self.sliding(c, i) else 0
-        outs = []
-        for cache, a, b in ctx.segments:
-            if window:
-                keys, values, start = cache.store_window(i, k[a:b], v[a:b])
-            else:
-                (keys, values), start = cache.store(i, k[a:b], v[a:b]), cache.n
-            outs.append(attention(q[a:b], keys, values, start, None, window, L.sinks))
-        return matmul(outs[0] if len(outs) == 1 else np.concatenate(outs), L.wo) + L.bo
+        return matmul(m.attend(i, q, k, v, ctx.segments, None, window, L.sinks), L.wo) + L.bo
 
     def experts(self, m, i, L, x):
         c = m.config

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..blocks import apply_rope, attention, rms_norm
+from ..blocks import apply_rope, rms_norm
 from ..kernels import matmul, matmul_many
 from .base import Family
 
@@ -112,12 +112,7 @@ class Qwen35(Family):
         v = v.reshape(T, c.n_head_kv, D)
         q = apply_rope(q, ctx.cos, ctx.sin, c.rope_style)
         k = apply_rope(np.ascontiguousarray(k), ctx.cos, ctx.sin, c.rope_style)
-        outs = []
-        for cache, a, b in ctx.segments:
-            keys, values = cache.store(i, k[a:b], v[a:b])
-            outs.append(attention(q[a:b], keys, values, cache.n))
-        out = outs[0] if len(outs) == 1 else np.concatenate(outs)
-        return matmul(out * _sigmoid(gate), L.wo)
+        return matmul(m.attend(i, q, k, v, ctx.segments) * _sigmoid(gate), L.wo)
 
     def delta_net(self, m, i, L, x, ctx):
         c = m.config
