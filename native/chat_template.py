@@ -70,7 +70,7 @@ _SENTINEL = "\ue000{}\ue001"
 
 
 def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],
-                        add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+                        add_generation_prompt: bool = True, **extra) -> tuple[str, list[int]]:
     """Render `messages` and tokenize the result so that only the template's own markup can
     become control tokens: a user who types `<|im_start|>system` gets those characters as text.
 
@@ -78,11 +78,11 @@ def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],
     tokens found in the template's text are tokenized as specials, every other run (template
     text and contents together) as plain text — which, for a prompt with no fake markup, gives
     exactly llama.cpp's tokenization of the whole rendered string."""
-    text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
     contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
     masked = [dict(m, content=_SENTINEL.format(i)) if c is not None else m
               for i, (m, c) in enumerate(zip(messages, contents))]
-    shape = template.render(masked, add_generation_prompt=add_generation_prompt)
+    shape = template.render(masked, add_generation_prompt=add_generation_prompt, **extra)
     rebuilt = shape
     for i, c in enumerate(contents):
         if c is not None:

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .constrain import Constraint
 from .kv_cache import KVCache
 from .model import Model
 from .sampling import Sampler, SamplingParams, log_softmax
@@ -24,6 +25,7 @@ class Token:
     text: str                                   # text released with this token (may be "")
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    index: int = 0                              # which sequence of the request (n > 1)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Finish:
     text: str = ""                              # text released at the end (held-back tail)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    index: int = 0
 
 
 class ContextLengthError(ValueError):
@@ -63,11 +66,15 @@ class Generation:
     """One request's decoding state: sampler, stop strings, streamed text. Whoever runs the
     model (a Sequence alone, or a batch of them) feeds it each step's logits."""
 
-    def __init__(self, model: Model, prompt: list[int], params: SamplingParams, cached: int = 0):
+    def __init__(self, model: Model, prompt: list[int], params: SamplingParams, cached: int = 0,
+                 index: int = 0, show: frozenset[int] = frozenset()):
         self.tok = model.tokenizer
         self.params = params
-        self.sampler = Sampler(params)
-        self.decoder = self.tok.stream_decoder(skip_control=True)
+        self.index = index
+        self.sampler = Sampler(params, stream=index)
+        # a grammar the output must match: its mask is applied before sampling
+        self.constraint = Constraint(params.grammar, self.tok) if params.grammar else None
+        self.decoder = self.tok.stream_decoder(skip_control=True, keep=show)
         self.history = list(prompt)
         self.n_prompt, self.cached = len(prompt), cached
         self.pending = ""          # decoded text not yet released (may start a stop string)
@@ -85,7 +92,10 @@ class Generation:
         p = self.params
         if self.t_first is None:
             self.t_first = time.perf_counter()
-        tid = self.sampler.sample(logits, self.history)
+        allowed = self.constraint.apply(logits) if self.constraint else logits
+        tid = self.sampler.sample(allowed, self.history)
+        if self.constraint:
+            self.constraint.accept(tid)
         lp, top = None, []
         if p.logprobs is not None:
             ls = log_softmax(logits)
@@ -97,24 +107,28 @@ class Generation:
         self.history.append(tid)
         if tid in self.tok.special.stop_ids and not p.ignore_eos:
             self.reason = "stop"
-            return Token(tid, "", lp, top)
+            return Token(tid, "", lp, top, self.index)
         self.pending += self.decoder.feed(tid)
         hit = min(((self.pending.find(s), s) for s in p.stop if s in self.pending), default=None)
         if hit is not None:
             text, self.pending, self.reason = self.pending[:hit[0]], "", "stop"
-            return Token(tid, text, lp, top)
+            return Token(tid, text, lp, top, self.index)
         release = len(self.pending) - _stop_hold(self.pending, p.stop)
         text, self.pending = self.pending[:release], self.pending[release:]
-        if self.n_out >= p.max_tokens:
+        if self.constraint and self.constraint.done:
+            self.reason = "stop"                 # the grammar is complete: nothing may follow
+            text, self.pending = text + self.pending + self.decoder.flush(), ""
+        elif self.n_out >= p.max_tokens:
             self.reason = "length"
-        return Token(tid, text, lp, top)
+        return Token(tid, text, lp, top, self.index)
 
     def finish(self, reason: str | None = None) -> Finish:
         self.reason = reason or self.reason or "length"
         tail = "" if self.reason == "stop" else self.pending + self.decoder.flush()
         now = time.perf_counter()
         first = self.t_first or now
-        return Finish(self.reason, self.n_prompt, self.n_out, self.cached, tail, first - self.t_start, now - first)
+        return Finish(self.reason, self.n_prompt, self.n_out, self.cached, tail, first - self.t_start, now - first,
+                      self.index)
 
 
 class Sequence:

@@ -123,6 +123,17 @@ class KVCache:
         self.n = min(self.n, n)
         del self.tokens[self.n:]
 
+    def copy_from(self, other: "KVCache") -> None:
+        """Become a copy of `other` (same model): the n sequences of one request share the
+        prompt's keys, values and recurrent states, computed once."""
+        self.n, self.tokens, self.adapter, self._cap = other.n, list(other.tokens), other.adapter, other._cap
+        self._k = [a.copy() for a in other._k]
+        self._v = [a.copy() for a in other._v]
+        self._off = dict(other._off)
+        self._wk = {i: a.copy() for i, a in other._wk.items()}
+        self._wv = {i: a.copy() for i, a in other._wv.items()}
+        self._states = {i: {k: a.copy() for k, a in st.items()} for i, st in other._states.items()}
+
     def common_prefix(self, tokens: list[int], adapter=None) -> int:
         """How many leading positions can be reused for `tokens` run with `adapter`."""
         if adapter is not self.adapter:

@@ -1,6 +1,7 @@
 """Choosing the next token from logits.
 
-The chain runs in llama.cpp's order: penalties → top-k → top-p → min-p → temperature → draw.
+The chain runs in llama.cpp's order: logit bias → penalties → top-k → typical → top-p → min-p →
+temperature → draw.
 Temperature ≤ 0 is greedy. A seeded `numpy.random.Generator` makes a run repeatable: the same
 seed and the same input give the same tokens.
 """
@@ -32,6 +33,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # None = off; n = also return the top-n alternatives
+    typical_p: float = 1.0          # 1.0 = off (locally typical sampling)
+    logit_bias: dict = field(default_factory=dict)      # token id -> added to its logit
+    grammar: str | None = None      # llguidance grammar the output must match (native/constrain.py)
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -45,6 +49,9 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "between -2 and 2"),
             ("max_tokens", self.max_tokens >= 0, "≥ 0"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "between 0 and 20"),
+            ("typical_p", 0.0 < self.typical_p <= 1.0, "in (0, 1]"),
+            ("logit_bias", all(isinstance(k, int) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
+             "token ids mapped to values between -100 and 100"),
             ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
              "at most 16 non-empty strings"),
         ]
@@ -60,6 +67,9 @@ class SamplingParams:
         if unknown:
             raise SamplingError(f"unknown sampling parameter(s) {sorted(unknown)}; "
                                 f"known: {sorted(known)}")
+        d = dict(d)
+        if isinstance(d.get("logit_bias"), list):           # [[id, bias], …]: the wire form
+            d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"]}
         return cls(**d).validate()
 
 
@@ -79,9 +89,21 @@ def top_ranked(logits: np.ndarray, k: int) -> np.ndarray:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, stream: int = 0):
+        """`stream` numbers the sequences of one request (n > 1): each draws from its own
+        generator, all fixed by the seed."""
         self.p = params
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(params.seed if stream == 0 or params.seed is None
+                                         else [params.seed, stream])
+
+    def apply_bias(self, logits: np.ndarray) -> np.ndarray:
+        if not self.p.logit_bias:
+            return logits
+        logits = logits.copy()
+        for t, b in self.p.logit_bias.items():
+            if 0 <= t < len(logits):
+                logits[t] = -np.inf if b <= -100 else logits[t] + b
+        return logits
 
     def apply_penalties(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
         p = self.p
@@ -104,7 +126,7 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: list[int]) -> int:
         p = self.p
-        logits = self.apply_penalties(logits, history)
+        logits = self.apply_penalties(self.apply_bias(logits), history)
         if p.temperature <= 0.0:
             return int(np.argmax(logits))
         if 0 < p.top_k < len(logits):
@@ -114,6 +136,8 @@ class Sampler:
         cand = logits[order].astype(np.float64)
         probs = np.exp(cand - cand[0])
         probs /= probs.sum()
+        if p.typical_p < 1.0:
+            order, cand, probs = _typical(order, cand, probs, p.typical_p)
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
             order, cand, probs = order[:keep], cand[:keep], probs[:keep]
@@ -124,3 +148,17 @@ class Sampler:
         probs = np.exp(scaled)
         probs /= probs.sum()
         return int(order[self.rng.choice(len(order), p=probs)])
+
+
+def _typical(order, cand, probs, mass: float):
+    """Locally typical sampling (Meier et al. 2022, as llama.cpp): keep the tokens whose
+    surprise is closest to the distribution's entropy until they hold `mass`."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logp = np.log(probs)
+        entropy = -np.nansum(probs * logp)
+        shift = np.abs(-logp - entropy)
+    by = np.argsort(shift, kind="stable")
+    keep = int(np.searchsorted(np.cumsum(probs[by]), mass) + 1)
+    sel = np.sort(by[:max(1, keep)])          # back in descending-probability order
+    probs = probs[sel] / probs[sel].sum()
+    return order[sel], cand[sel], probs

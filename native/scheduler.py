@@ -31,6 +31,9 @@ class Job:
     gen: Generation | None = None
     slot: int | None = None
     logits: object = None
+    index: int = 0                                              # within its group (n > 1)
+    group: list["Job"] | None = None                            # the jobs sharing this prompt
+    show: frozenset = frozenset()                               # control tokens shown as text
 
 
 class Scheduler:
@@ -48,12 +51,19 @@ class Scheduler:
     # -- callers (any thread) ------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-               adapter=None) -> Job:
+               adapter=None, n: int = 1, show: frozenset = frozenset()) -> Job:
+        """Queue a generation; with n > 1, n sequences that share the prompt (prefilled once)
+        and put their events, each carrying its index, on the first job's queue."""
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
         if len(prompt) + params.max_tokens > self.n_ctx:
             raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
-        job = Job(prompt, params, cancelled, adapter=adapter)
+        if not 1 <= n <= len(self.seqs):
+            raise ValueError(f"n = {n} sequences do not fit: this worker runs at most {len(self.seqs)} "
+                             f"at once (its `parallel` setting)")
+        job = Job(prompt, params, cancelled, adapter=adapter, show=show)
+        job.group = [job] + [Job(prompt, params, cancelled, events=job.events, adapter=adapter, index=i, show=show)
+                             for i in range(1, n)]
         with self.cond:
             self.waiting.append(job)
             self.cond.notify()
@@ -71,26 +81,34 @@ class Scheduler:
                 while not self.waiting and not self.active:
                     self.cond.wait()
                 admit = []
-                while self.waiting and self.free:
-                    job = self.waiting.popleft()
-                    job.slot = self._best_slot(job)
-                    self.free.remove(job.slot)
-                    admit.append(job)
+                while self.waiting and len(self.free) >= len(self.waiting[0].group):
+                    lead = self.waiting.popleft()
+                    for job in lead.group:
+                        job.slot = self._best_slot(job)
+                        self.free.remove(job.slot)
+                    admit.append(lead)
             with self.model_lock:
-                for job in admit:
-                    self._admit(job)
+                for lead in admit:
+                    self._admit(lead)
+                    for job in lead.group[1:]:
+                        self._admit(job, lead)
                 self._step()
 
     def _best_slot(self, job: Job) -> int:
         return max(self.free, key=lambda i: (self.seqs[i].cache.common_prefix(job.prompt, job.adapter), -i))
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Job, lead: Job | None = None) -> None:
+        """Prefill `job`'s prompt — or, for a later sequence of a group, copy its lead's."""
         seq = self.seqs[job.slot]
         try:
             if job.cancelled():
                 raise _Cancelled()
-            job.gen = Generation(self.model, job.prompt, job.params)
-            job.logits, job.gen.cached = seq.prefill(job.prompt, job.cancelled, adapter=job.adapter)
+            job.gen = Generation(self.model, job.prompt, job.params, index=job.index, show=job.show)
+            if lead is not None and lead.slot is not None and lead.logits is not None:
+                seq.cache.copy_from(self.seqs[lead.slot].cache)
+                job.logits, job.gen.cached = lead.logits, lead.gen.cached
+            else:
+                job.logits, job.gen.cached = seq.prefill(job.prompt, job.cancelled, adapter=job.adapter)
             if job.logits is None:
                 return self._end(job, job.gen.finish("cancelled"))
             if job.params.max_tokens == 0:
@@ -98,7 +116,7 @@ class Scheduler:
             with self.cond:
                 self.active.append(job)
         except _Cancelled:
-            self._end(job, Finish("cancelled", len(job.prompt), 0, 0))
+            self._end(job, Finish("cancelled", len(job.prompt), 0, 0, index=job.index))
         except Exception as e:  # noqa: BLE001 - reported to the request, the scheduler goes on
             self._end(job, e)
 

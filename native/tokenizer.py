@@ -225,6 +225,10 @@ class GGUFTokenizer:
             out.append((text[pos:], None))
         return out
 
+    def id_of(self, piece: str) -> int | None:
+        """The id of the token whose text is exactly `piece`, if there is one."""
+        return self._vocab.get(piece)
+
     def is_control(self, token_id: int) -> bool:
         return self.token_types[token_id] == TOKEN_CONTROL
 
@@ -237,20 +241,22 @@ class GGUFTokenizer:
                  if not (skip_control and self.token_types[i] == TOKEN_CONTROL)]
         return b"".join(parts).decode("utf-8", errors="replace")
 
-    def stream_decoder(self, *, skip_control: bool = True) -> "StreamDecoder":
-        return StreamDecoder(self, skip_control)
+    def stream_decoder(self, *, skip_control: bool = True, keep: frozenset[int] = frozenset()) -> "StreamDecoder":
+        """`keep`: control tokens to show anyway (markers a caller parses, such as [TOOL_CALLS])."""
+        return StreamDecoder(self, skip_control, keep)
 
 
 class StreamDecoder:
     """Turns a stream of token ids into text pieces without ever splitting a UTF-8 character."""
 
-    def __init__(self, tokenizer: GGUFTokenizer, skip_control: bool):
+    def __init__(self, tokenizer: GGUFTokenizer, skip_control: bool, keep: frozenset[int] = frozenset()):
         self._tok = tokenizer
         self._skip = skip_control
+        self._keep = keep
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        if self._skip and self._tok.is_control(token_id):
+        if self._skip and self._tok.is_control(token_id) and token_id not in self._keep:
             return ""
         return self._dec.decode(self._tok.token_bytes(token_id))
 

@@ -26,7 +26,13 @@ SCHEMAS: dict[str, Schema] = {
     "environ": {},
     # inference
     "generate": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "messages": (list, False),
-                 "params": (dict, False), "session": (str, False), "adapter": (str, False)},
+                 "params": (dict, False), "session": (str, False), "adapter": (str, False),
+                 # chat: tools and constraints (checked for shape by the HTTP layer, against the
+                 # model's template by the worker)
+                 "tools": (list, False), "tool_choice": ((str, dict), False), "parallel_tool_calls": (bool, False),
+                 "response_format": (dict, False), "chat_template_kwargs": (dict, False),
+                 "reasoning_effort": (str, False)},
+    "embed": {"inputs": (list, True)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
               "adapter": (str, False)},

@@ -26,7 +26,8 @@ from kiln.protocol import vocab
 
 from . import openai_shapes as shapes
 from .http_common import JSONError, bus, error_from, routed
-from .openai_validate import adapter, bad, logprobs, messages, prompts, sampling_params
+from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, adapter, bad, known_fields, logprobs, messages,
+                              prompts, sampling_params, tools)
 
 
 class WorkerGone(Exception):
@@ -160,10 +161,12 @@ class OpenAI:
 
     def on_post_chat(self, req, resp):
         body = self.read_json(req)
-        self._generate(req, resp, body, {"messages": messages(body), **adapter(body)}, chat=True)
+        known_fields(body, CHAT_FIELDS)
+        self._generate(req, resp, body, {"messages": messages(body), **tools(body), **adapter(body)}, chat=True)
 
     def on_post_completions(self, req, resp):
         body = self.read_json(req)
+        known_fields(body, COMPLETION_FIELDS)
         works = [dict(w, **adapter(body)) for w in prompts(body)]
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
@@ -171,6 +174,8 @@ class OpenAI:
         if echo or len(works) > 1:
             if body.get("stream"):
                 raise bad("stream", "stream is not supported with echo or with several prompts")
+            if body.get("n", 1) != 1:
+                raise bad("n", "n > 1 is not supported with echo or with several prompts")
             return self._batch(req, resp, body, works, echo)
         self._generate(req, resp, body, works[0], chat=False)
 
@@ -245,6 +250,7 @@ class OpenAI:
         if not isinstance(so, dict):
             raise bad("stream_options", "stream_options must be an object", "invalid_type")
         include_usage = bool(so.get("include_usage"))
+        n = params.get("n", 1)
         name = self.route(body)["worker"]
         params.setdefault("max_tokens", -1)        # -1: to the end of the context (the worker knows it)
         work = dict(work, params=params, worker=name)
@@ -255,25 +261,26 @@ class OpenAI:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = _Stream(self._sse(answer, shapes.StreamShapes(meta, chat, lp is not None), include_usage),
+            resp.stream = _Stream(self._sse(answer, shapes.StreamShapes(meta, chat, lp is not None, n), include_usage),
                                   answer)
             return
+        choices = [shapes.Choice(i) for i in range(n)]
         try:
-            text, toks, final = [], [], None
+            final = None
             for msg in answer:
                 if msg.type == "chunk":
-                    text.append(msg.body["text"])
-                    toks.append(msg.body)
+                    choices[msg.body.get("index", 0)].add(msg.body)
                 else:
                     final = msg.body
             if final is None:
                 raise JSONError(499, "client_closed", "the client closed the connection")
-            text.append(final["text"])
         except WorkerGone as e:
             raise error_from(e.msg) from None
         finally:
             answer.close()
-        resp.media = shapes.whole(meta, chat, "".join(text), toks, final, lp is not None)
+        for f in final.get("choices", [final]):
+            choices[f.get("index", 0)].close(f)
+        resp.media = shapes.whole(meta, chat, choices, final, lp is not None)
 
     @staticmethod
     def _sse(answer: Answer, s: shapes.StreamShapes, include_usage: bool) -> Iterator[bytes]:
@@ -281,11 +288,9 @@ class OpenAI:
             yield from s.opening()
             for msg in answer:
                 if msg.type == "chunk":
-                    ev = s.token(msg.body)
-                    if ev:
-                        yield ev
+                    yield from s.part(msg.body)
                 else:
-                    yield from s.closing(msg.body, include_usage)
+                    yield from s.closing(msg.body.get("choices", [msg.body]), msg.body, include_usage)
             yield shapes.sse("[DONE]")
         except WorkerGone as e:
             yield shapes.sse(error_from(e.msg).kiln_body)

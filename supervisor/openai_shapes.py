@@ -7,7 +7,48 @@ import json
 
 
 def finish_reason(final: dict) -> str:
-    return "length" if final["finish_reason"] == "length" else "stop"
+    r = final["finish_reason"]
+    return r if r in ("length", "tool_calls") else "stop"
+
+
+def openai_call(c: dict) -> dict:
+    return {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+
+
+class Choice:
+    """One choice of an answer, accumulated from the worker's chunks and final."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[dict] = []
+        self.toks: list[dict] = []
+        self.final: dict | None = None
+
+    def add(self, part: dict, is_token: bool = True) -> None:
+        self.text.append(part.get("text", ""))
+        self.reasoning.append(part.get("reasoning", ""))
+        self.calls += part.get("tool_calls", [])
+        if is_token:
+            self.toks.append(part)
+
+    def close(self, final: dict) -> None:
+        self.add(final, is_token=False)
+        self.final = final
+
+    def whole(self, chat: bool, with_lp: bool) -> dict:
+        text = "".join(self.text)
+        if not chat:
+            return {"index": self.index, "text": text, "logprobs": completion_logprobs(self.toks) if with_lp else None,
+                    "finish_reason": finish_reason(self.final)}
+        msg: dict = {"role": "assistant", "content": text if text or not self.calls else None}
+        if any(self.reasoning):
+            msg["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = [openai_call(c) for c in self.calls]
+        return {"index": self.index, "message": msg, "logprobs": chat_logprobs(self.toks) if with_lp else None,
+                "finish_reason": finish_reason(self.final)}
 
 
 def usage(final: dict) -> dict:
@@ -32,16 +73,10 @@ def completion_logprobs(toks: list[dict]) -> dict:
             "top_logprobs": [{p: l for _, l, p in t["top_logprobs"]} for t in toks], "text_offset": offsets}
 
 
-def whole(meta: dict, chat: bool, text: str, toks: list[dict], final: dict, with_lp: bool) -> dict:
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": chat_logprobs(toks) if with_lp else None, "finish_reason": finish_reason(final)}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(toks) if with_lp else None,
-                  "finish_reason": finish_reason(final)}
-        obj = "text_completion"
-    return {**meta, "object": obj, "choices": [choice], "usage": usage(final), "system_fingerprint": "kiln"}
+def whole(meta: dict, chat: bool, choices: list[Choice], usage_of: dict, with_lp: bool) -> dict:
+    return {**meta, "object": "chat.completion" if chat else "text_completion",
+            "choices": [c.whole(chat, with_lp) for c in choices], "usage": usage(usage_of),
+            "system_fingerprint": "kiln"}
 
 
 def sse(payload: dict | str) -> bytes:
@@ -50,10 +85,11 @@ def sse(payload: dict | str) -> bytes:
 
 
 class StreamShapes:
-    """The events of one streamed answer (chat.completion.chunk or text_completion)."""
+    """The events of one streamed answer (chat.completion.chunk or text_completion). A tool
+    call streams as two deltas: its index, id and name, then its arguments."""
 
-    def __init__(self, meta: dict, chat: bool, with_lp: bool):
-        self.meta, self.chat, self.with_lp = meta, chat, with_lp
+    def __init__(self, meta: dict, chat: bool, with_lp: bool, n: int = 1):
+        self.meta, self.chat, self.with_lp, self.n = meta, chat, with_lp, n
         self.obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(self, choice: dict | None, **extra) -> bytes:
@@ -62,28 +98,44 @@ class StreamShapes:
     def opening(self) -> list[bytes]:
         if not self.chat:
             return []
-        return [self.event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})]
+        return [self.event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}) for i in range(self.n)]
 
-    def token(self, t: dict) -> bytes | None:
-        if not t["text"] and not self.with_lp:
-            return None
-        if self.chat:
-            return self.event({"index": 0, "delta": {"content": t["text"]},
-                               "logprobs": chat_logprobs([t]) if self.with_lp else None, "finish_reason": None})
-        return self.event({"index": 0, "text": t["text"],
-                           "logprobs": completion_logprobs([t]) if self.with_lp else None, "finish_reason": None})
-
-    def closing(self, final: dict, include_usage: bool) -> list[bytes]:
+    def part(self, t: dict, is_token: bool = True) -> list[bytes]:
+        """The events of one chunk (or of a final's tail when not is_token)."""
+        i = t.get("index", 0)
+        lp = is_token and self.with_lp
         out = []
-        if self.chat:
-            if final["text"]:
-                out.append(self.event({"index": 0, "delta": {"content": final["text"]}, "logprobs": None,
-                                       "finish_reason": None}))
-            out.append(self.event({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(final)}))
-        else:
-            out.append(self.event({"index": 0, "text": final["text"], "logprobs": None,
-                                   "finish_reason": finish_reason(final)}))
+        if not self.chat:
+            if t.get("text") or lp:
+                out.append(self.event({"index": i, "text": t.get("text", ""),
+                                       "logprobs": completion_logprobs([t]) if lp else None, "finish_reason": None}))
+            return out
+        delta = {}
+        if t.get("reasoning"):
+            delta["reasoning_content"] = t["reasoning"]
+        if t.get("text") or (lp and not t.get("tool_calls")):
+            delta["content"] = t.get("text", "")
+        if delta or lp:
+            out.append(self.event({"index": i, "delta": delta, "logprobs": chat_logprobs([t]) if lp else None,
+                                   "finish_reason": None}))
+        for c in t.get("tool_calls", []):
+            head = {"index": c["index"], "id": c["id"], "type": "function",
+                    "function": {"name": c["name"], "arguments": ""}}
+            out.append(self.event({"index": i, "delta": {"tool_calls": [head]}, "logprobs": None, "finish_reason": None}))
+            out.append(self.event({"index": i, "delta": {"tool_calls": [{"index": c["index"], "function": {
+                "arguments": c["arguments"]}}]}, "logprobs": None, "finish_reason": None}))
+        return out
+
+    def closing(self, finals: list[dict], usage_of: dict, include_usage: bool) -> list[bytes]:
+        out = []
+        for f in finals:
+            out += self.part(f, is_token=False)
+            i = f.get("index", 0)
+            if self.chat:
+                out.append(self.event({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(f)}))
+            else:
+                out.append(self.event({"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason(f)}))
         if include_usage:
-            out.append(self.event(None, usage=usage(final)))
+            out.append(self.event(None, usage=usage(usage_of)))
         return out

@@ -5,11 +5,39 @@ socket — tested on their own (tests/test_openai_validation.py)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .http_common import JSONError
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+
+_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
+             "seed", "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "n", "logit_bias", "typical_p"}
+_COMMON = {"model", "stream", "stream_options", "adapter"} | _SAMPLING
+CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                         "response_format", "chat_template_kwargs", "reasoning_effort"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs"}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
+# accepted and ignored: they change nothing a local server computes
+IGNORED = {"user", "metadata", "store", "service_tier"}
+# OpenAI fields Kiln does not implement, and what to do instead
+_REFUSED = {"functions": "use tools", "function_call": "use tool_choice", "best_of": "use n",
+            "suffix": "insertion is not supported", "audio": "Kiln serves text models",
+            "modalities": "Kiln serves text models", "prediction": "predicted outputs are not supported",
+            "web_search_options": "Kiln has no web search"}
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+EFFORTS = ("low", "medium", "high")
+
+
+def known_fields(body: dict, allowed: set[str]) -> None:
+    """400 naming the first field Kiln would otherwise have to ignore."""
+    for k in body:
+        if k in allowed or k in IGNORED:
+            continue
+        why = _REFUSED.get(k, "Kiln does not implement it")
+        raise bad(k, f"unsupported field {k!r}: {why}. Supported: {', '.join(sorted(allowed))}",
+                  "unsupported_field")
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> JSONError:
@@ -57,12 +85,110 @@ def sampling_params(body: dict, min_tokens: int = 1) -> dict:
         if not isinstance(body["ignore_eos"], bool):
             raise bad("ignore_eos", "ignore_eos must be a boolean", "invalid_type")
         p["ignore_eos"] = body["ignore_eos"]
-    n = body.get("n", 1)
-    if n != 1:
-        raise bad("n", f"n = {json.dumps(n)[:20]} is not supported: Kiln returns one choice (n = 1)")
+    n = _number(body, "n", 1, 16, int)
+    if n is not None and n > 1:
+        p["n"] = n
+    tp = _number(body, "typical_p", 0, 1)
+    if tp is not None:
+        if tp == 0:
+            raise bad("typical_p", "typical_p must be greater than 0")
+        p["typical_p"] = float(tp)
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise bad("logit_bias", "logit_bias must be an object mapping token ids to biases", "invalid_type")
+        pairs = []
+        for k, v in lb.items():
+            if not (isinstance(k, str) and k.isdigit()):
+                raise bad("logit_bias", f"logit_bias key {k!r} is not a token id")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise bad("logit_bias", f"logit_bias[{k}] = {json.dumps(v)[:20]} must be a number in [-100, 100]")
+            pairs.append([int(k), float(v)])
+        p["logit_bias"] = pairs
     if "seed" in p:
         p["seed"] = p["seed"] % (2**63)
     return p
+
+
+def _check_schema(schema, where: str) -> None:
+    if not isinstance(schema, dict):
+        raise bad(where, f"{where} must be a JSON schema object", "invalid_type")
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - a dependency
+        return
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise bad(where, f"{where} is not a valid JSON schema: {e.message}", "invalid_schema") from None
+
+
+def tools(body: dict) -> dict:
+    """tools, tool_choice, parallel_tool_calls, response_format, chat_template_kwargs and
+    reasoning_effort, checked for shape (what needs the model — its template, whether a
+    grammar compiles — the worker checks)."""
+    out: dict[str, Any] = {}
+    ts = body.get("tools")
+    if ts is not None:
+        if not isinstance(ts, list):
+            raise bad("tools", "tools must be a list of functions", "invalid_type")
+        names = set()
+        for i, t in enumerate(ts):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+                raise bad(where, f'{where} must be {{"type": "function", "function": {{"name": …}}}}')
+            f = t["function"]
+            if not isinstance(f.get("name"), str) or not _NAME.match(f["name"]):
+                raise bad(f"{where}.function.name", "a function name is 1-64 letters, digits, _ . or -")
+            if f["name"] in names:
+                raise bad(f"{where}.function.name", f"two tools are named {f['name']!r}")
+            names.add(f["name"])
+            for k in f:
+                if k not in ("name", "description", "parameters", "strict"):
+                    raise bad(f"{where}.function.{k}", f"unsupported field {k!r} in a function")
+            if "parameters" in f:
+                _check_schema(f["parameters"], f"{where}.function.parameters")
+        if ts:
+            out["tools"] = ts
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not out.get("tools") and choice != "none":
+            raise bad("tool_choice", "tool_choice needs tools")
+        named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+            choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+        if choice not in ("none", "auto", "required") and not named:
+            raise bad("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                                     '{"type": "function", "function": {"name": …}}')
+        if named and choice["function"]["name"] not in {t["function"]["name"] for t in out["tools"]}:
+            raise bad("tool_choice", f"tool_choice names {choice['function']['name']!r}, which is not in tools")
+        out["tool_choice"] = choice
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None:
+        if not isinstance(ptc, bool):
+            raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean", "invalid_type")
+        out["parallel_tool_calls"] = ptc
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad("response_format", 'response_format.type must be "text", "json_object" or "json_schema"')
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                raise bad("response_format.json_schema", "json_schema must be an object with a name and a schema")
+            _check_schema(js.get("schema", {}), "response_format.json_schema.schema")
+        out["response_format"] = rf
+    kw = body.get("chat_template_kwargs")
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise bad("chat_template_kwargs", "chat_template_kwargs must be an object", "invalid_type")
+        out["chat_template_kwargs"] = kw
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad("reasoning_effort", f"reasoning_effort must be one of {', '.join(EFFORTS)}")
+        out["reasoning_effort"] = effort
+    return out
 
 
 def logprobs(body: dict, chat: bool) -> int | None:
@@ -106,11 +232,41 @@ def messages(body: dict) -> list[dict]:
                     raise bad(f"messages[{i}].content[{j}]", "only text content parts are supported")
                 parts.append(part["text"])
             content = "".join(parts)
+        msg: dict[str, Any] = {"role": role}
+        calls = m.get("tool_calls")
+        if calls is not None and role == "assistant":
+            msg["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
         if content is None and role == "assistant":
             content = ""
-        if not isinstance(content, str):
+        elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", "content must be a string or a list of text parts", "invalid_type")
-        out.append({"role": role, "content": content})
+        msg["content"] = content
+        for k in ("name", "tool_call_id"):
+            if m.get(k) is not None:
+                if not isinstance(m[k], str):
+                    raise bad(f"messages[{i}].{k}", f"{k} must be a string", "invalid_type")
+                msg[k] = m[k]
+        for k, v in m.items():
+            if k not in msg and k not in ("tool_calls", "role", "content") and v not in (None, [], "", {}):
+                if k == "reasoning_content":
+                    continue                  # a previous answer's reasoning: templates drop it
+                raise bad(f"messages[{i}].{k}", f"unsupported message field {k!r}")
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad(where, "tool_calls must be a list", "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str)
+                and isinstance(f.get("arguments", "{}"), (str, dict))):
+            raise bad(f"{where}[{j}]", 'a tool call is {"id": …, "type": "function", "function": '
+                                       '{"name": …, "arguments": "<JSON>"}}')
+        out.append({"id": str(c.get("id") or f"call_{j}"), "type": "function",
+                    "function": {"name": f["name"], "arguments": f.get("arguments", "{}")}})
     return out
 
 

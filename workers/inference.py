@@ -28,6 +28,8 @@ from kiln.native.tokenizer import TokenizerError
 
 from kiln.protocol import vocab
 
+from . import chat_plan
+from .chat_plan import ChatPlan, PlanError
 from .runtime import BootError, OpError, Worker, main, op, state_dir
 
 
@@ -118,11 +120,28 @@ class InferenceWorker(Worker):
 
     # -- ops ----------------------------------------------------------------------------------
 
+    def _plan(self, body: dict) -> ChatPlan:
+        if "messages" not in body:
+            return ChatPlan(self._prompt(body))
+        if self.template is None:
+            raise OpError("bad_request", f"model {self.model.path.name} has no chat template; "
+                                         f"use the completions API with a raw prompt")
+        try:
+            return chat_plan.plan(body, self.model, self.template)
+        except PlanError as e:
+            raise OpError("bad_request", str(e)) from None
+
     @op("generate", concurrent=True)
     def generate(self, req):
-        """Stream one chunk per token; the scheduler batches the decode steps of all requests."""
+        """Stream one chunk per token; the scheduler batches the decode steps of all requests.
+        A chat answer's text is split into content, reasoning and tool calls as it streams. With
+        n > 1 the chunks carry the sequence's index and the reply holds one final per sequence."""
         raw = dict(req.body.get("params") or {})
-        prompt = self._prompt(req.body)
+        n = int(raw.pop("n", 1))
+        plan = self._plan(req.body)
+        prompt = plan.prompt
+        if plan.grammar:
+            raw["grammar"] = plan.grammar
         if raw.get("max_tokens") == -1:        # to the end of the context
             raw["max_tokens"] = max(1, self.n_ctx - len(prompt))
         try:
@@ -131,11 +150,15 @@ class InferenceWorker(Worker):
             raise OpError("bad_request", str(e)) from None
         adapter = self._adapter(req.body)
         try:
-            job = self.scheduler.submit(prompt, params, req.cancelled, adapter)
+            job = self.scheduler.submit(prompt, params, req.cancelled, adapter, n=n, show=plan.show)
         except ContextLengthError as e:
             raise OpError("context_length_exceeded", str(e)) from None
+        except ValueError as e:
+            raise OpError("bad_request", str(e)) from None
         self.served += 1
-        while True:
+        outputs = [plan.output() for _ in range(n)]
+        finals: list[dict | None] = [None] * n
+        while any(f is None for f in finals):
             try:
                 ev = job.events.get(timeout=0.1)
             except queue.Empty:
@@ -143,18 +166,39 @@ class InferenceWorker(Worker):
             if isinstance(ev, Token):
                 self.tokens_out += 1
                 chunk = {"token": ev.id, "text": ev.text}
+                if outputs[ev.index] is not None:
+                    chunk.update(_wire(outputs[ev.index].feed(ev.text)))
+                if n > 1:
+                    chunk["index"] = ev.index
                 if params.logprobs is not None:
                     chunk["logprob"] = ev.logprob
                     chunk["piece"] = self._piece(ev.id)
                     chunk["top_logprobs"] = [[i, lp, self._piece(i)] for i, lp in ev.top_logprobs]
                 yield chunk
             elif isinstance(ev, Finish):
-                return {"finish_reason": ev.reason, "text": ev.text,
-                        "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                                  "cached_tokens": ev.cached_tokens},
-                        "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
+                finals[ev.index] = self._final(ev, outputs[ev.index])
             else:
                 raise ev
+        if n == 1:
+            return finals[0]
+        usage = {"prompt_tokens": finals[0]["usage"]["prompt_tokens"],
+                 "completion_tokens": sum(f["usage"]["completion_tokens"] for f in finals),
+                 "cached_tokens": finals[0]["usage"]["cached_tokens"]}
+        return {"choices": finals, "usage": usage, "timings": finals[0]["timings"]}
+
+    @staticmethod
+    def _final(ev: Finish, output) -> dict:
+        final = {"finish_reason": ev.reason, "text": ev.text, "index": ev.index,
+                 "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                           "cached_tokens": ev.cached_tokens},
+                 "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
+        if output is not None:
+            final.update(_wire(output.finish(ev.text)))
+            final.setdefault("text", "")
+            final["tool_calls_total"] = len(output.calls)
+            if output.calls and ev.reason == "stop":
+                final["finish_reason"] = "tool_calls"
+        return final
 
     @op("score")
     def score(self, req):
@@ -206,6 +250,18 @@ class InferenceWorker(Worker):
                 "eos_token": tok.tokens[sp.eos] if sp.eos is not None else None,
                 "chat_template": self.template.source if self.template else None,
                 "created": int(os.path.getmtime(m.path))}
+
+
+def _wire(delta: dict) -> dict:
+    """A ChatOutput delta as message fields: text, reasoning, tool_calls [{index, id, name,
+    arguments}]."""
+    out = {"text": delta.get("text", "")}
+    if delta.get("reasoning"):
+        out["reasoning"] = delta["reasoning"]
+    if delta.get("tool_calls"):
+        out["tool_calls"] = [{"index": c.index, "id": c.id, "name": c.name, "arguments": c.arguments}
+                             for c in delta["tool_calls"]]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""Tool calls and reasoning without a daemon: every native call format parsed from model output
+(whole, and split at every character boundary), the reasoning split, tools presented to a
+template, and each format's grammar driving the default model to a call that parses back and
+validates against the function's schema."""
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from kiln.native.chat_output import ChatOutput, ReasoningSplitter
+from kiln.native.chat_template import ChatTemplate
+from kiln.native.constrain import Constraint, GrammarError, check, json_schema_grammar, lark_grammar
+from kiln.native.generate import Generation
+from kiln.native.sampling import SamplingParams
+from kiln.native.tool_calls import ToolCallParser, call_grammar, detect_format, prepare
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+
+# model outputs in each family's native form (as the vendors' templates and docs write them)
+CAPTURED = {
+    "hermes": ('I will look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>',
+               "I will look that up.\n", [("get_weather", {"city": "Paris", "days": 2}),
+                                          ("get_time", {"zone": "Europe/Paris"})]),
+    "qwen_xml": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+                 "</parameter>\n</function>\n</tool_call>", "", [("get_weather", {"city": "New York", "days": 3})]),
+    "llama3": ('{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}', "",
+               [("get_weather", {"city": "Oslo", "days": 1})]),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 5}}, '
+                '{"name": "get_time", "arguments": {"zone": "UTC"}}]', "",
+                [("get_weather", {"city": "Rome", "days": 5}), ("get_time", {"zone": "UTC"})]),
+}
+
+
+def _run(fmt, pieces):
+    p = ToolCallParser(fmt, TOOLS)
+    events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
+    text = "".join(v for k, v in events if k == "text")
+    return text, [(v.name, json.loads(v.arguments)) for k, v in events if k == "call"]
+
+
+@pytest.mark.parametrize("fmt", sorted(CAPTURED))
+def test_every_native_format_parses_split_anywhere(fmt):
+    out, text, calls = CAPTURED[fmt]
+    assert _run(fmt, [out]) == (text, calls)
+    assert _run(fmt, list(out)) == (text, calls)
+    for i in range(len(out) + 1):
+        assert _run(fmt, [out[:i], out[i:]]) == (text, calls), i
+
+
+def test_mistral_v11_form_and_llama3_python_tag():
+    assert _run("mistral", ['[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}']) == ("", [("get_time", {"zone": "UTC"})])
+    assert _run("llama3", ['<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}']) == \
+        ("", [("get_time", {"zone": "UTC"})])
+
+
+def test_text_that_only_looks_like_a_call_stays_text():
+    for fmt, out in [("hermes", "use <tool_call> tags like <tool_call>not json</tool_call> ok"),
+                     ("hermes", "a < b and <tool_ca"), ("llama3", "Sure: {not a call}"),
+                     ("llama3", '{"no_name": 1}')]:
+        text, calls = _run(fmt, list(out))
+        assert (text, calls) == (out, []), fmt
+
+
+def test_reasoning_splits_anywhere_and_feeds_the_call_parser():
+    out = "<think>\nThe user wants weather.\n</think>\n\nChecking.<tool_call>\n" \
+          '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    for i in range(len(out) + 1):
+        o = ChatOutput("hermes", TOOLS, thinking=False)
+        parts = [o.feed(out[:i]), o.feed(out[i:]), o.finish()]
+        assert "".join(p.get("reasoning", "") for p in parts) == "The user wants weather.\n", i
+        assert "".join(p.get("text", "") for p in parts) == "Checking.", i
+        assert [c.name for p in parts for c in p.get("tool_calls", [])] == ["get_time"], i
+    # a prompt that already opened the block (Qwen3.5): the answer starts inside it
+    s = ReasoningSplitter(thinking=True)
+    assert s.feed("plan</think>\n\nanswer") + s.finish() == [("reasoning", "plan"), ("text", "answer")]
+
+
+def test_detect_format_reads_the_template():
+    assert detect_format("{{ messages }}") == "generic"
+    assert detect_format("{% if tools %}<tool_call>{{ tools }}{% endif %}") == "hermes"
+    assert detect_format("{% if tools %}<tool_call><function={{ name }}>{% endif %}") == "qwen_xml"
+    assert detect_format("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
+    assert detect_format("{% if tools %}<|python_tag|>{% endif %}") == "llama3"
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HERMES = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+          "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+          "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+          "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message_and_results_as_text():
+    conv = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    msgs, extra = prepare(conv, TOOLS, "generic")
+    assert extra == {}
+    text = ChatTemplate(CHATML).render(msgs)
+    assert '"name": "get_weather"' in text and "<tools>" in text and text.index("<tools>") < text.index("weather?")
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n12:00\n</tool_response>" in text
+
+
+def test_a_template_with_tools_receives_them_and_calls_with_object_arguments():
+    conv = [{"role": "user", "content": "t?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}]
+    msgs, extra = prepare(conv, TOOLS, "hermes")
+    text = ChatTemplate(HERMES).render(msgs, **extra)
+    assert '"get_weather"' in text
+    assert '{"name": "get_time", "arguments": {"zone": "UTC"}}' in text
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path):
+    from kiln.native.model import load_model
+    return load_model(default_model_path)
+
+
+def _generate(model, grammar, temperature, seed, prompt="What is the weather in Paris for 2 days?"):
+    tok = model.tokenizer
+    ids = tok.encode(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=250, grammar=grammar)
+    gen = Generation(model, ids, params, show=frozenset(i for i in map(tok.id_of, ["[TOOL_CALLS]"]) if i is not None))
+    cache = model.new_cache(512)
+    logits = model.forward(ids, cache)
+    text = ""
+    while True:
+        t = gen.step(logits)
+        text += t.text
+        if gen.done:
+            break
+        logits = model.forward([t.id], cache)
+    return text + gen.finish().text, gen.reason
+
+
+@pytest.mark.parametrize("fmt", ["generic", "hermes", "qwen_xml", "llama3", "mistral"])
+@pytest.mark.parametrize("temperature, seed", [(0, None), (1.0, 3)])
+def test_each_formats_grammar_gives_a_call_that_parses_and_validates(model, fmt, temperature, seed):
+    grammar = lark_grammar(call_grammar(fmt, TOOLS, False, {}))
+    check(grammar, model.tokenizer)
+    text, reason = _generate(model, grammar, temperature, seed)
+    assert reason == "stop", text
+    got, calls = _run(fmt, [text])
+    assert got.strip() == "" and len(calls) == 1, text
+    name, args = calls[0]
+    jsonschema.validate(args, {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
+
+
+def test_json_schema_grammar_holds_and_bad_schemas_are_errors(model):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    text, reason = _generate(model, json_schema_grammar(schema), 1.0, 11, "Pick a number.")
+    jsonschema.validate(json.loads(text), schema)
+    assert reason == "stop"
+    with pytest.raises(GrammarError):
+        check(json_schema_grammar({"type": "wat"}), model.tokenizer)
+    with pytest.raises(GrammarError):
+        Constraint(lark_grammar("start: ("), model.tokenizer)
+
+
+def test_the_mask_only_lets_the_grammar_through(model):
+    c = Constraint(lark_grammar('start: "yes" | "no"'), model.tokenizer)
+    masked = c.apply(np.zeros(model.tokenizer.vocab_size, np.float32))
+    allowed = np.flatnonzero(np.isfinite(masked))
+    assert 0 < len(allowed) < 20
+    assert all(model.tokenizer.decode([int(i)]) in ("y", "ye", "yes", "n", "no") for i in allowed)
