@@ -193,6 +193,19 @@ class Model:
         logits = matmul(rms_norm(rows, self.output_norm, c.rms_eps), self.output)
         return logits if (all_logits or logits_from is not None) else logits[0]
 
+    def hidden(self, tokens: list[int], cache: KVCache, adapter=None) -> np.ndarray:
+        """The final hidden states (T, n_embd) of `tokens`, after the output norm: what the
+        output head would read, and what embeddings pool (llama.cpp's result_norm)."""
+        c = self.config
+        bad = [t for t in tokens if not 0 <= t < c.n_vocab]
+        if not tokens or bad:
+            raise ValueError(f"hidden() needs token ids in 0..{c.n_vocab - 1}")
+        cache.begin(tokens)
+        x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
+                         adapter)
+        cache.commit(tokens)
+        return rms_norm(x, self.output_norm, c.rms_eps)
+
     def forward_batch(self, tokens: list[int], caches: list[KVCache], adapter=None) -> np.ndarray:
         """One decode step for several sequences: tokens[i] is appended to caches[i].
         Returns logits (B, n_vocab). The weight matrices are read once for the whole batch;

@@ -13,7 +13,7 @@ import threading
 import falcon
 import waitress
 
-from . import eval_api, openai_api, train_api
+from . import eval_api, observe, openai_api, train_api
 from .http_common import JSONError, bus, error_body
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
@@ -105,7 +105,8 @@ class Events:
 
 
 def make_app(sup) -> falcon.App:
-    app = falcon.App(middleware=[Auth(sup.cfg["server"]["api_key"])])
+    metrics = observe.Metrics(sup)
+    app = falcon.App(middleware=[observe.RequestLog(metrics), Auth(sup.cfg["server"]["api_key"])])
     app.req_options.strip_url_path_trailing_slash = True
     app.set_error_serializer(_serialize_error)
     app.add_error_handler(Exception, _unexpected)
@@ -115,7 +116,8 @@ def make_app(sup) -> falcon.App:
     app.add_route("/v1/workers", workers)
     app.add_route("/v1/workers/{name}", workers, suffix="one")
     app.add_route("/v1/workers/{name}/{action}", workers, suffix="action")
-    api = openai_api.install(app, sup)
+    app.add_route("/metrics", observe.MetricsRoute(metrics))
+    api = openai_api.install(app, sup, metrics)
     train_api.install(app, sup, api.read_json)
     eval_api.install(app, sup, api.read_json)
     return app

@@ -12,6 +12,7 @@ disconnects cancels its request.
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import time
@@ -19,6 +20,7 @@ import uuid
 from typing import Iterator
 
 import falcon
+import numpy as np
 
 from kiln.protocol import Message
 
@@ -26,7 +28,7 @@ from kiln.protocol import vocab
 
 from . import openai_shapes as shapes
 from .http_common import JSONError, bus, error_from, routed
-from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, adapter, bad, known_fields, logprobs, messages,
+from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, bad, known_fields, logprobs, messages,
                               prompts, sampling_params, tools)
 
 
@@ -40,9 +42,10 @@ class Answer:
     """The messages of one routed request, read by an HTTP thread. The first one is awaited
     before the response starts, so that a refusal (queue full, worker gone) is an HTTP status."""
 
-    def __init__(self, sup, op: str, body: dict, disconnected):
+    def __init__(self, sup, op: str, body: dict, disconnected, seen=lambda msg: None):
         self.call = sup.request(op, body)
         self.disconnected = disconnected
+        self.seen = seen                       # timing and usage, for the request log and metrics
         self.finished = False
         self.first = self._next()
 
@@ -64,6 +67,7 @@ class Answer:
         while msg is not None:
             if msg.type == "error":
                 raise WorkerGone(msg)
+            self.seen(msg)
             yield msg
             if msg.type == "reply" or self.disconnected():
                 return
@@ -93,8 +97,9 @@ class _Stream:
 
 
 class OpenAI:
-    def __init__(self, sup):
+    def __init__(self, sup, metrics=None):
         self.sup = sup
+        self.metrics = metrics
         self.max_body = sup.cfg["server"]["max_body_bytes"]
 
     # -- plumbing --
@@ -114,7 +119,7 @@ class OpenAI:
             raise JSONError(400, "invalid_json", "the body must be a JSON object")
         return body
 
-    def route(self, body: dict) -> dict:
+    def route(self, body: dict, req=None) -> dict:
         """The worker that serves body["model"] (the default model when absent), from the router."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -126,13 +131,32 @@ class OpenAI:
             if code == "model_not_found":
                 raise bad("model", e.message, "model_not_found") from None
             raise JSONError(getattr(e, "status", 500), code, getattr(e, "message", str(e))) from None
+        if req is not None:
+            req.context.model = r["worker"]
         if r["state"] == vocab.FATAL:
             raise JSONError(503, "worker_fatal", f"worker {r['worker']} is fatal: {r['reason']}; fix its "
                             f"configuration, then `kiln restart {r['worker']}`")
         return r
 
+    def _observer(self, req):
+        """Records time to first token and inter-token gaps as chunks arrive, usage at the end."""
+        last = [None]
+
+        def seen(msg):
+            now = time.perf_counter()
+            if msg.type == "chunk" and "token" in msg.body:
+                if req.context.ttft is None:
+                    req.context.ttft = now - req.context.t0
+                elif last[0] is not None and self.metrics is not None:
+                    self.metrics.gap.observe(now - last[0])
+                last[0] = now
+            elif msg.type == "reply" and isinstance(msg.body.get("usage"), dict):
+                u, prev = msg.body["usage"], req.context.usage or {}
+                req.context.usage = {k: prev.get(k, 0) + u.get(k, 0) for k in ("prompt_tokens", "completion_tokens")}
+        return seen
+
     def answer(self, req, op: str, body: dict) -> Answer:
-        a = Answer(self.sup, op, body, self._disconnected(req))
+        a = Answer(self.sup, op, body, self._disconnected(req), self._observer(req))
         if a.first is None:
             raise JSONError(499, "client_closed", "the client closed the connection")
         if a.first.type == "error":
@@ -187,7 +211,7 @@ class OpenAI:
         if lp is not None:
             params["logprobs"] = lp
         n_gen = params.pop("max_tokens", 16)
-        name = self.route(body)["worker"]
+        name = self.route(body, req)["worker"]
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         try:
             for index, work in enumerate(works):
@@ -251,7 +275,7 @@ class OpenAI:
             raise bad("stream_options", "stream_options must be an object", "invalid_type")
         include_usage = bool(so.get("include_usage"))
         n = params.get("n", 1)
-        name = self.route(body)["worker"]
+        name = self.route(body, req)["worker"]
         params.setdefault("max_tokens", -1)        # -1: to the end of the context (the worker knows it)
         work = dict(work, params=params, worker=name)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -296,12 +320,30 @@ class OpenAI:
             yield shapes.sse(error_from(e.msg).kiln_body)
             yield shapes.sse("[DONE]")
 
+    def on_post_embeddings(self, req, resp):
+        body = self.read_json(req)
+        known_fields(body, EMBEDDING_FIELDS)
+        inputs = embedding_inputs(body)
+        name = self.route(body, req)["worker"]
+        work = {"inputs": inputs, "worker": name, **adapter(body)}
+        if body.get("dimensions") is not None:
+            work["dimensions"] = body["dimensions"]
+        out = routed(self.sup, "embed", work, 600)
+        req.context.usage = {"prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": 0}
+        b64 = body.get("encoding_format") == "base64"
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v).decode() if b64 else np.frombuffer(v, "<f4").tolist()}
+                for i, v in enumerate(out["embeddings"])]
+        n = out["usage"]["prompt_tokens"]
+        resp.media = {"object": "list", "data": data, "model": body.get("model") or name,
+                      "usage": {"prompt_tokens": n, "total_tokens": n}}
+
     def on_post_tokenize(self, req, resp):
         body = self.read_json(req)
         text = body.get("content", body.get("prompt"))
         if not isinstance(text, str):
             raise bad("content", "content (or prompt) must be a string", "invalid_type")
-        w = self.route(body)
+        w = self.route(body, req)
         special = body.get("parse_special", body.get("add_special", False))
         resp.media = {"tokens": self._one("tokenize", {"worker": w["worker"], "text": text,
                                                        "special": bool(special)})["tokens"]}
@@ -311,13 +353,13 @@ class OpenAI:
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise bad("tokens", "tokens must be a list of token ids", "invalid_type")
-        w = self.route(body)
+        w = self.route(body, req)
         text = self._one("detokenize", {"worker": w["worker"], "tokens": toks})["text"]
         resp.media = {"content": text, "prompt": text}
 
     def on_post_template(self, req, resp):
         body = self.read_json(req)
-        w = self.route(body)
+        w = self.route(body, req)
         out = self._one("apply_template", {"worker": w["worker"], "messages": messages(body)})
         resp.media = {"prompt": out["prompt"], "tokens": out["tokens"]}
 
@@ -327,11 +369,12 @@ class OpenAI:
         resp.media = {k: info[k] for k in ("bos_token", "eos_token", "chat_template", "vocab_size", "n_ctx")}
 
 
-def install(app: falcon.App, sup) -> "OpenAI":
-    api = OpenAI(sup)
+def install(app: falcon.App, sup, metrics=None) -> "OpenAI":
+    api = OpenAI(sup, metrics)
     app.add_route("/v1/models", api, suffix="models")
     app.add_route("/v1/chat/completions", api, suffix="chat")
     app.add_route("/v1/completions", api, suffix="completions")
+    app.add_route("/v1/embeddings", api, suffix="embeddings")
     app.add_route("/tokenize", api, suffix="tokenize")
     app.add_route("/detokenize", api, suffix="detokenize")
     app.add_route("/apply-template", api, suffix="template")

@@ -292,3 +292,24 @@ def prompts(body: dict) -> list[dict]:
     if len(works) > 64:
         raise bad("prompt", f"at most 64 prompts per request, got {len(works)}")
     return works
+
+
+def embedding_inputs(body: dict) -> list:
+    """input: a string, a list of strings, a list of token ids, or a list of those."""
+    x = body.get("input")
+    is_ids = lambda p: isinstance(p, list) and bool(p) and all(  # noqa: E731
+        isinstance(t, int) and not isinstance(t, bool) for t in p)
+    items = [x] if isinstance(x, str) or is_ids(x) else x
+    if not isinstance(items, list) or not items:
+        raise bad("input", "input must be a non-empty string, a list of strings, token ids, or lists of token ids",
+                  "invalid_type")
+    for i, it in enumerate(items):
+        if not ((isinstance(it, str) and it) or is_ids(it)):
+            raise bad(f"input[{i}]", "each input must be a non-empty string or a non-empty list of token ids")
+    if len(items) > 256:
+        raise bad("input", f"at most 256 inputs per request, got {len(items)}")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad("encoding_format", 'encoding_format must be "float" or "base64"')
+    dims = _number(body, "dimensions", 1, 1 << 16, int)
+    return items

@@ -28,7 +28,8 @@ MAX_ATTEMPTS = 3                  # a request that produced nothing is sent at m
 MODEL_KINDS = ("inference", "moe-stream")
 
 # Ops a front end may name, and how each is routed: to a model's worker, or to a kind's.
-MODEL_OPS = ("generate", "score", "tokenize", "detokenize", "apply_template", "info")
+MODEL_OPS = ("generate", "score", "embed", "tokenize", "detokenize", "apply_template", "info")
+MODEL_RUNS = ("generate", "score", "embed")     # ops that run the model (and take an adapter)
 KIND_OPS = {"train.submit": ("trainer", "train_submit"), "train.cancel": ("trainer", "job_cancel"),
             "eval.submit": ("evaluator", "eval_submit"), "eval.register": ("evaluator", "eval_register"),
             "eval.cancel": ("evaluator", "job_cancel")}
@@ -147,7 +148,7 @@ class Router:
 
     def _adapter(self, op: str, w: WorkerProcess, body: Any) -> tuple[Any, str | None]:
         """The active adapter applies to generate/score unless the request names one ("" = none)."""
-        if op not in ("generate", "score") or w.kind not in MODEL_KINDS or not isinstance(body, dict) \
+        if op not in MODEL_RUNS or w.kind not in MODEL_KINDS or not isinstance(body, dict) \
                 or self.adapters is None:
             return body, None
         adapter = body.get("adapter")
@@ -167,7 +168,7 @@ class Router:
     def _try_send(self, p: Pending, now: float) -> bool:
         w = self.table[p.target_worker]            # the worker set is fixed for the daemon's life
         if w.can_serve() or (w.identity is not None and w.ps.state in ("starting", "running")
-                             and p.op not in ("generate", "score")):
+                             and p.op not in MODEL_RUNS):
             # non-generate ops queue inside a loading worker's executor; generation waits here,
             # so that a request never sits in a worker that may still fail to load
             p.worker = w.name

@@ -2,14 +2,17 @@
 client: forced tool calls (plain and streamed), a tool result answered, structured outputs held
 to their schema, refused fields, embeddings, /metrics and the request log."""
 
+import base64
 import json
 import urllib.request
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import Daemon, kiln
+from daemon_harness import Daemon
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -172,3 +175,49 @@ def test_logit_bias_forbids_and_forces_tokens(client, served):
     banned = client.chat.completions.create(model="default", messages=ASK, max_tokens=6, temperature=0,
                                             logprobs=True, logit_bias={str(ids[0]): -100})
     assert banned.choices[0].logprobs.content[0].token != first
+
+
+def test_embeddings_two_strings_float_and_base64(client, served):
+    r = client.embeddings.create(model="default", input=["The cat sat on the mat.", "Stock markets fell today."])
+    assert [d.index for d in r.data] == [0, 1]
+    a, b = (np.array(d.embedding, np.float32) for d in r.data)
+    assert a.shape == (576,) and abs(np.linalg.norm(a) - 1) < 1e-5 and abs(np.linalg.norm(b) - 1) < 1e-5
+    assert r.usage.prompt_tokens > 8
+    same = client.embeddings.create(model="default", input="The cat sat on the mat.", encoding_format="float")
+    assert np.array_equal(np.array(same.data[0].embedding, np.float32), a)     # the client asked base64 first
+    b64 = client.embeddings.create(model="default", input="The cat sat on the mat.", encoding_format="base64")
+    assert np.array_equal(np.frombuffer(base64.b64decode(b64.data[0].embedding), "<f4"), a)
+    near = client.embeddings.create(model="default", input="A cat was sitting on the mat.").data[0].embedding
+    assert float(a @ np.array(near, np.float32)) > float(a @ b)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="default", input="x", dimensions=64)
+    assert "576" in e.value.body["message"]
+
+
+def test_metrics_parse_and_count_what_was_served(client, served):
+    client.chat.completions.create(model="default", messages=ASK, max_tokens=3)
+    text = urllib.request.urlopen(served.http + "/metrics", timeout=30).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("kiln_requests", "kiln_tokens", "kiln_time_to_first_token_seconds", "kiln_inter_token_seconds",
+                 "kiln_queue_depth", "kiln_worker_restarts", "kiln_worker_rss_bytes", "kiln_kv_cache_bytes",
+                 "kiln_request_duration_seconds", "kiln_worker_up"):
+        assert name in families, sorted(families)
+    served_ok = [s for s in families["kiln_requests"].samples
+                 if s.labels.get("route") == "/v1/chat/completions" and s.labels.get("status") == "200"
+                 and s.name.endswith("_total")]
+    assert served_ok and served_ok[0].value >= 1
+    out = [s for s in families["kiln_tokens"].samples if s.labels.get("direction") == "out" and s.name.endswith("_total")]
+    assert out[0].value >= 3
+
+
+def test_every_request_is_a_line_in_the_daemon_log(client, served):
+    for chunk in client.chat.completions.create(model="default", messages=ASK, max_tokens=4, stream=True):
+        pass
+    # the harness runs the daemon in the foreground: its log is daemon.out (`kiln up` detached
+    # writes the same lines to logs/kiln.log, which `kiln logs kiln` shows)
+    out = (served.home / "daemon.out").read_text()
+    lines = [ln for ln in out.splitlines() if "request POST /v1/chat/completions" in ln]
+    assert lines, out[-2000:]
+    last = lines[-1]
+    for part in ("status=200", "model=default", "prompt_tokens=", "completion_tokens=4", "ttft_ms=", "total_ms="):
+        assert part in last, last

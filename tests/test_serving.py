@@ -115,7 +115,7 @@ def test_typed_control_tokens_stay_text(served, client):
     ({"model": "default", "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value", "messages[0].role"),
     ({"model": "default", "messages": QUESTION, "temperature": 3}, 400, "invalid_value", "temperature"),
     ({"model": "default", "messages": QUESTION, "temperature": "hot"}, 400, "invalid_type", "temperature"),
-    ({"model": "default", "messages": QUESTION, "n": 2}, 400, "invalid_value", "n"),
+    ({"model": "default", "messages": QUESTION, "n": 17}, 400, "invalid_value", "n"),
     ({"model": "nope", "messages": QUESTION}, 400, "model_not_found", "model"),
     ({"model": "default", "messages": QUESTION, "max_tokens": 10 ** 6}, 400, "context_length_exceeded", "messages"),
     ({"model": "default", "messages": QUESTION, "top_logprobs": 3}, 400, "invalid_value", "top_logprobs"),
@@ -137,11 +137,14 @@ def test_malformed_json_and_oversized_bodies(served):
 
 _fields = st.sampled_from(["model", "messages", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stream",
                            "n", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty", "stream_options",
-                           "frequency_penalty", "repeat_penalty", "ignore_eos", "zzz"])
+                           "frequency_penalty", "repeat_penalty", "ignore_eos", "zzz", "tools", "tool_choice",
+                           "response_format", "logit_bias", "typical_p", "parallel_tool_calls",
+                           "chat_template_kwargs", "reasoning_effort"])
 _values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True),
                                  st.text(max_size=8)),
                        lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                               st.dictionaries(st.sampled_from(["role", "content", "type", "text"]),
+                                               st.dictionaries(st.sampled_from(["role", "content", "type", "text", "function", "name",
+                                                                                "json_schema", "schema", "parameters"]),
                                                                inner, max_size=3)), max_leaves=6)
 
 

@@ -17,7 +17,7 @@ from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistr
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
 from kiln.native.lora import AdapterError, load_adapter
 
-from kiln.native.generate import ContextLengthError, Finish, Token, score_prompt
+from kiln.native.generate import ContextLengthError, Finish, Token, embed, score_prompt
 from kiln.native.scheduler import Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
@@ -66,7 +66,9 @@ class InferenceWorker(Worker):
             return {"model_spec": self.settings.get("model")}
         return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx,
                 "requests": self.served, "tokens_generated": self.tokens_out,
-                "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(), **self.scheduler.load()}
+                "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(), **self.scheduler.load(),
+                "kv_cache_bytes": sum(s.cache.nbytes for s in self.scheduler.seqs),
+                "kv_cache_tokens": sum(s.cache.n for s in self.scheduler.seqs)}
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -215,6 +217,33 @@ class InferenceWorker(Worker):
         out["top_logprobs"] = [None if t is None else [[i, lp, self._piece(i)] for i, lp in t]
                                for t in out["top_logprobs"]]
         return out
+
+    @op("embed")
+    def embed(self, req):
+        """Embeddings of several inputs (texts or token ids): mean-pooled, normalised, float32
+        bytes each. One op for the whole batch; the model is taken between decode steps."""
+        n_embd = self.model.config.n_embd
+        dims = req.body.get("dimensions")
+        if dims is not None and dims != n_embd:
+            raise OpError("bad_request", f"dimensions = {dims}: {self.model.path.stem} gives {n_embd}-dimensional "
+                                         f"embeddings and Kiln does not shorten them; leave dimensions out")
+        tok = self.model.tokenizer
+        prompts = []
+        for i, x in enumerate(req.body["inputs"]):
+            ids = tok.encode(x, special=False) if isinstance(x, str) else x
+            if not ids or not all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids):
+                raise OpError("bad_request", f"input[{i}] is empty or has token ids outside [0, {tok.vocab_size})")
+            if len(ids) > self.n_ctx:
+                raise OpError("context_length_exceeded", f"input[{i}] has {len(ids)} tokens; the context holds {self.n_ctx}")
+            prompts.append(ids)
+        adapter = self._adapter(req.body)
+        vectors = []
+        for ids in prompts:
+            if req.cancelled():
+                raise OpError("cancelled", "the request was cancelled")
+            with self.scheduler.model_lock:
+                vectors.append(embed(self.model, ids, adapter=adapter).tobytes())
+        return {"embeddings": vectors, "dim": n_embd, "usage": {"prompt_tokens": sum(map(len, prompts))}}
 
     @op("tokenize")
     def tokenize(self, req):
