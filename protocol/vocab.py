@@ -55,6 +55,8 @@ _CODES = [
     ErrorCode("server_busy", 503, retryable=True), ErrorCode("worker_unavailable", 503, retryable=True),
     ErrorCode("worker_fatal", 503), ErrorCode("no_model", 503), ErrorCode("no_worker", 503),
     ErrorCode("shutting_down", 503, retryable=True), ErrorCode("model_loading", 503, retryable=True),
+    ErrorCode("insufficient_memory", 503, retryable=True), ErrorCode("model_invalid", 400),
+    ErrorCode("pinned", 409),
     ErrorCode("deadline_exceeded", 504, retryable=True), ErrorCode("timeout", 504, retryable=True),
 ]
 ERRORS: dict[str, ErrorCode] = {e.code: e for e in _CODES}

@@ -20,6 +20,7 @@ import typer
 from kiln.protocol import vocab
 
 from . import cli_chat
+from . import cli_models
 from .cli_engine import debug_app, eval_app, fail, models_app
 from .cli_train import adapters_app, train_app
 from . import cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
@@ -65,6 +66,9 @@ def _load_config(config: Optional[str], cli: dict, workers: dict | None = None):
         return load_config(config, cli, workers=workers)
     except ConfigError as e:
         fail(f"configuration error: {e}", 2)
+
+
+cli_models.register(app, models_app, lambda name, args=None, timeout=15.0: _command(name, args, timeout))
 
 
 # -- daemon ------------------------------------------------------------------------------------

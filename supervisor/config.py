@@ -62,6 +62,17 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "boot_timeout": Field(float, 120.0, "seconds a worker may take from spawn to hello", 1, None),
         "memory_budget": Field(int, 0, "bytes a model may plan to use (0: the RAM available)", 0, None),
     },
+    "models": {
+        "on_demand": Field(bool, True, "load a library model when a request names it"),
+        "keep_alive": Field(str, "5m", "how long an on-demand model stays loaded after its last request "
+                            "(300, \"5m\", \"1h\"; 0: unload after each answer; -1: keep)"),
+        "max_loaded": Field(int, 3, "most models loaded at once, configured ones included (0: no limit)", 0, 1000),
+        "memory_budget": Field(str, "auto", "memory the loaded models may plan to use: a size (8GiB, 500MB), "
+                               "a share of RAM (60%), or auto: the RAM available at start minus min_available"),
+        "min_available": Field(str, "512MiB", "below this much available RAM, idle on-demand models are "
+                               "unloaded (memory pressure); a size or a share of RAM"),
+        "ctx": Field(int, 0, "context of an on-demand model (0: its plan's, at most 4096)", 0, 1 << 24),
+    },
 }
 
 WORKER_FIELDS: dict[str, Field] = {
@@ -112,6 +123,8 @@ def _coerce(key: str, f: Field, raw: Any, from_text: bool) -> Any:
             raise ConfigError(f"{key} = {raw!r} is not valid: must be {f.describe()}") from None
     if f.type is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if key.endswith("keep_alive") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)                 # keep_alive = 300 means seconds, as "300" does
     if not isinstance(value, f.type) or (f.type in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{key} = {raw!r} is not valid: must be {f.describe()}")
     if f.low is not None and value < f.low or f.high is not None and value > f.high:
@@ -161,6 +174,23 @@ def _worker(name: str, table: Any) -> dict:
     return out
 
 
+def _check_models(m: dict) -> None:
+    from .placer import parse_duration
+    from .segments import parse_size
+    try:
+        parse_duration(m["keep_alive"])
+    except ValueError as e:
+        raise ConfigError(f"models.keep_alive: {e}") from None
+    for k in ("memory_budget", "min_available"):
+        if k == "memory_budget" and m[k] == "auto":
+            continue
+        try:
+            parse_size(m[k], 1)
+        except ValueError:
+            raise ConfigError(f"models.{k} = {m[k]!r} is not a size: use e.g. 8GiB, 500MB or 60%"
+                              + (" or auto" if k == "memory_budget" else "")) from None
+
+
 def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
                 env: dict[str, str] | None = None, workers: dict | None = None) -> Config:
     """Build the effective configuration. `cli` maps "section.field" to values from flags;
@@ -205,6 +235,7 @@ def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
             if env_key.startswith(prefix) and env_key[len(prefix):].lower() not in fields:
                 raise ConfigError(f"environment variable {env_key} names no setting; "
                                   f"[{sec}] has: {', '.join(fields)}")
+    _check_models(values["models"])
     if values["supervisor"]["backoff_max"] < values["supervisor"]["backoff_initial"]:
         raise ConfigError("supervisor.backoff_max must be ≥ supervisor.backoff_initial")
     if workers is not None:

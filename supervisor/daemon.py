@@ -30,7 +30,7 @@ import zmq
 from kiln.protocol.store.adapter_registry import AdapterRegistry
 from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, make, new_id, version_error
 
-from . import commands, eval_commands, policy, segments, train_commands  # noqa: F401  (they register bus commands)
+from . import commands, eval_commands, model_commands, policy, segments, train_commands  # noqa: F401  (they register bus commands)
 from .config import Config
 from .events import EventLog
 from .paths import Paths
@@ -65,6 +65,26 @@ def routed_target(op: str, body: Any) -> tuple[str, Any, Target]:
                             worker=worker if isinstance(worker, str) else None)
 
 
+def make_placer(table, m: dict, busy, record, state_file):
+    """The placer with its settings resolved: budget and pressure in bytes, keep_alive in s."""
+    import psutil
+
+    from kiln.native.models.library import resolve_model
+    from kiln.native.models.plan import plan
+
+    from .placer import Placer, parse_duration
+    from .segments import parse_size
+    vm = psutil.virtual_memory()
+    pressure = parse_size(m["min_available"], vm.total)
+    budget = max(0, vm.available - pressure) if m["memory_budget"] == "auto" else parse_size(m["memory_budget"], vm.total)
+    if not m["on_demand"]:
+        return None
+    return Placer(table, budget=budget, max_loaded=m["max_loaded"], keep_alive=parse_duration(m["keep_alive"]),
+                  pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
+                  plan=lambda path, ctx: plan(path, ctx, available=budget),
+                  available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file)
+
+
 class Supervisor:
     def __init__(self, config: Config, paths: Paths, clock=SystemClock):
         self.cfg, self.paths = config, paths
@@ -85,6 +105,8 @@ class Supervisor:
         self.router = Router(self.table, lambda w, m: self._send(self.worker_sock, w.identity, m),
                              max_queue=srv["max_queue"], wait_for_worker=srv["wait_for_worker"],
                              request_timeout=srv["request_timeout"], adapters=self.adapters, record=self.record)
+        self.placer = self.router.placer = make_placer(self.table, config["models"], self.router.busy, self.record,
+                                                       paths.home / "state" / "models.json")
         self.bad_frames: Counter = Counter()
         self.inbox: queue.Queue = queue.Queue()
         self.offloop = ThreadPoolExecutor(4, thread_name_prefix="kiln-cmd")
@@ -238,6 +260,8 @@ class Supervisor:
             if now - housekeeping >= 0.02:      # not once per message: traffic stays cheap
                 housekeeping = now
                 self.table.tick()
+                if self.placer is not None:
+                    self.placer.tick()
                 self.router.pump()
             if self.shutting_down and not self.table.any_alive():
                 return

@@ -28,7 +28,7 @@ from kiln.protocol import vocab
 
 from . import openai_shapes as shapes
 from .http_common import JSONError, bus, error_from, routed
-from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, bad, known_fields, logprobs, messages,
+from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, keep_alive, bad, known_fields, logprobs, messages,
                               prompts, sampling_params, tools)
 
 
@@ -180,18 +180,27 @@ class OpenAI:
                 continue
             data.append({"id": w["name"], "object": "model", "created": int(time.time()), "owned_by": "kiln",
                          "meta": {"model": (w["stats"] or {}).get("model") or w["model"], "state": w["state"],
-                                  "worker_state": w["worker_state"], "n_ctx": (w["stats"] or {}).get("n_ctx")}})
+                                  "worker_state": w["worker_state"], "n_ctx": (w["stats"] or {}).get("n_ctx"),
+                                  "loaded": True}})
+        # the library: a request naming any of these loads it
+        served = {d["id"] for d in data} | {str(d["meta"]["model"] or "").rsplit("/", 1)[-1].removesuffix(".gguf")
+                                            for d in data}
+        for m in bus(self.sup, "library")["models"]:
+            if m["name"] not in served:
+                data.append({"id": m["name"], "object": "model", "created": int(m["modified"]), "owned_by": "kiln",
+                             "meta": {"model": m["path"], "loaded": False, "size_bytes": m["size_bytes"]}})
         resp.media = {"object": "list", "data": data}
 
     def on_post_chat(self, req, resp):
         body = self.read_json(req)
         known_fields(body, CHAT_FIELDS)
-        self._generate(req, resp, body, {"messages": messages(body), **tools(body), **adapter(body)}, chat=True)
+        self._generate(req, resp, body, {"messages": messages(body), **tools(body), **adapter(body),
+                                         **keep_alive(body)}, chat=True)
 
     def on_post_completions(self, req, resp):
         body = self.read_json(req)
         known_fields(body, COMPLETION_FIELDS)
-        works = [dict(w, **adapter(body)) for w in prompts(body)]
+        works = [dict(w, **adapter(body), **keep_alive(body)) for w in prompts(body)]
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise bad("echo", "echo must be a boolean", "invalid_type")
@@ -325,7 +334,7 @@ class OpenAI:
         known_fields(body, EMBEDDING_FIELDS)
         inputs = embedding_inputs(body)
         name = self.route(body, req)["worker"]
-        work = {"inputs": inputs, "worker": name, **adapter(body)}
+        work = {"inputs": inputs, "worker": name, **adapter(body), **keep_alive(body)}
         if body.get("dimensions") is not None:
             work["dimensions"] = body["dimensions"]
         out = routed(self.sup, "embed", work, 600)

@@ -14,11 +14,11 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
              "seed", "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "n", "logit_bias", "typical_p"}
-_COMMON = {"model", "stream", "stream_options", "adapter"} | _SAMPLING
+_COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive"} | _SAMPLING
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "response_format", "chat_template_kwargs", "reasoning_effort"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs"}
-EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions"}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "keep_alive"}
 # accepted and ignored: they change nothing a local server computes
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # OpenAI fields Kiln does not implement, and what to do instead
@@ -201,6 +201,18 @@ def logprobs(body: dict, chat: bool) -> int | None:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
         return (top or 0) if lp else None
     return _number(body, "logprobs", 0, 20, int)
+
+
+def keep_alive(body: dict) -> dict:
+    """Kiln's (and Ollama's) extension: how long the model stays loaded after this request."""
+    if body.get("keep_alive") is None:
+        return {}
+    from .placer import parse_duration
+    try:
+        parse_duration(body["keep_alive"])
+    except ValueError as e:
+        raise bad("keep_alive", str(e)) from None
+    return {"keep_alive": body["keep_alive"]}
 
 
 def adapter(body: dict) -> dict:

@@ -102,6 +102,23 @@ class ProcessTable:
     def __getitem__(self, name: str) -> WorkerProcess:
         return self.workers[name]
 
+    def add(self, name: str, spec: dict) -> WorkerProcess:
+        """A worker placed at run time (a model loaded on demand); started by whoever added it."""
+        if name in self.workers:
+            raise ValueError(f"a worker named {name!r} exists")
+        w = self.workers[name] = WorkerProcess(name, spec)
+        return w
+
+    def remove(self, name: str) -> None:
+        """Forget a stopped worker (a model unloaded)."""
+        w = self.workers.get(name)
+        if w is None:
+            return
+        if w.proc is not None:
+            raise ValueError(f"worker {name} still has a process (pid {w.pid})")
+        del self.workers[name]
+        self._psutil.pop(name, None)
+
     def any_alive(self) -> bool:
         return any(w.ps.state in ALIVE for w in self.workers.values())
 

@@ -73,6 +73,7 @@ class Pending:
     attempts: int = 0
     adapter: str | None = None
     retried_after: list = field(default_factory=list)   # why it was sent again (shown in the reply)
+    keep_alive: Any = "default"    # seconds its model stays loaded after it (None: forever)
 
 
 class RouteError(Exception):
@@ -84,8 +85,10 @@ class RouteError(Exception):
 class Router:
     def __init__(self, table: ProcessTable, send: Callable[[WorkerProcess, Message], None], *,
                  max_queue: int = 64, wait_for_worker: float = 60.0, request_timeout: float = 600.0,
-                 adapters=None, record: Callable[[str, str | None, str], None] = lambda *a: None):
+                 adapters=None, record: Callable[[str, str | None, str], None] = lambda *a: None,
+                 placer=None):
         self.table, self.send, self.record = table, send, record
+        self.placer = placer             # models at run time (supervisor/placer.py); None: a fixed set
         self.max_queue, self.wait_for_worker, self.request_timeout = max_queue, wait_for_worker, request_timeout
         self.adapters = adapters
         self.pending: dict[str, Pending] = {}
@@ -105,7 +108,10 @@ class Router:
                 self.counts["busy"] += 1
                 raise RouteError("server_busy", f"server busy: {len(self.pending)} requests are queued or "
                                  f"running (server.max_queue = {self.max_queue}); retry later", retry_after=1)
-            w = self.resolve(target)            # unknown worker or model: a clear error now
+            keep_alive = self._keep_alive(op, body)
+            if keep_alive != "default":
+                body = {k: v for k, v in body.items() if k != "keep_alive"}
+            w = self.resolve(target)            # unknown worker or model: a clear error now (or it loads)
             body, adapter = self._adapter(op, w, body)
         except RouteError as e:
             self._error(client, e.code, e.message, e.retry_after)
@@ -113,7 +119,8 @@ class Router:
         now = self.table.clock.monotonic()
         timeout = timeout or self.request_timeout
         p = Pending(new_id(), op, body, client, target, now + timeout, timeout,
-                    now + min(timeout, self.wait_for_worker), adapter=adapter, target_worker=w.name)
+                    now + min(timeout, self.wait_for_worker), adapter=adapter, target_worker=w.name,
+                    keep_alive=keep_alive)
         self.pending[p.id] = p
         self.counts["admitted"] += 1
         self._try_send(p, now)
@@ -134,17 +141,48 @@ class Router:
                 raise RouteError("no_worker", f"no {target.kind} worker is configured; add [workers.{target.kind}] "
                                  f"kind = \"{target.kind}\" to kiln.toml (the default configuration has one)")
             return enabled[0]
-        ws = [w for w in table if w.kind in MODEL_KINDS]
+        ws = [w for w in table if w.kind in MODEL_KINDS and not self._unloading(w)]
+        if target.model is None and self.placer is not None and self.placer.active:
+            return self._place(self.placer.active)
         if not ws:
-            raise RouteError("no_model", "no inference worker is configured (kiln up --model M, or "
-                             "[workers.NAME] kind = \"inference\" in kiln.toml)")
+            if self.placer is not None and target.model is not None:
+                return self._place(target.model)
+            raise RouteError("no_model", "no model is loaded and the request names none (name a model, "
+                             "`kiln activate MODEL`, kiln up --model M, or [workers.NAME] kind = \"inference\")")
         if target.model is None:
             return next((w for w in ws if w.spec.get("enabled", True)), ws[0])
         for w in ws:
             if target.model in (w.name, w.status.get("model"), w.spec.get("model")):
                 return w
+        if self.placer is not None:
+            return self._place(target.model)
         raise RouteError("model_not_found", f"model {target.model!r} is not served here (models: "
                          f"{', '.join(w.name for w in ws)}; GET /v1/models)")
+
+    def _unloading(self, w: WorkerProcess) -> bool:
+        l = self.placer.loaded.get(w.name) if self.placer is not None else None
+        return bool(l and l.unloading)
+
+    def _place(self, model: str) -> WorkerProcess:
+        from .placer import PlaceError
+        try:
+            return self.placer.place(model)
+        except PlaceError as e:
+            raise RouteError(e.code, e.message, e.retry_after) from None
+
+    @staticmethod
+    def _keep_alive(op: str, body: Any):
+        if op not in MODEL_RUNS or not isinstance(body, dict) or "keep_alive" not in body:
+            return "default"
+        from .placer import parse_duration
+        try:
+            return parse_duration(body["keep_alive"])
+        except ValueError as e:
+            raise RouteError("invalid_value", str(e)) from None
+
+    def busy(self, worker: str) -> int:
+        """Requests admitted for `worker` and not answered yet."""
+        return sum(1 for p in self.pending.values() if p.target_worker == worker)
 
     def _adapter(self, op: str, w: WorkerProcess, body: Any) -> tuple[Any, str | None]:
         """The active adapter applies to generate/score unless the request names one ("" = none)."""
@@ -166,7 +204,10 @@ class Router:
     # -- sending and waiting --------------------------------------------------------------------
 
     def _try_send(self, p: Pending, now: float) -> bool:
-        w = self.table[p.target_worker]            # the worker set is fixed for the daemon's life
+        if p.target_worker not in self.table:      # cannot happen: a busy worker is never unloaded
+            self._finish(p, "worker_unavailable", f"worker {p.target_worker} was unloaded")
+            return False
+        w = self.table[p.target_worker]
         if w.can_serve() or (w.identity is not None and w.ps.state in ("starting", "running")
                              and p.op not in MODEL_RUNS):
             # non-generate ops queue inside a loading worker's executor; generation waits here,
@@ -220,7 +261,12 @@ class Router:
             return
         del self.pending[p.id]
         self.counts["completed" if msg.type == "reply" else "failed"] += 1
+        self._used(p)
         p.client.deliver(self._for_client(p, msg))
+
+    def _used(self, p: Pending) -> None:
+        if self.placer is not None and p.op in MODEL_RUNS:
+            self.placer.touch(p.target_worker, p.keep_alive)
 
     def on_worker_exit(self, w: WorkerProcess, how: str) -> None:
         """A worker died: its requests that produced nothing wait for the restart and run again;
@@ -259,6 +305,7 @@ class Router:
             return
         self._cancel_on_worker(p)
         del self.pending[rid]
+        self._used(p)
         if notify:
             self._error(p.client, "cancelled", "cancelled")
 
@@ -281,6 +328,7 @@ class Router:
 
     def _finish(self, p: Pending, code: str, message: str, retry_after: float | None = None) -> None:
         self.pending.pop(p.id, None)
+        self._used(p)
         self.counts["failed"] += 1
         self._error(p.client, code, message, retry_after)
 

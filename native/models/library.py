@@ -58,6 +58,11 @@ def _candidates() -> list[Path]:
     return found
 
 
+def library_files() -> list[Path]:
+    """Every .gguf in the model folders."""
+    return _candidates()
+
+
 def resolve_model(spec: str, *, pull: bool = False,
                   progress: Callable[[str], None] | None = None) -> Path:
     """Turn a model argument into the path of a .gguf file (see module doc)."""

@@ -1,0 +1,152 @@
+"""Models at run time through a real daemon: a request naming a library model loads it while a
+stream on another model goes on, `kiln ps` shows both, keep_alive 0 unloads, /v1/models lists
+the library; under a budget that holds one model at a time, alternating requests swap them
+without a failed request, and a model that cannot fit beside a busy one is refused with the
+numbers."""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from daemon_harness import Daemon, kiln, spec
+
+pytestmark = pytest.mark.timeout(300)
+ASK = [{"role": "user", "content": "Name a colour."}]
+
+
+def post(d, path, body, timeout=120):
+    req = urllib.request.Request(d.http + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def ps(d) -> dict:
+    out = kiln(d.home, "ps", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(pred, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def library(home, default_model_path, *names):
+    models = home / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        (models / f"{n}.gguf").symlink_to(default_model_path)
+
+
+def stream_tokens(d, model, n, out: dict):
+    """A streamed chat of exactly n tokens; records each chunk's arrival time."""
+    body = {"model": model, "messages": ASK, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(d.http + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    out["times"], out["finish"] = [], None
+    with urllib.request.urlopen(req, timeout=240) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                ev = json.loads(line[6:])
+                for ch in ev["choices"]:
+                    if ch["delta"].get("content"):
+                        out["times"].append(time.monotonic())
+                    out["finish"] = ch.get("finish_reason") or out["finish"]
+
+
+def test_a_second_model_loads_beside_a_running_stream_then_unloads(default_model_path, tmp_path):
+    library(tmp_path, default_model_path, "second")
+    with Daemon(tmp_path, {"default": {"kind": "inference", "model": str(default_model_path)}}) as d:
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="default loaded")
+        got: dict = {}
+        t = threading.Thread(target=stream_tokens, args=(d, "default", 200, got))
+        t.start()
+        wait_for(lambda: len(got.get("times", [])) >= 10, "the stream to start")
+        status, r = post(d, "/v1/chat/completions", {"model": "second", "messages": ASK, "max_tokens": 8})
+        assert status == 200, r
+        assert r["model"] == "second"
+        t.join(240)
+        gaps = [b - a for a, b in zip(got["times"], got["times"][1:])]
+        assert got["finish"] == "length" and len(got["times"]) >= 150
+        assert max(gaps) < 1.5, f"the stream stalled {max(gaps):.2f} s while the second model loaded"
+
+        listed = {m["model"]: m for m in ps(d)["models"]}
+        assert {"second", default_model_path.stem} <= set(listed), listed
+        assert listed[default_model_path.stem]["pinned"] and not listed["second"]["pinned"]
+        assert listed["second"]["rss_bytes"] and listed["second"]["expires_at"] > time.time()
+
+        status, models = 200, json.loads(urllib.request.urlopen(d.http + "/v1/models", timeout=30).read())
+        ids = {m["id"] for m in models["data"]}
+        assert "second" in ids and "default" in ids
+
+        status, r = post(d, "/v1/chat/completions", {"model": "second", "messages": ASK, "max_tokens": 4,
+                                                      "keep_alive": 0})
+        assert status == 200, r
+        wait_for(lambda: "second" not in {m["model"] for m in ps(d)["models"]}, "second to unload", 30)
+        events = [e["event"] for e in d.status()["events"]]
+        assert "model_unloaded" in events
+
+
+@pytest.fixture
+def budget_daemon(default_model_path, tmp_path):
+    """No model configured; a budget for one model at a time."""
+    from kiln.native.models.plan import plan
+    library(tmp_path, default_model_path, "alpha", "beta")
+    need = plan(default_model_path, 4096)["total_bytes"]
+    d = Daemon(tmp_path, {"echo": spec()})
+    d.config.write_text(d.config.read_text() + f'\n[models]\nmemory_budget = "{int(need * 1.5)}"\n')
+    with d:
+        yield d
+
+
+def test_one_model_at_a_time_swaps_without_a_failed_request(budget_daemon):
+    d = budget_daemon
+    got: dict = {}
+    t = threading.Thread(target=stream_tokens, args=(d, "alpha", 60, got))
+    t.start()
+    wait_for(lambda: len(got.get("times", [])) >= 3, "alpha to stream")
+    # alpha is busy: beta cannot fit beside it, and alpha is never unloaded under a request
+    status, r = post(d, "/v1/chat/completions", {"model": "beta", "messages": ASK, "max_tokens": 4})
+    assert status == 503 and r["error"]["code"] == "insufficient_memory", r
+    assert "GiB" in r["error"]["message"] and "budget" in r["error"]["message"]
+    t.join(120)
+    assert got["finish"] == "length"
+    for model in ("beta", "alpha", "beta", "alpha"):
+        status, r = post(d, "/v1/chat/completions", {"model": model, "messages": ASK, "max_tokens": 4})
+        assert status == 200, (model, r)
+        loaded = [m["model"] for m in ps(d)["models"] if not m.get("unloading")]
+        assert loaded == [model], loaded
+    events = [e["event"] for e in d.command("events", {"limit": 500})["events"]]
+    assert events.count("model_loading") >= 5 and events.count("model_unloaded") >= 3
+
+
+def test_models_load_unload_and_activate_from_the_cli(budget_daemon):
+    d = budget_daemon
+    out = kiln(d.home, "models", "load", "alpha")
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: any(m["model"] == "alpha" and m["worker_state"] == "ready" for m in ps(d)["models"]), "alpha")
+    out = kiln(d.home, "activate", "beta")
+    assert out.returncode == 0 and "beta" in out.stdout, out.stderr
+    status, r = post(d, "/v1/chat/completions", {"messages": ASK, "max_tokens": 3})   # no model named
+    assert status == 200 and r["model"] == "beta", r
+    assert json.loads((d.home / "state" / "models.json").read_text())["active_model"] == "beta"
+    out = kiln(d.home, "models", "unload", "beta")
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: not ps(d)["models"], "every model to unload", 30)
+    out = kiln(d.home, "models", "load", "nothing-like-this")
+    assert out.returncode != 0 and "not found" in out.stderr
+    table = kiln(d.home, "ps")
+    assert table.returncode == 0 and "MODEL" in table.stdout
