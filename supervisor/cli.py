@@ -157,8 +157,10 @@ def _preflight(cfg) -> None:
             path = resolve_model(spec["model"])
             budget = cfg["supervisor"]["memory_budget"] or None
             p = plan(path, (spec.get("settings") or {}).get("ctx"), available=budget)
-        except (ModelNotFound, GGUFError):
-            continue                  # the worker reports it (exit 3 → fatal with the reason)
+        except (ModelNotFound, GGUFError, ValueError, KeyError) as e:
+            if cfg.workers_source == "cli":   # `kiln up --model BAD`: nothing else to serve
+                fail(f"cannot serve {spec['model']}: {e}")
+            continue                  # a configured worker reports it (exit 3 → fatal with the reason)
         if p["verdict"] == "too_large":
             fail(f"worker {name}: model {path.name} will not run here: {p['advice']} (`kiln models plan` has the numbers)")
         if p["verdict"] == "streams":

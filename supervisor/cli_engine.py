@@ -177,15 +177,26 @@ def _progress_bar():
 
 
 @models_app.command("pull")
-def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct), or hf:ORG/REPO[/FILE.gguf][@REV]")):
-    """Download a model (verified by sha256; an interrupted pull resumes when run again)."""
+def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct), or hf:ORG/REPO[/FILE.gguf][@REV]"),
+                force: bool = typer.Option(False, "--force", help="download even if the file is larger than the RAM available")):
+    """Download a model (verified by sha256; an interrupted pull resumes when run again). A file that
+    cannot run here (larger than the RAM available) is refused before downloading."""
     from kiln.native.models.library import PullError, pull_default
     try:
         if model == "default":
             path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
         elif model.startswith("hf:"):
-            from kiln.native.models.hub import pull_hf
-            path = pull_hf(model, _progress_bar())
+            import psutil
+
+            from kiln.native.models.hub import _hub_cache, check_room, pull_hf
+            from .config import ConfigError, load_config
+            try:
+                budget = load_config(None)["supervisor"]["memory_budget"]
+            except ConfigError:
+                budget = 0
+            avail = budget or psutil.virtual_memory().available
+            path = pull_hf(model, _progress_bar(),
+                           room=lambda name, size: check_room(name, size, _hub_cache(), avail, force))
         else:
             fail(f"cannot pull {model!r}: give 'default' or hf:ORG/REPO[/FILE.gguf][@REV]")
     except PullError as e:

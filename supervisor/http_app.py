@@ -13,7 +13,7 @@ import threading
 import falcon
 import waitress
 
-from . import eval_api, observe, openai_api, train_api
+from . import eval_api, observe, ollama_api, openai_api, train_api
 from .http_common import JSONError, bus, error_body
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
@@ -27,6 +27,8 @@ def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
         elif status == 405:
             message = f"{req.method} is not allowed on {req.path}"
         body = error_body(status, code, message)
+    if req.path.startswith("/api/"):             # Ollama's routes answer in Ollama's shape
+        body = {"error": body["error"]["message"]}
     resp.content_type = falcon.MEDIA_JSON
     resp.text = json.dumps(body)
 
@@ -118,6 +120,7 @@ def make_app(sup) -> falcon.App:
     app.add_route("/v1/workers/{name}/{action}", workers, suffix="action")
     app.add_route("/metrics", observe.MetricsRoute(metrics))
     api = openai_api.install(app, sup, metrics)
+    ollama_api.install(app, sup, api)
     train_api.install(app, sup, api.read_json)
     eval_api.install(app, sup, api.read_json)
     return app

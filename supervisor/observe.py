@@ -122,8 +122,7 @@ class RequestLog:
         route = req.uri_template or "unmatched"
         if route == "/metrics":
             return
-        if resp.stream is not None and isinstance(resp.stream, _LoggedStream) is False and \
-                resp.content_type == "text/event-stream" and route != "/v1/events":
+        if resp.stream is not None and not isinstance(resp.stream, _LoggedStream) and route != "/v1/events":
             resp.stream = _LoggedStream(resp.stream, lambda: self._done(req, resp, route))
             return
         self._done(req, resp, route)

@@ -85,3 +85,13 @@ def test_ambiguous_and_missing_files_are_explained(hub):
     assert r.returncode == 1 and "has 2 GGUF files" in r.stderr and "tiny-qwen3.Q8_0.gguf" in r.stderr
     r = kiln(env, "models", "pull", "hf:tiny-org/nope")
     assert r.returncode == 1 and "cannot read tiny-org/nope" in r.stderr
+
+
+def test_a_file_larger_than_the_ram_is_refused_before_downloading(hub):
+    h, env = hub
+    small = dict(env, KILN_SUPERVISOR_MEMORY_BUDGET="1000")     # "available": 1000 bytes
+    r = kiln(small, "models", "pull", "hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf")
+    assert r.returncode != 0 and "would not run here" in r.stderr and "GiB" in r.stderr, r.stderr
+    assert not [p for m, p, _ in h.requests if m == "GET" and "resolve" in p], "nothing may be downloaded"
+    r = kiln(small, "models", "pull", "--force", "hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf")
+    assert r.returncode == 0, r.stderr

@@ -150,3 +150,13 @@ def test_models_load_unload_and_activate_from_the_cli(budget_daemon):
     assert out.returncode != 0 and "not found" in out.stderr
     table = kiln(d.home, "ps")
     assert table.returncode == 0 and "MODEL" in table.stdout
+
+
+@pytest.mark.parametrize("content, words", [(None, "no such file"), (b"GGUFjunk", "not a GGUF file")])
+def test_up_with_a_model_that_cannot_boot_exits_nonzero_with_the_reason(tmp_path, content, words):
+    path = tmp_path / "bad.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    out = kiln(tmp_path, "up", "--model", str(path), "--port", "0", timeout=60)
+    assert out.returncode != 0 and words in out.stderr, out.stderr
+    assert "kiln is up" not in out.stderr + out.stdout

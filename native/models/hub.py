@@ -12,6 +12,7 @@ is verified against the hub's sha256 before it appears: a mismatch deletes it an
 from __future__ import annotations
 
 import os
+import shutil
 import re
 from pathlib import Path
 
@@ -73,7 +74,24 @@ def _transfer(url: str, part: Path, size: int, progress) -> None:
                         f"run the same pull again to resume")
 
 
-def pull_hf(spec: str, progress=None) -> Path:
+def check_room(name: str, size: int, dest: Path, available_ram: int, force: bool = False) -> None:
+    """Refuse a download that cannot be used here, before a byte moves: the disk must hold it,
+    and RAM must hold at least its weights plus the runtime — unless `force` (an MoE model may
+    still run by streaming its experts from disk)."""
+    from .plan import RUNTIME_BYTES
+    dest.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dest).free
+    if size > free:
+        raise PullError(f"{name} is {size / 2**30:.2f} GiB but {dest} has {free / 2**30:.2f} GiB free")
+    need = size + RUNTIME_BYTES
+    if not force and need > 0.9 * available_ram:
+        raise PullError(f"{name} needs at least {need / 2**30:.2f} GiB of RAM (its {size / 2**30:.2f} GiB of weights "
+                        f"+ runtime) but {available_ram / 2**30:.2f} GiB is available: it would not run here. A "
+                        f"mixture-of-experts model can stream its experts from disk: --force downloads it anyway")
+
+
+def pull_hf(spec: str, progress=None, room=None) -> Path:
+    """`room(filename, size)`: called before downloading; raises PullError to refuse."""
     try:
         from huggingface_hub import HfApi, hf_hub_url
         from huggingface_hub.errors import HfHubHTTPError
@@ -99,6 +117,8 @@ def pull_hf(spec: str, progress=None) -> Path:
     if not expected or not size:
         raise PullError(f"the hub gives no sha256/size for {filename}; refusing an unverifiable download")
     commit = info.sha or rev
+    if room is not None:
+        room(filename, size)
     repo_dir = _hub_cache() / ("models--" + repo.replace("/", "--"))
     blob = repo_dir / "blobs" / expected
     snap = repo_dir / "snapshots" / commit / filename

@@ -1,0 +1,413 @@
+"""Ollama's API on Kiln's port: /api/version, tags, show, ps, chat, generate, embed, pull.
+
+Each route translates an Ollama body into the work the OpenAI routes send (the same validation,
+the same router op) and the answer back into Ollama's shapes: NDJSON streaming by default
+(`"stream": false` for one object), durations in nanoseconds, errors as {"error": "..."}.
+Options Kiln has no use for are refused by name, except the hardware-placement ones Kiln decides
+itself (HARDWARE_OPTIONS), which change where Ollama computes, never what.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+
+import falcon
+
+from .http_common import JSONError, bus, routed
+from .openai_api import WorkerGone, _Stream
+from .openai_validate import bad, messages as check_messages, sampling_params, tools as check_tools
+
+VERSION = "0.12.0"             # the Ollama API version these routes follow
+# Ollama option -> Kiln sampling field
+_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+            "typical_p": "typical_p", "seed": "seed", "stop": "stop", "repeat_penalty": "repeat_penalty",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+            "num_predict": "max_tokens"}
+HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "num_batch", "low_vram",
+                    "numa", "f16_kv", "vocab_only"}
+_CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive"}
+_GENERATE_FIELDS = {"model", "prompt", "system", "stream", "format", "options", "think", "keep_alive", "raw"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _name(stem: str) -> str:
+    return stem if ":" in stem else f"{stem}:latest"
+
+
+class Ollama:
+    def __init__(self, sup, api):
+        self.sup, self.api = sup, api            # api: the OpenAI routes (routing, answers)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _body(self, req, allowed: set[str]) -> dict:
+        body = self.api.read_json(req)
+        for k in body:
+            if k not in allowed:
+                raise bad(k, f"unsupported field {k!r} for {req.path} (supported: {', '.join(sorted(allowed))})",
+                          "unsupported_field")
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            raise bad("model", "model is required (a library model name, e.g. SmolLM2-135M-Instruct.Q4_1)")
+        return body
+
+    @staticmethod
+    def _options(body: dict) -> dict:
+        opts = body.get("options") or {}
+        if not isinstance(opts, dict):
+            raise bad("options", "options must be an object", "invalid_type")
+        out = {}
+        for k, v in opts.items():
+            if k in HARDWARE_OPTIONS:
+                continue
+            if k == "num_ctx":
+                continue                          # checked against the worker's context below
+            if k not in _OPTIONS:
+                raise bad(f"options.{k}", f"option {k!r} is not supported (supported: "
+                          f"{', '.join(sorted(set(_OPTIONS) | {'num_ctx'}))})")
+            if k == "num_predict" and isinstance(v, int) and v < 0:
+                continue                          # -1: until the context ends (Kiln's default)
+            out[_OPTIONS[k]] = v
+        p = sampling_params(out)
+        return p
+
+    def _check_ctx(self, body: dict, route: dict) -> None:
+        want = (body.get("options") or {}).get("num_ctx")
+        if want is None:
+            return
+        have = route.get("n_ctx")
+        if not isinstance(want, int) or isinstance(want, bool) or want <= 0:
+            raise bad("options.num_ctx", "num_ctx must be a positive integer")
+        if have and want > have:
+            raise bad("options.num_ctx", f"num_ctx = {want}, but {route['worker']} runs with a {have}-token context; "
+                      f"set [models] ctx (or the worker's settings.ctx) and reload it")
+
+    @staticmethod
+    def _format(body: dict) -> dict:
+        fmt = body.get("format")
+        if fmt in (None, ""):
+            return {}
+        if fmt == "json":
+            return {"response_format": {"type": "json_object"}}
+        if isinstance(fmt, dict):
+            return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}}
+        raise bad("format", 'format must be "json" or a JSON schema object')
+
+    @staticmethod
+    def _think(body: dict) -> dict:
+        think = body.get("think")
+        if think is None:
+            return {}
+        if isinstance(think, str) and think in ("low", "medium", "high"):
+            return {"reasoning_effort": think}
+        if not isinstance(think, bool):
+            raise bad("think", 'think must be true, false, or "low" / "medium" / "high"')
+        return {"chat_template_kwargs": {"enable_thinking": think}}
+
+    def _route(self, req, body: dict) -> dict:
+        try:
+            return self.api.route(body, req)
+        except JSONError as e:
+            if e.kiln_body["error"].get("code") == "model_not_found":
+                raise JSONError(404, "model_not_found", e.kiln_body["error"]["message"]) from None
+            raise
+
+    def _run(self, req, resp, body: dict, work: dict, kind: str) -> None:
+        """Generate and answer in Ollama's shape: NDJSON chunks, or one object."""
+        route = self._route(req, body)
+        self._check_ctx(body, route)
+        params = self._options(body)
+        params.setdefault("max_tokens", -1)
+        work = dict(work, params=params, worker=route["worker"])
+        if body.get("keep_alive") is not None:
+            from .openai_validate import keep_alive
+            work.update(keep_alive(body))
+        stream = body.get("stream", True)
+        if not isinstance(stream, bool):
+            raise bad("stream", "stream must be a boolean", "invalid_type")
+        t0 = time.perf_counter()
+        answer = self.api.answer(req, "generate", work)
+        model = body["model"]
+        field = "message" if kind == "chat" else "response"
+
+        def part(text="", reasoning="", calls=()):
+            if kind == "chat":
+                msg = {"role": "assistant", "content": text}
+                if reasoning:
+                    msg["thinking"] = reasoning
+                if calls:
+                    msg["tool_calls"] = [{"function": {"name": c["name"], "arguments": _args(c["arguments"])}}
+                                         for c in calls]
+                return {field: msg}
+            out = {field: text}
+            if reasoning:
+                out["thinking"] = reasoning
+            return out
+
+        def closing(final: dict) -> dict:
+            u, tm = final["usage"], final.get("timings") or {}
+            reason = final["finish_reason"]
+            return {"model": model, "created_at": _now(), **part(), "done": True,
+                    "done_reason": "length" if reason == "length" else "stop",
+                    "total_duration": _ns(time.perf_counter() - t0), "load_duration": 0,
+                    "prompt_eval_count": u["prompt_tokens"] - u.get("cached_tokens", 0),
+                    "prompt_eval_duration": _ns(tm.get("prefill_s", 0)),
+                    "eval_count": u["completion_tokens"], "eval_duration": _ns(tm.get("decode_s", 0))}
+
+        if stream:
+            def lines():
+                try:
+                    for msg in answer:
+                        if msg.type == "chunk":
+                            b = msg.body
+                            if b.get("text") or b.get("reasoning") or b.get("tool_calls"):
+                                yield _line({"model": model, "created_at": _now(), **part(
+                                    b.get("text", ""), b.get("reasoning", ""), b.get("tool_calls", ())), "done": False})
+                        else:
+                            f = msg.body
+                            if f.get("text") or f.get("reasoning") or f.get("tool_calls"):
+                                yield _line({"model": model, "created_at": _now(), **part(
+                                    f.get("text", ""), f.get("reasoning", ""), f.get("tool_calls", ())), "done": False})
+                            yield _line(closing(f))
+                except WorkerGone as e:
+                    from .http_common import error_from
+                    yield _line({"error": error_from(e.msg).kiln_body["error"]["message"]})
+            resp.content_type = "application/x-ndjson"
+            resp.stream = _Stream(lines(), answer)
+            return
+        text, reasoning, calls, final = [], [], [], None
+        try:
+            for msg in answer:
+                b = msg.body
+                text.append(b.get("text", ""))
+                reasoning.append(b.get("reasoning", ""))
+                calls += b.get("tool_calls", [])
+                if msg.type != "chunk":
+                    final = b
+        except WorkerGone as e:
+            from .http_common import error_from
+            raise error_from(e.msg) from None
+        finally:
+            answer.close()
+        if final is None:
+            raise JSONError(499, "client_closed", "the client closed the connection")
+        out = closing(final)
+        out.update(part("".join(text), "".join(reasoning), calls))
+        resp.media = out
+
+    # -- routes --------------------------------------------------------------------------------
+
+    def on_get_version(self, req, resp):
+        resp.media = {"version": VERSION}
+
+    def on_get_tags(self, req, resp):
+        out = []
+        for m in bus(self.sup, "library")["models"]:
+            out.append({"name": _name(m["name"]), "model": _name(m["name"]),
+                        "modified_at": datetime.fromtimestamp(m["modified"], timezone.utc).isoformat(),
+                        "size": m["size_bytes"], "digest": _digest(m["path"], m["size_bytes"], m["modified"]),
+                        "details": _details(m["path"])})
+        resp.media = {"models": out}
+
+    def on_post_show(self, req, resp):
+        body = self.api.read_json(req)
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("model", "model is required")
+        from kiln.native.gguf_file import GGUFError, read_gguf
+        from kiln.native.models.library import ModelNotFound, resolve_model
+        from .placer import _stem
+        try:
+            try:
+                path = resolve_model(name)
+            except ModelNotFound:
+                path = resolve_model(_stem(name))
+            g = read_gguf(path, skip_arrays=True)
+        except ModelNotFound as e:
+            raise JSONError(404, "model_not_found", str(e)) from None
+        except GGUFError as e:
+            raise JSONError(400, "model_invalid", str(e)) from None
+        meta = {k: v for k, v in g.metadata.items() if not isinstance(v, (list, bytes)) and k != "tokenizer.chat_template"}
+        template = g.metadata.get("tokenizer.chat_template") or ""
+        caps = ["completion"] + (["tools"] if "tools" in template or template else []) + \
+            (["thinking"] if "<think>" in template else [])
+        resp.media = {"modelfile": f"FROM {path}\n", "parameters": "", "template": template,
+                      "details": _details(str(path)), "model_info": meta, "capabilities": caps,
+                      "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()}
+
+    def on_get_ps(self, req, resp):
+        out = []
+        for m in bus(self.sup, "ps")["models"]:
+            exp = m.get("expires_at")
+            out.append({"name": _name(str(m["model"])), "model": _name(str(m["model"])),
+                        "size": m.get("rss_bytes") or m.get("planned_bytes") or 0, "size_vram": 0,
+                        "digest": "", "details": _details(m.get("path") or ""),
+                        "expires_at": datetime.fromtimestamp(exp, timezone.utc).isoformat() if exp else
+                        "9999-12-31T23:59:59Z", "context_length": m.get("n_ctx") or 0})
+        resp.media = {"models": out}
+
+    def on_post_chat(self, req, resp):
+        body = self._body(req, _CHAT_FIELDS)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad("messages", "messages must be a non-empty list")
+        conv = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise bad(f"messages[{i}]", "each message must be an object", "invalid_type")
+            if m.get("images"):
+                raise bad(f"messages[{i}].images", "Kiln serves text models: images are not supported")
+            m = {k: v for k, v in m.items() if k not in ("images", "thinking")}
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{"id": f"call_{j}", "type": "function", "function": {
+                    "name": c.get("function", {}).get("name"), "arguments": c.get("function", {}).get("arguments", {})}}
+                    for j, c in enumerate(m["tool_calls"])]
+            if "tool_name" in m:
+                m["name"] = m.pop("tool_name")
+            conv.append(m)
+        oa = {"messages": conv, "tools": body.get("tools"), **self._format(body), **self._think(body)}
+        work = {"messages": check_messages(oa), **check_tools({k: v for k, v in oa.items() if v is not None})}
+        self._run(req, resp, body, work, "chat")
+
+    def on_post_generate(self, req, resp):
+        body = self._body(req, _GENERATE_FIELDS)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt", "prompt must be a string", "invalid_type")
+        if not prompt:                            # Ollama: an empty prompt loads the model
+            route = self._route(req, body)
+            resp.media = {"model": body["model"], "created_at": _now(), "response": "", "done": True,
+                          "done_reason": "load", "worker": route["worker"]}
+            return
+        if body.get("raw"):
+            if body.get("system"):
+                raise bad("system", "system cannot be combined with raw")
+            work = {"text": prompt, "special": True}
+        else:
+            msgs = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + \
+                [{"role": "user", "content": prompt}]
+            oa = {"messages": msgs, **self._format(body), **self._think(body)}
+            work = {"messages": check_messages(oa), **check_tools(oa)}
+        self._run(req, resp, body, work, "generate")
+
+    def on_post_embed(self, req, resp):
+        body = self._body(req, {"model", "input", "truncate", "options", "keep_alive", "dimensions"})
+        inp = body.get("input")
+        items = [inp] if isinstance(inp, str) else inp
+        if not isinstance(items, list) or not items or not all(isinstance(x, str) and x for x in items):
+            raise bad("input", "input must be a non-empty string or a list of them")
+        if body.get("truncate") is True:
+            raise bad("truncate", "truncate is not supported: Kiln refuses an input longer than the context "
+                      "instead of cutting it; set truncate: false")
+        t0 = time.perf_counter()
+        route = self._route(req, body)
+        work = {"inputs": items, "worker": route["worker"]}
+        if body.get("dimensions") is not None:
+            work["dimensions"] = body["dimensions"]
+        if body.get("keep_alive") is not None:
+            from .openai_validate import keep_alive
+            work.update(keep_alive(body))
+        import numpy as np
+        out = routed(self.sup, "embed", work, 600)
+        resp.media = {"model": body["model"], "embeddings": [np.frombuffer(v, "<f4").tolist() for v in out["embeddings"]],
+                      "total_duration": _ns(time.perf_counter() - t0), "load_duration": 0,
+                      "prompt_eval_count": out["usage"]["prompt_tokens"]}
+        req.context.usage = {"prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": 0}
+
+    def on_post_pull(self, req, resp):
+        body = self.api.read_json(req)
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("model", "model is required")
+        from kiln.native.models.library import ModelNotFound, PullError, pull_default, resolve_model
+        stream = body.get("stream", True)
+
+        def run(progress):
+            try:
+                return resolve_model(name)                  # already here
+            except ModelNotFound:
+                pass
+            if name in ("default", "default:latest"):
+                return pull_default(progress=lambda m: progress({"status": m}))
+            if name.startswith("hf:"):
+                from kiln.native.models.hub import pull_hf
+
+                def bar(done, total=None, *_):
+                    progress({"status": "downloading", "completed": done, "total": total})
+                return pull_hf(name, bar)
+            raise PullError(f"cannot pull {name!r}: Kiln pulls 'default' or hf:ORG/REPO[/FILE.gguf][@REV] "
+                            f"(there is no Ollama registry here)")
+
+        if not stream:
+            try:
+                run(lambda _: None)
+            except PullError as e:
+                raise JSONError(400, "bad_model", str(e)) from None
+            resp.media = {"status": "success"}
+            return
+
+        def lines():
+            events = []
+            try:
+                yield _line({"status": "pulling manifest"})
+                run(events.append)
+                for e in events:
+                    yield _line(e)
+                yield _line({"status": "success"})
+            except PullError as e:
+                yield _line({"error": str(e)})
+        resp.content_type = "application/x-ndjson"
+        resp.stream = lines()
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+def _args(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def _digest(path: str, size: int, mtime: float) -> str:
+    """A stable id for a file version without hashing gigabytes on every list."""
+    return hashlib.sha256(f"{path}:{size}:{mtime}".encode()).hexdigest()
+
+
+def _details(path: str) -> dict:
+    from kiln.native.gguf_file import GGUFError, read_gguf
+    try:
+        g = read_gguf(path, skip_arrays=True)
+    except (GGUFError, OSError, ValueError):
+        return {"format": "gguf", "family": "", "families": [], "parameter_size": "", "quantization_level": ""}
+    arch = str(g.metadata.get("general.architecture", ""))
+    n = sum(t.n_elements for t in g.tensors.values())
+    types = {}
+    for t in g.tensors.values():
+        types[t.type.name] = types.get(t.type.name, 0) + t.n_elements
+    quant = max(types, key=types.get) if types else ""
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    return {"format": "gguf", "family": arch, "families": [arch], "parameter_size": size, "quantization_level": quant}
+
+
+def install(app: falcon.App, sup, api) -> None:
+    o = Ollama(sup, api)
+    app.add_route("/api/version", o, suffix="version")
+    app.add_route("/api/tags", o, suffix="tags")
+    app.add_route("/api/show", o, suffix="show")
+    app.add_route("/api/ps", o, suffix="ps")
+    app.add_route("/api/chat", o, suffix="chat")
+    app.add_route("/api/generate", o, suffix="generate")
+    app.add_route("/api/embed", o, suffix="embed")
+    app.add_route("/api/pull", o, suffix="pull")

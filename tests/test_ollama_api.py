@@ -1,0 +1,114 @@
+"""Ollama's API through a real daemon with the official `ollama` client: list, show, ps, chat
+(stream and not: the same text at temperature 0), generate, embed, format with a schema, tools,
+pull of a model already here, and errors in Ollama's shape."""
+
+import json
+import urllib.error
+import urllib.request
+
+import jsonschema
+import ollama
+import pytest
+
+from daemon_harness import Daemon
+
+pytestmark = pytest.mark.timeout(300)
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(default_model_path, tmp_path_factory):
+    home = tmp_path_factory.mktemp("ollama")
+    (home / "models").mkdir()
+    (home / "models" / "smol.gguf").symlink_to(default_model_path)
+    with Daemon(home, {"default": {"kind": "inference", "model": str(home / "models" / "smol.gguf")}}) as d:
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="model loaded")
+        yield d
+
+
+@pytest.fixture
+def client(served):
+    return ollama.Client(host=served.http, timeout=120)
+
+
+def test_list_show_and_ps(client):
+    names = [m.model for m in client.list().models]
+    assert "smol:latest" in names
+    m = next(m for m in client.list().models if m.model == "smol:latest")
+    assert m.details.family == "llama" and m.size > 50_000_000
+    shown = client.show("smol")
+    assert shown.details.family == "llama" and "im_start" in shown.template
+    assert "llama.context_length" in shown.modelinfo
+    loaded = [p.model for p in client.ps().models]
+    assert "smol:latest" in loaded
+
+
+def test_chat_stream_equals_whole_at_temperature_zero(client, served):
+    opts = {"temperature": 0, "num_predict": 24}
+    whole = client.chat(model="smol", messages=ASK, options=opts)
+    assert whole.done and whole.done_reason in ("stop", "length") and whole.eval_count >= 1
+    assert whole.total_duration > 0 and whole.prompt_eval_count > 5
+    parts, last = [], None
+    for chunk in client.chat(model="smol", messages=ASK, options=opts, stream=True):
+        parts.append(chunk.message.content)
+        last = chunk
+    assert last.done and "".join(parts) == whole.message.content
+    # the same answer as the OpenAI route gives for the same request
+    req = urllib.request.Request(served.http + "/v1/chat/completions", method="POST", data=json.dumps(
+        {"model": "smol", "messages": ASK, "temperature": 0, "max_tokens": 24}).encode())
+    oa = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    assert oa["choices"][0]["message"]["content"] == whole.message.content
+
+
+def test_generate_and_embed(client):
+    r = client.generate(model="smol", prompt="Say hello.", options={"temperature": 0, "num_predict": 8})
+    assert r.done and r.response.strip()
+    e = client.embed(model="smol", input=["The cat sat.", "Markets fell."])
+    assert len(e.embeddings) == 2 and len(e.embeddings[0]) == 576
+
+
+def test_format_schema_and_json(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = client.chat(model="smol", messages=[{"role": "user", "content": "Give a city as JSON."}], format=schema,
+                    options={"temperature": 0.7, "seed": 3, "num_predict": 100})
+    jsonschema.validate(json.loads(r.message.content), schema)
+    r = client.generate(model="smol", prompt="Return a JSON object with a cat's name and age.", format="json",
+                        options={"temperature": 0, "num_predict": 100})
+    assert isinstance(json.loads(r.response), dict)
+
+
+def test_tools_come_back_as_ollama_tool_calls(client, served):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    # Ollama has no tool_choice: the model decides; whatever it answers must be a valid shape
+    r = client.chat(model="smol", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
+                    options={"temperature": 0, "num_predict": 60})
+    for c in r.message.tool_calls or []:
+        assert isinstance(c.function.arguments, dict)
+    follow = client.chat(model="smol", options={"temperature": 0, "num_predict": 20}, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                         "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C, sunny", "tool_name": "get_weather"}], tools=[tool])
+    assert follow.done
+
+
+def test_pull_of_a_model_already_here_succeeds(client):
+    statuses = [p.status for p in client.pull("smol", stream=True)]
+    assert statuses[-1] == "success"
+
+
+def test_errors_are_in_ollamas_shape(client, served):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="no-such-model", messages=ASK)
+    assert e.value.status_code == 404 and "not found" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="smol", messages=ASK, options={"mirostat": 2})
+    assert e.value.status_code == 400 and "mirostat" in e.value.error
+    req = urllib.request.Request(served.http + "/api/chat", data=b"{nope", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(req, timeout=30)
+    assert set(json.loads(he.value.read())) == {"error"}
+    assert json.loads(urllib.request.urlopen(served.http + "/api/version", timeout=30).read())["version"]
