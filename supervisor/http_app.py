@@ -13,7 +13,7 @@ import threading
 import falcon
 import waitress
 
-from . import eval_api, observe, ollama_api, openai_api, train_api
+from . import eval_api, observe, ollama_api, openai_api, train_api, ui_app
 from .http_common import JSONError, bus, error_body
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
@@ -42,7 +42,8 @@ class Auth:
         self.key = key
 
     def process_request(self, req, resp):
-        if not self.key or req.path == "/health":
+        # the page's static files carry no data: the page itself asks for the key
+        if not self.key or req.path in ("/health", "/", "/ui") or req.path.startswith("/ui/"):
             return
         got = req.get_header("Authorization") or ""
         if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):
@@ -121,6 +122,7 @@ def make_app(sup) -> falcon.App:
     app.add_route("/metrics", observe.MetricsRoute(metrics))
     api = openai_api.install(app, sup, metrics)
     ollama_api.install(app, sup, api)
+    ui_app.install(app, sup)
     train_api.install(app, sup, api.read_json)
     eval_api.install(app, sup, api.read_json)
     return app

@@ -1,0 +1,119 @@
+"""The dashboard in a real headless Chromium (Debian's chromium, driven by playwright) against a
+real daemon: the page loads without errors, shows the workers running, streams a chat answer,
+shows a worker killed from outside coming back, and asks for the API key when the server has
+one. Each panel's screenshot is written to tests/screenshots/ (for a person to look at)."""
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from daemon_harness import Daemon
+
+pytestmark = pytest.mark.timeout(300)
+SHOTS = Path(__file__).parent / "screenshots"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+if not CHROMIUM or not __import__("importlib").util.find_spec("playwright"):
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("the browser tests need Debian's chromium and playwright: .ci/run installs them")
+    pytest.skip("no chromium or playwright here (apt-get install chromium; pip install playwright)",
+                allow_module_level=True)
+
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def served(default_model_path, tmp_path_factory):
+    home = tmp_path_factory.mktemp("ui")
+    workers = {"default": {"kind": "inference", "model": str(default_model_path)},
+               "trainer": {"kind": "trainer", "model": str(default_model_path)},
+               "evaluator": {"kind": "evaluator"}}
+    with Daemon(home, workers) as d:
+        d.wait(lambda st: all(w["state"] == "running" for w in st["workers"])
+               and st["workers"][0]["worker_state"] == "ready", timeout=90, what="workers running")
+        yield d
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    pg = browser.new_page(viewport={"width": 1400, "height": 1100})
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.errors = errors
+    yield pg
+    pg.close()
+
+
+def shot(page, panel: str):
+    SHOTS.mkdir(exist_ok=True)
+    page.locator(f"#{panel}").screenshot(path=str(SHOTS / f"{panel}.png"))
+
+
+def test_the_page_lists_the_workers_running_without_errors(served, page):
+    page.goto(served.http + "/")                     # / redirects to /ui
+    assert page.url.endswith("/ui")
+    table = page.get_by_role("table").first
+    for name in ("default", "trainer", "evaluator"):
+        expect(page.locator(f'tr[data-worker="{name}"] td[data-state]')).to_contain_text("running", timeout=15000)
+    expect(table).to_be_visible()
+    expect(page.locator("#conn")).to_have_text("live", timeout=15000)
+    SHOTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(SHOTS / "dashboard.png"), full_page=True)
+    for panel in ("workers-panel", "models-panel", "expert-panel", "train-panel", "eval-panel"):
+        shot(page, panel)
+    assert not page.errors, page.errors
+
+
+def test_a_chat_message_streams_an_answer_into_the_log(served, page):
+    page.goto(served.http + "/ui")
+    expect(page.locator("#model option").first).to_be_attached(timeout=15000)
+    page.get_by_label("Message").fill("What is the boiling point of water in Celsius?")
+    page.get_by_role("button", name="Send").click()
+    log = page.get_by_role("log")
+    expect(log.locator(".msg.user")).to_have_text("What is the boiling point of water in Celsius?")
+    answer = log.locator(".msg.assistant").last
+    expect(answer).not_to_have_text("", timeout=60000)
+    expect(page.get_by_role("button", name="Send")).to_be_enabled(timeout=120000)   # the answer ended
+    assert len(answer.inner_text()) > 3
+    expect(page.locator("#speed")).to_contain_text("tok/s")
+    shot(page, "chat-panel")
+    assert not page.errors, page.errors
+
+
+def test_a_worker_killed_from_outside_shows_its_restart(served, page):
+    page.goto(served.http + "/ui")
+    row = page.locator('tr[data-worker="evaluator"]')
+    expect(row.locator("td[data-state]")).to_contain_text("running", timeout=15000)
+    before = int(row.locator("td[data-restarts]").inner_text())
+    pid = next(w["pid"] for w in served.status()["workers"] if w["name"] == "evaluator")
+    os.kill(pid, signal.SIGKILL)
+    expect(row.locator("td[data-restarts]")).to_have_text(str(before + 1), timeout=30000)
+    expect(row.locator("td[data-state]")).to_contain_text("running", timeout=30000)
+    expect(page.locator("#events")).to_contain_text("exited")
+    assert not page.errors, page.errors
+
+
+def test_with_an_api_key_the_page_asks_for_it(default_model_path, tmp_path, browser):
+    with Daemon(tmp_path, {"default": {"kind": "inference", "model": str(default_model_path)}},
+                server={"api_key": "s3cret"}) as d:
+        pg = browser.new_page()
+        pg.goto(d.http + "/ui")
+        key = pg.get_by_label("API key")
+        expect(key).to_be_visible(timeout=15000)
+        key.fill("s3cret")
+        pg.get_by_role("button", name="Use key").click()
+        expect(pg.locator('tr[data-worker="default"]')).to_be_visible(timeout=15000)
+        expect(pg.locator("#keyform")).to_be_hidden()
+        pg.close()
