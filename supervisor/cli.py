@@ -19,6 +19,8 @@ import typer
 
 from kiln.protocol import vocab
 
+from . import cli_style  # noqa: F401  (help without type tags; must precede the commands)
+
 from . import cli_chat
 from . import cli_models
 from .cli_engine import debug_app, eval_app, fail, models_app
@@ -32,6 +34,22 @@ app.add_typer(debug_app, name="debug")
 app.add_typer(eval_app, name="eval")
 app.add_typer(train_app, name="train")
 app.add_typer(adapters_app, name="adapters")
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            typer.echo(f"kiln {version('kiln')}")
+        except PackageNotFoundError:
+            typer.echo("kiln (not installed: run from a source tree)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="print Kiln's version and exit")):
+    """Kiln: a local LLM runtime that keeps crash-isolated workers alive."""
+
+
 app.command("run")(cli_chat.run)
 app.command("chat")(cli_chat.chat)
 
@@ -128,6 +146,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
             time.sleep(0.1)
         fail(f"the daemon (pid {proc.pid}) did not become ready within 30 s; see {paths.daemon_log}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kiln %(message)s", stream=sys.stderr)
+    _log_to_file(paths)
     try:
         from setproctitle import setproctitle
         setproctitle("kiln: supervisor")
@@ -142,6 +161,20 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     except OSError as e:
         hint = " (is another server on that port? set --port or server.port)" if e.errno == 98 else ""
         fail(f"cannot start: {e}{hint}")
+
+
+def _log_to_file(paths) -> None:
+    """The daemon's log goes to logs/kiln.log too (what `kiln logs kiln` reads), unless stderr
+    already is that file (`kiln up --detach` sends it there)."""
+    paths.ensure()
+    try:
+        same = os.path.samestat(os.fstat(2), os.stat(paths.daemon_log))
+    except OSError:
+        same = False
+    if not same:
+        h = logging.FileHandler(paths.daemon_log)
+        h.setFormatter(logging.Formatter("%(asctime)s kiln %(message)s"))
+        logging.getLogger().addHandler(h)
 
 
 def _preflight(cfg) -> None:
@@ -243,7 +276,7 @@ def _watch(st: dict, as_json: bool) -> None:
 
 
 @app.command()
-def health(as_json: bool = typer.Option(False, "--json")):
+def health(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """ok, or why not; protocol error counts; system memory, CPU, load and disk."""
     h = _command("health")
     if as_json:
@@ -302,22 +335,44 @@ def logs(name: str = typer.Argument(..., help="worker name, or 'kiln' for the da
                 time.sleep(0.2)
 
 
+def _running_config():
+    """(the running daemon's settings, its HTTP address) or ({}, None) when none runs."""
+    from .client import CommandFailed, ControlClient, DaemonNotRunning
+    try:
+        with ControlClient(_paths(), 5) as c:
+            return c.command("config", {}, 5), c.command("status", {"events": 1}, 5)["daemon"]["http"]
+    except (DaemonNotRunning, CommandFailed, TimeoutError, OSError):
+        return {}, None
+
+
 @app.command("config")
 def config_cmd(file: Optional[str] = typer.Option(None, "--file", help="kiln.toml to read"),
-               as_json: bool = typer.Option(False, "--json")):
-    """Every effective setting and where it came from (default, file, env, cli)."""
+               as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Every effective setting and where it came from (default, file, env, cli) — and, when a
+    daemon is running, every setting it runs with that differs (it read them at its start)."""
     cfg = _load_config(file, {})
     d = cfg.as_dict()
+    running, http = _running_config()
+    diff = {f"{sec}.{k}": running[sec][k] for sec, vals in d.items() if sec not in ("file", "workers")
+            for k, v in vals.items() if sec in running and k in running[sec]
+            and running[sec][k]["value"] != v["value"]}
     if as_json:
-        typer.echo(json.dumps(d))
+        typer.echo(json.dumps({**d, "running_differs": diff, "running_http": http}))
         return
     typer.echo(f"# file: {d['file'] or '(none)'}")
+    if http:
+        typer.echo(f"# a daemon is running, serving http://{http[0]}:{http[1]}"
+                   + (f"; {len(diff)} of its settings differ from these (restart it to apply)" if diff else ""))
     for sec, vals in d.items():
         if sec in ("file", "workers"):
             continue
         typer.echo(f"[{sec}]")
         for k, v in vals.items():
-            typer.echo(f"  {k} = {json.dumps(v['value'])}    # {v['source']}")
+            note = ""
+            if f"{sec}.{k}" in diff:
+                r = diff[f"{sec}.{k}"]
+                note = f" — the running daemon uses {json.dumps(r['value'])} ({r['source']})"
+            typer.echo(f"  {k} = {json.dumps(v['value'])}    # {v['source']}{note}")
     for n, w in d["workers"].items():
         typer.echo(f"[workers.{n}]    # {w['source']}")
         for k, v in w["value"].items():

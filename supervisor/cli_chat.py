@@ -36,7 +36,7 @@ def _pick_worker(client, model: Optional[str]) -> str:
     try:
         r = client.command("route", {"model": model} if model else {})
     except CommandFailed as e:
-        hint = f"; `kiln down` then `kiln up --model {model}`" if e.code == "model_not_found" else ""
+        hint = "; `kiln models list` shows the library" if e.code == "model_not_found" else ""
         fail(e.message + hint)
     if r["state"] == vocab.FATAL:
         fail(f"worker {r['worker']} is fatal: {r['reason']} (`kiln restart {r['worker']}` once fixed)")
@@ -84,9 +84,9 @@ def _params(temperature, max_tokens, seed) -> dict:
 
 def run(prompt: str = typer.Argument(..., help="what to ask"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
-        temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
-        max_tokens: int = typer.Option(512, "--max-tokens"),
-        seed: Optional[int] = typer.Option(None, "--seed"),
+        temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="sampling temperature (0: greedy; default: the server's)"),
+        max_tokens: int = typer.Option(512, "--max-tokens", help="longest answer, in tokens"),
+        seed: Optional[int] = typer.Option(None, "--seed", help="makes sampling repeatable"),
         adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
                                                                        "default: the active one)")):
     """Ask one question and stream the answer (starts the daemon if needed)."""
@@ -99,19 +99,81 @@ def run(prompt: str = typer.Argument(..., help="what to ask"),
             raise typer.Exit(130)
 
 
+CHAT_HELP = """commands:
+  /help            this list
+  /reset           forget the conversation (the system prompt stays)
+  /model [NAME]    show or switch the model (a library model loads on demand)
+  /adapter [NAME]  show or switch the LoRA adapter ("-" for none)
+  /save FILE       write the conversation to FILE as JSON (messages)
+  /exit            leave (also /quit, /bye, Ctrl-D)
+Ctrl-C stops the answer being written, not the session."""
+
+
+class ChatState:
+    """What a chat session holds between turns; `slash` runs one /command on it (no I/O but
+    the reply it returns, so it is tested on its own)."""
+
+    def __init__(self, worker: str, system: str | None, adapter: str | None):
+        self.worker, self.system, self.adapter = worker, system, adapter
+        self.history: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.done = False
+
+    def slash(self, line: str, route=None) -> str:
+        import json
+        cmd, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        if cmd in ("/exit", "/quit", "/bye"):
+            self.done = True
+            return ""
+        if cmd == "/help":
+            return CHAT_HELP
+        if cmd == "/reset":
+            self.history = self.history[:1] if self.system else []
+            return "(history cleared)"
+        if cmd == "/model":
+            if not arg:
+                return f"model: {self.worker}"
+            self.worker = route(arg) if route else arg
+            return f"(now talking to {self.worker})"
+        if cmd == "/adapter":
+            if not arg:
+                return f"adapter: {self.adapter if self.adapter is not None else 'the active one'}"
+            self.adapter = "" if arg in ("-", "none") else arg
+            return f"(adapter: {self.adapter or 'none'})"
+        if cmd == "/save":
+            if not arg:
+                return "usage: /save FILE"
+            try:
+                with open(arg, "w") as f:
+                    json.dump({"model": self.worker, "messages": self.history}, f, indent=2, ensure_ascii=False)
+            except OSError as e:
+                return f"cannot save: {e}"
+            return f"(saved {len(self.history)} messages to {arg})"
+        return f"unknown command {cmd} — /help lists them (to send a line that starts with /, start it with //)"
+
+
+def _swallow_typeahead() -> None:
+    """Keys typed while an answer was printed are dropped, not sent as the next question."""
+    try:
+        import termios
+        if sys.stdin.isatty():
+            termios.tcflush(sys.stdin, termios.TCIFLUSH)
+    except (ImportError, OSError, ValueError):
+        pass
+
+
 def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
-         temperature: Optional[float] = typer.Option(None, "--temperature", "-t"),
-         max_tokens: int = typer.Option(512, "--max-tokens"),
+         temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="sampling temperature (0: greedy; default: the server's)"),
+         max_tokens: int = typer.Option(512, "--max-tokens", help="longest answer, in tokens"),
          system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
          adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
                                                                         "default: the active one)")):
-    """Interactive chat with history. /reset clears it, /exit (or Ctrl-D) leaves; Ctrl-C stops
-    the current answer, not the session."""
+    """Interactive chat with history. /help lists the commands (/reset, /model, /adapter, /save,
+    /exit); Ctrl-C stops the current answer, not the session."""
     with _ensure_daemon(model) as client:
-        worker = _pick_worker(client, model)
-        history: list[dict] = [{"role": "system", "content": system}] if system else []
-        typer.echo(f"chatting with {worker} — /reset clears the history, /exit leaves", err=True)
-        while True:
+        st = ChatState(_pick_worker(client, model), system, adapter)
+        typer.echo(f"chatting with {st.worker} — /help for commands, /exit leaves", err=True)
+        while not st.done:
             try:
                 line = input(">>> ")
             except EOFError:
@@ -120,19 +182,19 @@ def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker
             except KeyboardInterrupt:
                 typer.echo("")
                 continue
-            cmd = line.strip()
-            if cmd in ("/exit", "/quit", "/bye"):
-                return
-            if cmd == "/reset":
-                history = history[:1] if system else []
-                typer.echo("(history cleared)", err=True)
+            if not line.strip():
                 continue
-            if not cmd:
+            if line.startswith("/") and not line.startswith("//"):
+                reply = st.slash(line, route=lambda m: _pick_worker(client, m))
+                if reply:
+                    typer.echo(reply, err=True)
                 continue
-            history.append({"role": "user", "content": line})
+            text = line[1:] if line.startswith("//") else line
+            st.history.append({"role": "user", "content": text})
             try:
-                answer = _stream_answer(client, worker, history, _params(temperature, max_tokens, None), adapter)
-                history.append({"role": "assistant", "content": answer})
+                answer = _stream_answer(client, st.worker, st.history, _params(temperature, max_tokens, None), st.adapter)
+                st.history.append({"role": "assistant", "content": answer})
             except KeyboardInterrupt:
                 sys.stdout.write("\n(answer stopped)\n")
-                history.pop()
+                st.history.pop()
+            _swallow_typeahead()

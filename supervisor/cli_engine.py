@@ -114,7 +114,7 @@ def models_list(as_json: bool = typer.Option(False, "--json", help="machine-read
 @models_app.command("plan")
 def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"),
                 ctx: Optional[int] = typer.Option(None, "--ctx", help="context size to plan for"),
-                as_json: bool = typer.Option(False, "--json")):
+                as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Will it run here? Weights, KV cache and runtime against available RAM: fits / streams / too_large."""
     from kiln.native.gguf_file import GGUFError
     from kiln.native.models.plan import plan
@@ -209,10 +209,11 @@ def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-
 # -- debug -------------------------------------------------------------------------------------
 
 @debug_app.command("tokenize")
-def debug_tokenize(model: str, text: str,
+def debug_tokenize(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                   text: str = typer.Argument(..., help="the text to tokenize"),
                    no_special: bool = typer.Option(False, "--no-special",
                                                    help="treat control-token markup as plain text"),
-                   as_json: bool = typer.Option(False, "--json")):
+                   as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Token ids of TEXT (no BOS unless the model's metadata asks for one)."""
     m = _load(model)
     ids = m.tokenizer.encode(text, special=not no_special)
@@ -221,10 +222,11 @@ def debug_tokenize(model: str, text: str,
 
 
 @debug_app.command("logits")
-def debug_logits(model: str, text: str,
+def debug_logits(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                 text: str = typer.Argument(..., help="the prompt, parsed with special tokens"),
                  top: int = typer.Option(20, "--top", help="alternatives per position"),
                  full_last: bool = typer.Option(False, "--full-last", help="add the whole last logit vector"),
-                 as_json: bool = typer.Option(False, "--json")):
+                 as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Top-K logits at every prompt position (TEXT parsed with special tokens)."""
     import numpy as np
     m = _load(model)
@@ -249,17 +251,18 @@ def debug_logits(model: str, text: str,
 
 
 @debug_app.command("generate")
-def debug_generate(model: str, text: str,
-                   max_tokens: int = typer.Option(32, "--max-tokens"),
+def debug_generate(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                   text: str = typer.Argument(..., help="the prompt, parsed with special tokens"),
+                   max_tokens: int = typer.Option(32, "--max-tokens", help="tokens to generate"),
                    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
-                   top_k: int = typer.Option(40, "--top-k"),
-                   top_p: float = typer.Option(0.95, "--top-p"),
-                   min_p: float = typer.Option(0.05, "--min-p"),
-                   repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
-                   seed: Optional[int] = typer.Option(None, "--seed"),
+                   top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens (0: off)"),
+                   top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass (1: off)"),
+                   min_p: float = typer.Option(0.05, "--min-p", help="drop tokens below this share of the best (0: off)"),
+                   repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="penalty for recent tokens (1: off)"),
+                   seed: Optional[int] = typer.Option(None, "--seed", help="makes sampling repeatable"),
                    stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
-                   ignore_eos: bool = typer.Option(False, "--ignore-eos"),
-                   as_json: bool = typer.Option(False, "--json")):
+                   ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past the end-of-text token"),
+                   as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Generate from TEXT (parsed with special tokens) and print ids and text."""
     from kiln.native.generate import ContextLengthError, generate_text
     from kiln.native.sampling import SamplingError, SamplingParams
@@ -283,7 +286,7 @@ eval_app = typer.Typer(help="Evaluate: suites (run, compare, replay) in the eval
 def eval_perplexity(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
                     file: str = typer.Option(..., "--file", "-f", help="text file to score"),
                     ctx: int = typer.Option(512, "--ctx", help="chunk size in tokens"),
-                    as_json: bool = typer.Option(False, "--json")):
+                    as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Perplexity as llama-perplexity computes it: chunks of CTX tokens, second half scored."""
     from pathlib import Path
 

@@ -94,7 +94,7 @@ def run(suite: Optional[str] = typer.Option(None, "--suite", "-s", help="registe
         adapter: Optional[str] = typer.Option(None, "--adapter", "-a", help="LoRA adapter (default: none)"),
         seed: Optional[int] = typer.Option(None, "--seed", help="overrides the suite's generation seed"),
         watch: bool = typer.Option(False, "--watch", help="show progress"),
-        as_json: bool = typer.Option(False, "--json")):
+        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Run a suite on the served model and print its metrics."""
     body = _suite_body(suite, file) | {"adapter": adapter or ""}
     if seed is not None:
@@ -111,9 +111,9 @@ def compare(suite: Optional[str] = typer.Option(None, "--suite", "-s", help="reg
             file: Optional[Path] = typer.Option(None, "--file", "-f", help="suite file"),
             adapter: list[str] = typer.Option(..., "--adapter", "-a", help="an arm: adapter name, \"\" for the base "
                                                                            "model; give two or more"),
-            seed: Optional[int] = typer.Option(None, "--seed"),
-            watch: bool = typer.Option(False, "--watch"),
-            as_json: bool = typer.Option(False, "--json")):
+            seed: Optional[int] = typer.Option(None, "--seed", help="overrides the suite's generation seed"),
+            watch: bool = typer.Option(False, "--watch", help="show progress"),
+            as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Run the same suite, with the same seeds, for each arm; report per-arm metrics, flips
     against the first arm and an exact sign test."""
     if len(adapter) < 2:
@@ -128,7 +128,7 @@ def compare(suite: Optional[str] = typer.Option(None, "--suite", "-s", help="reg
 
 @eval_app.command("replay")
 def replay(job: str = typer.Argument(..., help="a completed eval job"),
-           as_json: bool = typer.Option(False, "--json")):
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Re-run a job with its recorded suite, model, adapters and generation config. Exit 0 only
     if every completion is byte-identical (matched); mismatch names the examples and the first
     differing byte; error means an identity (model, adapter, suite) changed."""
@@ -153,7 +153,7 @@ def replay(job: str = typer.Argument(..., help="a completed eval job"),
 
 @eval_app.command("status")
 def status(job: Optional[str] = typer.Argument(None, help="a job id (default: every job)"),
-           as_json: bool = typer.Option(False, "--json")):
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Evaluation jobs, or one job's metrics."""
     with _client() as c:
         if job:

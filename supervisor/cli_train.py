@@ -54,7 +54,7 @@ def _routed(client, op: str, args: dict):
 @train_app.command("sft")
 def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messages\": [...]} conversation per line"),
         adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
-        epochs: Optional[int] = typer.Option(None, "--epochs"),
+        epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the data (default 1)"),
         lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
         rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
         alpha: Optional[float] = typer.Option(None, "--alpha", help="LoRA alpha (default 32)"),
@@ -62,14 +62,14 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
                                                                       "attn_output,ffn_gate,ffn_up,ffn_down (default: all)"),
         max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="longest conversation, tokens (default 512)"),
         checkpoint_interval: Optional[int] = typer.Option(None, "--checkpoint-interval", help="steps between checkpoints (default 50)"),
-        seed: Optional[int] = typer.Option(None, "--seed"),
+        seed: Optional[int] = typer.Option(None, "--seed", help="shuffling and initialisation seed"),
         grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="conversations per optimizer step (default 1)"),
         warmup: Optional[int] = typer.Option(None, "--warmup", help="warmup steps (default 0)"),
         schedule: Optional[str] = typer.Option(None, "--schedule", help="cosine (default) or constant"),
-        weight_decay: Optional[float] = typer.Option(None, "--weight-decay"),
+        weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW weight decay"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="base model (default: the trainer's)"),
         follow: bool = typer.Option(False, "--follow", help="then follow the job until it ends"),
-        as_json: bool = typer.Option(False, "--json")):
+        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Queue a LoRA fine-tuning job. The whole file is checked first; problems are listed with
     their line numbers and nothing is queued."""
     from .client import CommandFailed
@@ -152,7 +152,7 @@ def _follow(c, job_id: str, as_json: bool) -> None:
 @train_app.command("status")
 def status(job: Optional[str] = typer.Argument(None, help="a job id (default: every job)"),
            follow: bool = typer.Option(False, "--follow", help="follow the job with a progress bar"),
-           as_json: bool = typer.Option(False, "--json")):
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Training jobs: state, step/total, epoch, loss, tokens/s, ETA."""
     with _client() as c:
         if follow:
@@ -195,7 +195,7 @@ def cancel(job: str = typer.Argument(..., help="the job id")):
 # -- adapters ------------------------------------------------------------------------------------
 
 @adapters_app.command("list")
-def adapters_list(as_json: bool = typer.Option(False, "--json")):
+def adapters_list(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Registered adapters; * marks the active one."""
     with _client() as c:
         r = _cmd(c, "adapters.list")

@@ -45,6 +45,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "threads": Field(int, 16, "HTTP threads (each open stream holds one)", 1, 512),
         "max_queue": Field(int, 64, "requests waiting for a worker before 503 'server busy'", 1, 100000),
         "request_timeout": Field(float, 600.0, "longest a request may take, seconds", 1, None),
+        "cors_origins": Field(str, "", "browser origins allowed to call the API from other pages, comma-separated "
+                              "(e.g. http://localhost:3000 for Open WebUI; empty: none; * : any)"),
         "wait_for_worker": Field(float, 60.0, "longest a request waits for its worker to start or restart "
                                  "before 503, seconds", 0, None),
     },

@@ -43,7 +43,8 @@ class Auth:
 
     def process_request(self, req, resp):
         # the page's static files carry no data: the page itself asks for the key
-        if not self.key or req.path in ("/health", "/", "/ui") or req.path.startswith("/ui/"):
+        if not self.key or req.path in ("/health", "/", "/ui") or req.path.startswith("/ui/") \
+                or req.method == "OPTIONS":           # a CORS preflight carries no credentials
             return
         got = req.get_header("Authorization") or ""
         if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):
@@ -109,7 +110,12 @@ class Events:
 
 def make_app(sup) -> falcon.App:
     metrics = observe.Metrics(sup)
-    app = falcon.App(middleware=[observe.RequestLog(metrics), Auth(sup.cfg["server"]["api_key"])])
+    middleware = [observe.RequestLog(metrics)]
+    origins = [o.strip() for o in sup.cfg["server"]["cors_origins"].split(",") if o.strip()]
+    if origins:      # off by default: a page elsewhere may not read this API unless named here
+        middleware.append(falcon.CORSMiddleware(allow_origins="*" if origins == ["*"] else origins,
+                                                expose_headers=["Retry-After"]))
+    app = falcon.App(middleware=middleware + [Auth(sup.cfg["server"]["api_key"])])
     app.req_options.strip_url_path_trailing_slash = True
     app.set_error_serializer(_serialize_error)
     app.add_error_handler(Exception, _unexpected)

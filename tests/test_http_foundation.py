@@ -76,3 +76,20 @@ def test_api_key_guards_everything_but_health(tmp_path):
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         assert request(d.http + "/v1/workers", headers={"Authorization": "Bearer nope"})[0] == 401
         assert request(d.http + "/v1/workers", headers={"Authorization": "Bearer s3cret"})[0] == 200
+
+
+def test_cors_is_off_by_default_and_on_for_named_origins(tmp_path):
+    with Daemon(tmp_path, {"a": spec()}) as d:
+        d.wait_state("a", "running")
+        _, _, headers = request(d.http + "/v1/workers", headers={"Origin": "http://localhost:3000"})
+        assert "access-control-allow-origin" not in {k.lower() for k in headers}
+    (tmp_path / "b").mkdir()
+    with Daemon(tmp_path / "b", {"a": spec()}, server={"cors_origins": "http://localhost:3000"}) as d:
+        d.wait_state("a", "running")
+        _, _, headers = request(d.http + "/v1/workers", headers={"Origin": "http://localhost:3000"})
+        assert {k.lower(): v for k, v in headers.items()}["access-control-allow-origin"] == "http://localhost:3000"
+        _, _, headers = request(d.http + "/v1/workers", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in {k.lower() for k in headers}
+        status, _, headers = request(d.http + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        assert status == 200 and "POST" in {k.lower(): v for k, v in headers.items()}["access-control-allow-methods"]

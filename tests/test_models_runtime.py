@@ -160,3 +160,39 @@ def test_up_with_a_model_that_cannot_boot_exits_nonzero_with_the_reason(tmp_path
     out = kiln(tmp_path, "up", "--model", str(path), "--port", "0", timeout=60)
     assert out.returncode != 0 and words in out.stderr, out.stderr
     assert "kiln is up" not in out.stderr + out.stdout
+
+
+def test_config_says_what_the_running_daemon_uses_and_logs_follow_requests(budget_daemon, tmp_path):
+    import subprocess
+    import sys
+
+    from daemon_harness import env_for
+    d = budget_daemon
+    other = tmp_path / "other.toml"
+    other.write_text("[server]\nport = 8555\n")
+    out = kiln(d.home, "config", "--file", str(other))
+    assert out.returncode == 0, out.stderr
+    port_line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith("port ="))
+    assert "8555" in port_line and "the running daemon uses 0" in port_line, out.stdout
+    assert "a daemon is running" in out.stdout
+    follow = subprocess.Popen([sys.executable, "-m", "kiln.supervisor.cli", "logs", "kiln", "-f", "-n", "0"],
+                              env=env_for(d.home), stdout=subprocess.PIPE, text=True)
+    try:
+        status, _ = post(d, "/v1/chat/completions", {"model": "alpha", "messages": ASK, "max_tokens": 2})
+        assert status == 200
+        got = []
+
+        def read():
+            for line in follow.stdout:
+                got.append(line)
+                if "request POST /v1/chat/completions" in line:
+                    return
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(30)
+        assert any("request POST /v1/chat/completions" in ln and "status=200" in ln for ln in got), got
+    finally:
+        follow.kill()
+        follow.wait()
+    shown = kiln(d.home, "logs", "kiln", "-n", "200").stdout
+    assert "request POST /v1/chat/completions" in shown
