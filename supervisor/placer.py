@@ -164,7 +164,13 @@ class Placer:
         except Exception as e:  # noqa: BLE001 - a corrupt file: the reader's own words
             raise PlaceError("model_invalid", f"{path.name}: {e}") from None
         need = int(p["total_bytes"])
-        kind = "inference"
+        kind, settings = "inference", {"ctx": p["context"]}
+        if p.get("verdict") == "streams":
+            # the experts do not fit but the rest does: a moe-stream worker reads them from disk
+            # into an expert cache of the planned size
+            kind = "moe-stream"
+            settings["expert_cache"] = f"{int(p['expert_cache_bytes']) // 2**20}MiB"
+            need = int(p["total_bytes"]) - int(p["expert_bytes"]) + int(p["expert_cache_bytes"])
         if need > self.budget:
             raise PlaceError("insufficient_memory", (
                 f"{path.stem} needs {need / GiB:.2f} GiB (weights {p['weights_bytes'] / GiB:.2f} + KV cache "
@@ -173,11 +179,12 @@ class Placer:
         self._make_room(need, path.stem)
         name = self._name_for(path.stem)
         spec = {"kind": kind, "enabled": True, "model": str(path), "module": "", "threads": 0,
-                "settings": {"ctx": p["context"]}}
+                "settings": settings}
         w = self.table.add(name, spec)
         ka = self.keep_alive if keep_alive == "default" else keep_alive
         self.loaded[name] = Loaded(name, path.stem, str(path), need, False, ka, self.table.clock.monotonic())
-        self.record("model_loading", name, f"{path.stem}: planned {need / GiB:.2f} GiB; "
+        self.record("model_loading", name, f"{path.stem}{' (experts streamed)' if kind == 'moe-stream' else ''}: "
+                                           f"planned {need / GiB:.2f} GiB; "
                                            f"{self.used_bytes() / GiB:.2f} of {self.budget / GiB:.2f} GiB in use")
         self.table.apply(w, policy.Start(manual=False))
         return w

@@ -229,6 +229,18 @@ def test_activate_persists_and_routes_requests_naming_no_model(tmp_path):
     assert again.placer.active == "medium"
 
 
+def test_a_model_whose_experts_do_not_fit_streams_them():
+    r = Rig(budget=4 * GiB)
+    real = r.placer.plan
+    r.placer.plan = lambda path, ctx: {**real(path, ctx), "verdict": "streams", "total_bytes": 50 * GiB,
+                                       "expert_bytes": 49 * GiB, "expert_cache_bytes": 2 * GiB} \
+        if path.stem == "huge" else real(path, ctx)
+    r.ask("a", "huge")
+    w = r.table["huge"]
+    assert w.spec["kind"] == "moe-stream" and w.spec["settings"]["expert_cache"] == "2048MiB"
+    assert r.placer.loaded["huge"].planned_bytes == 3 * GiB
+
+
 @pytest.mark.parametrize("text, seconds", [(300, 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("10s", 10.0),
                                            ("0", 0.0), (0, 0.0), (-1, None), ("-1", None), ("250ms", 0.25)])
 def test_keep_alive_durations(text, seconds):
