@@ -38,6 +38,8 @@ class Finish:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     index: int = 0
+    drafted: int = 0                            # speculative draft tokens checked
+    accepted: int = 0                           # … and kept
 
 
 class ContextLengthError(ValueError):
@@ -82,6 +84,7 @@ class Generation:
         self.reason: str | None = None
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
+        self.drafted = self.accepted = 0        # speculative decoding (native/speculate.py)
 
     @property
     def done(self) -> bool:
@@ -128,7 +131,7 @@ class Generation:
         now = time.perf_counter()
         first = self.t_first or now
         return Finish(self.reason, self.n_prompt, self.n_out, self.cached, tail, first - self.t_start, now - first,
-                      self.index)
+                      self.index, self.drafted, self.accepted)
 
 
 class Sequence:
@@ -145,6 +148,14 @@ class Sequence:
         if len(prompt) + params.max_tokens > self.n_ctx:
             raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
 
+    def start(self, prompt: list[int], adapter=None) -> int:
+        """Keep the cache's longest prefix shared with `prompt` (at least one token is left to
+        run, for its logits); return how many positions were kept."""
+        reuse = min(self.cache.common_prefix(prompt, adapter), len(prompt) - 1)
+        self.cache.truncate(reuse)
+        self.cache.adapter = adapter
+        return reuse
+
     def prefill(self, prompt: list[int], cancelled: Callable[[], bool] = lambda: False,
                 chunk: int = PREFILL_CHUNK, adapter=None) -> tuple[np.ndarray | None, int]:
         """Bring the cache to `prompt`, reusing its longest cached prefix; return the last
@@ -152,9 +163,7 @@ class Sequence:
 
         The new part runs in chunks, checking `cancelled` between them; on the compiled
         kernels chunking changes no bit of the result."""
-        reuse = min(self.cache.common_prefix(prompt, adapter), len(prompt) - 1)
-        self.cache.truncate(reuse)
-        self.cache.adapter = adapter
+        reuse = self.start(prompt, adapter)
         logits = None
         for start in range(reuse, len(prompt), chunk):
             if cancelled():

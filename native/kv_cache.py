@@ -123,6 +123,12 @@ class KVCache:
         self.n = min(self.n, n)
         del self.tokens[self.n:]
 
+    @property
+    def can_rewind(self) -> bool:
+        """Can positions just written be forgotten (truncate)? Not with a recurrent state, nor
+        with sliding-window layers that drop keys as they go."""
+        return not self._recurrent_shapes and not self._windows
+
     def copy_from(self, other: "KVCache") -> None:
         """Become a copy of `other` (same model): the n sequences of one request share the
         prompt's keys, values and recurrent states, computed once."""

@@ -36,6 +36,7 @@ class SamplingParams:
     typical_p: float = 1.0          # 1.0 = off (locally typical sampling)
     logit_bias: dict = field(default_factory=dict)      # token id -> added to its logit
     grammar: str | None = None      # llguidance grammar the output must match (native/constrain.py)
+    speculative: bool = True        # may check prompt-lookup drafts (never changes the text)
 
     def validate(self) -> "SamplingParams":
         checks = [

@@ -6,6 +6,10 @@ a follow-up turn reuses its conversation — and are prefilled on admission. The
 request advances by one token in a single `forward_batch` step, which reads the weights once
 for the whole batch. On the compiled kernels each row is bit-identical to running that request
 alone, so batching never changes an answer.
+
+A prompt is prefilled in chunks between decode steps (sized to a few steps' time while others
+decode), and a request decoding alone may check a prompt-lookup draft in the same forward
+(native/speculate.py) — neither changes a bit of any answer.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .generate import ContextLengthError, Finish, Generation, Sequence
+import time
+
+from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
 from .model import Model
 from .sampling import SamplingParams
+from .speculate import DraftControl, propose
 
 
 @dataclass
@@ -34,15 +41,28 @@ class Job:
     index: int = 0                                              # within its group (n > 1)
     group: list["Job"] | None = None                            # the jobs sharing this prompt
     show: frozenset = frozenset()                               # control tokens shown as text
+    pos: int = 0                                                # prompt tokens in the cache so far
+    draft: DraftControl | None = None                           # prompt-lookup speculation state
+    carry: int | None = None        # a token chosen but not yet run (after a rejected draft)
 
 
 class Scheduler:
-    def __init__(self, model: Model, n_ctx: int, slots: int = 4):
+    """`prefill_ratio`: while other requests are decoding, a prompt is prefilled in chunks that
+    take about this many decode steps' time each (measured as it runs), between their steps —
+    so a long prompt never freezes a running stream. `prefill_chunk` fixes the chunk instead."""
+
+    def __init__(self, model: Model, n_ctx: int, slots: int = 4, prefill_ratio: float = 2.5,
+                 prefill_chunk: int = 0, speculative: bool = True):
         self.model, self.n_ctx = model, n_ctx
         self.seqs = [Sequence(model, n_ctx) for _ in range(max(1, slots))]
         self.free = list(range(len(self.seqs)))
         self.waiting: deque[Job] = deque()
+        self.prefilling: deque[Job] = deque()
         self.active: list[Job] = []
+        self.prefill_ratio, self.prefill_chunk, self.speculative = prefill_ratio, prefill_chunk, speculative
+        self.step_s: float | None = None           # a decode step's time (moving average)
+        self.chunk_n = 16.0                        # interleaved chunk size, steered to its time target
+        self.spec = {"drafted": 0, "accepted": 0}
         self.cond = threading.Condition()
         self.model_lock = threading.Lock()      # other users of the model (scoring) take turns with steps
         self.thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
@@ -71,14 +91,15 @@ class Scheduler:
 
     def load(self) -> dict:
         with self.cond:
-            return {"active": len(self.active), "waiting": len(self.waiting), "slots": len(self.seqs)}
+            return {"active": len(self.active), "prefilling": len(self.prefilling), "waiting": len(self.waiting),
+                    "slots": len(self.seqs), "speculative": dict(self.spec)}
 
     # -- the scheduler thread ------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.waiting and not self.active:
+                while not self.waiting and not self.active and not self.prefilling:
                     self.cond.wait()
                 admit = []
                 while self.waiting and len(self.free) >= len(self.waiting[0].group):
@@ -89,43 +110,97 @@ class Scheduler:
                     admit.append(lead)
             with self.model_lock:
                 for lead in admit:
-                    self._admit(lead)
-                    for job in lead.group[1:]:
-                        self._admit(job, lead)
+                    self._start(lead)
                 self._step()
+                self._prefill_some()
 
     def _best_slot(self, job: Job) -> int:
         return max(self.free, key=lambda i: (self.seqs[i].cache.common_prefix(job.prompt, job.adapter), -i))
 
-    def _admit(self, job: Job, lead: Job | None = None) -> None:
-        """Prefill `job`'s prompt — or, for a later sequence of a group, copy its lead's."""
-        seq = self.seqs[job.slot]
+    def _start(self, job: Job) -> None:
+        """Reuse the slot's cached prefix and queue the rest of the prompt for prefill."""
         try:
             if job.cancelled():
                 raise _Cancelled()
             job.gen = Generation(self.model, job.prompt, job.params, index=job.index, show=job.show)
-            if lead is not None and lead.slot is not None and lead.logits is not None:
-                seq.cache.copy_from(self.seqs[lead.slot].cache)
-                job.logits, job.gen.cached = lead.logits, lead.gen.cached
-            else:
-                job.logits, job.gen.cached = seq.prefill(job.prompt, job.cancelled, adapter=job.adapter)
-            if job.logits is None:
-                return self._end(job, job.gen.finish("cancelled"))
-            if job.params.max_tokens == 0:
-                return self._end(job, job.gen.finish("length"))
-            with self.cond:
-                self.active.append(job)
+            job.pos = job.gen.cached = self.seqs[job.slot].start(job.prompt, job.adapter)
+            self.prefilling.append(job)
+        except _Cancelled:
+            self._end_group(job, None)
+        except Exception as e:  # noqa: BLE001 - reported to the request, the scheduler goes on
+            self._end_group(job, e)
+
+    def _prefill_budget(self) -> int:
+        if not self.active:
+            return PREFILL_CHUNK                  # nobody waits on us: big chunks, fastest
+        if self.prefill_chunk:
+            return self.prefill_chunk
+        return int(self.chunk_n)
+
+    def _prefill_some(self) -> None:
+        budget = self._prefill_budget()
+        interleaved = bool(self.active)
+        while self.prefilling and budget > 0:
+            job = self.prefilling[0]
+            if job.cancelled():
+                self.prefilling.popleft()
+                self._end_group(job, None)
+                continue
+            n = min(budget, len(job.prompt) - job.pos)
+            t0 = time.perf_counter()
+            try:
+                logits = self.model.forward(job.prompt[job.pos:job.pos + n], self.seqs[job.slot].cache,
+                                            adapter=job.adapter)
+            except Exception as e:  # noqa: BLE001
+                self.prefilling.popleft()
+                self._end_group(job, e)
+                continue
+            if interleaved and self.step_s and not self.prefill_chunk:
+                # steer the chunk so that it takes prefill_ratio decode steps (its cost is not
+                # proportional to its size: a forward has a fixed part), damped
+                took = time.perf_counter() - t0
+                scale = (self.prefill_ratio * self.step_s / took) ** 0.5
+                self.chunk_n = max(4.0, min(float(PREFILL_CHUNK), n * scale))
+            job.pos += n
+            budget -= n
+            if job.pos >= len(job.prompt):
+                self.prefilling.popleft()
+                job.logits = logits
+                self._ready(job)
+                for follower in job.group[1:]:
+                    self._follow(follower, job)
+
+    def _follow(self, job: Job, lead: Job) -> None:
+        """A later sequence of a group: a copy of its lead's prefilled cache."""
+        try:
+            if job.cancelled() or lead.slot is None:
+                raise _Cancelled()
+            job.gen = Generation(self.model, job.prompt, job.params, index=job.index, show=job.show)
+            self.seqs[job.slot].cache.copy_from(self.seqs[lead.slot].cache)
+            job.logits, job.gen.cached = lead.logits, lead.gen.cached
+            self._ready(job)
         except _Cancelled:
             self._end(job, Finish("cancelled", len(job.prompt), 0, 0, index=job.index))
-        except Exception as e:  # noqa: BLE001 - reported to the request, the scheduler goes on
+        except Exception as e:  # noqa: BLE001
             self._end(job, e)
 
+    def _ready(self, job: Job) -> None:
+        if job.params.max_tokens == 0:
+            return self._end(job, job.gen.finish("length"))
+        with self.cond:
+            self.active.append(job)
+
     def _step(self) -> None:
-        """Sample one token for every active job, then one batched forward for those going on."""
+        """Sample one token for every active job, then one batched forward for those going on
+        (or, for a job decoding alone, a forward that also checks a prompt-lookup draft)."""
         going = []
         for job in list(self.active):
             if job.cancelled():
                 self._end(job, job.gen.finish("cancelled"))
+                continue
+            if job.carry is not None:          # chosen last step (already sent): run it now
+                going.append((job, job.carry))
+                job.carry = None
                 continue
             tok = job.gen.step(job.logits)
             job.events.put(tok)
@@ -133,10 +208,13 @@ class Scheduler:
                 self._end(job, job.gen.finish())
             else:
                 going.append((job, tok.id))
+        if len(going) == 1 and self._speculate(*going[0]):
+            return
         groups: dict[int, list] = {}         # one batched step per adapter (None: the base)
         for job, t in going:
             groups.setdefault(id(job.adapter), []).append((job, t))
         for group in groups.values():
+            t0 = time.perf_counter()
             try:
                 logits = self.model.forward_batch([t for _, t in group], [self.seqs[j.slot].cache for j, _ in group],
                                                   group[0][0].adapter)
@@ -144,8 +222,62 @@ class Scheduler:
                 for job, _ in group:
                     self._end(job, e)
                 continue
+            self.step_s = _ema(self.step_s, time.perf_counter() - t0)
             for (job, _), row in zip(group, logits):
                 job.logits = row
+
+    def _speculate(self, job: Job, t: int) -> bool:
+        """Run `t` and a prompt-lookup draft in one forward; sample each position as plain
+        decoding would and keep the draft as far as it matches. False: no draft was tried."""
+        cache = self.seqs[job.slot].cache
+        if not (self.speculative and job.params.speculative and cache.can_rewind):
+            return False
+        if job.draft is None:
+            job.draft = DraftControl()
+        gen = job.gen
+        room = min(job.params.max_tokens - gen.n_out - 1, self.n_ctx - cache.n - 2)
+        want = min(job.draft.want(), room)
+        draft = propose(gen.history, want) if want > 0 else []
+        if not draft:
+            return False
+        base = cache.n
+        t0 = time.perf_counter()
+        try:
+            rows = self.model.forward([t] + draft, cache, all_logits=True, adapter=job.adapter)
+        except Exception as e:  # noqa: BLE001
+            self._end(job, e)
+            return True
+        accepted, nxt, produced = 0, None, 0
+        for i, d in enumerate(draft):
+            tok = gen.step(rows[i])
+            produced += 1
+            job.events.put(tok)
+            if tok.id == d and not gen.done:
+                accepted += 1
+                continue
+            nxt = tok
+            break
+        cache.truncate(base + 1 + accepted)          # t and the accepted draft tokens
+        job.draft.update(len(draft), accepted, time.perf_counter() - t0, produced, self.step_s)
+        gen.drafted += len(draft)
+        gen.accepted += accepted
+        self.spec["drafted"] += len(draft)
+        self.spec["accepted"] += accepted
+        if gen.done:
+            self._end(job, gen.finish())
+        elif nxt is None:
+            job.logits = rows[len(draft)]             # every draft token held: sample after the last
+        else:
+            job.carry = nxt.id                        # the correction runs with the next draft
+        return True
+
+    def _end_group(self, job: Job, error) -> None:
+        for j in job.group or [job]:
+            if error is None:
+                self._end(j, j.gen.finish("cancelled") if j.gen else Finish("cancelled", len(j.prompt), 0, 0,
+                                                                             index=j.index))
+            else:
+                self._end(j, error)
 
     def _end(self, job: Job, final) -> None:
         job.events.put(final)
@@ -155,6 +287,10 @@ class Scheduler:
             if job.slot is not None and job.slot not in self.free:
                 self.free.append(job.slot)
             job.slot = None
+
+
+def _ema(old: float | None, new: float, a: float = 0.2) -> float:
+    return new if old is None else (1 - a) * old + a * new
 
 
 class _Cancelled(Exception):

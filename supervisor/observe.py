@@ -36,6 +36,8 @@ class Metrics:
                               buckets=_LATENCY, registry=r)
         self.gap = Histogram("kiln_inter_token_seconds", "Between consecutive tokens of one answer",
                              buckets=_GAPS, registry=r)
+        self.drafts = Counter("kiln_speculative_tokens", "Prompt-lookup draft tokens checked, by result",
+                              ["result"], registry=r)
         r.register(_StatusCollector(sup))
 
     def render(self) -> bytes:
@@ -137,6 +139,9 @@ class RequestLog:
         if u:
             self.m.tokens.labels("in").inc(u.get("prompt_tokens", 0))
             self.m.tokens.labels("out").inc(u.get("completion_tokens", 0))
+            if u.get("draft_tokens"):
+                self.m.drafts.labels("accepted").inc(u["accepted_tokens"])
+                self.m.drafts.labels("rejected").inc(u["draft_tokens"] - u["accepted_tokens"])
         if getattr(c, "ttft", None) is not None:
             self.m.ttft.observe(c.ttft)
         parts = [f"{req.method} {req.path}", f"status={status}"]
@@ -144,6 +149,8 @@ class RequestLog:
             parts.append(f"model={c.model}")
         if u:
             parts.append(f"prompt_tokens={u.get('prompt_tokens', 0)} completion_tokens={u.get('completion_tokens', 0)}")
+        if u and u.get("draft_tokens"):
+            parts.append(f"draft_accepted={u['accepted_tokens']}/{u['draft_tokens']}")
         if getattr(c, "ttft", None) is not None:
             parts.append(f"ttft_ms={c.ttft * 1000:.0f}")
         parts.append(f"total_ms={total * 1000:.0f}")

@@ -152,7 +152,8 @@ class OpenAI:
                 last[0] = now
             elif msg.type == "reply" and isinstance(msg.body.get("usage"), dict):
                 u, prev = msg.body["usage"], req.context.usage or {}
-                req.context.usage = {k: prev.get(k, 0) + u.get(k, 0) for k in ("prompt_tokens", "completion_tokens")}
+                req.context.usage = {k: prev.get(k, 0) + u.get(k, 0) for k in ("prompt_tokens", "completion_tokens",
+                                                                               "draft_tokens", "accepted_tokens")}
         return seen
 
     def answer(self, req, op: str, body: dict) -> Answer:

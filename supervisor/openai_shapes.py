@@ -53,9 +53,13 @@ class Choice:
 
 def usage(final: dict) -> dict:
     u = final["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+    out = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+           "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+           "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+    if u.get("draft_tokens"):        # prompt-lookup drafts checked: kept and thrown away
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": u["accepted_tokens"],
+                                            "rejected_prediction_tokens": u["draft_tokens"] - u["accepted_tokens"]}
+    return out
 
 
 def chat_logprobs(toks: list[dict]) -> dict:

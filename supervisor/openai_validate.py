@@ -14,7 +14,7 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
              "seed", "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "n", "logit_bias", "typical_p"}
-_COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive"} | _SAMPLING
+_COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "speculative"} | _SAMPLING
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "response_format", "chat_template_kwargs", "reasoning_effort"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs"}
@@ -81,6 +81,10 @@ def sampling_params(body: dict, min_tokens: int = 1) -> dict:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
             raise bad("stop", "stop must be a non-empty string or a list of up to 16 non-empty strings")
         p["stop"] = stops
+    if body.get("speculative") is not None:      # Kiln's extension: prompt-lookup drafting on/off
+        if not isinstance(body["speculative"], bool):
+            raise bad("speculative", "speculative must be a boolean", "invalid_type")
+        p["speculative"] = body["speculative"]
     if body.get("ignore_eos") is not None:
         if not isinstance(body["ignore_eos"], bool):
             raise bad("ignore_eos", "ignore_eos must be a boolean", "invalid_type")

@@ -221,3 +221,15 @@ def test_every_request_is_a_line_in_the_daemon_log(client, served):
     last = lines[-1]
     for part in ("status=200", "model=default", "prompt_tokens=", "completion_tokens=4", "ttft_ms=", "total_ms="):
         assert part in last, last
+
+
+def test_speculation_is_reported_and_can_be_turned_off(client):
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    msgs = [{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}]
+    on = client.chat.completions.create(model="default", messages=msgs, max_tokens=60, temperature=0)
+    off = client.chat.completions.create(model="default", messages=msgs, max_tokens=60, temperature=0,
+                                         extra_body={"speculative": False})
+    assert on.choices[0].message.content == off.choices[0].message.content
+    assert off.usage.completion_tokens_details is None or not off.usage.completion_tokens_details.accepted_prediction_tokens
+    d = on.usage.completion_tokens_details
+    assert d is not None and d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0

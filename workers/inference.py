@@ -49,7 +49,11 @@ class InferenceWorker(Worker):
             raise BootError(str(e)) from None
         c = self.model.config
         self.n_ctx = int(self.settings.get("ctx") or c.n_ctx_train)
-        self.scheduler = Scheduler(self.model, self.n_ctx, int(self.settings.get("parallel") or 4))
+        st = self.settings
+        self.scheduler = Scheduler(self.model, self.n_ctx, int(st.get("parallel") or 4),
+                                   prefill_ratio=float(st.get("prefill_ratio") or 2.5),
+                                   prefill_chunk=int(st.get("prefill_chunk") or 0),
+                                   speculative=bool(st.get("speculative", True)))
         try:
             self.template = template_for(self.model)
         except TemplateError:
@@ -185,14 +189,15 @@ class InferenceWorker(Worker):
             return finals[0]
         usage = {"prompt_tokens": finals[0]["usage"]["prompt_tokens"],
                  "completion_tokens": sum(f["usage"]["completion_tokens"] for f in finals),
-                 "cached_tokens": finals[0]["usage"]["cached_tokens"]}
+                 "cached_tokens": finals[0]["usage"]["cached_tokens"], "draft_tokens": 0, "accepted_tokens": 0}
         return {"choices": finals, "usage": usage, "timings": finals[0]["timings"]}
 
     @staticmethod
     def _final(ev: Finish, output) -> dict:
         final = {"finish_reason": ev.reason, "text": ev.text, "index": ev.index,
                  "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                           "cached_tokens": ev.cached_tokens},
+                           "cached_tokens": ev.cached_tokens, "draft_tokens": ev.drafted,
+                           "accepted_tokens": ev.accepted},
                  "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
         if output is not None:
             final.update(_wire(output.finish(ev.text)))
