@@ -22,7 +22,7 @@ from kiln.protocol import vocab
 from . import cli_style  # noqa: F401  (help without type tags; must precede the commands)
 
 from . import cli_chat
-from . import cli_models
+from . import cli_agents, cli_models
 from .cli_engine import debug_app, eval_app, fail, models_app
 from .cli_train import adapters_app, train_app
 from . import cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
@@ -87,6 +87,7 @@ def _load_config(config: Optional[str], cli: dict, workers: dict | None = None):
 
 
 cli_models.register(app, models_app, lambda name, args=None, timeout=15.0: _command(name, args, timeout))
+cli_agents.register(app)
 
 
 # -- daemon ------------------------------------------------------------------------------------

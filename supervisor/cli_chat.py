@@ -113,10 +113,34 @@ class ChatState:
     """What a chat session holds between turns; `slash` runs one /command on it (no I/O but
     the reply it returns, so it is tested on its own)."""
 
-    def __init__(self, worker: str, system: str | None, adapter: str | None):
+    def __init__(self, worker: str, system: str | None, adapter: str | None, session=None, params=None):
         self.worker, self.system, self.adapter = worker, system, adapter
         self.history: list[dict] = [{"role": "system", "content": system}] if system else []
         self.done = False
+        self.session = session            # (Sessions, name): saved after every turn
+        self.params = params or {}
+
+    def resume(self) -> int:
+        """Take the saved session's conversation, model and adapter; how many messages."""
+        if not self.session:
+            return 0
+        store, name = self.session
+        doc = store.load(name)
+        if doc is None:
+            return 0
+        self.history = doc["messages"]
+        self.worker = doc.get("model") or self.worker
+        self.adapter = doc.get("adapter", self.adapter)
+        sys_msgs = [m for m in self.history if m.get("role") == "system"]
+        self.system = sys_msgs[0]["content"] if sys_msgs else self.system
+        return len(self.history)
+
+    def save(self) -> None:
+        if self.session:
+            store, name = self.session
+            old = store.load(name) or {}
+            store.save(name, {**old, "model": self.worker, "adapter": self.adapter, "params": self.params,
+                              "messages": self.history})
 
     def slash(self, line: str, route=None) -> str:
         import json
@@ -129,6 +153,7 @@ class ChatState:
             return CHAT_HELP
         if cmd == "/reset":
             self.history = self.history[:1] if self.system else []
+            self.save()
             return "(history cleared)"
         if cmd == "/model":
             if not arg:
@@ -167,12 +192,30 @@ def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker
          max_tokens: int = typer.Option(512, "--max-tokens", help="longest answer, in tokens"),
          system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
          adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
-                                                                        "default: the active one)")):
+                                                                        "default: the active one)"),
+         session: Optional[str] = typer.Option(None, "--session", help="save the conversation as NAME (and resume "
+                                                                       "it if it exists): kiln sessions list")):
     """Interactive chat with history. /help lists the commands (/reset, /model, /adapter, /save,
     /exit); Ctrl-C stops the current answer, not the session."""
+    store = None
+    if session:
+        from .paths import Paths
+        from .sessions import SessionError, Sessions
+        store = Sessions(Paths.from_env().home)
+        try:
+            store.path(session)
+            store.load(session)
+        except SessionError as e:
+            fail(str(e))
     with _ensure_daemon(model) as client:
-        st = ChatState(_pick_worker(client, model), system, adapter)
-        typer.echo(f"chatting with {st.worker} — /help for commands, /exit leaves", err=True)
+        st = ChatState(_pick_worker(client, model), system, adapter,
+                       session=(store, session) if store else None,
+                       params={"temperature": temperature, "max_tokens": max_tokens})
+        resumed = st.resume()
+        if resumed and st.worker != model:
+            st.worker = _pick_worker(client, st.worker)
+        typer.echo(f"chatting with {st.worker}" + (f" — session {session}" + (f" resumed ({resumed} messages)"
+                   if resumed else " (new)") if session else "") + " — /help for commands, /exit leaves", err=True)
         while not st.done:
             try:
                 line = input(">>> ")
@@ -194,6 +237,7 @@ def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker
             try:
                 answer = _stream_answer(client, st.worker, st.history, _params(temperature, max_tokens, None), st.adapter)
                 st.history.append({"role": "assistant", "content": answer})
+                st.save()
             except KeyboardInterrupt:
                 sys.stdout.write("\n(answer stopped)\n")
                 st.history.pop()

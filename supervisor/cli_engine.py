@@ -156,6 +156,49 @@ def models_rm(model: str = typer.Argument(..., help="name or path of a model in 
     typer.echo(f"deleted {path}")
 
 
+@models_app.command("verify")
+def models_verify(model: Optional[str] = typer.Argument(None, help="path, name in a model folder, or 'default'"),
+                  all_: bool = typer.Option(False, "--all", help="every model in the library"),
+                  as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Check a model against the manifest its pull recorded (sha256 of the file and of each 64 MiB
+    chunk). Exit 0: intact; 1: it differs (the first bad byte range is shown); 2: no manifest
+    (the file is hashed and reported unverified)."""
+    from kiln.native.models.integrity import verify
+    from kiln.native.models.library import library_files
+    if all_ == bool(model):
+        fail("give a MODEL or --all", 2)
+    paths = library_files() if all_ else [_model_path(model)]
+    results = [verify(p) for p in paths]
+    if as_json:
+        typer.echo(json.dumps(results if all_ else results[0], indent=2))
+    else:
+        for r in results:
+            if r["status"] == "ok":
+                typer.echo(f"ok          {r['model']}  sha256 {r['sha256'][:16]}…  ({r.get('source')})")
+            elif r["status"] == "mismatch":
+                a, b = r["first_bad_range"]
+                typer.echo(f"MISMATCH    {r['model']}: sha256 {r['sha256'][:16]}… but the manifest says "
+                           f"{(r['expected_sha256'] or '')[:16]}…; first difference in bytes {a:,}–{b:,}; pull it again")
+            else:
+                typer.echo(f"unverified  {r['model']}: {r['reason']} (sha256 {r['sha256']})")
+    if any(r["status"] == "mismatch" for r in results):
+        raise typer.Exit(1)
+    if any(r["status"] == "unverified" for r in results):
+        raise typer.Exit(2)
+
+
+def _workers_using(match) -> list[str]:
+    """Running workers whose model file satisfies `match(resolved path)`."""
+    from .client import ControlClient, DaemonNotRunning
+    from .paths import Paths
+    try:
+        with ControlClient(Paths.from_env(), 5) as c:
+            return [w["name"] for w in c.command("status")["workers"]
+                    if w["pid"] and (w["stats"] or {}).get("path") and match(Path((w["stats"] or {})["path"]).resolve())]
+    except DaemonNotRunning:
+        return []
+
+
 def _progress_bar():
     """A progress line on stderr, updated at most ten times a second."""
     last = [0.0]
@@ -181,7 +224,17 @@ def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-
                 force: bool = typer.Option(False, "--force", help="download even if the file is larger than the RAM available")):
     """Download a model (verified by sha256; an interrupted pull resumes when run again). A file that
     cannot run here (larger than the RAM available) is refused before downloading."""
-    from kiln.native.models.library import PullError, pull_default
+    from kiln.native.models.library import DEFAULT, PullError, model_dirs, pull_default
+    if model == "default":
+        target = (model_dirs()[0] / DEFAULT.file).resolve()
+        users = _workers_using(lambda p: p == target)
+    else:
+        repo = model.removeprefix("hf:").split("@")[0]
+        parts = repo.split("/")
+        users = _workers_using(lambda p: ("models--" + "--".join(parts[:2])) in str(p))
+    if users:
+        fail(f"{model} is open in worker {', '.join(users)}; a re-pull would replace the file under it — "
+             f"stop it first (`kiln stop {users[0]}`)")
     try:
         if model == "default":
             path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))

@@ -50,6 +50,17 @@ class Models:
         resp.media = bus(self.sup, action, {"model": model})
 
 
+class SessionsRoute:
+    """GET /v1/sessions: the chat sessions `kiln chat --session` saved (names, model, turns)."""
+
+    def __init__(self, sup):
+        self.sup = sup
+
+    def on_get(self, req, resp):
+        from .sessions import Sessions
+        resp.media = {"object": "list", "data": Sessions(self.sup.paths.home).list()}
+
+
 def install(app: falcon.App, sup) -> None:
     app.add_route("/", Root())
     static = Static()
@@ -58,3 +69,4 @@ def install(app: falcon.App, sup) -> None:
     m = Models(sup)
     app.add_route("/v1/ps", m, suffix="ps")
     app.add_route("/v1/models/{model}/{action}", m, suffix="action")
+    app.add_route("/v1/sessions", SessionsRoute(sup))

@@ -196,3 +196,27 @@ def test_config_says_what_the_running_daemon_uses_and_logs_follow_requests(budge
         follow.wait()
     shown = kiln(d.home, "logs", "kiln", "-n", "200").stdout
     assert "request POST /v1/chat/completions" in shown
+
+
+def test_chat_session_is_saved_resumed_listed_and_shown(budget_daemon):
+    import subprocess
+    import sys
+
+    from daemon_harness import env_for
+    d = budget_daemon
+
+    def chat(text):
+        return subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "chat", "--session", "s1",
+                               "--model", "alpha", "--max-tokens", "6", "--temperature", "0"],
+                              input=text, env=env_for(d.home), capture_output=True, text=True, timeout=120)
+    out = chat("Say hi.\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    assert "(new)" in out.stderr
+    again = chat("And again.\n")
+    assert again.returncode == 0 and "resumed (2 messages)" in again.stderr, again.stderr
+    listed = json.loads(kiln(d.home, "sessions", "list", "--json").stdout)
+    assert [s["name"] for s in listed] == ["s1"] and listed[0]["turns"] == 2
+    shown = kiln(d.home, "sessions", "show", "s1").stdout
+    assert "user: Say hi." in shown and "user: And again." in shown and shown.count("assistant:") == 2
+    line = json.loads(kiln(d.home, "sessions", "export", "s1").stdout)
+    assert [m["role"] for m in line["messages"]] == ["user", "assistant", "user", "assistant"]

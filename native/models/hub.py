@@ -136,6 +136,9 @@ def pull_hf(spec: str, progress=None, room=None) -> Path:
     snap.parent.mkdir(parents=True, exist_ok=True)
     if not snap.exists():
         snap.symlink_to(os.path.relpath(blob, snap.parent))
+    from .integrity import manifest_path, write_manifest
+    if not manifest_path(snap).exists():
+        write_manifest(snap, f"hf:{repo}/{filename}@{commit}")
     (repo_dir / "refs").mkdir(exist_ok=True)
     if not rev.startswith(commit):
         (repo_dir / "refs" / rev.replace("/", "_")).write_text(commit)

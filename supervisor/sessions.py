@@ -1,0 +1,81 @@
+"""Saved chat sessions: `kiln chat --session NAME` keeps its conversation (messages, model,
+adapter, sampling) in $KILN_HOME/sessions/NAME.json, rewritten atomically after every turn —
+a crash leaves the previous turn's file, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class SessionError(Exception):
+    pass
+
+
+class Sessions:
+    def __init__(self, home: Path):
+        self.dir = Path(home) / "sessions"
+
+    def path(self, name: str) -> Path:
+        if not _NAME.match(name or ""):
+            raise SessionError(f"session name {name!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        return self.dir / f"{name}.json"
+
+    def load(self, name: str) -> dict | None:
+        p = self.path(name)
+        if not p.exists():
+            return None
+        try:
+            doc = json.loads(p.read_text())
+        except (ValueError, OSError) as e:
+            raise SessionError(f"session {name} ({p}) cannot be read: {e}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("messages"), list):
+            raise SessionError(f"session {name} ({p}) is not a Kiln session")
+        return doc
+
+    def save(self, name: str, doc: dict) -> Path:
+        p = self.path(name)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        doc = {**doc, "name": name, "updated": now, "created": doc.get("created") or now}
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=2, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        return p
+
+    def list(self) -> list[dict]:
+        out = []
+        for p in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
+            try:
+                doc = json.loads(p.read_text())
+            except (ValueError, OSError):
+                out.append({"name": p.stem, "error": "unreadable"})
+                continue
+            msgs = doc.get("messages") or []
+            out.append({"name": p.stem, "model": doc.get("model"), "adapter": doc.get("adapter"),
+                        "messages": len(msgs), "turns": sum(1 for m in msgs if m.get("role") == "user"),
+                        "updated": doc.get("updated"), "created": doc.get("created")})
+        return out
+
+    def remove(self, name: str) -> None:
+        p = self.path(name)
+        if not p.exists():
+            raise SessionError(f"no session named {name!r} (`kiln sessions list` shows them)")
+        p.unlink()
+
+    def export_line(self, name: str) -> str:
+        """The conversation as one `kiln train sft` line: {"messages": [...]}."""
+        doc = self.load(name)
+        if doc is None:
+            raise SessionError(f"no session named {name!r} (`kiln sessions list` shows them)")
+        msgs = [{"role": m["role"], "content": m["content"]} for m in doc["messages"]
+                if m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)]
+        return json.dumps({"messages": msgs}, ensure_ascii=False)
