@@ -126,11 +126,16 @@ def _sigmoid(x):
 
 
 def loss_and_grads(base: FrozenBase, lora: dict, scale: float, tokens, targets, grads: dict,
-                   weight: float = 1.0) -> tuple[float, int]:
+                   weight=1.0) -> tuple[float, int]:
     """Cross-entropy of predicting tokens[j] at position j - 1 for every j in `targets`.
 
     `lora` maps base tensor names to (A, B) in base.dtype; LoRA gradients are *added* into
-    `grads` (same keys and shapes), scaled by `weight`. Returns (summed loss, target count)."""
+    `grads` (same keys and shapes), scaled by `weight`. Returns (summed loss, target count).
+
+    `weight` may instead be a function of the targets' log-probabilities returning (one weight
+    per target, the objective's value): the gradient is then that of sum_t w_t * (-log p_t),
+    with the weights taken as constants — how policy-gradient objectives (GRPO) reuse this
+    backward pass."""
     c, dt = base.config, base.dtype
     tokens = np.asarray(tokens)
     targets = np.asarray(sorted(targets), dtype=np.int64)
@@ -185,10 +190,15 @@ def loss_and_grads(base: FrozenBase, lora: dict, scale: float, tokens, targets, 
     p = np.exp(logits)
     z = p.sum(axis=-1, keepdims=True)
     y = tokens[targets]
-    loss = float(np.sum(np.log(z[:, 0]) - logits[np.arange(len(rows)), y]))
+    logp = logits[np.arange(len(rows)), y] - np.log(z[:, 0])
     p /= z
     p[np.arange(len(rows)), y] -= 1.0
-    p *= dt.type(weight)
+    if callable(weight):
+        w, loss = weight(logp.astype(np.float64))
+        p *= np.asarray(w, dt)[:, None]
+    else:
+        loss = float(-np.sum(logp))
+        p *= dt.type(weight)
     dn = np.zeros_like(x)
     dn[rows] = p @ base.out
     del logits, p
