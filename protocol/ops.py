@@ -42,7 +42,7 @@ SCHEMAS: dict[str, Schema] = {
                     "adapters": (list, False), "seed": (int, False), "worker": (str, False),
                     "replay_of": (str, False)},
     # trainer
-    "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False),
+    "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False), "method": (str, False),
                      "model": (str, False)},
     "job_cancel": {"id": (str, True)},
     "detokenize": {"tokens": (list, True)},

@@ -97,6 +97,49 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
             _follow(c, job["id"], as_json)
 
 
+@train_app.command("grpo")
+def grpo(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"prompt": [messages], "completions": '
+                                   '[{"text", "reward"}, …]} group per line (two or more completions)'),
+         adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
+         epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the groups (default 1)"),
+         lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
+         rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
+         alpha: Optional[float] = typer.Option(None, "--alpha", help="LoRA alpha (default 32)"),
+         beta: Optional[float] = typer.Option(None, "--beta", help="weight of the KL penalty to the base model "
+                                              "(default 0.04)"),
+         clip: Optional[float] = typer.Option(None, "--clip", help="policy-ratio clip range (default 0.2)"),
+         grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="groups per optimizer step (default 1)"),
+         seed: Optional[int] = typer.Option(None, "--seed", help="shuffling and initialisation seed"),
+         max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="longest prompt + completion, tokens "
+                                                   "(default 512)"),
+         model: Optional[str] = typer.Option(None, "--model", "-m", help="base model (default: the trainer's)"),
+         follow: bool = typer.Option(False, "--follow", help="then follow the job until it ends"),
+         as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Queue a GRPO job: LoRA updates from groups of scored completions (group-relative
+    advantages, clipped ratio, KL to the base model). The whole file is checked first."""
+    from .client import CommandFailed
+    if not file.is_file():
+        fail(f"{file}: no such file")
+    options = {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "beta": beta, "clip": clip,
+               "grad_accum": grad_accum, "seed": seed, "max_seq_len": max_seq_len}
+    body = {"file": str(file.resolve()), "adapter": adapter, "method": "grpo",
+            "options": {k: v for k, v in options.items() if v is not None}}
+    if model:
+        body["model"] = model
+    with _client() as c:
+        try:
+            job = [m for m in c.stream("train.submit", body, timeout=600)][-1].body
+        except CommandFailed as e:
+            fail(e.message)
+        if as_json and not follow:
+            typer.echo(json.dumps(job))
+            return
+        typer.echo(f"queued {job['id']}: adapter {adapter}, {job['spec']['examples']} groups, "
+                   f"{job['spec']['target_tokens']} completion tokens")
+        if follow:
+            _follow(c, job["id"], as_json)
+
+
 def _fmt_eta(s) -> str:
     if s is None:
         return "-"
@@ -109,8 +152,10 @@ def _line(job: dict) -> str:
     loss = f"{job['loss']:.4f}" if job.get("loss") is not None else "-"
     tps = f"{job['tokens_per_s']:.0f}" if job.get("tokens_per_s") else "-"
     state = job["state"] + (" (cancelling)" if job.get("cancel_requested") and job["state"] in ("queued", "running") else "")
+    grpo = f"  reward {job['reward']:.3f} |adv| {job.get('advantage_abs', 0):.3f} kl {job.get('kl', 0):.4f}" \
+        if job.get("reward") is not None else ""
     return (f"{job['id']:<10}{state:<22}{job['adapter']:<18}{str(job['step']) + '/' + str(total):>11}"
-            f"{job['epoch']:>7}{loss:>10}{tps:>9}{_fmt_eta(job.get('eta_s')):>9}")
+            f"{job['epoch']:>7}{loss:>10}{tps:>9}{_fmt_eta(job.get('eta_s')):>9}{grpo}")
 
 
 HEADER = f"{'JOB':<10}{'STATE':<22}{'ADAPTER':<18}{'STEP':>11}{'EPOCH':>7}{'LOSS':>10}{'TOK/S':>9}{'ETA':>9}"

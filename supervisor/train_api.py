@@ -1,6 +1,7 @@
 """HTTP routes for training jobs and adapters (translations of the bus commands):
 
     POST   /v1/train/sft             {"file", "adapter", options…, "model"?} → the queued job
+    POST   /v1/train/grpo            the same for GRPO (scored groups; options beta, clip too)
     GET    /v1/train/jobs            every job
     GET    /v1/train/jobs/{id}       one job with its loss history (?since=STEP)
     DELETE /v1/train/jobs/{id}       cancel it
@@ -18,6 +19,7 @@ from .http_common import JSONError, bus, routed
 
 OPTIONS = ("epochs", "lr", "rank", "alpha", "targets", "max_seq_len", "checkpoint_interval", "seed",
            "grad_accum", "warmup", "schedule", "weight_decay", "betas")
+GRPO_OPTIONS = OPTIONS + ("beta", "clip")
 
 
 class Train:
@@ -25,15 +27,21 @@ class Train:
         self.sup, self.read_json = sup, read_json
 
     def on_post_sft(self, req, resp):
+        self._submit(req, resp, "sft", OPTIONS)
+
+    def on_post_grpo(self, req, resp):
+        self._submit(req, resp, "grpo", GRPO_OPTIONS)
+
+    def _submit(self, req, resp, method: str, names: tuple):
         body = self.read_json(req)
         for key in ("file", "adapter"):
             if not isinstance(body.get(key), str) or not body[key]:
                 raise JSONError(400, "invalid_value", f"{key} is required (a string)", param=key)
-        unknown = set(body) - set(OPTIONS) - {"file", "adapter", "model", "options"}
+        unknown = set(body) - set(names) - {"file", "adapter", "model", "options"}
         if unknown:
-            raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; options: {', '.join(OPTIONS)}")
-        options = dict(body.get("options") or {}, **{k: body[k] for k in OPTIONS if k in body})
-        work = {"file": body["file"], "adapter": body["adapter"], "options": options}
+            raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; options: {', '.join(names)}")
+        options = dict(body.get("options") or {}, **{k: body[k] for k in names if k in body})
+        work = {"file": body["file"], "adapter": body["adapter"], "options": options, "method": method}
         if body.get("model"):
             work["model"] = body["model"]
         resp.media = routed(self.sup, "train.submit", work)
@@ -78,6 +86,7 @@ class Adapters:
 def install(app: falcon.App, sup, read_json) -> None:
     train = Train(sup, read_json)
     app.add_route("/v1/train/sft", train, suffix="sft")
+    app.add_route("/v1/train/grpo", train, suffix="grpo")
     app.add_route("/v1/train/jobs", train, suffix="jobs")
     app.add_route("/v1/train/jobs/{job_id}", train, suffix="job")
     adapters = Adapters(sup)

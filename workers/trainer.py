@@ -40,8 +40,10 @@ from kiln.native.gguf_file import GGUFError  # noqa: E402
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model  # noqa: E402
 from kiln.native.lora import TRAINABLE_ARCHS, file_sha256  # noqa: E402
 from kiln.native.model import load_model  # noqa: E402
-from kiln.native.training.sft_data import DataError, data_hash, load_sft_file  # noqa: E402
-from kiln.native.training.sft_trainer import SFTRun, TrainSpec  # noqa: E402
+from kiln.native.training.sft_data import DataError, data_hash, load_grpo_file, load_sft_file  # noqa: E402
+
+LOADERS = {"sft": load_sft_file, "grpo": load_grpo_file}
+from kiln.native.training.sft_trainer import GRPORun, SFTRun, TrainSpec  # noqa: E402
 from kiln.protocol.store.job_store import FINAL, JobStore  # noqa: E402
 
 from .jobs import cancel_job  # noqa: E402
@@ -112,8 +114,13 @@ class TrainerWorker(Worker):
     def submit(self, req):
         b = req.body
         name = b["adapter"]
+        method = b.get("method", "sft")
         try:
             check_name(name)
+            if method not in ("sft", "grpo"):
+                raise ValueError(f"method {method!r} is not sft or grpo")
+            if method == "sft" and {"beta", "clip"} & set(b.get("options") or {}):
+                raise ValueError("beta and clip are GRPO options; SFT has no use for them")
             spec = TrainSpec.from_dict(dict(b.get("options") or {}))
         except (ValueError, TypeError) as e:
             raise OpError("bad_request", str(e)) from None
@@ -133,13 +140,14 @@ class TrainerWorker(Worker):
                                                f"{' (MoE)' if m.config.is_moe else ''}")
         file = Path(b["file"])
         try:
-            examples = load_sft_file(file, template, m.tokenizer, spec.max_seq_len)
+            examples = LOADERS[method](file, template, m.tokenizer, spec.max_seq_len)
         except DataError as e:
             raise OpError("bad_data", str(e)) from None
-        job = self.store.create({"adapter": name, "model": str(path), "file": str(file),
+        flat = [c for g in examples for c in g.completions] if method == "grpo" else examples
+        job = self.store.create({"adapter": name, "model": str(path), "file": str(file), "method": method,
                                  "data_sha256": data_hash(file), "options": spec.as_dict(),
-                                 "examples": len(examples), "tokens": sum(len(e.tokens) for e in examples),
-                                 "target_tokens": sum(len(e.targets) for e in examples)},
+                                 "examples": len(examples), "tokens": sum(len(e.tokens) for e in flat),
+                                 "target_tokens": sum(len(e.targets) for e in flat)},
                                 adapter=name, step=0, total_steps=None, epoch=0, loss=None, tokens_per_s=None,
                                 eta_s=None)
         shutil.copyfile(file, self.store.path(job["id"], "data.jsonl"))
@@ -176,14 +184,15 @@ class TrainerWorker(Worker):
         try:
             path, m, template = self.model(spec["model"])
             opts = TrainSpec.from_dict(spec["options"])
-            examples = load_sft_file(self.store.path(jid, "data.jsonl"), template, m.tokenizer, opts.max_seq_len)
-            run = SFTRun(m, examples, opts, self.store.path(jid, ""))
+            method = spec.get("method", "sft")
+            examples = LOADERS[method](self.store.path(jid, "data.jsonl"), template, m.tokenizer, opts.max_seq_len)
+            run = (GRPORun if method == "grpo" else SFTRun)(m, examples, opts, self.store.path(jid, ""))
             job["total_steps"] = run.total_steps
             self.store.save(job)
 
             def on_step(p):
                 job.update(step=p.step, epoch=p.epoch, loss=p.loss, tokens_per_s=round(p.tokens_per_s, 2),
-                           eta_s=round(p.eta_s, 1))
+                           eta_s=round(p.eta_s, 1), **p.extra)
                 self.store.save(job)
 
             result = run.run(lambda: self.stopping.is_set() or self.store.cancel_requested(jid), on_step)

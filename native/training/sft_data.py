@@ -81,8 +81,13 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict])
     return full, targets
 
 
-def load_sft_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int) -> list[Example]:
-    """Validate and tokenize the whole file; raise DataError listing every bad line."""
+class _Bad(ValueError):
+    """One line's problem (reported with its line number)."""
+
+
+def _load_jsonl(path: str | Path, template: ChatTemplate | None, parse, what: str) -> list:
+    """Validate and parse the whole file with `parse(obj, line)`; raise DataError listing every
+    bad line (a line's problem is a _Bad)."""
     path = Path(path)
     if template is None:
         raise DataError(path, ["the model has no chat template, so conversations cannot be rendered"], 1)
@@ -90,43 +95,85 @@ def load_sft_file(path: str | Path, template: ChatTemplate | None, tokenizer, ma
         raw = path.read_bytes()
     except OSError as e:
         raise DataError(path, [f"cannot read the file: {e.strerror or e}"], 1) from None
-    problems, total, examples = [], 0, []
-
-    def bad(line: int, msg: str) -> None:
-        nonlocal total
-        total += 1
-        if len(problems) < MAX_ERRORS:
-            problems.append(f"line {line}: {msg}")
-
+    problems, total, items = [], 0, []
     for n, line in enumerate(raw.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            bad(n, f"not valid JSON ({e.msg if hasattr(e, 'msg') else e})")
-            continue
-        why = _check_messages(obj)
-        if why:
-            bad(n, why)
-            continue
-        try:
-            tokens, targets = encode_conversation(template, tokenizer, obj["messages"])
-        except TemplateError as e:
-            bad(n, f"cannot render with the chat template: {e}")
-            continue
-        if len(tokens) > max_seq_len:
-            bad(n, f"{len(tokens)} tokens after templating, longer than max_seq_len {max_seq_len}")
-            continue
-        if not targets:
-            bad(n, "no assistant token survives templating")
-            continue
-        examples.append(Example(n, tokens, targets))
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise _Bad(f"not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+            items.append(parse(obj, n))
+        except _Bad as e:
+            total += 1
+            if len(problems) < MAX_ERRORS:
+                problems.append(f"line {n}: {e}")
     if total:
         raise DataError(path, problems, total)
-    if not examples:
-        raise DataError(path, ["the file holds no conversations"], 1)
-    return examples
+    if not items:
+        raise DataError(path, [f"the file holds no {what}"], 1)
+    return items
+
+
+def _example(template, tokenizer, messages: list[dict], max_seq_len: int, line: int) -> Example:
+    try:
+        tokens, targets = encode_conversation(template, tokenizer, messages)
+    except TemplateError as e:
+        raise _Bad(f"cannot render with the chat template: {e}") from None
+    if len(tokens) > max_seq_len:
+        raise _Bad(f"{len(tokens)} tokens after templating, longer than max_seq_len {max_seq_len}")
+    if not targets:
+        raise _Bad("no assistant token survives templating")
+    return Example(line, tokens, targets)
+
+
+def load_sft_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int) -> list[Example]:
+    """Validate and tokenize the whole file; raise DataError listing every bad line."""
+    def parse(obj, n):
+        why = _check_messages(obj)
+        if why:
+            raise _Bad(why)
+        return _example(template, tokenizer, obj["messages"], max_seq_len, n)
+    return _load_jsonl(path, template, parse, "conversations")
+
+
+@dataclass
+class Group:
+    """GRPO: completions of one prompt (each an Example whose targets are its tokens) and rewards."""
+    line: int
+    completions: list[Example]
+    rewards: list[float]
+
+
+def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int) -> list[Group]:
+    """One group per line: {"prompt": [messages], "completions": [{"text", "reward"}, …]} with at
+    least two completions; validated whole, bad lines reported by number."""
+    import math
+
+    def parse(obj, n):
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), list) or not obj["prompt"]:
+            raise _Bad('expected {"prompt": [messages], "completions": [{"text", "reward"}, …]}')
+        why = _check_messages({"messages": obj["prompt"] + [{"role": "assistant", "content": "x"}]})
+        if why:
+            raise _Bad("prompt: " + why)
+        if obj["prompt"][-1].get("role") == "assistant":
+            raise _Bad("prompt: the last message is the assistant's; the completions are the answer")
+        comps = obj.get("completions")
+        if not isinstance(comps, list) or len(comps) < 2:
+            raise _Bad("completions: at least two completions per group (advantages compare them)")
+        examples, rewards = [], []
+        for k, c in enumerate(comps):
+            if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not c["text"].strip():
+                raise _Bad(f"completions[{k}]: needs a non-empty text")
+            r = c.get("reward")
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+                raise _Bad(f"completions[{k}]: reward must be a finite number, got {json.dumps(r)[:20]}")
+            examples.append(_example(template, tokenizer, obj["prompt"] + [{"role": "assistant", "content": c["text"]}],
+                                     max_seq_len, n))
+            rewards.append(float(r))
+        return Group(n, examples, rewards)
+    return _load_jsonl(path, template, parse, "groups")
 
 
 def data_hash(path: str | Path) -> str:

@@ -43,10 +43,13 @@ class TrainSpec:
     schedule: str = "cosine"
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
+    beta: float = 0.04             # GRPO: weight of the KL penalty to the base model
+    clip: float = 0.2              # GRPO: policy-ratio clip range
 
     LIMITS = {"epochs": (1, 10000), "lr": (1e-9, 1.0), "rank": (1, 1024), "alpha": (1e-6, 1e6),
               "max_seq_len": (8, 1 << 20), "checkpoint_interval": (1, 1 << 30), "seed": (0, 2**63 - 1),
-              "grad_accum": (1, 4096), "warmup": (0, 1 << 30), "weight_decay": (0.0, 10.0)}
+              "grad_accum": (1, 4096), "warmup": (0, 1 << 30), "weight_decay": (0.0, 10.0),
+              "beta": (0.0, 100.0), "clip": (0.0, 10.0)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSpec":
@@ -78,6 +81,7 @@ class Progress:
     tokens: int
     tokens_per_s: float
     eta_s: float
+    extra: dict = field(default_factory=dict)    # method-specific figures (GRPO: reward, KL)
 
 
 @dataclass
@@ -155,18 +159,14 @@ class SFTRun:
         t_start, steps_done = time.perf_counter(), 0
         while self.step < self.total_steps:
             batch = [self.examples[i] for i in self.order[self.pos:self.pos + s.grad_accum]]
-            n_targets = sum(len(e.targets) for e in batch)
             for g in grads:
                 g.fill(0)
             t0 = time.perf_counter()
-            loss_sum = 0.0
-            for ex in batch:
-                if should_stop():
-                    self.save_checkpoint()              # the state as of the last step boundary
-                    return "stopped"
-                loss, _ = loss_and_grads(self.base, lmap, self.adapter.scale, ex.tokens, ex.targets,
-                                         gmap, 1.0 / n_targets)
-                loss_sum += loss
+            done = self._accumulate(batch, lmap, gmap, should_stop)
+            if done is None:
+                self.save_checkpoint()                  # the state as of the last step boundary
+                return "stopped"
+            loss, tokens, extra = done
             lr = learning_rate(self.step, self.total_steps, s.lr, s.warmup, s.schedule)
             self.opt.step(grads, lr)
             self.step += 1
@@ -178,19 +178,78 @@ class SFTRun:
                     self.order = self.rng.permutation(len(self.examples))
             dt = time.perf_counter() - t0
             steps_done += 1
-            tokens = sum(len(e.tokens) for e in batch)
             rate = (time.perf_counter() - t_start) / steps_done
-            p = Progress(self.step, self.total_steps, self.epoch, loss_sum / n_targets, lr, tokens,
-                         tokens / dt if dt > 0 else 0.0, rate * (self.total_steps - self.step))
+            p = Progress(self.step, self.total_steps, self.epoch, loss, lr, tokens,
+                         tokens / dt if dt > 0 else 0.0, rate * (self.total_steps - self.step), extra)
             with open(self.history, "a") as f:
                 f.write(json.dumps({"step": p.step, "epoch": p.epoch, "loss": p.loss, "lr": lr,
                                     "tokens": tokens, "tokens_per_s": round(p.tokens_per_s, 2),
-                                    "t": round(time.time(), 3)}) + "\n")
+                                    "t": round(time.time(), 3), **extra}) + "\n")
             if self.step % s.checkpoint_interval == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
             on_step(p)
         return "completed"
 
+    def _accumulate(self, batch, lmap, gmap, should_stop):
+        """Add one optimizer step's gradients into gmap; (loss, tokens, extra figures), or None
+        when asked to stop (the partial gradient is dropped)."""
+        n_targets = sum(len(e.targets) for e in batch)
+        loss_sum = 0.0
+        for ex in batch:
+            if should_stop():
+                return None
+            loss, _ = loss_and_grads(self.base, lmap, self.adapter.scale, ex.tokens, ex.targets,
+                                     gmap, 1.0 / n_targets)
+            loss_sum += loss
+        return loss_sum / n_targets, sum(len(e.tokens) for e in batch), {}
+
     def save(self, path: Path, name: str) -> Path:
         self.adapter.meta = dict(self.meta)
         return save_adapter(self.adapter, path, name)
+
+
+class GRPORun(SFTRun):
+    """GRPO from scored groups (native/training/grpo.py): `examples` are Groups; each optimizer
+    step takes grad_accum groups. One update per group, so the log-probabilities the ratio
+    compares with are the current ones (the clip binds from a second pass on); the reference
+    log-probabilities of the base model are computed once per completion."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._ref: dict[tuple[int, int], np.ndarray] = {}
+
+    def _reference(self, gi: int, ci: int, ex) -> np.ndarray:
+        key = (gi, ci)
+        if key not in self._ref:
+            got = {}
+
+            def keep(lp):
+                got["lp"] = lp
+                return np.zeros_like(lp), 0.0
+            loss_and_grads(self.base, {}, self.adapter.scale, ex.tokens, ex.targets, {}, keep)
+            self._ref[key] = got["lp"]
+        return self._ref[key]
+
+    def _accumulate(self, batch, lmap, gmap, should_stop):
+        from .grpo import advantages, objective
+        s = self.spec
+        n = sum(len(g.completions) for g in batch)
+        loss_sum, tokens, rewards, adv_abs = 0.0, 0, [], []
+        stats: dict = {}
+        for g in batch:
+            A = advantages(g.rewards)
+            for ci, (ex, a) in enumerate(zip(g.completions, A)):
+                if should_stop():
+                    return None
+                weigh = objective(float(a), self._reference(g.line, ci, ex), None, s.beta, s.clip, stats)
+
+                def scaled(lp, weigh=weigh):
+                    w, value = weigh(lp)
+                    return w / n, value / n
+                loss, _ = loss_and_grads(self.base, lmap, self.adapter.scale, ex.tokens, ex.targets, gmap, scaled)
+                loss_sum += loss
+                tokens += len(ex.tokens)
+            rewards += g.rewards
+            adv_abs += [abs(float(x)) for x in A]
+        return loss_sum, tokens, {"reward": float(np.mean(rewards)), "kl": stats.get("kl", 0.0) / n,
+                                  "advantage_abs": float(np.mean(adv_abs))}
