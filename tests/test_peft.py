@@ -97,3 +97,59 @@ def test_cli_import_and_export(default_model, default_model_path, tmp_path):
     from safetensors.numpy import load_file
     a, b = load_file(str(tmp_path / "in" / "adapter_model.safetensors")), load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_peft_adapter_of_known_matrices_changes_the_logits_as_those_matrices_in_numpy(tmp_path):
+    """Logits with the imported adapter == logits of the base model whose q/k/v weights had the
+    HF-order product B A added in numpy, rows moved to GGUF order by an explicit index formula."""
+    import copy
+
+    from safetensors.numpy import save_file
+
+    from kiln.native.model import load_model
+    from kiln.native.training.lora_grad import FrozenBase, loss_and_grads
+    m = load_model(DATA / "tiny" / "tiny-llama.gguf")
+    c = m.config
+    hd, r, alpha = c.head_dim, 4, 8.0
+    rng = np.random.default_rng(5)
+    hf = {}
+    for layer in range(c.n_layer):
+        for proj, heads in (("q_proj", c.n_head), ("k_proj", c.n_head_kv), ("v_proj", c.n_head_kv)):
+            hf[(layer, proj)] = (rng.normal(0, 0.2, size=(r, c.n_embd)), rng.normal(0, 0.2, size=(heads * hd, r)))
+    save_file({f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_{x}.weight": mat.astype(np.float32)
+               for (layer, proj), (a, b) in hf.items() for x, mat in (("A", a), ("B", b))},
+              str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha}))
+    ad = import_peft(tmp_path, "llama", c.n_head, c.n_head_kv)
+
+    base = FrozenBase(m, np.float64)
+    tokens = rng.integers(0, 200, size=12)
+    targets = list(range(1, 12))
+
+    def logp(fb, lora):
+        got = {}
+
+        def keep(lp):
+            got["lp"] = lp
+            return np.zeros_like(lp), 0.0
+        loss_and_grads(fb, lora, alpha / r, tokens, targets, {}, keep)
+        return got["lp"]
+    with_adapter = logp(base, {n: (a.astype(np.float64), b.astype(np.float64)) for n, (a, b) in ad.tensors.items()})
+
+    merged = copy.deepcopy(base)
+    for L, (layer) in zip(merged.layers, range(c.n_layer)):
+        for proj, key, permuted in (("q_proj", "attn_q", True), ("k_proj", "attn_k", True), ("v_proj", "attn_v", False)):
+            a, b = hf[(layer, proj)]
+            dw_hf = (alpha / r) * (b.astype(np.float32).astype(np.float64) @ a.astype(np.float32).astype(np.float64))
+            dw = np.empty_like(dw_hf)
+            if permuted:
+                for row in range(dw_hf.shape[0]):            # GGUF row h*hd + 2i + c <- HF row h*hd + c*hd/2 + i
+                    h, rest = divmod(row, hd)
+                    i, cc = divmod(rest, 2)
+                    dw[row] = dw_hf[h * hd + cc * (hd // 2) + i]
+            else:
+                dw = dw_hf
+            L.w[key] = L.w[key] + dw
+    plain = logp(merged, {})
+    assert not np.allclose(plain, logp(base, {}), atol=1e-3)    # the adapter matters
+    assert np.allclose(with_adapter, plain, rtol=0, atol=1e-9), np.max(np.abs(with_adapter - plain))
