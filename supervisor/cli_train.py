@@ -72,14 +72,20 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
         as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Queue a LoRA fine-tuning job. The whole file is checked first; problems are listed with
     their line numbers and nothing is queued."""
-    from .client import CommandFailed
     if not file.is_file():
         fail(f"{file}: no such file")
     options = {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "max_seq_len": max_seq_len,
                "checkpoint_interval": checkpoint_interval, "seed": seed, "grad_accum": grad_accum,
                "warmup": warmup, "schedule": schedule, "weight_decay": weight_decay,
                "targets": [t.strip() for t in targets.split(",") if t.strip()] if targets else None}
-    body = {"file": str(file.resolve()), "adapter": adapter,
+    _queue("sft", file, adapter, options, model, follow, as_json, "conversations", "target tokens")
+
+
+def _queue(method: str, file: Path, adapter: str, options: dict, model: Optional[str], follow: bool,
+           as_json: bool, items: str, tokens: str) -> None:
+    """Submit a training job (the trainer checks the whole file first) and report or follow it."""
+    from .client import CommandFailed
+    body = {"file": str(file.resolve()), "adapter": adapter, "method": method,
             "options": {k: v for k, v in options.items() if v is not None}}
     if model:
         body["model"] = model
@@ -91,8 +97,8 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
         if as_json and not follow:
             typer.echo(json.dumps(job))
             return
-        typer.echo(f"queued {job['id']}: adapter {adapter}, {job['spec']['examples']} conversations, "
-                   f"{job['spec']['target_tokens']} target tokens")
+        typer.echo(f"queued {job['id']}: adapter {adapter}, {job['spec']['examples']} {items}, "
+                   f"{job['spec']['target_tokens']} {tokens}")
         if follow:
             _follow(c, job["id"], as_json)
 
@@ -117,27 +123,11 @@ def grpo(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"promp
          as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Queue a GRPO job: LoRA updates from groups of scored completions (group-relative
     advantages, clipped ratio, KL to the base model). The whole file is checked first."""
-    from .client import CommandFailed
     if not file.is_file():
         fail(f"{file}: no such file")
     options = {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "beta": beta, "clip": clip,
                "grad_accum": grad_accum, "seed": seed, "max_seq_len": max_seq_len}
-    body = {"file": str(file.resolve()), "adapter": adapter, "method": "grpo",
-            "options": {k: v for k, v in options.items() if v is not None}}
-    if model:
-        body["model"] = model
-    with _client() as c:
-        try:
-            job = [m for m in c.stream("train.submit", body, timeout=600)][-1].body
-        except CommandFailed as e:
-            fail(e.message)
-        if as_json and not follow:
-            typer.echo(json.dumps(job))
-            return
-        typer.echo(f"queued {job['id']}: adapter {adapter}, {job['spec']['examples']} groups, "
-                   f"{job['spec']['target_tokens']} completion tokens")
-        if follow:
-            _follow(c, job["id"], as_json)
+    _queue("grpo", file, adapter, options, model, follow, as_json, "groups", "completion tokens")
 
 
 def _fmt_eta(s) -> str:
