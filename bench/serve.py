@@ -1,6 +1,7 @@
 """Serving numbers, as JSON: time to first token and decode tok/s through HTTP (stream) vs
-the engine alone for the same prompt, the overhead per request and per token, and aggregate
-tok/s with 1, 4 and 8 concurrent streaming clients.
+the engine alone for the same prompt, the overhead per request and per token, aggregate tok/s
+with 1, 4 and 8 concurrent streaming clients, and one stream's inter-token gaps (p50/p99/max)
+alone and while a ~450-token prompt arrives mid-stream, with that prompt's time to first token.
 
     python bench/serve.py [--model default|PATH] [--runs 5] [--tokens 64]
 """
@@ -49,6 +50,63 @@ def stream(base: str, tokens: int, i: int, stamps: list | None = None) -> tuple[
     if stamps is not None:
         stamps.append((t0 + first, end))
     return first, end - t0, n
+
+
+def stream_gaps(base: str, tokens: int, i: int, started: threading.Event | None = None) -> list[float]:
+    """Arrival times of every content chunk of one streamed chat (perf_counter)."""
+    host, port = base.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=600)
+    body = {"messages": question(i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    times = []
+    for line in c.getresponse():
+        if line.startswith(b"data: {"):
+            ev = json.loads(line[6:])
+            if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+                times.append(time.perf_counter())
+                if started is not None and len(times) == 20:
+                    started.set()
+    c.close()
+    return times
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def long_prompt_interference(base: str, runs: int) -> dict:
+    """One stream's inter-token gaps alone, and while a 400-token prompt arrives mid-stream
+    (chunked prefill keeps the stream going); the long prompt's time to first token."""
+    text = (Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity" / "GPL-3.txt").read_text()
+    host, port = base.removeprefix("http://").split(":")
+    out = {"alone": [], "with_long_prompt": [], "long_ttft": []}
+    for run in range(runs):
+        t = stream_gaps(base, 150, 5000 + run)
+        out["alone"] += [b - a for a, b in zip(t, t[1:])]
+        started = threading.Event()
+        got: dict = {}
+        th = threading.Thread(target=lambda: got.update(t=stream_gaps(base, 150, 6000 + run, started)))
+        th.start()
+        started.wait(60)
+        c = http.client.HTTPConnection(host, int(port), timeout=600)
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/completions", json.dumps({"prompt": text[run * 40:run * 40 + 2000], "max_tokens": 1,
+                                                         "temperature": 0}), {"Content-Type": "application/json"})
+        r = json.loads(c.getresponse().read())
+        out["long_ttft"].append(time.perf_counter() - t0)
+        c.close()
+        th.join()
+        out["with_long_prompt"] += [b - a for a, b in zip(got["t"], got["t"][1:])]
+        out.setdefault("long_prompt_tokens", r["usage"]["prompt_tokens"])
+    res = {"long_prompt_tokens": out["long_prompt_tokens"],
+           "long_prompt_ttft_s": round(statistics.median(out["long_ttft"]), 2)}
+    for k in ("alone", "with_long_prompt"):
+        g = out[k]
+        res[k] = {"itl_p50_ms": round(1000 * pct(g, 50), 1), "itl_p99_ms": round(1000 * pct(g, 99), 1),
+                  "itl_max_ms": round(1000 * max(g), 1)}
+    res["worst_over_median"] = round(res["with_long_prompt"]["itl_max_ms"] / res["with_long_prompt"]["itl_p50_ms"], 2)
+    return res
 
 
 def main() -> None:
@@ -120,8 +178,9 @@ def main() -> None:
             out["aggregate_decode_tok_s"] = dec
             out["aggregate_ratio_4_vs_1"] = round(agg["4"] / agg["1"], 2)
             out["aggregate_decode_ratio_4_vs_1"] = round(dec["4"] / dec["1"], 2)
+            out["long_prompt_mid_stream"] = long_prompt_interference(d.http, max(1, args.runs // 2))
             out["aggregate_note"] = ("the worker batches the decode steps of up to `parallel` (4) requests; "
-                                     "prefills run one request at a time; aggregate_tok_s counts every token "
+                                     "prompts are prefilled in chunks between decode steps; aggregate_tok_s counts every token "
                                      "over the whole wall time, aggregate_decode_tok_s the tokens after the "
                                      "first of each stream over the decode span; medians of --runs")
         finally:
