@@ -107,3 +107,33 @@ def test_bad_groups_are_reported_by_line(tiny, tmp_path):
     msg = str(e.value)
     assert "line 2: completions: at least two" in msg and "line 3: completions[0]: reward" in msg
     assert "line 4:" in msg and "line 1" not in msg
+
+
+def test_a_grpo_run_killed_mid_run_resumes_from_its_last_checkpoint_bit_identically(tiny, tmp_path):
+    """As kill -9: the run dies between checkpoints (nothing saved at the end); the next run
+    resumes from the last interval checkpoint and ends with the same adapter."""
+    m, tpl = tiny
+    groups = load_grpo_file(write(tmp_path, [group(n) for n in NAMES[:6]]), tpl, m.tokenizer, 256)
+    spec = TrainSpec(epochs=2, lr=5e-3, rank=4, alpha=8, seed=4, checkpoint_interval=2)
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    whole = GRPORun(m, groups, spec, tmp_path / "a")
+    whole.run()
+
+    class Killed(Exception):
+        pass
+    calls = {"n": 0}
+
+    def die():
+        calls["n"] += 1
+        if calls["n"] > 16:                  # in step 6 (3 completions a step): after the step-4 checkpoint
+            raise Killed()
+        return False
+    with pytest.raises(Killed):
+        GRPORun(m, groups, spec, tmp_path / "b").run(die)
+    resumed = GRPORun(m, groups, spec, tmp_path / "b")
+    assert resumed.step == 4
+    resumed.run()
+    for n in whole.names:
+        for x, y in zip(whole.adapter.tensors[n], resumed.adapter.tensors[n]):
+            assert np.array_equal(x, y), n
