@@ -78,3 +78,22 @@ def library(sup, args):
             continue
         out.append({"name": path.stem, "path": str(path), "size_bytes": st.st_size, "modified": st.st_mtime})
     return {"models": out}
+
+
+@command("plan", off_loop=True)
+def plan_cmd(sup, args):
+    """Will `model` load here? Its plan (weights, KV cache at the on-demand context, runtime)
+    against what the model budget has left: fits / streams / too_large, with the numbers."""
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.models.plan import plan
+    p = _placer(sup)
+    try:
+        path = p._resolve(str(args.get("model") or ""))
+        loaded = p.find(path.stem)
+        left = p.budget - p.used_bytes() + (p.loaded[loaded.name].planned_bytes if loaded else 0)
+        out = plan(path, p.ctx, available=max(0, left))
+    except PlaceError as e:
+        raise _error(e) from None
+    except (GGUFError, ValueError) as e:
+        raise CommandError("model_invalid", f"{args.get('model')}: {e}") from None
+    return {**out, "budget_bytes": p.budget, "budget_left_bytes": max(0, left), "loaded": loaded is not None}

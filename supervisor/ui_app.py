@@ -1,6 +1,7 @@
 """The dashboard at /ui: static files shipped in the package (supervisor/ui/), no build step and
 no CDN, over the same API every client uses; plus the two routes the page needs that the API
-lacked — the loaded models (`GET /v1/ps`) and loading/unloading one (`POST /v1/models/M/load`)."""
+lacked — the loaded models (`GET /v1/ps`), loading/unloading one (`POST /v1/models/M/load`) and
+its plan against the budget (`GET /v1/models/M/plan`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ class Models:
 
     def on_get_ps(self, req, resp):
         resp.media = bus(self.sup, "ps")
+
+    def on_get_action(self, req, resp, model, action):
+        if action != "plan":
+            raise JSONError(404, "not_found", f"no GET /v1/models/MODEL/{action} (GET …/plan; POST …/load, …/unload)")
+        resp.media = bus(self.sup, "plan", {"model": model})
 
     def on_post_action(self, req, resp, model, action):
         if action not in ("load", "unload"):

@@ -28,6 +28,8 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 @pytest.fixture(scope="module")
 def served(default_model_path, tmp_path_factory):
     home = tmp_path_factory.mktemp("ui")
+    (home / "models").mkdir()
+    (home / "models" / "smol.gguf").symlink_to(default_model_path)      # a library model, not loaded
     workers = {"default": {"kind": "inference", "model": str(default_model_path)},
                "trainer": {"kind": "trainer", "model": str(default_model_path)},
                "evaluator": {"kind": "evaluator"}}
@@ -69,6 +71,7 @@ def test_the_page_lists_the_workers_running_without_errors(served, page):
         expect(page.locator(f'tr[data-worker="{name}"] td[data-state]')).to_contain_text("running", timeout=15000)
     expect(table).to_be_visible()
     expect(page.locator("#conn")).to_have_text("live", timeout=15000)
+    expect(page.locator('td[data-plan="smol"]')).to_contain_text("fits", timeout=15000)   # the plan verdict
     SHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SHOTS / "dashboard.png"), full_page=True)
     for panel in ("workers-panel", "models-panel", "expert-panel", "train-panel", "eval-panel"):

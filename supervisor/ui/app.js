@@ -96,6 +96,21 @@ function renderExperts() {
 
 // -- models ----------------------------------------------------------------------------------
 
+const plans = new Map();         // model id -> its plan's verdict text (read once)
+function planCell(id, loaded) {
+  const td = el("td", { "data-plan": id }, loaded ? "loaded" : plans.get(id) || "…");
+  if (!loaded && !plans.has(id)) {
+    plans.set(id, "…");
+    json(`/v1/models/${encodeURIComponent(id)}/plan`).then((p) => {
+      const gib = (b) => (b / 2 ** 30).toFixed(2);
+      plans.set(id, `${p.verdict} (${gib(p.total_bytes)} of ${gib(p.budget_left_bytes)} GiB left)`);
+      const cell = document.querySelector(`td[data-plan="${CSS.escape(id)}"]`);
+      if (cell) { cell.textContent = plans.get(id); cell.title = p.advice || ""; }
+    }).catch((e) => plans.set(id, `unknown: ${e.message}`));
+  }
+  return td;
+}
+
 async function refreshModels() {
   const [models, ps] = await Promise.all([json("/v1/models"), json("/v1/ps")]);
   const loaded = new Map(ps.models.map((m) => [m.worker, m]));
@@ -110,7 +125,7 @@ async function refreshModels() {
     if (l && l.pinned) btn.disabled = true;
     return el("tr", { "data-model": m.id }, el("th", { scope: "row" }, m.id), el("td", {}, l ? (l.worker_state || l.state) : "no"),
       el("td", {}, l ? l.worker : "–"), el("td", {}, mib(l && l.rss_bytes)), el("td", {}, mib(l && l.planned_bytes)),
-      el("td", {}, mib(l && l.kv_cache_bytes)), el("td", {}, until), el("td", {}, btn));
+      el("td", {}, mib(l && l.kv_cache_bytes)), el("td", {}, until), planCell(m.id, !!l), el("td", {}, btn));
   });
   $("#models tbody").replaceChildren(...rows);
   const pick = $("#model"), keep = pick.value;
