@@ -110,18 +110,21 @@ def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],
     # tokenize: control tokens inside template text are specials; all other text is plain
     ids: list[int] = list(tokenizer.encode("", special=True))   # BOS if the model adds one
     run = ""
+    strip = False          # the last control token swallows the whitespace after it (Phi-3)
     for piece, is_template in pieces:
-        if not is_template:
-            run += piece
-            continue
-        for part, special_id in tokenizer.split_specials(piece):
+        parts = tokenizer.split_specials(piece) if is_template else [(piece, None)]
+        for part, special_id in parts:
             if special_id is None:
+                if strip and not run:
+                    part = part.lstrip()
+                    strip = bool(not part)
                 run += part
             else:
                 if run:
                     ids += tokenizer.encode(run, special=False, add_bos=False)
                     run = ""
                 ids.append(special_id)
+                strip = tokenizer.rstrips(special_id)
     if run:
         ids += tokenizer.encode(run, special=False, add_bos=False)
     return text, ids

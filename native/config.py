@@ -32,6 +32,8 @@ class ModelConfig:
     extra: tuple = ()               # the family's own hyperparameters, as (key, value) pairs
     rope_scaling: str = "none"      # "none", "linear" or "yarn"
     yarn: tuple = ()                # (n_ctx_orig, beta_fast, beta_slow, attn_factor) with YaRN
+    n_ctx_orig: int = 0             # rope.scaling.original_context_length (0: not in the file)
+    rope_attn_factor: float = 1.0   # rope.scaling.attn_factor: cos/sin scale (Phi-3 longrope, YaRN)
 
     def get(self, name: str, default=None):
         return dict(self.extra).get(name, default)
@@ -96,4 +98,6 @@ def read_config(g: GGUFFile) -> ModelConfig:
         extra=tuple(sorted(fam.hparams(key).items())),
         rope_scaling=scaling,
         yarn=yarn,
+        n_ctx_orig=int(key("rope.scaling.original_context_length", 0, required=False) or 0),
+        rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0, required=False)),
     )

@@ -120,11 +120,15 @@ class Model:
         self.embed_scale = fam.embed_scale(c)
         extra = {k: vec(n) for k, n in fam.model_tensors(g).items()}
         self.rope_factors = extra.get("rope_freqs")
+        self._rope_long_short = (extra["rope_long"], extra["rope_short"]) if "rope_long" in extra else None
         self.rope_yarn = None
         if c.rope_scaling == "yarn":
             orig, fast, slow, attn = c.yarn
             self.rope_yarn = yarn_params(c.rope_dim, c.rope_base, c.rope_scale, orig or c.n_ctx_train, fast, slow,
                                          1.0, attn)
+        elif c.rope_attn_factor != 1.0:
+            self.rope_yarn = (0.0, 0.0, 0.0, c.rope_attn_factor)   # no ramp: cos/sin times the factor
+        self.use_context(c.n_ctx_train)
         self.layers: list[Layer] = []
         for mats, vecs, fused in plan:
             fields = {k: weights[n] for k, n in mats.items()}
@@ -160,6 +164,14 @@ class Model:
             elif isinstance(w, np.ndarray):
                 total += w.nbytes
         return total
+
+    def use_context(self, n_ctx: int) -> None:
+        """What depends on the context the model runs with: Phi-3 longrope's factor set — the
+        long one past the original context, as llama.cpp chooses by its n_ctx."""
+        if self._rope_long_short is not None:
+            c = self.config
+            long, short = self._rope_long_short
+            self.rope_factors = long if n_ctx > (c.n_ctx_orig or c.n_ctx_train) else short
 
     def new_cache(self, max_tokens: int | None = None, dtype: type = KV_DTYPE) -> KVCache:
         """fp16 keys and values, as llama.cpp keeps them: half the memory and traffic of float32,

@@ -54,6 +54,7 @@ class Scheduler:
     def __init__(self, model: Model, n_ctx: int, slots: int = 4, prefill_ratio: float = 2.5,
                  prefill_chunk: int = 0, speculative: bool = True):
         self.model, self.n_ctx = model, n_ctx
+        model.use_context(n_ctx)
         self.seqs = [Sequence(model, n_ctx) for _ in range(max(1, slots))]
         self.free = list(range(len(self.seqs)))
         self.waiting: deque[Job] = deque()

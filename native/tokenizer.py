@@ -39,6 +39,14 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
 }
 
 
+# Texts llama.cpp marks end-of-generation and forces to control type (FIM tokens included).
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                        "<|eom_id|>", "<EOT>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+                        "<|fim_pad|>", "<|fim_repo|>", "<|repo_name|>", "<|file_sep|>"})
+
+_KEEP_SPACE = frozenset({"<unk>", "<s>", "<|endoftext|>"})   # Phi-3 specials that do not rstrip
+
+
 class TokenizerError(Exception):
     """The tokenizer could not be built from this model's metadata."""
 
@@ -82,6 +90,14 @@ class GGUFTokenizer:
         self.tokens: list[str] = list(tokens)
         types = meta.get("tokenizer.ggml.token_type")
         self.token_types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
+        # llama.cpp makes end-of-generation tokens found by their text control tokens whatever
+        # type the file gives them (llama-vocab.cpp: "control-looking token … will be overridden").
+        for i, t in enumerate(self.tokens):
+            if t in _EOG_TEXTS:
+                self.token_types[i] = TOKEN_CONTROL
+        # llama.cpp's Phi-3 rule: special tokens swallow the whitespace after them.
+        name = str(meta.get("general.name", "")).lower()
+        self._rstrip_specials = "phi-3" in name or "phi3" in name
         if self.model_type == "gpt2":
             self._tok = self._build_bpe(meta)
             self._token_bytes = self._bpe_token_bytes()
@@ -137,12 +153,12 @@ class GGUFTokenizer:
     def _build_spm(self, meta) -> Tokenizer:
         scores = meta.get("tokenizer.ggml.scores")
         vocab = self._vocab
-        # Merges from scores, as HF's SentencePieceExtractor: every split of a piece into two
-        # pieces of the vocabulary, ordered by the merged piece's score (higher first).
+        # llama.cpp's SPM session merges any two adjacent symbols whose text is a token — of any
+        # type: a user-defined "▁▁" (score 0) beats every normal piece — highest score first.
+        # As a BPE: every split of a piece into two pieces of the vocabulary, ranked by the
+        # merged piece's score (higher first).
         ranked = []
         for piece, pid in vocab.items():
-            if self.token_types[pid] != TOKEN_NORMAL:
-                continue
             for i in range(1, len(piece)):
                 left, right = piece[:i], piece[i:]
                 if left in vocab and right in vocab:
@@ -163,10 +179,11 @@ class GGUFTokenizer:
     def _add_specials(self) -> None:
         added = []
         for i, (t, ty) in enumerate(zip(self.tokens, self.token_types)):
+            rstrip = self._rstrip_specials and t not in _KEEP_SPACE
             if ty == TOKEN_CONTROL:
-                added.append(AddedToken(t, special=True, normalized=False))
+                added.append(AddedToken(t, special=True, normalized=False, rstrip=rstrip))
             elif ty == TOKEN_USER_DEFINED:
-                added.append(AddedToken(t, special=False, normalized=False))
+                added.append(AddedToken(t, special=False, normalized=False, rstrip=rstrip))
         if added:
             self._tok.add_tokens(added)
 
@@ -228,6 +245,11 @@ class GGUFTokenizer:
     def id_of(self, piece: str) -> int | None:
         """The id of the token whose text is exactly `piece`, if there is one."""
         return self._vocab.get(piece)
+
+    def rstrips(self, token_id: int) -> bool:
+        """Whether this control token swallows the whitespace after it (llama.cpp's Phi-3 rule)."""
+        return (self._rstrip_specials and self.token_types[token_id] == TOKEN_CONTROL
+                and self.tokens[token_id] not in _KEEP_SPACE)
 
     def is_control(self, token_id: int) -> bool:
         return self.token_types[token_id] == TOKEN_CONTROL

@@ -70,6 +70,10 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
         typer.echo(f"{i['name']}  ({i['path']})")
         typer.echo(f"  architecture   {i['architecture']}, {i['layers']} layers, embedding {i['embedding']}, "
                    f"{i['heads']} heads / {i['kv_heads']} KV heads")
+        fam = dict(i.get("family") or {})
+        if fam:
+            facts = "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in fam.items() if k not in ("name", "needs"))
+            typer.echo(f"  family         {fam['name']}: {fam['needs']}" + (f"\n                 {facts}" if facts else ""))
         typer.echo(f"  parameters     {i['parameters']:,}")
         typer.echo(f"  file           {mib(i['file_bytes'])}; tensor types "
                    + ", ".join(f"{k}×{v}" for k, v in i["tensor_types"].items()))

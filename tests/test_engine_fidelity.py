@@ -95,3 +95,23 @@ def test_prompt_logits_are_llama_cpps_bits(name, kernel_path, request):
             want = np.array(pos["top_logits"], np.float32)
             assert np.array_equal(row[pos["top_ids"]], want), \
                 f"{name} prompt {i} position {j}: max |Δ| {np.abs(row[pos['top_ids']] - want).max():.3g}"
+
+
+@pytest.mark.parametrize("kernel_path", ["compiled", "numpy"], indirect=True)
+@pytest.mark.parametrize(("tag", "n_ctx"), [("long", 2048), ("short", 512)])
+def test_phi3_longrope_factors_follow_the_context_as_llama_cpp(tag, n_ctx, kernel_path):
+    """Phi-3 128k files: `rope_factors_long` past the original context (1024 in this file),
+    `rope_factors_short` below it, cos/sin scaled by rope.scaling.attn_factor — llama.cpp's bits
+    at both context sizes (tests/tools/make_phi3_longrope.py; the two references' top-1 differ
+    at 85 of 293 positions, so choosing the wrong set fails)."""
+    if kernel_path == "compiled" and not kernels.compiled_module().features()["avx2_fma"]:
+        pytest.skip("llama.cpp's bits are its AVX2 kernels' bits")
+    ref, _ = reference(f"tiny/tiny-phi3-longrope-{tag}")
+    assert ref["n_ctx"] == n_ctx
+    model = load_model(tiny_path("phi3-longrope"))
+    model.use_context(n_ctx)
+    for i, p in enumerate(ref["prompts"]):
+        logits = model.forward(p["ids"], model.new_cache(len(p["ids"]) + 1), all_logits=True)
+        for j, (row, pos) in enumerate(zip(logits, p["positions"])):
+            assert np.array_equal(row[pos["top_ids"]], np.array(pos["top_logits"], np.float32)), \
+                f"{tag} prompt {i} position {j}"

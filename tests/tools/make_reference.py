@@ -2,7 +2,7 @@
 position, margins, 32 greedy tokens; the last position's logits in the .npz), so that
 tests/fidelity.py can hold Kiln to it — e.g. for a model re-quantized to K-quants:
 
-    python tests/tools/make_reference.py MODEL.gguf tests/data/prompts.json OUT_PREFIX [N_BATCH]
+    python tests/tools/make_reference.py MODEL.gguf tests/data/prompts.json OUT_PREFIX [N_BATCH [N_CTX]]
 
 Same settings as the shared references: 2 threads, n_ctx 2048, default graph. N_BATCH (default
 512) below 8 keeps llama.cpp off its tiled K-quant matmul, which it takes for batches of >= 8
@@ -17,12 +17,13 @@ import numpy as np
 from llama_cpp import Llama
 
 
-def main(model: str, prompts_path: str, out: str, n_batch: str = "512", n_greedy: int = 32) -> None:
+def main(model: str, prompts_path: str, out: str, n_batch: str = "512", n_ctx: str = "2048",
+         n_greedy: int = 32) -> None:
     spec = json.load(open(prompts_path))
-    llm = Llama(model, n_ctx=2048, n_threads=2, logits_all=True, verbose=False,
+    llm = Llama(model, n_ctx=int(n_ctx), n_threads=2, logits_all=True, verbose=False,
                 n_batch=int(n_batch), n_ubatch=int(n_batch))
     add_bos = bool(llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true")
-    ref, arrays = {"model": model, "n_threads": 2, "prompts": []}, {}
+    ref, arrays = {"model": model, "n_threads": 2, "n_ctx": int(n_ctx), "prompts": []}, {}
     for i, text in enumerate(spec["prompts"]):
         text = text["text"] if isinstance(text, dict) else text
         ids = llm.tokenize(text.encode(), add_bos=add_bos, special=True)
@@ -49,4 +50,4 @@ def main(model: str, prompts_path: str, out: str, n_batch: str = "512", n_greedy
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
