@@ -231,12 +231,32 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         goto done;
     L.neox = neox; L.eps = (float)eps; L.E = 1; L.k = 1;
     if (ffn_obj != Py_None) {
-        PyObject *fno, *rto = NULL, *go, *uo, *dwo;
+        PyObject *fno, *rto = NULL, *go, *uo, *dwo, *xto = Py_None, *cho = Py_None;
         int ok;
-        if (PyTuple_Check(ffn_obj) && PyTuple_GET_SIZE(ffn_obj) == 11) {
+        if (PyTuple_Check(ffn_obj) && (PyTuple_GET_SIZE(ffn_obj) == 11 || PyTuple_GET_SIZE(ffn_obj) == 13)) {
             L.ffn = FFN_MOE;
-            ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip", &fno, &rto, &go, &uo, &L.gu_t, &dwo, &L.wd_t,
-                                  &L.n_ff, &L.E, &L.k, &L.normalize);
+            ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip|OO", &fno, &rto, &go, &uo, &L.gu_t, &dwo, &L.wd_t,
+                                  &L.n_ff, &L.E, &L.k, &L.normalize, &xto, &cho);
+            /* streamed experts: a table of E (gate, up, down) addresses the caller keeps valid
+               for the call, and where to write each row's chosen experts */
+            if (ok && xto != Py_None) {
+                Py_buffer *xtb = hold(h, xto, 0);
+                if (!xtb) goto done;
+                if ((size_t)xtb->len < (size_t)L.E * 3 * 8) {
+                    PyErr_SetString(PyExc_ValueError, "decode_layer: the expert table holds fewer than E x 3 addresses");
+                    goto done;
+                }
+                L.xtab = xtb->buf;
+            }
+            if (ok && cho != Py_None) {
+                Py_buffer *chb = hold(h, cho, 1);
+                if (!chb) goto done;
+                if ((size_t)chb->len < (size_t)B * L.k * 4) {
+                    PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-experts output is smaller than B x k");
+                    goto done;
+                }
+                L.chosen = chb->buf;
+            }
         } else {
             L.ffn = FFN_DENSE;
             ok = PyArg_ParseTuple(ffn_obj, "OOOiOii", &fno, &go, &uo, &L.gu_t, &dwo, &L.wd_t, &L.n_ff);
@@ -286,10 +306,11 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         rows[b].cos = (const float *)cb->buf + (size_t)b * (L.R / 2); rows[b].sin = (const float *)sb->buf + (size_t)b * (L.R / 2);
     }
     int nt = pick_threads(threads);
+    int missing;
     Py_BEGIN_ALLOW_THREADS
-    decode_layer_rows(&L, xb->buf, B, rows, nt);
+    missing = decode_layer_rows(&L, xb->buf, B, rows, nt);
     Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None); ret = Py_None;
+    ret = PyBool_FromLong(!missing);          /* False: a streamed expert was missing, FFN not run */
 done:
     while (h->n) PyBuffer_Release(&h->b[--h->n]);
     free(h); free(rows);

@@ -248,10 +248,24 @@ class Model:
         fuse = self.family.llama_skeleton and len(segments) <= 64 and all(b - a == 1 for _, a, b in segments) \
             and adapter is None and len({cache.dtype for cache, _, _ in segments}) == 1 \
             and kernels.compiled_module() is not None
+        provider = self.expert_provider
         for i, L in enumerate(self.layers):
             how = self._fusable[i] if fuse else None
-            if how == "moe" and self.expert_provider is not None:
-                how = "attention"                # streamed experts: the worker fetches them in Python
+            if how == "moe" and provider is not None:
+                if not hasattr(provider, "table"):
+                    how = "attention"            # a plain provider: the experts fetched in Python
+                else:
+                    # streamed experts: one compiled call if the chosen experts are resident (the
+                    # table of where they are); else it stops after the attention, as "attention"
+                    chosen = np.empty((len(segments), self.config.n_expert_used), np.int32)
+                    if self._decode_layer(i, L, x, [cache for cache, _, _ in segments], cos, sin, ffn=how,
+                                          experts=(provider.table[i], chosen)):
+                        provider.used(i, chosen, rows=len(segments))
+                        self._read_ahead(i, L, x)
+                        continue
+                    how = "attention"
+                    x = x + self.ffn(i, L, self.norm(x, L.ffn_norm), ctx)
+                    continue
             if how is None:
                 x = self.family.layer(self, i, L, x, ctx)
                 continue
@@ -278,11 +292,14 @@ class Model:
             return self._mm(ggml_round.geglu(g, u), L.down, ctx.adapter)
         return self._ffn(L, x, i, ctx.adapter)
 
-    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, caches: list[KVCache], cos, sin, ffn: str) -> None:
+    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, caches: list[KVCache], cos, sin, ffn: str,
+                      experts: tuple = (None, None)) -> bool:
         """One decode step of len(caches) sequences (row b of x (B, n) is caches[b]'s) through
         layer i's attention, and its FFN unless `ffn` is "attention" ("layer": dense, "moe":
         routed), in one compiled call — bit-identical to the step-by-step path, without dozens of
-        Python-level calls per layer. x is updated in place."""
+        Python-level calls per layer. x is updated in place. `experts`: (table, chosen) for
+        streamed experts — their (E, 3) addresses in the cache (0: not resident), and where the
+        chosen go; False when a chosen one was not resident and the FFN is left to the caller."""
         c = self.config
         seqs = [(*cache.layer_buffers(i), cache.n) for cache in caches]
         if ffn == "layer":
@@ -291,10 +308,10 @@ class Model:
         elif ffn == "moe":
             ffn = (L.ffn_norm, L.router.raw, L.gate_exps.raw, L.up_exps.raw, int(L.gate_exps.qtype),
                    L.down_exps.raw, int(L.down_exps.qtype), L.gate_exps.shape[1], c.n_expert,
-                   c.n_expert_used, c.expert_weights_norm)
+                   c.n_expert_used, c.expert_weights_norm, *experts)
         else:
             ffn = None
-        kernels.compiled_module().decode_layer(
+        return kernels.compiled_module().decode_layer(
             x, L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
             L.wo.raw, int(L.wo.qtype), seqs, cos, sin, c.n_head, c.n_head_kv,
             c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0, caches[0].dtype == np.float16,
@@ -380,15 +397,60 @@ class Model:
         c = self.config
         experts, weights = route(x, L.router, c.n_expert_used, c.expert_weights_norm)
         if self.expert_provider is None:
-            fetch = L.expert
+            out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *L.expert(e)))
         else:
-            self.expert_provider.prefetch(layer, np.unique(experts), rows=len(x))
-            fetch = lambda e: self.expert_provider.weights(layer, e)  # noqa: E731
-        out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *fetch(e)))
+            out = self._streamed_moe(layer, L, x, experts, weights)
         if L.gate_shexp is not None:
             gate = 1.0 / (1.0 + np.exp(-matmul(x, L.shared_gate_inp)))          # (T, 1)
             out += gate.astype(np.float32) * swiglu_ffn(x, L.gate_shexp, L.up_shexp, L.down_shexp)
         return out
+
+
+    READ_AHEAD_MARGIN = 2      # predicted experts beyond top-k (recall against bytes)
+
+    def _read_ahead(self, layer: int, L: Layer, x: np.ndarray, normed: bool = False) -> None:
+        """Predict the next layer's experts — its router applied to this layer's hidden state
+        under its own FFN norm (Eliseev & Mazur) — and start reading the ones not resident.
+        `x`: the residual stream, or (normed) this layer's FFN input."""
+        cache = self.expert_provider
+        if len(x) > 4 or layer + 1 >= len(self.layers) or not hasattr(cache, "read_ahead"):
+            return
+        nxt = self.layers[layer + 1]
+        if nxt.router is None or cache.resident[layer + 1] >= cache.n_expert:
+            return
+        # the norm before each layer's FFN (qwen35 calls it post_attn_norm)
+        here, there = (M.ffn_norm if M.ffn_norm is not None else getattr(M, "post_attn_norm", None)
+                       for M in (L, nxt))
+        if there is None:
+            return
+        if normed:
+            h = x if here is None else x * np.divide(there, here, out=np.ones_like(here), where=here != 0)
+        else:
+            h = self.norm(x, there)
+        k = min(self.config.n_expert, self.config.n_expert_used + self.READ_AHEAD_MARGIN)
+        logits = matmul(h, nxt.router)
+        cache.read_ahead(layer + 1, np.unique(np.argsort(-logits, axis=-1, kind="stable")[:, :k]))
+
+    def _streamed_moe(self, layer: int, L: Layer, x: np.ndarray, experts, weights) -> np.ndarray:
+        """A routed FFN whose experts come from the expert cache: while this layer computes,
+        the next layer's experts are predicted — its router applied to this layer's input
+        re-weighted by its own norm (Eliseev & Mazur) — and read ahead; the experts resident
+        are computed first. The sum is moe_ffn's, in its order: the bits do not change."""
+        cache = self.expert_provider
+        uniq = np.unique(experts)
+        if not hasattr(cache, "run_layer"):              # a plain provider: prefetch, then fetch
+            cache.prefetch(layer, uniq, rows=len(x))
+            return moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *cache.weights(layer, e)))
+        rows_of = {int(e): np.nonzero(experts == e) for e in uniq}
+        first = {}
+
+        def compute(e, ws):
+            if not first:                                # the reads of this layer are out: look ahead
+                self._read_ahead(layer, L, x, normed=True)
+            first[e] = True
+            return swiglu_ffn(x[rows_of[e][0]], *ws)
+        ys = cache.run_layer(layer, uniq, compute, rows=len(x))
+        return moe_ffn(x, experts, weights, lambda e, xs: ys[e])
 
 
 def load_model(path: str | os.PathLike, **kw) -> Model:

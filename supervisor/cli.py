@@ -92,6 +92,28 @@ cli_agents.register(app)
 
 # -- daemon ------------------------------------------------------------------------------------
 
+def _tuned_expert_cache(home, model: str) -> str:
+    """--expert-cache auto: the size measured for this model before, or measured now."""
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.models.library import ModelNotFound, resolve_model
+    from kiln.native.models.tune import load_tuned, save_tuned, tune
+    try:
+        path = resolve_model(model)
+    except ModelNotFound as e:
+        fail(str(e))
+    tuned = load_tuned(home, path)
+    if tuned is None:
+        typer.echo(f"--expert-cache auto: measuring {path.name} with expert caches of several sizes "
+                   f"(once; kept in {home}/expert-cache-tuning.json)", err=True)
+        try:
+            tuned = tune(path, progress=lambda m: typer.echo(f"  {m}", err=True))
+        except (GGUFError, ValueError) as e:
+            fail(str(e))
+        save_tuned(home, path, tuned)
+    typer.echo(f"--expert-cache auto: {tuned['suggested_bytes'] // 2**20} MiB ({tuned['rule']})", err=True)
+    return f"{tuned['suggested_bytes'] // 2**20}MiB"
+
+
 @app.command()
 def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the background (pidfile + log file)"),
        config: Optional[str] = typer.Option(None, "--config", "-c", help="kiln.toml to use"),
@@ -100,7 +122,9 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
        model: Optional[str] = typer.Option(None, "--model", "-m",
                                            help="serve this model (path, name or 'default') instead of the configured workers"),
        stream: bool = typer.Option(False, "--stream", help="stream the model's MoE experts from disk (moe-stream worker)"),
-       expert_cache: str = typer.Option("25%", "--expert-cache", help="expert cache size with --stream: 512MiB, 2GiB, or % of RAM")):
+       expert_cache: str = typer.Option("25%", "--expert-cache", help="expert cache size with --stream: 512MiB, 2GiB, "
+                                        "% of RAM, or auto (the size `kiln models plan M --stream` measured; "
+                                        "measured now if it never was)")):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from .client import daemon_pid
     from .daemon import Supervisor
@@ -109,6 +133,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     cli = {"server.host": host, "server.port": port}
     if stream and not model:
         fail("--stream needs --model", 2)
+    if stream and expert_cache.strip().lower() == "auto":
+        expert_cache = _tuned_expert_cache(paths.home, model)
     workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache}}}
                if stream else {"default": {"kind": "inference", "model": model},
                                "trainer": {"kind": "trainer", "model": model},

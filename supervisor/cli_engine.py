@@ -118,6 +118,9 @@ def models_list(as_json: bool = typer.Option(False, "--json", help="machine-read
 @models_app.command("plan")
 def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"),
                 ctx: Optional[int] = typer.Option(None, "--ctx", help="context size to plan for"),
+                stream: bool = typer.Option(False, "--stream", help="also measure which expert-cache size streams "
+                                            "this MoE fastest here (kept for --expert-cache auto)"),
+                tokens: int = typer.Option(32, "--tokens", help="with --stream: decode steps measured per cache size"),
                 as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Will it run here? Weights, KV cache and runtime against available RAM: fits / streams / too_large."""
     from kiln.native.gguf_file import GGUFError
@@ -128,10 +131,28 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
     except GGUFError as e:
         fail(str(e))
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    _emit(p, as_json, lambda p: typer.echo(
-        f"{p['verdict']}: weights {gib(p['weights_bytes'])} ({p['kernel_path']} path) + KV cache "
-        f"{gib(p['kv_cache_bytes'])} at {p['context']} tokens + runtime {gib(p['runtime_bytes'])} = "
-        f"{gib(p['total_bytes'])}; available {gib(p['available_bytes'])}\n  {p['advice']}"))
+    if stream:
+        from kiln.native.models.tune import save_tuned, tune
+        from .paths import Paths
+        say = (lambda m: None) if as_json else (lambda m: typer.echo(f"  measuring: {m}", err=True))
+        try:
+            p["expert_cache_tuning"] = t = tune(path, tokens=tokens, progress=say)
+        except (GGUFError, ValueError) as e:
+            fail(str(e))
+        save_tuned(Paths.from_env().home, path, t)
+
+    def human(p):
+        typer.echo(f"{p['verdict']}: weights {gib(p['weights_bytes'])} ({p['kernel_path']} path) + KV cache "
+                   f"{gib(p['kv_cache_bytes'])} at {p['context']} tokens + runtime {gib(p['runtime_bytes'])} = "
+                   f"{gib(p['total_bytes'])}; available {gib(p['available_bytes'])}\n  {p['advice']}")
+        t = p.get("expert_cache_tuning")
+        if t:
+            for r in t["runs"]:
+                typer.echo(f"  expert cache {r['fraction']:>4.0%} {gib(r['cache_bytes']):>10}  "
+                           + (f"{r['tok_s']:>7.2f} tok/s  hit rate {r['hit_rate']}" if "tok_s" in r else r["skipped"]))
+            typer.echo(f"  suggested: --expert-cache {t['suggested_bytes'] // 2**20}MiB ({t['rule']}); "
+                       f"`kiln up --model {model} --stream --expert-cache auto` uses it")
+    _emit(p, as_json, human)
     if p["verdict"] == "too_large":
         raise typer.Exit(1)
 

@@ -66,6 +66,7 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
     from kiln.native.expert_store import ExpertStore, segment_bytes
     from kiln.native.gguf_file import GGUFError, read_gguf
     from kiln.native.models.library import ModelNotFound, resolve_model
+    from kiln.native.models.tune import load_tuned
 
     stale = remove_stale(home)
     if stale:
@@ -76,7 +77,19 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
             continue
         try:
             path = resolve_model(w.spec["model"])
-            budget = parse_size(w.spec["settings"].get("expert_cache", "25%"), psutil.virtual_memory().total)
+            size_text = w.spec["settings"].get("expert_cache", "25%")
+            if str(size_text).strip().lower() == "auto":
+                tuned = load_tuned(home, path)
+                if tuned is None:
+                    size_text = "25%"
+                    record("expert_cache_untuned", w.name,
+                           f"expert_cache = auto but {path.name} was never measured here: using 25% of RAM; "
+                           f"`kiln models plan {path} --stream` measures it")
+                else:
+                    size_text = f"{tuned['suggested_bytes']}B"
+                    record("expert_cache_tuned", w.name, f"expert_cache = auto: {tuned['suggested_bytes'] / 2**20:.0f} MiB "
+                           f"({tuned['rule']}, measured {tuned['measured_at']})")
+            budget = parse_size(size_text, psutil.virtual_memory().total)
             store = ExpertStore(path)
             slots, size = segment_bytes(read_gguf(path, skip_arrays=True), store, budget)
             store.close()

@@ -89,3 +89,57 @@ def test_streamed_models_meet_llama_cpps_bars(name, e8k2_path):
     m.expert_provider = cache
     assert_meets_bars(measure(m, ref, npz), f"{name} streamed")
     assert cache.stats()["misses"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("slots_per_layer", [1, 3, 8])
+def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e8k2_path, slots_per_layer, policy):
+    """Decode steps — where the next layer's experts are read ahead while this one computes, the
+    resident experts are computed first, and a layer whose chosen experts are all resident runs
+    in the one compiled call through the cache's address table — give the in-RAM logits."""
+    ids = reference("smollm2-moe-e8k2")[0]["prompts"][1]["ids"]
+    m = load_model(e8k2_path)
+    steps = np.random.default_rng(3).integers(0, m.config.n_vocab, 24).tolist()
+
+    def run():
+        cache = m.new_cache(len(ids) + len(steps) + 1)
+        out = [m.forward(ids, cache)]
+        out += [m.forward([t], cache) for t in steps]
+        return np.stack(out)
+    in_ram = run()
+    c = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=30 * slots_per_layer, policy=policy)
+    c.RA_WINDOW = 10 ** 9                       # keep reading ahead: its effect on the bits is the point
+    m.expert_provider = c
+    fused = {"calls": 0}
+    real = m._decode_layer
+
+    def count(*a, **kw):
+        ok = real(*a, **kw)
+        fused["calls"] += bool(ok and kw.get("experts", (None,))[0] is not None)
+        return ok
+    m._decode_layer = count
+    assert np.array_equal(run(), in_ram)
+    st = c.stats()
+    assert st["misses"] > 0 and st["used"] <= c.slots
+    if slots_per_layer >= 3:
+        assert st["read_ahead"]["reads"] + st["fill_reads"] > 0 and st["read_ahead"]["recall"] is not None
+    if slots_per_layer == 8:
+        assert fused["calls"] > 0                 # layers whose chosen experts were resident
+    c.close()
+
+
+def test_read_ahead_pauses_when_its_guesses_go_unused(e8k2_path):
+    """Reading ahead experts the next layer does not use costs a read it needs when the disk is
+    the limit: below 60 % precision it pauses, and the recall is still reported."""
+    m = load_model(e8k2_path)
+    c = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=90)
+    c.RA_WINDOW = 8
+    for step in range(40):                         # guesses that are always wrong
+        layer = 1 + step % 28
+        c.request(0, [0], rows=1, pin=False)
+        c.read_ahead(layer, [6, 7])
+        c.request(layer, [0, 1], pin=False)
+    st = c.stats()
+    assert st["read_ahead"]["pauses"] >= 1 and st["read_ahead"]["recall"] == 0.0
+    assert st["read_ahead"]["reads"] <= c.RA_WINDOW + 2     # it stopped reading after one window
+    c.close()

@@ -40,7 +40,7 @@ class MoEStreamWorker(InferenceWorker):
         store = ExpertStore(self.model.path, direct=self.settings.get("direct", True))
         try:
             self.cache = ExpertCache(self.model.gguf, store, int(slots), buffer=self.segment,
-                                     policy=self.settings.get("cache_policy", "lru"))
+                                     policy=self.settings.get("cache_policy", "lrfu"))
         except ValueError as e:
             raise BootError(str(e)) from None
         self.model.expert_provider = self.cache

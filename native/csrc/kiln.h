@@ -200,6 +200,9 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     int kv_f16;               /* the K/V caches hold fp16 (else float32) */
     float q_scale;            /* q multiplied by this after RoPE (phi3, gemma3); 0: not scaled */
     float kq_scale;           /* the attention scores' scale; 0: 1/sqrt(D) */
+    const uint64_t *xtab;     /* FFN_MOE: per-expert addresses (gate, up, down) — experts streamed
+                                 into a cache's slots — instead of wg/wu/wd; NULL: stacked */
+    int32_t *chosen;          /* FFN_MOE: each row's k chosen experts written here, if not NULL */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */
@@ -208,5 +211,5 @@ typedef struct {              /* one sequence's row of a decode step */
     const float *cos, *sin;   /* RoPE tables of that position (R/2) */
 } DecodeRow;
 
-void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
+int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
 #endif

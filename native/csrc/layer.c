@@ -121,20 +121,29 @@ void route_row(const float *logits, int E, int k, int normalize, int *sel, float
 
 /* The routed FFN of row f (normed, as ag's row and ar) added to x: called by every thread of the
  * region (orphaned worksharing), one row at a time — each row has its own experts. */
-static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, Act *ad, float *logits,
-                    float *g, float *u, float *dn, const TypeInfo *tg, const TypeInfo *td, int *sel, float *wsel) {
+static void route_one(const LayerSpec *L, const Act *ar, float *logits, int *sel, float *wsel) {
     static const TypeInfo tr = {1, 4, A_F32};
+    const uint8_t *Wr[1] = {(const uint8_t *)L->router};
+    int Nr[1] = {L->E};
+    float *Or[1] = {logits};
+    rows_dot(ar, 1, L->n, T_F32, &tr, 1, Wr, Nr, Or);
+    #pragma omp single
+    route_row(logits, L->E, L->k, L->normalize, sel, wsel);
+}
+
+static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, Act *ad, float *logits,
+                    float *g, float *u, float *dn, const TypeInfo *tg, const TypeInfo *td, int *sel, float *wsel,
+                    int routed) {
     int n = L->n, n_ff = L->n_ff, k = L->k;
     size_t gu_row = (size_t)(n / tg->block) * tg->bytes, d_row = (size_t)(n_ff / td->block) * td->bytes;
-    const uint8_t *Wr[1] = {(const uint8_t *)L->router}, *Wgu[2 * MAX_K];
-    int Nr[1] = {L->E}, Ngu[2 * MAX_K];
-    float *Or[1] = {logits}, *Ogu[2 * MAX_K];
-    rows_dot(ar, 1, n, T_F32, &tr, 1, Wr, Nr, Or);
-    #pragma omp single
-    route_row(logits, L->E, k, L->normalize, sel, wsel);
+    const uint8_t *Wgu[2 * MAX_K];
+    int Ngu[2 * MAX_K];
+    float *Ogu[2 * MAX_K];
+    if (!routed) route_one(L, ar, logits, sel, wsel);
+    const uint64_t *xt = L->xtab;             /* streamed: each expert where its cache slot is */
     for (int j = 0; j < k; j++) {             /* every thread builds the same lists */
-        Wgu[2 * j] = L->wg + (size_t)sel[j] * n_ff * gu_row;
-        Wgu[2 * j + 1] = L->wu + (size_t)sel[j] * n_ff * gu_row;
+        Wgu[2 * j] = xt ? (const uint8_t *)(uintptr_t)xt[3 * sel[j]] : L->wg + (size_t)sel[j] * n_ff * gu_row;
+        Wgu[2 * j + 1] = xt ? (const uint8_t *)(uintptr_t)xt[3 * sel[j] + 1] : L->wu + (size_t)sel[j] * n_ff * gu_row;
         Ngu[2 * j] = Ngu[2 * j + 1] = n_ff;
         Ogu[2 * j] = g + (size_t)j * n_ff; Ogu[2 * j + 1] = u + (size_t)j * n_ff;
     }
@@ -147,7 +156,9 @@ static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, 
     #pragma omp for schedule(static)          /* every chosen expert's down rows, one task each */
     for (int r = 0; r < k * n; r++) {
         int j = r / n, i = r % n;
-        dn[r] = dot_row(L->wd_t, td, L->wd + ((size_t)sel[j] * n + i) * d_row, ad, j, n_ff);
+        const uint8_t *wd = xt ? (const uint8_t *)(uintptr_t)xt[3 * sel[j] + 2] + (size_t)i * d_row
+                               : L->wd + ((size_t)sel[j] * n + i) * d_row;
+        dn[r] = dot_row(L->wd_t, td, wd, ad, j, n_ff);
     }
     #pragma omp single
     for (int i = 0; i < n; i++) {
@@ -159,7 +170,8 @@ static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, 
 
 /* B decode rows x (B, n), row b of sequence rows[b], through layer L, in place. The caller has
  * checked every size; needs the AVX2 attention (g_avx2). */
-void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt) {
+int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt) {
+    int missing = 0;          /* streamed experts: a chosen one is not resident (the FFN skipped) */
 #ifdef KILN_X86
     static const TypeInfo tf = {1, 4, A_F32};
     int n = L->n, H = L->H, Hkv = L->Hkv, D = L->D, qn = H * D, kvn = Hkv * D, n_ff = L->n_ff;
@@ -173,7 +185,9 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
     float *a = malloc((size_t)B * n * 4), *q = malloc((size_t)B * qn * 4), *kt = malloc((size_t)B * kvn * 4),
           *vt = malloc((size_t)B * kvn * 4), *att = malloc((size_t)B * qn * 4), *o = malloc((size_t)B * n * 4),
           *f = malloc((size_t)B * n * 4), *g = malloc(nf * 4), *u = malloc(nf * 4),
-          *dn = malloc((size_t)n * (moe ? L->k : B) * 4), *logits = malloc((size_t)(moe ? L->E : 1) * 4);
+          *dn = malloc((size_t)n * (moe ? L->k : B) * 4), *logits = malloc((size_t)(moe ? L->E : 1) * 4),
+          *wsel_all = malloc((size_t)B * MAX_K * 4);
+    int *sel_all = malloc((size_t)B * MAX_K * sizeof(int));
     const uint8_t *Wqkv[3] = {L->wq, L->wk, L->wv}, *Wo[1] = {L->wo}, *Wgu[2] = {L->wg, L->wu}, *Wd[1] = {L->wd};
     int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Ngu[2] = {n_ff, n_ff}, Nd[1] = {n}, sel[MAX_K];
     float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Ogu[2] = {g, u}, *Od[1] = {dn}, wsel[MAX_K];
@@ -228,10 +242,28 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
             rows_dot(&ad, B, n_ff, L->wd_t, &td, 1, Wd, Nd, Od);
             #pragma omp single
             for (size_t i = 0; i < (size_t)B * n; i++) x[i] = x[i] + dn[i];
+        } else if (moe && L->xtab) {
+            /* streamed experts: route every row first; if a chosen expert is not resident, leave
+               the FFN to the caller (x holds the attention's residual, as FFN_NONE leaves it) */
+            for (int b = 0; b < B; b++) {
+                Act arb = act_view(&ar, b, n);
+                route_one(L, &arb, logits, sel_all + (size_t)b * L->k, wsel_all + (size_t)b * L->k);
+            }
+            #pragma omp single
+            for (int r = 0; r < B * L->k; r++) {
+                if (L->chosen) L->chosen[r] = sel_all[r];
+                if (!L->xtab[3 * sel_all[r]]) missing = 1;
+            }
+            if (!missing)
+                for (int b = 0; b < B; b++) {
+                    Act arb = act_view(&ar, b, n), agb = act_view(&ag, b, n);
+                    moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td,
+                            sel_all + (size_t)b * L->k, wsel_all + (size_t)b * L->k, 1);
+                }
         } else if (moe) {
             for (int b = 0; b < B; b++) {
                 Act arb = act_view(&ar, b, n), agb = act_view(&ag, b, n);
-                moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td, sel, wsel);
+                moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td, sel, wsel, 0);
             }
         }
         free(sc);
@@ -239,5 +271,7 @@ void decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *row
     act_free(&aq); act_free(&ao);
     if (L->ffn) { act_free(&ag); act_free(&ad); act_free(&ar); }
     free(a); free(q); free(kt); free(vt); free(att); free(o); free(f); free(g); free(u); free(dn); free(logits);
+    free(wsel_all); free(sel_all);
 #endif
+    return missing;
 }

@@ -1,0 +1,173 @@
+"""Which expert to evict: the expert cache's replacement policies, and an offline replay of
+routing traces that compares them (bench/moe_stream.py) — the same classes the cache runs.
+
+A policy tracks the resident keys ((layer, expert)) and answers `victim(busy)`: the key to evict,
+never one in `busy` (experts the current layer is multiplying, reads in flight).
+
+- `lru`: least recently used.
+- `lfu`: least frequently used, counts halved every `age_every` tokens so old popularity fades
+  (ties: least recent).
+- `lrfu`: frequency-recency ("least stale"): each use adds 1 to a score that decays by half
+  every `half_life` tokens; evict the lowest score — LFU for hot experts, LRU for the rest.
+- any policy with `pinned`: keys that are never evicted (the hottest experts a warm-up found).
+
+`replay(trace, policy, slots)` runs a trace — per routed layer, (layer, [experts]) — through a
+cache of `slots` and returns the hit rate; `belady` is the offline optimum, the bound no policy
+can beat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+
+class Policy:
+    name = "?"
+
+    def __init__(self, pinned=()):
+        self.pinned = frozenset(pinned)
+        self.order: OrderedDict = OrderedDict()       # resident keys, least recent first
+        self.tokens = 0
+
+    def tick(self, rows: int) -> None:
+        """`rows` more tokens were routed (counted at layer 0)."""
+        self.tokens += rows
+
+    def touch(self, key) -> None:
+        self.order[key] = None
+        self.order.move_to_end(key)
+
+    def admit(self, key) -> None:
+        """A key read ahead, not yet used: resident (evictable) without counting a use."""
+        self.order[key] = None
+        self.order.move_to_end(key)
+
+    def remove(self, key) -> None:
+        self.order.pop(key, None)
+
+    def candidates(self, busy):
+        return (k for k in self.order if k not in busy and k not in self.pinned)
+
+    def victim(self, busy=frozenset()):
+        return next(self.candidates(busy), None)
+
+
+class LRU(Policy):
+    name = "lru"
+
+
+class LFU(Policy):
+    name = "lfu"
+
+    def __init__(self, pinned=(), age_every: int = 256):
+        super().__init__(pinned)
+        self.freq: dict = {}
+        self.age_every = age_every
+
+    def tick(self, rows: int) -> None:
+        before = self.tokens
+        super().tick(rows)
+        if self.tokens // self.age_every > before // self.age_every:
+            self.freq = {k: v / 2 for k, v in self.freq.items() if v >= 0.5}
+
+    def touch(self, key) -> None:
+        super().touch(key)
+        self.freq[key] = self.freq.get(key, 0.0) + 1
+
+    def victim(self, busy=frozenset()):
+        return min(self.candidates(busy), key=lambda k: self.freq.get(k, 0.0), default=None)
+
+
+class LRFU(Policy):
+    name = "lrfu"
+
+    def __init__(self, pinned=(), half_life: float = 16.0):
+        super().__init__(pinned)
+        self.score: dict = {}             # key -> (score, token at which it was last updated)
+        self.decay = math.log(2) / half_life
+
+    def _now(self, key) -> float:
+        s, t = self.score.get(key, (0.0, self.tokens))
+        return s * math.exp(-self.decay * (self.tokens - t))
+
+    def touch(self, key) -> None:
+        super().touch(key)
+        self.score[key] = (self._now(key) + 1.0, self.tokens)
+
+    def remove(self, key) -> None:
+        super().remove(key)
+        # keep the score: an expert evicted and read again resumes its history (bounded by E·L)
+
+    def victim(self, busy=frozenset()):
+        return min(self.candidates(busy), key=self._now, default=None)
+
+
+POLICIES = {"lru": LRU, "lfu": LFU, "lrfu": LRFU}
+
+
+def make_policy(name: str, pinned=()) -> Policy:
+    try:
+        return POLICIES[name](pinned)
+    except KeyError:
+        raise ValueError(f"expert cache policy {name!r} is not one of {', '.join(POLICIES)}") from None
+
+
+def hottest(trace, n: int) -> list:
+    """The n most used (layer, expert) keys of a trace (a warm-up), to pin."""
+    counts: dict = {}
+    for layer, experts in trace:
+        for e in experts:
+            counts[(layer, e)] = counts.get((layer, e), 0) + 1
+    return [k for k, _ in sorted(counts.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def replay(trace, policy: Policy, slots: int, warmup: int = 0) -> float:
+    """Hit rate of `trace` (a list of (layer, experts) in routing order) through a cache of
+    `slots` run by `policy`; the first `warmup` entries fill the cache uncounted."""
+    resident: set = set()
+    hits = total = 0
+    for n, (layer, experts) in enumerate(trace):
+        if layer == 0:
+            policy.tick(1)
+        busy = {(layer, e) for e in experts}
+        for e in experts:
+            key = (layer, e)
+            counted = n >= warmup
+            total += counted
+            if key in resident:
+                hits += counted
+            else:
+                if len(resident) >= slots:
+                    old = policy.victim(busy)
+                    if old is None:                # everything is busy or pinned: read, do not keep
+                        continue
+                    resident.discard(old)
+                    policy.remove(old)
+                resident.add(key)
+            policy.touch(key)
+    return hits / total if total else 0.0
+
+
+def belady(trace, slots: int, warmup: int = 0) -> float:
+    """The offline optimum (evict the key used furthest in the future): a bound, not a policy."""
+    flat = [(layer, e) for layer, experts in trace for e in experts]
+    starts, pos = [], 0
+    for _, experts in trace:
+        starts.append(pos)
+        pos += len(experts)
+    first_counted = starts[warmup] if warmup < len(starts) else len(flat)
+    nxt, seen = [0] * len(flat), {}
+    for i in range(len(flat) - 1, -1, -1):
+        nxt[i] = seen.get(flat[i], math.inf)
+        seen[flat[i]] = i
+    resident: dict = {}                 # key -> next use
+    hits = 0
+    for i, key in enumerate(flat):
+        if key in resident:
+            hits += i >= first_counted
+        elif len(resident) >= slots:
+            del resident[max(resident, key=resident.get)]
+        resident[key] = nxt[i]
+    counted = len(flat) - first_counted
+    return hits / counted if counted else 0.0
