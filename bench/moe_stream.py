@@ -206,7 +206,8 @@ def figures(before: dict, after: dict, raw_gb_s: float) -> dict:
 def run_one(spec: dict) -> dict:
     """spec: {path, mode: ram|stream|pagecache, budget_pct, policy, read_ahead, preload, warmup,
     tokens, raw_gb_s}."""
-    from kiln.native.expert_store import ExpertCache, ExpertStore
+    from kiln.native.expert_cache import ExpertCache
+    from kiln.native.expert_store import ExpertStore
     from kiln.native.model import load_model
     path = Path(spec["path"])
     model = load_model(path)
@@ -387,7 +388,8 @@ def main() -> None:
     ap.add_argument("--plot", default=str(ROOT / ".cache" / "bench" / "moe_stream.png"))
     args = ap.parse_args()
 
-    from kiln.native.expert_store import ExpertCache, ExpertStore, expert_map
+    from kiln.native.expert_cache import ExpertCache
+    from kiln.native.expert_store import ExpertStore, expert_map
     from kiln.native.gguf_file import read_gguf
 
     name = f"synthetic-moe-v3-L{args.layers}-E{args.experts}K{args.used}-d{args.embd}-ff{args.ff}.gguf"

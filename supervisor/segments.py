@@ -63,7 +63,8 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
     then fails at boot with a clear reason."""
     import psutil
 
-    from kiln.native.expert_store import ExpertStore, segment_bytes
+    from kiln.native.expert_cache import segment_bytes
+    from kiln.native.expert_store import ExpertStore
     from kiln.native.gguf_file import GGUFError, read_gguf
     from kiln.native.models.library import ModelNotFound, resolve_model
     from kiln.native.models.tune import load_tuned

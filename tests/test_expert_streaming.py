@@ -9,7 +9,8 @@ import pytest
 from conftest import reference, tiny_path
 from fidelity import assert_meets_bars, measure
 from kiln.native import kernels
-from kiln.native.expert_store import ExpertCache, ExpertStore, expert_map
+from kiln.native.expert_cache import ExpertCache
+from kiln.native.expert_store import ExpertStore, expert_map
 from kiln.native.model import load_model
 
 pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",

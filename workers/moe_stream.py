@@ -14,7 +14,8 @@ import os
 
 import psutil
 
-from kiln.native.expert_store import ExpertCache, ExpertStore, expert_map
+from kiln.native.expert_cache import ExpertCache
+from kiln.native.expert_store import ExpertStore, expert_map
 
 from .inference import InferenceWorker
 from .runtime import BootError, main

@@ -1,0 +1,486 @@
+"""The expert cache: streamed experts kept in fixed slots of one page-aligned buffer.
+
+`ExpertCache` holds a number of slots (one expert's three projections each), evicted by a policy
+of native/expert_policy.py (default `lrfu`, frequency-recency: bench/moe_stream.py replays
+routing traces to compare them). Reads are asynchronous — each projection its own read on a pool
+of I/O threads, so a layer's misses (and the next layer's predicted experts, `read_ahead`) are in
+flight together at a queue depth that keeps the disk busy — and `run_layer` computes the experts
+already resident while the rest arrive. `Weight`s are views of the slot: the kernels multiply
+them in place, and the layer's sum is taken in the in-RAM order, so a streamed forward computes
+the same bits as the in-RAM one. A decode step whose chosen experts are all resident runs in the
+one-call compiled decode with `table`, the slots' addresses.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+
+import numpy as np
+
+from .expert_policy import make_policy
+from .expert_store import PROJECTIONS, ExpertStore, expert_map
+from .gguf_file import GGUFFile
+from .kernels import Weight
+
+_MAGIC = b"KILNEXP1"
+_HEADER = struct.Struct("<8sQQQQ")            # magic, model identity, slot_bytes, slots, reserved
+_ENTRY = np.dtype([("state", "<u4"), ("layer", "<i4"), ("expert", "<i4"), ("crc", "<u4"), ("seq", "<u8")])
+READY = 1
+
+
+def segment_bytes(g: GGUFFile, store: ExpertStore, budget: int) -> tuple[int, int]:
+    """(slots, total bytes) of a cache segment that fits in `budget` bytes."""
+    probe = ExpertCache.__new__(ExpertCache)
+    probe._geometry(g, store)
+    per_slot = probe.slot_bytes + _ENTRY.itemsize
+    slots = max(1, (budget - 4096) // per_slot)
+    return int(slots), int(ExpertCache.index_bytes(slots) + slots * probe.slot_bytes)
+
+
+class ExpertCache:
+    """Experts in fixed, page-aligned slots; each slot holds gate, up and down. An expert the
+    current layer uses, or whose read is in flight, is never evicted.
+
+    With `buffer` (a shared-memory segment the supervisor owns) the cache keeps an index at the
+    start of it: a slot is marked ready, with its (layer, expert), use sequence and CRC32, only
+    after its read completes. A restarted worker re-attaches, re-checks every ready slot's CRC32
+    and starts warm; a segment made for another model or geometry is reset."""
+
+    @staticmethod
+    def index_bytes(slots: int) -> int:
+        return -(-(_HEADER.size + slots * _ENTRY.itemsize) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    def _geometry(self, g: GGUFFile, store: ExpertStore) -> None:
+        self.map = expert_map(g)
+        if not self.map:
+            raise ValueError(f"{g.path} has no expert tensors to stream")
+        page = mmap.PAGESIZE
+        # the aligned span of any slice is at most ceil(n / align) + 1 alignment units
+        self.part_bytes = {p: max((-(-s.nbytes // store.align) + 1) * store.align
+                                  for (_, pp), s in self.map.items() if pp == p) for p in PROJECTIONS}
+        self.part_bytes = {p: -(-b // page) * page for p, b in self.part_bytes.items()}
+        self.slot_bytes = sum(self.part_bytes.values())
+
+
+    def __init__(self, g: GGUFFile, store: ExpertStore, slots: int, threads: int = 16, buffer=None,
+                 policy: str = "lrfu", pinned=()):
+        self.policy = make_policy(policy, pinned)
+        self._geometry(g, store)
+        self.store = store
+        self.n_expert = next(iter(g.tensors[s.name] for s in self.map.values())).shape[0]
+        self.slots = max(1, slots)
+        head = self.index_bytes(self.slots)
+        if buffer is None:
+            buffer = mmap.mmap(-1, head + self.slots * self.slot_bytes)    # page-aligned
+        if len(buffer) < head + self.slots * self.slot_bytes:
+            raise ValueError(f"cache buffer of {len(buffer)} bytes is too small for {self.slots} slots")
+        self.buffer = buffer
+        self.data = memoryview(buffer)[head:]                              # slots start page-aligned
+        self.entries = np.frombuffer(buffer, _ENTRY, self.slots, _HEADER.size)
+        self.identity = zlib.crc32(f"{g.path.name}|{g.file_size}|{g.data_offset}".encode())
+        self.index: dict[tuple[int, int], int] = {}                        # (layer, expert) -> slot
+        self.views: dict[int, dict[str, Weight]] = {}
+        self.pending: dict[tuple[int, int], Future] = {}                   # reads in flight
+        self.busy: set[tuple[int, int]] = set()                            # in use by the current layer
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kiln-expert-io")
+        self.tokens = 0                                                    # rows routed through layer 0
+        self.hits = self.misses = self.bytes_read = 0
+        self.read_seconds = 0.0           # wall time with at least one read in flight (the disk busy)
+        self.wait_seconds = 0.0           # time the forward waited for reads (I/O not hidden by compute)
+        self._inflight, self._busy_since = 0, 0.0
+        self.seq = 0
+        # next-layer prediction (Model asks; the cache keeps the score)
+        self.speculative: dict[tuple[int, int], bool] = {}  # key read ahead -> used since
+        self.predicted: dict[int, set[int]] = {}
+        self.spec_reads = self.spec_used = self.spec_wasted_bytes = self.inflight_hits = 0
+        self.recall_hits = self.recall_total = 0
+        self.ra_issued: dict[int, set[int]] = {}           # layer -> experts read ahead for it
+        self.ra_window: list[bool] = []                     # were the last guesses read ahead used
+        self.ra_paused_until = self.ra_pauses = 0
+        self._filling: set = set()
+        self._fill_order = ((layer, e) for layer in sorted({k[0] for k in self.map}) for e in range(self.n_expert))
+        self.fill_reads, self.free_fill_done = 0, False
+        # per layer, where each resident expert's projections are: a layer whose experts are all
+        # resident runs in the one-call compiled decode with this table (resident_table)
+        n_layers = 1 + max(layer for layer, _ in self.map)
+        self.table = np.zeros((n_layers, self.n_expert, 3), np.uint64)
+        self.resident = np.zeros(n_layers, np.int64)
+        self.warm_slots = self._attach()
+        self.free = [i for i in range(self.slots) if i not in set(self.index.values())]
+
+    def _attach(self) -> int:
+        """Adopt the valid slots a previous worker left in the buffer; return how many."""
+        magic, ident, slot_bytes, slots, _ = _HEADER.unpack_from(self.buffer, 0)
+        if (magic, ident, slot_bytes, slots) != (_MAGIC, self.identity, self.slot_bytes, self.slots):
+            self.entries[:] = 0
+            _HEADER.pack_into(self.buffer, 0, _MAGIC, self.identity, self.slot_bytes, self.slots, 0)
+            return 0
+        valid = []
+        for i, ent in enumerate(self.entries):
+            if ent["state"] != READY:
+                continue
+            layer, e = int(ent["layer"]), int(ent["expert"])
+            if (layer, "gate") not in self.map or not 0 <= e < self.n_expert or \
+                    self._fingerprint(i) != int(ent["crc"]):
+                self.entries[i]["state"] = 0                   # torn or foreign: forget it
+                continue
+            valid.append((int(ent["seq"]), layer, e, i))
+        for seq, layer, e, i in sorted(valid):                 # oldest first: the policy's order
+            self.index[(layer, e)] = i
+            self.views[i] = self._views(layer, e, i)
+            self._placed((layer, e), self.views[i])
+            self.policy.touch((layer, e))
+            self.seq = max(self.seq, seq)
+        return len(valid)
+
+    SAMPLE = 4096
+
+    def _fingerprint(self, slot: int) -> int:
+        """CRC32 of a slot's first, middle and last 4 KiB of each projection. A slot is only
+        marked ready after its read completes (the state word is cleared first), so the check
+        on re-attach is against a foreign or stale segment, not torn writes; sampling keeps it
+        off the decode path's CPU budget (a whole-slot CRC32 cost ~14 ms per token at 25 %)."""
+        crc, base = 0, slot * self.slot_bytes
+        for p in PROJECTIONS:
+            n = self.part_bytes[p]
+            for off in (0, n // 2 // self.SAMPLE * self.SAMPLE, n - self.SAMPLE):
+                crc = zlib.crc32(self.data[base + off: base + off + self.SAMPLE], crc)
+            base += n
+        return crc
+
+    def _views(self, layer: int, e: int, slot: int) -> dict[str, Weight]:
+        base, out = slot * self.slot_bytes, {}
+        for p in PROJECTIONS:
+            s = self.map[(layer, p)]
+            off, n = s.range(e)
+            start, _ = self.store.span(off, n)
+            view = self.data[base + off - start: base + off - start + n]
+            out[p] = Weight(f"{s.name}[{e}]", s.qtype, s.shape,
+                            np.frombuffer(view, dtype=np.uint8).reshape(s.shape[0], n // s.shape[0]))
+            base += self.part_bytes[p]
+        return out
+
+    # -- reads (in the I/O threads) -------------------------------------------------------------
+
+    def _io_started(self) -> None:
+        with self.lock:
+            if self._inflight == 0:
+                self._busy_since = time.perf_counter()
+            self._inflight += 1
+
+    def _io_done(self, nbytes: int) -> None:
+        with self.lock:
+            self._inflight -= 1
+            self.bytes_read += nbytes
+            if self._inflight == 0:
+                self.read_seconds += time.perf_counter() - self._busy_since
+
+    def _read_part(self, layer: int, e: int, slot: int, p: str) -> None:
+        s = self.map[(layer, p)]
+        off, n = s.range(e)
+        base = slot * self.slot_bytes + sum(self.part_bytes[q] for q in PROJECTIONS[:PROJECTIONS.index(p)])
+        self._io_started()
+        try:
+            self.store.read_into(self.data[base: base + self.part_bytes[p]], off, n)
+        finally:
+            self._io_done(self.store.span(off, n)[1])
+
+    def _submit(self, key: tuple[int, int], slot: int) -> Future:
+        """Read an expert's three projections in parallel; the future completes (with its
+        views) after the last one, when the slot's index entry is marked ready."""
+        layer, e = key
+        self.entries[slot]["state"] = 0                      # not valid until fully read
+        done, left, lock = Future(), [len(PROJECTIONS)], threading.Lock()
+
+        def part(p: str) -> None:
+            try:
+                self._read_part(layer, e, slot, p)
+            except BaseException as exc:                     # noqa: BLE001 — handed to the waiter
+                if not done.done():
+                    done.set_exception(exc)
+                return
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and not done.done():
+                ent = self.entries[slot]
+                ent["layer"], ent["expert"] = layer, e
+                ent["crc"] = self._fingerprint(slot)
+                ent["state"] = READY
+                done.set_result(self._views(layer, e, slot))
+        for p in PROJECTIONS:
+            self.pool.submit(part, p)
+        return done
+
+    # -- residency (in the forward's thread) ------------------------------------------------------
+
+    def _evict_for(self, speculative: bool) -> int | None:
+        """A slot for a new expert: a free one, else the policy's victim (never busy, pinned or
+        in flight). None for a read-ahead when nothing may go; a demand read waits for reads in
+        flight and then takes any slot not in use by this layer."""
+        if self.free:
+            return self.free.pop()
+        self._reap()
+        key = self.policy.victim(self.busy | set(self.pending))
+        if key is None:
+            if speculative:
+                return None
+            for k in list(self.pending):
+                self._wait(k)
+            key = self.policy.victim(self.busy)
+            if key is None:
+                raise RuntimeError(f"expert cache of {self.slots} slots has no slot to evict "
+                                   f"({len(self.busy)} experts in use)")
+        slot = self.index.pop(key)
+        self.policy.remove(key)
+        if self.views.pop(slot, None) is not None:
+            self._placed(key, None)
+        if self.speculative.pop(key, True) is False:         # read ahead and never used
+            self.spec_wasted_bytes += self.slot_bytes
+        return slot
+
+    def _reap(self) -> None:
+        """Finished reads become resident: placed in the address table, evictable again."""
+        if self.pending:
+            for k in [k for k, fut in self.pending.items() if fut.done()]:
+                self._wait(k)
+
+    def _wait(self, key: tuple[int, int]) -> None:
+        fut = self.pending.pop(key, None)
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.views[self.index[key]] = views = fut.result()
+            self._placed(key, views)
+        except BaseException:
+            slot = self.index.pop(key)
+            self.policy.remove(key)
+            self.free.append(slot)
+            raise
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def _placed(self, key: tuple[int, int], views: dict | None) -> None:
+        layer, e = key
+        if views is None:
+            self.table[layer, e] = 0
+            self.resident[layer] -= 1
+        else:
+            self.table[layer, e] = [views[p].raw.ctypes.data for p in PROJECTIONS]
+            self.resident[layer] += 1
+
+    def resident_table(self, layer: int) -> np.ndarray | None:
+        """(E, 3) addresses of the layer's experts if every one is resident, else None. The
+        slots stay put until the forward's thread evicts, so they are valid for the call."""
+        if self.resident[layer] < self.n_expert:
+            self._reap()
+            if self.resident[layer] < self.n_expert:
+                return None
+        return self.table[layer]
+
+    def used(self, layer: int, chosen: np.ndarray, rows: int = 0) -> None:
+        """The compiled decode used these resident experts: count the hits, tell the policy."""
+        if layer == 0 and rows:
+            self.tokens += rows
+            self.policy.tick(rows)
+        want = [int(e) for e in np.unique(chosen)]
+        guess = self.predicted.pop(layer, None)
+        if guess is not None:
+            self.recall_total += len(want)
+            self.recall_hits += sum(e in guess for e in want)
+        self._score_read_ahead(layer, want)
+        self._fill_idle()
+        for e in want:
+            key = (layer, int(e))
+            self.hits += 1                                   # per expert per layer, as request
+            self.seq += 1
+            if self.speculative.get(key) is False:
+                self.speculative[key] = True
+                self.spec_used += 1
+            self.policy.touch(key)
+            self.entries[self.index[key]]["seq"] = self.seq
+
+    def request(self, layer: int, experts, rows: int = 0, pin: bool = True) -> None:
+        """Make `experts` of `layer` resident (reads start now, in parallel, and are not waited
+        for: `weights` waits). `pin`: keep them until `release` (the layer is computing with
+        them). `rows`: how many tokens this layer routes (counted at layer 0)."""
+        if layer == 0 and rows:
+            self.tokens += rows
+            self.policy.tick(rows)
+        want = [int(e) for e in experts]
+        self._reap()
+        guess = self.predicted.pop(layer, None)
+        if guess is not None:
+            self.recall_total += len(want)
+            self.recall_hits += sum(e in guess for e in want)
+        self._score_read_ahead(layer, want)
+        keys = [(layer, e) for e in want]
+        protect = set(keys) - self.busy          # no key of this request evicts another
+        self.busy |= protect
+        try:
+            for key in keys:
+                self.seq += 1
+                if key in self.index:
+                    self.hits += 1
+                    self.inflight_hits += key in self.pending
+                    if self.speculative.get(key) is False:
+                        self.speculative[key] = True
+                        self.spec_used += 1
+                else:
+                    self.misses += 1
+                    slot = self._evict_for(speculative=False)
+                    self.index[key] = slot
+                    self.pending[key] = self._submit(key, slot)
+                self.policy.touch(key)
+                self.entries[self.index[key]]["seq"] = self.seq
+        finally:
+            if not pin:
+                self.busy -= protect
+        self._fill_idle()
+
+    FILL_IN_FLIGHT = 2
+
+    def _fill_idle(self) -> None:
+        """Free slots are read full while the disk has nothing else to do — one layer's experts
+        after another — so a cache as large as the experts reaches in-RAM speed without waiting
+        for the routing to ask for each expert once. Never evicts; never more than
+        FILL_IN_FLIGHT reads at a time, and only when no read the forward waits for is out."""
+        if not self.free:
+            return
+        self._reap()                                         # a read failure surfaces here
+        if any(k not in self._filling for k in self.pending):
+            return
+        self._filling &= set(self.pending)
+        while self.free and len(self._filling) < self.FILL_IN_FLIGHT:
+            key = next((k for k in self._fill_order if k not in self.index), None)
+            if key is None:
+                self.free_fill_done = True
+                return
+            slot = self.free.pop()
+            self.index[key] = slot
+            self.pending[key] = self._submit(key, slot)
+            self._filling.add(key)
+            self.fill_reads += 1
+            self.policy.admit(key)
+
+    def read_ahead(self, layer: int, experts) -> None:
+        """Start reading experts a later layer is predicted to use; never evicts what is in use
+        or in flight, and gives up quietly when nothing else may go."""
+        self.predicted[layer] = {int(e) for e in experts}
+        if self.tokens < self.ra_paused_until:
+            return                                           # predictions still scored for recall
+        issued = self.ra_issued.setdefault(layer, set())
+        for e in self.predicted[layer]:
+            key = (layer, e)
+            if key in self.index:
+                continue
+            slot = self._evict_for(speculative=True)
+            if slot is None:
+                return
+            self.index[key] = slot
+            self.pending[key] = self._submit(key, slot)
+            self.speculative[key] = False
+            self.spec_reads += 1
+            issued.add(e)
+            self.policy.admit(key)
+
+    RA_WINDOW, RA_MIN_PRECISION, RA_PAUSE_TOKENS = 64, 0.6, 64
+
+    def _score_read_ahead(self, layer: int, want) -> None:
+        """Each expert read ahead for `layer` was used by it or not. When the disk is the limit
+        a wrong guess costs a read the layer needed: below RA_MIN_PRECISION over the last
+        RA_WINDOW guesses read ahead, reading ahead pauses for RA_PAUSE_TOKENS, then tries
+        again (bench/moe_stream.py: at 25-50 % caches on a 1.3 GB/s disk it lost 10-25 %)."""
+        issued = self.ra_issued.pop(layer, None)
+        if not issued:
+            return
+        want = set(want)
+        self.ra_window.extend(e in want for e in issued)
+        if len(self.ra_window) >= self.RA_WINDOW:
+            if sum(self.ra_window) < self.RA_MIN_PRECISION * len(self.ra_window):
+                self.ra_paused_until = self.tokens + self.RA_PAUSE_TOKENS
+                self.ra_pauses += 1
+            self.ra_window.clear()
+
+    def release(self, layer: int, experts) -> None:
+        for e in experts:
+            self.busy.discard((layer, int(e)))
+
+    def ready_order(self, layer: int, experts) -> list[int]:
+        """`experts` with the resident ones first, then the rest in the order their reads end —
+        so the forward computes while the remaining reads arrive."""
+        ready = [int(e) for e in experts if (layer, int(e)) not in self.pending]
+        waiting = {self.pending[(layer, int(e))]: int(e) for e in experts if (layer, int(e)) in self.pending}
+        if waiting:
+            t0 = time.perf_counter()
+            for fut in as_completed(waiting):
+                ready.append(waiting[fut])
+            self.wait_seconds += time.perf_counter() - t0
+        return ready
+
+    def prefetch(self, layer: int, experts, rows: int = 0) -> None:
+        """Make `experts` of `layer` resident and wait for them (not pinned)."""
+        want = list(experts)[:self.slots]
+        self.request(layer, want, rows, pin=False)
+        for e in want:
+            self._wait((layer, int(e)))
+
+    def weights(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
+        key = (layer, int(e))
+        if key not in self.index:
+            self.request(layer, [e], pin=False)
+        self._wait(key)
+        v = self.views[self.index[key]]
+        return v["gate"], v["up"], v["down"]
+
+    def run_layer(self, layer: int, experts, compute, rows: int = 0) -> dict:
+        """compute(e, (gate, up, down)) for each of a layer's experts: the resident ones first,
+        the others as their reads complete. More experts than the cache holds (a prompt's
+        chunk) are taken in waves, each expert read once, the next wave's reads overlapping
+        this wave's compute. Returns {expert: result}."""
+        experts = [int(e) for e in experts]
+        wave = len(experts) if len(experts) <= self.slots else max(1, self.slots // 2)
+        waves = [experts[i:i + wave] for i in range(0, len(experts), wave)]
+        out = {}
+        if layer == 0 and rows:
+            self.tokens += rows
+            self.policy.tick(rows)
+        self.request(layer, waves[0])
+        for n, group in enumerate(waves):
+            if n + 1 < len(waves):
+                self.request(layer, waves[n + 1])
+            for e in self.ready_order(layer, group):
+                self._wait((layer, e))
+                v = self.views[self.index[(layer, e)]]
+                out[e] = compute(e, (v["gate"], v["up"], v["down"]))
+            self.release(layer, group)
+        return out
+
+    def close(self) -> None:
+        for fut in list(self.pending.values()):
+            fut.exception()
+        self.pool.shutdown()
+
+    def stats(self) -> dict:
+        total = self.hits + self.misses
+        return {"io_mode": self.store.io_mode, "fallback_reason": self.store.fallback_reason,
+                "slots": self.slots, "used": len(self.index), "warm_slots_at_start": self.warm_slots,
+                "slot_bytes": self.slot_bytes, "cache_bytes": self.slots * self.slot_bytes,
+                "hits": self.hits, "misses": self.misses,
+                "hit_rate": round(self.hits / total, 4) if total else None, "bytes_read": self.bytes_read,
+                "read_gb_s": round(self.bytes_read / self.read_seconds / 1e9, 3) if self.read_seconds else None,
+                "policy": self.policy.name, "tokens": self.tokens,
+                "io_ms_per_token": round(1000 * self.wait_seconds / self.tokens, 3) if self.tokens else None,
+                "read_ms_per_token": round(1000 * self.read_seconds / self.tokens, 3) if self.tokens else None,
+                "bytes_read_per_token": round(self.bytes_read / self.tokens) if self.tokens else None,
+                "hits_in_flight": self.inflight_hits, "fill_reads": self.fill_reads,
+                "read_ahead": {"reads": self.spec_reads, "used": self.spec_used, "pauses": self.ra_pauses,
+                               "wasted_bytes": self.spec_wasted_bytes,
+                               "recall": round(self.recall_hits / self.recall_total, 4) if self.recall_total else None}}
