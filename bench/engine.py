@@ -56,7 +56,7 @@ def llama_cpp_setup(path: Path, n_prompt: int, n_decode: int, threads: int):
         import llama_cpp
     except ImportError:
         return None, None
-    llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False, logits_all=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=max(2048, n_prompt + n_decode + 8), n_threads=threads, n_batch=512, verbose=False, logits_all=False)
     ids = llm.tokenize((ROOT / "tests" / "data" / "perplexity" / "GPL-3.txt").read_bytes(), add_bos=False)[:n_prompt]
 
     def once() -> tuple[float, float]:

@@ -20,11 +20,13 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
  * reproduces llama.cpp's arithmetic more closely than exact float32 operands would. */
 #define RND_NONE(x) (x)
 #define RND_F16(x) _cvtsh_ss(_cvtss_sh((x), 0))
+#define RND8_NONE(x) (x)
+#define RND8_F16(x) _mm256_cvtph_ps(_mm256_cvtps_ph((x), 0))
 #define LD8_F32(p) _mm256_loadu_ps(p)
 #define LD1_F32(x) (x)
 #define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define LD1_F16(x) _cvtsh_ss(x)
-#define ATTN_TASK(NAME, T, LD8, LD1, RND)                                                            \
+#define ATTN_TASK(NAME, T, LD8, LD1, RND, RND8)                                                      \
 AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
                       int H, int Hkv, int D, int n, float scale, float *row, int win,             \
                       const float *sinks) {                                                       \
@@ -76,12 +78,60 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
     }                                                                                             \
     if (sinks) dsum += (double)expf(sinks[h] - mx); /* ... and the denominator, with no value */  \
     float inv = (float)(1.0 / dsum), *o = O + ((size_t)t * H + h) * D;                            \
-    for (s = 0; s < n; s++) row[s] = RND(row[s] * inv);                                           \
+    {   /* eight at a time: the same product and rounding per element (round to nearest even) */ \
+        __m256 vinv = _mm256_set1_ps(inv);                                                        \
+        for (s = 0; s + 8 <= n; s += 8)                                                           \
+            _mm256_storeu_ps(row + s, RND8(_mm256_mul_ps(_mm256_loadu_ps(row + s), vinv)));       \
+        for (; s < n; s++) row[s] = RND(row[s] * inv);                                            \
+    }                                                                                             \
     /* out[d] = sum over positions of p * v[d], as ggml's prompt-batch (tinyBLAS) dot over the    \
      * positions: lane i accumulates positions = i (mod 8) in order, then the lanes are reduced   \
      * as hsum_avx reduces; eight dimensions at a time, one lane per register */                  \
     const T *V0 = V + (size_t)kh * D;                                                             \
     int d0 = 0;                                                                                   \
+    if (D % 8 == 0) {                                                                             \
+        /* the same lanes kept in L1 instead of registers, so each value row is read once,      \
+           not once per eight dimensions (the position loop outside, dimensions inside) */      \
+        float acc[8 * 512] __attribute__((aligned(32)));                                          \
+        if (D % 64 == 0) {                                                                        \
+            /* lane by lane, 64 dimensions in registers: lane i's positions i, i+8, … in order */  \
+            for (int g = 0; g < D; g += 64)                                                       \
+                for (int i = 0; i < 8; i++) {                                                     \
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                    for (int j = i; j < n; j += 8) {                                              \
+                        __m256 p = _mm256_set1_ps(row[j]);                                        \
+                        const T *vr = V0 + (size_t)j * ks + g;                                    \
+                        a0 = _mm256_fmadd_ps(LD8(vr), p, a0); a1 = _mm256_fmadd_ps(LD8(vr + 8), p, a1); \
+                        a2 = _mm256_fmadd_ps(LD8(vr + 16), p, a2); a3 = _mm256_fmadd_ps(LD8(vr + 24), p, a3); \
+                        a4 = _mm256_fmadd_ps(LD8(vr + 32), p, a4); a5 = _mm256_fmadd_ps(LD8(vr + 40), p, a5); \
+                        a6 = _mm256_fmadd_ps(LD8(vr + 48), p, a6); a7 = _mm256_fmadd_ps(LD8(vr + 56), p, a7); \
+                    }                                                                             \
+                    float *d = acc + (size_t)i * D + g;                                           \
+                    _mm256_store_ps(d, a0); _mm256_store_ps(d + 8, a1); _mm256_store_ps(d + 16, a2); \
+                    _mm256_store_ps(d + 24, a3); _mm256_store_ps(d + 32, a4); _mm256_store_ps(d + 40, a5); \
+                    _mm256_store_ps(d + 48, a6); _mm256_store_ps(d + 56, a7);                     \
+                }                                                                                 \
+        } else {                                                                                  \
+            for (int i = 0; i < 8 * D; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());     \
+            for (int j = 0; j < n; j++) {                                                         \
+                float *a = acc + (size_t)(j & 7) * D;                                             \
+                __m256 p = _mm256_set1_ps(row[j]);                                                \
+                const T *vr = V0 + (size_t)j * ks;                                                \
+                for (int d = 0; d < D; d += 8)                                                    \
+                    _mm256_store_ps(a + d, _mm256_fmadd_ps(LD8(vr + d), p, _mm256_load_ps(a + d))); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int d = 0; d < D; d += 8) {                                                          \
+            const float *a = acc + d;                                                             \
+            __m256 r = _mm256_add_ps(                                                             \
+                _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(a), _mm256_load_ps(a + 4 * D)),        \
+                              _mm256_add_ps(_mm256_load_ps(a + 2 * D), _mm256_load_ps(a + 6 * D))), \
+                _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(a + D), _mm256_load_ps(a + 5 * D)),    \
+                              _mm256_add_ps(_mm256_load_ps(a + 3 * D), _mm256_load_ps(a + 7 * D)))); \
+            _mm256_storeu_ps(o + d, r);                                                           \
+        }                                                                                         \
+        d0 = D;                                                                                   \
+    }                                                                                             \
     for (; d0 + 8 <= D; d0 += 8) {                                                                \
         __m256 l[8];                                                                              \
         for (int i = 0; i < 8; i++) l[i] = _mm256_setzero_ps();                                   \
@@ -103,8 +153,8 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
         o[d0] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));                \
     }                                                                                             \
 }
-ATTN_TASK(attn_task_avx2, float, LD8_F32, LD1_F32, RND_NONE)
-ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16, RND_F16)
+ATTN_TASK(attn_task_avx2, float, LD8_F32, LD1_F32, RND_NONE, RND8_NONE)
+ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16, RND_F16, RND8_F16)
 #endif
 
 static inline float vdot(const float *a, const float *b, int n) {
@@ -141,10 +191,15 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
         #pragma omp parallel num_threads(nt) if(T * H > 1)
         {
             float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
-            #pragma omp for schedule(static)
+            /* head-major, rows dealt round-robin: the threads work on one head at a time, whose
+               keys and values stay in L2 (fp16, 2k positions, D 64: 512 KB), and share the causal
+               triangle evenly — a static block of rows gave the last thread 3/4 of a prompt's
+               work. A task's arithmetic does not depend on who runs it: the same bits. */
+            #pragma omp for schedule(static, 1)
             for (int task = 0; task < T * H; task++) {
-                if (f16) attn_task_avx2_h(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win, sinks);
-                else attn_task_avx2(Q, K, V, O, task / H, task % H, H, Hkv, D, start + task / H + 1, scale, sc, win, sinks);
+                int h = task / T, t = task % T;
+                if (f16) attn_task_avx2_h(Q, K, V, O, t, h, H, Hkv, D, start + t + 1, scale, sc, win, sinks);
+                else attn_task_avx2(Q, K, V, O, t, h, H, Hkv, D, start + t + 1, scale, sc, win, sinks);
             }
             free(sc);
         }
