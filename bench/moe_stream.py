@@ -70,7 +70,7 @@ def build_model(path: Path, layers: int, experts: int, used: int, embd: int, ff:
     path.parent.mkdir(parents=True, exist_ok=True)
     tok = GGUFReader(TOKENIZER_FROM)
     n_vocab = len(tok.fields["tokenizer.ggml.tokens"].contents())
-    head_dim, n_head = 128, embd // 128
+    n_head = embd // 128                      # heads of 128 dimensions
     rng = np.random.default_rng(seed)
     tmp = path.with_suffix(".tmp")
     w = GGUFWriter(tmp, "llama")
@@ -212,7 +212,9 @@ def run_one(spec: dict) -> dict:
     path = Path(spec["path"])
     model = load_model(path)
     prompt = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2)[:24]
-    out = {k: spec[k] for k in ("mode", "budget_pct", "policy", "read_ahead", "preload") if k in spec}
+    out = {k: spec[k] for k in ("mode", "budget_pct", "policy", "preload") if k in spec}
+    if spec["mode"] == "stream":
+        out["read_ahead_on"] = spec.get("read_ahead", True)
     if spec["mode"] == "ram":
         with open(path, "rb", buffering=0) as f:          # the whole file into the page cache
             while f.read(64 << 20):
@@ -451,16 +453,17 @@ def plot(out: dict, dest: str) -> str | None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     runs = [r for r in out["streamed"] if "tok_s" in r]
-    for label, pick in [(p, lambda r, p=p: r["policy"] == p and r.get("read_ahead", True))
+    for label, pick in [(p, lambda r, p=p: r["policy"] == p and r.get("read_ahead_on", True))
                         for p in sorted({r["policy"] for r in runs})] + \
-            [("lrfu, no read-ahead", lambda r: r["policy"] == "lrfu" and r.get("read_ahead") is False)]:
+            [("lrfu, no read-ahead", lambda r: r["policy"] == "lrfu" and r.get("read_ahead_on") is False)]:
         rs = sorted((r for r in runs if pick(r)), key=lambda r: r["budget_pct"])
         if not rs:
             continue
         x = [r["budget_pct"] for r in rs]
         axes[0].plot(x, [r["vs_ram"] for r in rs], "o-", label=f"O_DIRECT cache ({label})")
         axes[1].plot(x, [r["hit_rate"] for r in rs], "o-", label=label)
-        axes[2].plot(x, [(r["read_gb_s"] or 0) for r in rs], "o-", label=label)
+        io = [r for r in rs if r["read_gb_s"]]                   # a cache that read nothing has no rate
+        axes[2].plot([r["budget_pct"] for r in io], [r["read_gb_s"] for r in io], "o-", label=label)
     pc = [p for p in out["page_cache"] if "tok_s" in p]
     if pc:
         axes[0].plot([p["budget_pct"] for p in pc], [p["vs_ram"] for p in pc], "s--", color="black",
@@ -471,7 +474,7 @@ def plot(out: dict, dest: str) -> str | None:
     for ax, title in zip(axes, ("decode speed ÷ in-RAM (after warm-up)", "cache hit rate", "read GB/s while reading")):
         ax.set_xlabel("expert cache budget, % of expert bytes")
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left" if ax is axes[0] else "best")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{out['model']} — {out['expert_bytes'] / 2**30:.2f} GiB of experts")
     fig.tight_layout()
