@@ -287,59 +287,57 @@ class ExpertCache:
 
     def used(self, layer: int, chosen: np.ndarray, rows: int = 0) -> None:
         """The compiled decode used these resident experts: count the hits, tell the policy."""
+        want = [int(e) for e in np.unique(chosen)]
+        self._begin_layer(layer, want, rows)
+        self._fill_idle()
+        for e in want:
+            key = (layer, e)
+            self._hit(key)
+            self._touch(key)
+
+    def _begin_layer(self, layer: int, want: list[int], rows: int) -> None:
+        """A layer routes `want`: count its rows (at layer 0), score the guess made for it."""
         if layer == 0 and rows:
             self.tokens += rows
             self.policy.tick(rows)
-        want = [int(e) for e in np.unique(chosen)]
         guess = self.predicted.pop(layer, None)
         if guess is not None:
             self.recall_total += len(want)
             self.recall_hits += sum(e in guess for e in want)
         self._score_read_ahead(layer, want)
-        self._fill_idle()
-        for e in want:
-            key = (layer, int(e))
-            self.hits += 1                                   # per expert per layer, as request
-            self.seq += 1
-            if self.speculative.get(key) is False:
-                self.speculative[key] = True
-                self.spec_used += 1
-            self.policy.touch(key)
-            self.entries[self.index[key]]["seq"] = self.seq
+
+    def _hit(self, key: tuple[int, int]) -> None:
+        self.hits += 1                                       # per expert per layer
+        if self.speculative.get(key) is False:               # read ahead, and now used
+            self.speculative[key] = True
+            self.spec_used += 1
+
+    def _touch(self, key: tuple[int, int]) -> None:
+        self.seq += 1
+        self.policy.touch(key)
+        self.entries[self.index[key]]["seq"] = self.seq
 
     def request(self, layer: int, experts, rows: int = 0, pin: bool = True) -> None:
         """Make `experts` of `layer` resident (reads start now, in parallel, and are not waited
         for: `weights` waits). `pin`: keep them until `release` (the layer is computing with
         them). `rows`: how many tokens this layer routes (counted at layer 0)."""
-        if layer == 0 and rows:
-            self.tokens += rows
-            self.policy.tick(rows)
         want = [int(e) for e in experts]
         self._reap()
-        guess = self.predicted.pop(layer, None)
-        if guess is not None:
-            self.recall_total += len(want)
-            self.recall_hits += sum(e in guess for e in want)
-        self._score_read_ahead(layer, want)
+        self._begin_layer(layer, want, rows)
         keys = [(layer, e) for e in want]
         protect = set(keys) - self.busy          # no key of this request evicts another
         self.busy |= protect
         try:
             for key in keys:
-                self.seq += 1
                 if key in self.index:
-                    self.hits += 1
+                    self._hit(key)
                     self.inflight_hits += key in self.pending
-                    if self.speculative.get(key) is False:
-                        self.speculative[key] = True
-                        self.spec_used += 1
                 else:
                     self.misses += 1
                     slot = self._evict_for(speculative=False)
                     self.index[key] = slot
                     self.pending[key] = self._submit(key, slot)
-                self.policy.touch(key)
-                self.entries[self.index[key]]["seq"] = self.seq
+                self._touch(key)
         finally:
             if not pin:
                 self.busy -= protect
@@ -449,10 +447,7 @@ class ExpertCache:
         wave = len(experts) if len(experts) <= self.slots else max(1, self.slots // 2)
         waves = [experts[i:i + wave] for i in range(0, len(experts), wave)]
         out = {}
-        if layer == 0 and rows:
-            self.tokens += rows
-            self.policy.tick(rows)
-        self.request(layer, waves[0])
+        self.request(layer, waves[0], rows)
         for n, group in enumerate(waves):
             if n + 1 < len(waves):
                 self.request(layer, waves[n + 1])

@@ -54,12 +54,8 @@ def register(app: typer.Typer) -> None:
                                                      "served)")):
         """Point the pi coding agent at Kiln: a `kiln` provider in ~/.pi/agent/models.json, and
         defaultProvider/defaultModel in settings.json — other keys kept, both files backed up."""
-        from .agent_setup import SetupError, setup_pi
-        base, models, key = _served(url)
-        try:
-            out = setup_pi(Path.home(), base, models, model or models[0]["id"], key)
-        except SetupError as e:
-            fail(str(e))
+        from .agent_setup import setup_pi
+        out = _setup(setup_pi, url, model)
         typer.echo(f"pi now uses Kiln at {out['base_url']} (default model {out['default_model']})")
         for k in ("models", "settings"):
             typer.echo(f"  wrote {out[k]}" + (f" (backup {out[k + '_backup']})" if out[k + "_backup"] else ""))
@@ -70,16 +66,22 @@ def register(app: typer.Typer) -> None:
                                                            "first served)")):
         """Point opencode at Kiln: an @ai-sdk/openai-compatible `kiln` provider in
         ~/.config/opencode/opencode.json — other keys kept, the file backed up."""
-        from .agent_setup import SetupError, setup_opencode
-        base, models, key = _served(url)
-        try:
-            out = setup_opencode(Path.home(), base, models, model or models[0]["id"], key)
-        except SetupError as e:
-            fail(str(e))
+        from .agent_setup import setup_opencode
+        out = _setup(setup_opencode, url, model)
         typer.echo(f"opencode now uses Kiln at {out['base_url']} (model kiln/{out['default_model']})")
         typer.echo(f"  wrote {out['config']}" + (f" (backup {out['backup']})" if out["backup"] else ""))
 
     app.add_typer(sessions_app, name="sessions")
+
+
+def _setup(setup, url: Optional[str], model: Optional[str]) -> dict:
+    """Run an agent's setup against what Kiln serves at `url`; a SetupError ends the command."""
+    from .agent_setup import SetupError
+    base, models, key = _served(url)
+    try:
+        return setup(Path.home(), base, models, model or models[0]["id"], key)
+    except SetupError as e:
+        fail(str(e))
 
 
 def _store():
