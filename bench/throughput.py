@@ -40,7 +40,12 @@ def perimeter(width, height):
 def describe(width, height):
     return f"{width} x {height}: area {area(width, height)}, perimeter {perimeter(width, height)}"
 '''
-TASKS = {"repetitive": f"Rewrite this code, renaming width to w and changing nothing else:\n\n{CODE}",
+# The repetitive task as a user pastes code (a fenced block): SmolLM2-135M's greedy answer copies
+# it nearly whole. "loose_rewrite" (code with docstrings, unfenced) is one it rewrites freely —
+# dropping the docstrings and blank lines — so only ~40 % of its answer can be drafted.
+PLAIN_CODE = "\n".join(line for line in CODE.splitlines() if '"""' not in line) + "\n"
+TASKS = {"repetitive": f"Rewrite this code, renaming width to w and changing nothing else:\n\n```python\n{PLAIN_CODE}```",
+         "loose_rewrite": f"Rewrite this code, renaming width to w and changing nothing else:\n\n{CODE}",
          "free_chat": "Tell me about the history of lighthouses."}
 
 

@@ -25,6 +25,10 @@ from .kernels import Weight, matmul, matmul_many
 from .kv_cache import KV_DTYPE, KVCache
 from .tokenizer import GGUFTokenizer
 
+# the longest run of one sequence's rows a layer computes in one compiled call (a speculative
+# draft and the token before it); longer runs (prompts) take the blockwise path
+FUSED_RUN = 17
+
 
 @dataclass
 class Ctx:
@@ -244,10 +248,14 @@ class Model:
         x = self.token_embd.rows(tokens)
         if self.embed_scale:
             x *= np.float32(self.embed_scale)
-        # a decode step (one row per sequence) runs each layer in one compiled call
-        fuse = self.family.llama_skeleton and len(segments) <= 64 and all(b - a == 1 for _, a, b in segments) \
+        # a decode step (one row per sequence), or a short run of rows (a speculative draft
+        # being checked), runs each layer in one compiled call: a row at position p attends to
+        # the rows before it, whose keys the call stores before any row attends
+        fuse = self.family.llama_skeleton and len(tokens) <= 64 \
+            and all(b - a <= FUSED_RUN for _, a, b in segments) \
             and adapter is None and len({cache.dtype for cache, _, _ in segments}) == 1 \
             and kernels.compiled_module() is not None
+        rows = [(cache, cache.n + r) for cache, a, b in segments for r in range(b - a)] if fuse else []
         provider = self.expert_provider
         for i, L in enumerate(self.layers):
             how = self._fusable[i] if fuse else None
@@ -257,10 +265,9 @@ class Model:
                 else:
                     # streamed experts: one compiled call if the chosen experts are resident (the
                     # table of where they are); else it stops after the attention, as "attention"
-                    chosen = np.empty((len(segments), self.config.n_expert_used), np.int32)
-                    if self._decode_layer(i, L, x, [cache for cache, _, _ in segments], cos, sin, ffn=how,
-                                          experts=(provider.table[i], chosen)):
-                        provider.used(i, chosen, rows=len(segments))
+                    chosen = np.empty((len(rows), self.config.n_expert_used), np.int32)
+                    if self._decode_layer(i, L, x, rows, cos, sin, ffn=how, experts=(provider.table[i], chosen)):
+                        provider.used(i, chosen, rows=len(rows))
                         self._read_ahead(i, L, x)
                         continue
                     how = "attention"
@@ -269,7 +276,7 @@ class Model:
             if how is None:
                 x = self.family.layer(self, i, L, x, ctx)
                 continue
-            self._decode_layer(i, L, x, [cache for cache, _, _ in segments], cos, sin, ffn=how)
+            self._decode_layer(i, L, x, rows, cos, sin, ffn=how)
             if how == "attention":
                 x = x + self.ffn(i, L, self.norm(x, L.ffn_norm), ctx)
         return x
@@ -292,16 +299,16 @@ class Model:
             return self._mm(ggml_round.geglu(g, u), L.down, ctx.adapter)
         return self._ffn(L, x, i, ctx.adapter)
 
-    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, caches: list[KVCache], cos, sin, ffn: str,
+    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, rows: list[tuple[KVCache, int]], cos, sin, ffn: str,
                       experts: tuple = (None, None)) -> bool:
-        """One decode step of len(caches) sequences (row b of x (B, n) is caches[b]'s) through
+        """Rows of x (B, n), row b at position rows[b][1] of the sequence in cache rows[b][0], through
         layer i's attention, and its FFN unless `ffn` is "attention" ("layer": dense, "moe":
         routed), in one compiled call — bit-identical to the step-by-step path, without dozens of
         Python-level calls per layer. x is updated in place. `experts`: (table, chosen) for
         streamed experts — their (E, 3) addresses in the cache (0: not resident), and where the
         chosen go; False when a chosen one was not resident and the FFN is left to the caller."""
         c = self.config
-        seqs = [(*cache.layer_buffers(i), cache.n) for cache in caches]
+        seqs = [(*cache.layer_buffers(i), pos) for cache, pos in rows]
         if ffn == "layer":
             ffn = (L.ffn_norm, L.gate.raw, L.up.raw, int(L.gate.qtype), L.down.raw, int(L.down.qtype),
                    L.gate.shape[0])
@@ -314,7 +321,7 @@ class Model:
         return kernels.compiled_module().decode_layer(
             x, L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
             L.wo.raw, int(L.wo.qtype), seqs, cos, sin, c.n_head, c.n_head_kv,
-            c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0, caches[0].dtype == np.float16,
+            c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0, rows[0][0].dtype == np.float16,
             *self.attn_scales)
 
     @property

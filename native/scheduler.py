@@ -25,7 +25,7 @@ import time
 from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
 from .model import Model
 from .sampling import SamplingParams
-from .speculate import DraftControl, propose
+from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, propose
 
 
 @dataclass
@@ -64,6 +64,7 @@ class Scheduler:
         self.step_s: float | None = None           # a decode step's time (moving average)
         self.chunk_n = 16.0                        # interleaved chunk size, steered to its time target
         self.spec = {"drafted": 0, "accepted": 0}
+        self.costs = ForwardCosts()                 # forward time by row count (speculation's costs)
         self.cond = threading.Condition()
         self.model_lock = threading.Lock()      # other users of the model (scoring) take turns with steps
         self.thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
@@ -223,7 +224,9 @@ class Scheduler:
                 for job, _ in group:
                     self._end(job, e)
                 continue
-            self.step_s = _ema(self.step_s, time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.step_s = _ema(self.step_s, took)
+            self.costs.record(len(group), took)
             for (job, _), row in zip(group, logits):
                 job.logits = row
 
@@ -237,21 +240,21 @@ class Scheduler:
             job.draft = DraftControl()
         gen = job.gen
         room = min(job.params.max_tokens - gen.n_out - 1, self.n_ctx - cache.n - 2)
-        want = min(job.draft.want(), room)
-        draft = propose(gen.history, want) if want > 0 else []
+        draft = propose(gen.history, min(MAX_DRAFT, room)) if room > 0 else []
+        draft = draft[:job.draft.choose(len(draft), self.costs)]
         if not draft:
             return False
         base = cache.n
         t0 = time.perf_counter()
         try:
             rows = self.model.forward([t] + draft, cache, all_logits=True, adapter=job.adapter)
+            took = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001
             self._end(job, e)
             return True
-        accepted, nxt, produced = 0, None, 0
+        accepted, nxt = 0, None
         for i, d in enumerate(draft):
             tok = gen.step(rows[i])
-            produced += 1
             job.events.put(tok)
             if tok.id == d and not gen.done:
                 accepted += 1
@@ -259,7 +262,8 @@ class Scheduler:
             nxt = tok
             break
         cache.truncate(base + 1 + accepted)          # t and the accepted draft tokens
-        job.draft.update(len(draft), accepted, time.perf_counter() - t0, produced, self.step_s)
+        self.costs.record(1 + len(draft), took)
+        job.draft.update(len(draft), accepted)
         gen.drafted += len(draft)
         gen.accepted += accepted
         self.spec["drafted"] += len(draft)

@@ -7,16 +7,24 @@ chosen, then samples each position from the model's own logits exactly as plain 
 — the same sampler, the same random draws — and keeps the guess only as far as it matches. So
 the text is identical to plain decoding (greedy or seeded sampling alike, since a multi-token
 forward gives the same bits as one token at a time on every kernel path); only the number of
-forwards changes. A draft that keeps failing turns itself off for a while: a rejected draft
-costs a larger forward for one token.
+forwards changes. How much of a proposal is checked is chosen from the measured cost of a
+forward of that many rows and the acceptance so far (DraftControl): drafting is off while it
+does not pay, except for a one-token probe now and then.
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 import numpy as np
 
 MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DRAFT = 16
+GUESS_PER_ROW = 0.35      # an unmeasured forward of T rows: 1 + 0.35 (T - 1) one-row forwards
+MIN_GAIN = 0.03           # draft only when it is expected to beat a plain step by this much
+PROBE_EVERY = 16          # steps without a draft before a one-token probe
+DECAY = 0.9               # per draft: the acceptance estimate follows the last ~10 drafts
 
 
 def propose(history: list[int], k: int, window: int = 4096) -> list[int]:
@@ -39,37 +47,84 @@ def propose(history: list[int], k: int, window: int = 4096) -> list[int]:
     return []
 
 
+class ForwardCosts:
+    """What a forward of T rows costs on this machine, as the scheduler runs them: the last few
+    times of each size (a median, so one stall of a shared machine does not rule a size out).
+    A size not yet measured is guessed at the per-row cost of the largest well-measured size
+    below it (GUESS_PER_ROW with none); one measured fewer than three times at the better of
+    its median and that guess, so that a size is tried before it is judged."""
+
+    KEEP = 5
+
+    def __init__(self):
+        self.samples: dict[int, deque] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.samples.setdefault(rows, deque(maxlen=self.KEEP)).append(seconds)
+
+    def seconds(self, rows: int) -> float | None:
+        got = self.samples.get(rows)
+        return statistics.median(got) if got else None
+
+    def ratio(self, rows: int) -> float | None:
+        """The cost of `rows` rows over one row's; None until one row has been measured."""
+        one = self.seconds(1)
+        if one is None:
+            return None
+        # an unmeasured size: the per-row cost of the largest well-measured size below it
+        known = [r for r, got in self.samples.items() if 1 < r < rows and len(got) >= 3]
+        per_row = (statistics.median(self.samples[max(known)]) / one - 1) / (max(known) - 1) if known else GUESS_PER_ROW
+        guess = 1.0 + per_row * (rows - 1)
+        got = self.samples.get(rows)
+        if not got:
+            return guess
+        measured = statistics.median(got) / one
+        return min(measured, guess) if len(got) < 3 else measured
+
+
 class DraftControl:
-    """How long a draft to try next, and whether to try at all — from what was accepted and
-    what it cost. A draft of k tokens makes the forward cost more (on two cores a row of a
-    small-model forward is compute-bound: ~6 ms a row on top of a ~16 ms step), so drafting
-    pays only when enough of it is kept: the time per token produced by drafting steps is
-    compared with a plain step's, and drafting pauses when it is not faster."""
+    """How many of a proposal's tokens to check: the number that makes the most tokens per
+    second, from the estimated chance that the next draft token is kept (p: kept tokens over
+    kept plus rejected, decayed so it follows the text) and what a forward of that many rows
+    costs. A draft of k keeps 1 + p + … + p^k tokens on average for ratio(k + 1) plain steps;
+    when no k beats a plain step, no draft — but a one-token probe every PROBE_EVERY steps keeps
+    the estimate alive for when the text turns repetitive."""
 
-    def __init__(self, k: int = 4):
-        self.k = k
-        self.rate = 1.0               # moving average of the accepted share of a draft
-        self.cooldown = 0             # steps to skip drafting after poor acceptance
+    def __init__(self):
+        self.kept, self.rejected = 1.0, 1.0      # the prior: half the draft tokens kept
         self.drafted = self.accepted = 0
-        self.per_token: float | None = None     # seconds per token produced while drafting
+        self.skipped = 0                         # steps since the last draft
 
-    def want(self) -> int:
-        if self.cooldown > 0:
-            self.cooldown -= 1
+    @property
+    def p(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+    def choose(self, available: int, costs: ForwardCosts) -> int:
+        """How many of `available` proposed tokens to check now (0: a plain step)."""
+        if available <= 0:
             return 0
-        return self.k
+        best, gain = 0, 1.0 + MIN_GAIN
+        p = self.p
+        for k in range(1, min(available, MAX_DRAFT) + 1):
+            r = costs.ratio(k + 1)
+            if r is None:
+                break
+            expected = (1 - p ** (k + 1)) / (1 - p) if p < 1 else k + 1.0
+            if expected / r > gain:
+                best, gain = k, expected / r
+        if best:
+            self.skipped = 0
+            return best
+        self.skipped += 1
+        if self.skipped >= PROBE_EVERY and costs.ratio(2) is not None:
+            self.skipped = 0
+            return 1
+        return 0
 
-    def update(self, drafted: int, accepted: int, seconds: float = 0.0, produced: int = 0,
-               plain_step: float | None = None) -> None:
+    def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.drafted += drafted
         self.accepted += accepted
-        self.rate = 0.7 * self.rate + 0.3 * (accepted / drafted)
-        self.k = min(MAX_DRAFT, self.k * 2) if accepted == drafted else max(2, accepted + 1)
-        if produced:
-            t = seconds / produced
-            self.per_token = t if self.per_token is None else 0.7 * self.per_token + 0.3 * t
-        slower = plain_step is not None and self.per_token is not None and self.per_token > 0.95 * plain_step
-        if self.rate < 0.3 or slower:
-            self.cooldown, self.rate, self.per_token = 32, 0.5, None   # pause, then probe again
+        self.kept = DECAY * self.kept + accepted
+        self.rejected = DECAY * self.rejected + (1 if accepted < drafted else 0)

@@ -86,7 +86,8 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, default_model, e8k2_path):
     """Solo and batched decode steps (sequences of different lengths, so different positions and
-    different experts per row) through the compiled layer give the step-by-step path's bits."""
+    different experts per row), and a run of five rows of one sequence (each attending to the
+    ones before it), through the compiled layer give the step-by-step path's bits."""
     m = default_model if which == "dense" else load_model(e8k2_path)
     assert m._fusable == ["layer" if which == "dense" else "moe"] * len(m.layers)
     prompts = [m.tokenizer.encode(t) for t in ("Once upon a time, in a land far away,", "The capital of France is",
@@ -101,7 +102,9 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, defau
             rows = m.forward_batch([int(np.argmax(x)) for x in last], caches)
             last = list(rows)
             out.append(rows)
-        return np.array(out)
+        # a run of one sequence's tokens (a speculative draft being checked) through the same call
+        run = m.forward([int(np.argmax(x)) for x in last] + [42, 7], caches[1], all_logits=True)
+        return np.concatenate([np.array(out).reshape(-1, run.shape[-1]), run])
     fused = decode()
     saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)
     try:

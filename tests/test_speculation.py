@@ -10,7 +10,7 @@ import pytest
 from kiln.native.generate import Finish, Token
 from kiln.native.sampling import SamplingParams
 from kiln.native.scheduler import Scheduler
-from kiln.native.speculate import DraftControl, propose
+from kiln.native.speculate import GUESS_PER_ROW, PROBE_EVERY, DraftControl, ForwardCosts, propose
 
 CODE = '''def area(width, height):
     """Return the area of a rectangle."""
@@ -94,9 +94,48 @@ def test_propose_finds_the_latest_earlier_occurrence():
     assert propose(h, 0) == []
 
 
-def test_draft_control_grows_on_success_and_pauses_when_it_does_not_pay():
-    c = DraftControl(k=4)
-    c.update(4, 4, 0.02, 4, plain_step=0.016)
-    assert c.k == 8 and c.want() == 8
-    c.update(8, 0, 0.06, 1, plain_step=0.016)             # 60 ms for one token: slower than plain
-    assert c.want() == 0 and c.cooldown > 0
+def _costs(**ratios):
+    c = ForwardCosts()
+    for _ in range(3):
+        c.record(1, 0.010)
+        for rows, r in ratios.items():
+            c.record(int(rows[1:]), 0.010 * r)
+    return c
+
+
+def test_draft_control_checks_more_of_a_draft_as_it_is_kept_and_cheap():
+    c = DraftControl()
+    cheap = _costs(r2=1.2, r3=1.35, r4=1.5, r5=1.65, r6=1.8, r7=1.95, r8=2.1, r9=2.25)
+    first = c.choose(16, cheap)
+    assert 1 <= first < 8
+    for _ in range(30):
+        c.update(first, first)
+    assert c.p > 0.95
+    assert c.choose(16, cheap) > first                    # kept every time: check more
+    assert c.choose(2, cheap) == 2                        # never more than was proposed
+    dear = _costs(r2=2.1, r3=3.2, r4=4.3)                 # a row costs more than a step
+    assert c.choose(16, dear) == 0
+
+
+def test_draft_control_stops_when_drafts_are_not_kept_and_probes_later():
+    c = DraftControl()
+    costs = _costs(r2=1.3, r3=1.6)
+    for _ in range(20):
+        c.update(2, 0)
+    assert c.p < 0.2
+    picks = [c.choose(16, costs) for _ in range(PROBE_EVERY)]
+    assert picks[:-1] == [0] * (PROBE_EVERY - 1) and picks[-1] == 1     # a one-token probe
+    assert DraftControl().choose(16, ForwardCosts()) == 0                # nothing measured yet
+
+
+def test_forward_costs_take_the_median_and_try_a_size_before_judging_it():
+    c = ForwardCosts()
+    assert c.ratio(2) is None
+    for s in (0.010, 0.011, 0.050, 0.010, 0.012):
+        c.record(1, s)
+    assert c.seconds(1) == 0.011                          # one stall does not move it
+    c.record(3, 0.200)                                    # one slow sample of an untried size
+    assert c.ratio(3) == pytest.approx(1 + 2 * GUESS_PER_ROW)
+    c.record(3, 0.200)
+    c.record(3, 0.200)
+    assert c.ratio(3) == pytest.approx(0.2 / 0.011)

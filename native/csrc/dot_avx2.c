@@ -47,7 +47,7 @@ AVX2 static inline __attribute__((always_inline)) __m256i block_values(int type,
 AVX2 static inline __attribute__((always_inline)) __m256 block_dot(int type, __m256i x, __m256i y) {
     return HAS_MIN(type) ? sum_u8_i8(x, y) : sum_i8_pairs(x, y);
 }
-/* R (1 or 4) activation rows from t against one weight row of 32-value blocks: per block, one
+/* R (1 to 4) activation rows from t against one weight row of 32-value blocks: per block, one
  * FMA of d_w * d_x into 8 lanes, the minimum's m * s summed apart (ggml's order per row). */
 AVX2 static inline __attribute__((always_inline)) void dot_q8_blocks(int type, int bytes, int R, const uint8_t *w,
                                                                    const Act *a, int t, int nb, float *r) {
@@ -71,6 +71,12 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_blocks(int type, i
     }                                                                                               \
     AVX2 static void dot4_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
         dot_q8_blocks(TYPE, BYTES, 4, w, a, t, nb, r);                                              \
+    }                                                                                               \
+    AVX2 static void dot3_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
+        dot_q8_blocks(TYPE, BYTES, 3, w, a, t, nb, r);                                              \
+    }                                                                                               \
+    AVX2 static void dot2_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
+        dot_q8_blocks(TYPE, BYTES, 2, w, a, t, nb, r);                                              \
     }
 Q8_KERNELS(q4_0, T_Q4_0, 18)
 Q8_KERNELS(q4_1, T_Q4_1, 20)
@@ -508,5 +514,17 @@ void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, f
     case T_Q6_K: dot4_q6_K_avx2(w, a, t, nb, res); break;
     default: dot4_q8_0_avx2(w, a, t, nb, res);
     }
+}
+/* Two or three activation rows against one weight row, for the Q8-activation types (the rows
+ * a batch of 5-7 leaves after its fours, a draft being checked): 0 when the type has none. */
+int dot23_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res) {
+    switch (type) {
+    case T_Q4_0: (R == 2 ? dot2_q4_0_avx2 : dot3_q4_0_avx2)(w, a, t, nb, res); return 1;
+    case T_Q4_1: (R == 2 ? dot2_q4_1_avx2 : dot3_q4_1_avx2)(w, a, t, nb, res); return 1;
+    case T_Q5_0: (R == 2 ? dot2_q5_0_avx2 : dot3_q5_0_avx2)(w, a, t, nb, res); return 1;
+    case T_Q5_1: (R == 2 ? dot2_q5_1_avx2 : dot3_q5_1_avx2)(w, a, t, nb, res); return 1;
+    case T_Q8_0: (R == 2 ? dot2_q8_0_avx2 : dot3_q8_0_avx2)(w, a, t, nb, res); return 1;
+    }
+    return 0;
 }
 #endif

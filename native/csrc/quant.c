@@ -314,6 +314,10 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
                 dot4_avx2(type, w, a, t, K, nb, res);
                 for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
             }
+            if (T - t >= 2 && dot23_avx2(type, w, a, t, nb, T - t, res)) {
+                for (int j = 0; j < T - t; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+                t = T;
+            }
         }
 #endif
         for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, a, t, K);
