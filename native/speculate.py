@@ -84,34 +84,45 @@ class ForwardCosts:
 
 class DraftControl:
     """How many of a proposal's tokens to check: the number that makes the most tokens per
-    second, from the estimated chance that the next draft token is kept (p: kept tokens over
-    kept plus rejected, decayed so it follows the text) and what a forward of that many rows
-    costs. A draft of k keeps 1 + p + … + p^k tokens on average for ratio(k + 1) plain steps;
-    when no k beats a plain step, no draft — but a one-token probe every PROBE_EVERY steps keeps
-    the estimate alive for when the text turns repetitive."""
+    second, from two kept-rates and what a forward of that many rows costs. A proposal is
+    either in step with the text or not, so the first token is judged apart from the rest:
+    p0, the chance the first draft token is kept; p1, the chance a token is kept when the one
+    before it was (both counts decayed, so they follow the text). A draft of k keeps
+    1 + p0 (1 + p1 + … + p1^(k-1)) tokens on average for ratio(k + 1) plain steps; when no k
+    beats a plain step, no draft — but a one-token probe every PROBE_EVERY steps keeps the
+    estimate alive for when the text turns repetitive."""
 
     def __init__(self):
-        self.kept, self.rejected = 1.0, 1.0      # the prior: half the draft tokens kept
+        self.first = [1.0, 2.0]                  # (kept, tried): the prior, half the first tokens kept
+        self.later = [1.0, 2.0]                  # the same for tokens after a kept one
         self.drafted = self.accepted = 0
         self.skipped = 0                         # steps since the last draft
 
     @property
-    def p(self) -> float:
-        return self.kept / (self.kept + self.rejected)
+    def p0(self) -> float:
+        return self.first[0] / self.first[1]
+
+    @property
+    def p1(self) -> float:
+        return self.later[0] / self.later[1]
+
+    def expected(self, k: int) -> float:
+        """Tokens a draft of k yields on average (the token sampled after it included)."""
+        p1 = self.p1
+        run = (1 - p1 ** k) / (1 - p1) if p1 < 1 else float(k)
+        return 1.0 + self.p0 * run
 
     def choose(self, available: int, costs: ForwardCosts) -> int:
         """How many of `available` proposed tokens to check now (0: a plain step)."""
         if available <= 0:
             return 0
         best, gain = 0, 1.0 + MIN_GAIN
-        p = self.p
         for k in range(1, min(available, MAX_DRAFT) + 1):
             r = costs.ratio(k + 1)
             if r is None:
                 break
-            expected = (1 - p ** (k + 1)) / (1 - p) if p < 1 else k + 1.0
-            if expected / r > gain:
-                best, gain = k, expected / r
+            if self.expected(k) / r > gain:
+                best, gain = k, self.expected(k) / r
         if best:
             self.skipped = 0
             return best
@@ -126,5 +137,8 @@ class DraftControl:
             return
         self.drafted += drafted
         self.accepted += accepted
-        self.kept = DECAY * self.kept + accepted
-        self.rejected = DECAY * self.rejected + (1 if accepted < drafted else 0)
+        later_tried = min(accepted, drafted - 1)           # tokens 2.. were judged while the last held
+        for counts, kept, tried in ((self.first, min(accepted, 1), 1),
+                                    (self.later, max(accepted - 1, 0), later_tried)):
+            counts[0] = DECAY * counts[0] + kept
+            counts[1] = DECAY * counts[1] + tried
