@@ -7,7 +7,8 @@
   free chat, greedy and sampled — decode tok/s with and without, runs interleaved, medians, and
   whether the text is identical (it must be);
 - shared CPUs: one stream's decode tok/s quiet, and with a CPU-bound process competing for the
-  cores (the OpenMP spin setting the workers get, GOMP_SPINCOUNT=1000, is applied here too).
+  cores (the scheduler computes on the cores other processes leave; the OpenMP spin setting the
+  workers get, GOMP_SPINCOUNT=30000, is applied here too).
 
     python bench/throughput.py [--runs 3]
 """
@@ -24,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")      # as the supervisor starts workers; before OpenMP loads
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")     # as the supervisor starts workers; before OpenMP loads
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = '''def area(width, height):

@@ -62,6 +62,11 @@ def set_threads(n: int) -> None:
         _C.set_threads(int(n))
 
 
+def max_threads() -> int:
+    """The threads the compiled kernels may use at most (OpenMP's count; 1 on the numpy path)."""
+    return int(_C.features()["max_threads"]) if _compiled_on else 1
+
+
 def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
                        scale: float | None = None, window: int = 0,
                        sinks: np.ndarray | None = None) -> np.ndarray | None:

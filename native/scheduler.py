@@ -22,6 +22,8 @@ from typing import Callable
 
 import time
 
+from . import kernels
+from .core_share import CoreShare
 from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
 from .model import Model
 from .sampling import SamplingParams
@@ -52,8 +54,12 @@ class Scheduler:
     so a long prompt never freezes a running stream. `prefill_chunk` fixes the chunk instead."""
 
     def __init__(self, model: Model, n_ctx: int, slots: int = 4, prefill_ratio: float = 2.5,
-                 prefill_chunk: int = 0, speculative: bool = True):
+                 prefill_chunk: int = 0, speculative: bool = True, threads: int | None = None):
         self.model, self.n_ctx = model, n_ctx
+        # compute threads: fixed when given, else as many as the cores other processes leave
+        self.share = None if threads or kernels.max_threads() < 2 else CoreShare(kernels.max_threads())
+        self.threads = threads or (self.share.max_threads if self.share else kernels.max_threads())
+        kernels.set_threads(self.threads)       # process-wide: whatever an earlier scheduler left
         model.use_context(n_ctx)
         self.seqs = [Sequence(model, n_ctx) for _ in range(max(1, slots))]
         self.free = list(range(len(self.seqs)))
@@ -94,7 +100,8 @@ class Scheduler:
     def load(self) -> dict:
         with self.cond:
             return {"active": len(self.active), "prefilling": len(self.prefilling), "waiting": len(self.waiting),
-                    "slots": len(self.seqs), "speculative": dict(self.spec)}
+                    "slots": len(self.seqs), "speculative": dict(self.spec), "threads": self.threads,
+                    "other_processes_cores": round(self.share.others, 2) if self.share else None}
 
     # -- the scheduler thread ------------------------------------------------------------------
 
@@ -110,6 +117,9 @@ class Scheduler:
                         job.slot = self._best_slot(job)
                         self.free.remove(job.slot)
                     admit.append(lead)
+            if self.share is not None and self.share.threads() != self.threads:
+                self.threads = self.share.current
+                kernels.set_threads(self.threads)
             with self.model_lock:
                 for lead in admit:
                     self._start(lead)

@@ -31,10 +31,12 @@ class ProcessSpawner:
         env = {k: v for k, v in os.environ.items() if k not in ("KILN_CONTROL_ENDPOINT", "KILN_KEY_FILE")}
         # OpenMP threads that spin at barriers starve each other when two workers share the
         # cores: a stream fell to 1.5 s per token while a second model loaded and answered
-        # (15 s for 8 tokens). A short spin, then sleep: 0.1 s gaps at worst, the same speed
-        # alone (bench/engine.py: decode 49-57 tok/s either way). A user's own setting wins.
+        # (15 s for 8 tokens) with libgomp's default spin. A worker's scheduler now drops to
+        # the cores other processes leave (native/core_share.py), so a spin of ~2 ms is safe
+        # and keeps barriers fast when alone: 1000 (sleep almost at once) cost 10-20 % of
+        # quiet decode (bench/throughput.py shared_cpu). A user's own setting wins.
         if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
-            env["GOMP_SPINCOUNT"] = "1000"
+            env["GOMP_SPINCOUNT"] = "30000"
         env.update(KILN_WORKER_NAME=name, KILN_ENDPOINT=self.paths.worker_endpoint,
                    KILN_WORKER_KEY_FILE=str(self.paths.worker_keyfile), KILN_WORKER_SETTINGS=json.dumps(settings),
                    KILN_HEARTBEAT_INTERVAL=str(self.heartbeat_interval), KILN_STATE_DIR=str(self.paths.home),

@@ -53,7 +53,8 @@ class InferenceWorker(Worker):
         self.scheduler = Scheduler(self.model, self.n_ctx, int(st.get("parallel") or 4),
                                    prefill_ratio=float(st.get("prefill_ratio") or 2.5),
                                    prefill_chunk=int(st.get("prefill_chunk") or 0),
-                                   speculative=bool(st.get("speculative", True)))
+                                   speculative=bool(st.get("speculative", True)),
+                                   threads=int(st["threads"]) if st.get("threads") else None)
         try:
             self.template = template_for(self.model)
         except TemplateError:
