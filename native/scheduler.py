@@ -250,7 +250,7 @@ class Scheduler:
             job.draft = DraftControl()
         gen = job.gen
         room = min(job.params.max_tokens - gen.n_out - 1, self.n_ctx - cache.n - 2)
-        draft = propose(gen.history, min(MAX_DRAFT, room)) if room > 0 else []
+        draft, source = propose(gen.history, min(MAX_DRAFT, room), job.draft.cursor) if room > 0 else ([], None)
         draft = draft[:job.draft.choose(len(draft), self.costs)]
         if not draft:
             return False
@@ -274,6 +274,7 @@ class Scheduler:
         cache.truncate(base + 1 + accepted)          # t and the accepted draft tokens
         self.costs.record(1 + len(draft), took)
         job.draft.update(len(draft), accepted)
+        job.draft.cursor = source + accepted
         gen.drafted += len(draft)
         gen.accepted += accepted
         self.spec["drafted"] += len(draft)

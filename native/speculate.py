@@ -27,24 +27,32 @@ PROBE_EVERY = 16          # steps without a draft before a one-token probe
 DECAY = 0.9               # per draft: the acceptance estimate follows the last ~10 drafts
 
 
-def propose(history: list[int], k: int, window: int = 4096) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the history's last
-    n tokens (the longest n in MAX_NGRAM..MIN_NGRAM that occurs); [] when none does."""
+def propose(history: list[int], k: int, cursor: int | None = None,
+            window: int = 4096) -> tuple[list[int], int | None]:
+    """Up to k tokens that followed an earlier occurrence of the history's last n tokens (the
+    longest n in MAX_NGRAM..MIN_NGRAM that occurs), and where in the history they begin — or
+    ([], None). The occurrence: the first at or after `cursor` (where the text being copied
+    had got to: the source position just past the last kept draft token), else the latest.
+    A rewrite walks through its source in order, so after it strays (a blank line dropped, a
+    name changed) the next match along the source beats the latest one, which is often the
+    model's own copy of an earlier, similar line."""
     if k <= 0 or len(history) < MIN_NGRAM + 1:
-        return []
-    h = np.asarray(history[-window:], dtype=np.int64)
+        return [], None
+    base = max(0, len(history) - window)
+    h = np.asarray(history[base:], dtype=np.int64)
     for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
         if len(h) <= n:
             continue
         tail = h[-n:]
-        # starts i (i + n < len) where h[i:i+n] == tail, latest first
-        hits = np.flatnonzero(h[:len(h) - n] == tail[0])
-        for i in hits[::-1]:
-            if i + n < len(h) and np.array_equal(h[i:i + n], tail):
-                draft = h[i + n:i + n + k]
-                if len(draft):
-                    return [int(t) for t in draft]
-    return []
+        # starts i (i + n < len) where h[i:i+n] == tail, in order
+        starts = [int(i) for i in np.flatnonzero(h[:len(h) - n] == tail[0])
+                  if np.array_equal(h[i:i + n], tail)]
+        if not starts:
+            continue
+        along = [i for i in starts if cursor is not None and base + i + n >= cursor]
+        i = along[0] if along else starts[-1]
+        return [int(t) for t in h[i + n:i + n + k]], base + i + n
+    return [], None
 
 
 class ForwardCosts:
@@ -97,6 +105,7 @@ class DraftControl:
         self.later = [1.0, 2.0]                  # the same for tokens after a kept one
         self.drafted = self.accepted = 0
         self.skipped = 0                         # steps since the last draft
+        self.cursor: int | None = None           # where in the history the copied text had got to
 
     @property
     def p0(self) -> float:

@@ -86,12 +86,18 @@ def test_a_prompt_prefilled_between_decode_steps_gives_the_same_tokens(default_m
     assert got == alone
 
 
-def test_propose_finds_the_latest_earlier_occurrence():
+def test_propose_finds_the_latest_earlier_occurrence_or_the_next_along_the_source():
     h = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
-    assert propose(h, 3) == [4, 5, 9]
-    assert propose([1, 2, 3], 4) == []
-    assert propose([5, 6, 7, 8, 5, 6], 2) == [7, 8]
-    assert propose(h, 0) == []
+    assert propose(h, 3) == ([4, 5, 9], 3)
+    assert propose([1, 2, 3], 4) == ([], None)
+    assert propose([5, 6, 7, 8, 5, 6], 2) == ([7, 8], 2)
+    assert propose(h, 0) == ([], None)
+    # a source with two similar lines; the copy got past the first: the second one is next
+    src = [7, 1, 2, 3, 0, 8, 1, 2, 4, 0]
+    copied = src + [9, 1, 2, 3, 0, 5, 1, 2]                 # strayed at 9 and 5
+    assert propose(copied, 2) == ([3, 0], 13)               # the latest: the copy's own first line
+    assert propose(copied, 2, cursor=5) == ([4, 0], 8)      # along the source: its second line
+    assert propose(list(range(10)) * 500 + [3, 4], 2, cursor=4000)[1] == 4005   # past the window: absolute
 
 
 def _costs(**ratios):
