@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,24 @@ _SCALAR_TYPES: dict[int, tuple[str, str]] = {
     10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8"),
 }
 _STRING, _ARRAY = 8, 9
+
+# One read-only mapping per file (path, inode, size, mtime), shared by the header parser and the
+# tensor views while any of them is alive: two mappings of the same file count its resident
+# pages twice in RSS (a loaded model read 209-270 MiB for the same memory), which `kiln ps` and
+# the placer read.
+_maps: "weakref.WeakValueDictionary[tuple, np.memmap]" = weakref.WeakValueDictionary()
+_maps_lock = threading.Lock()
+
+
+def _mapping(path: Path) -> np.memmap:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _maps_lock:
+        m = _maps.get(key)
+        if m is None:
+            m = np.memmap(path, dtype=np.uint8, mode="r")
+            _maps[key] = m
+        return m
 
 
 class GGUFError(Exception):
@@ -67,7 +87,7 @@ class GGUFFile:
         """The stored bytes of tensor `name` as a zero-copy uint8 view into the file."""
         info = self.tensor(name)
         if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._map = _mapping(self.path)
         return self._map[info.offset: info.offset + info.n_bytes]
 
     def tensor(self, name: str) -> TensorInfo:
@@ -164,7 +184,7 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
     size = path.stat().st_size
     if size < 24:
         raise GGUFError(f"{path}: not a GGUF file (only {size} bytes)")
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = _mapping(path)
     mv = memoryview(buf)
     if bytes(mv[:4]) != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic {bytes(mv[:4])!r}, expected b'GGUF')")
