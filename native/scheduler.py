@@ -8,8 +8,9 @@ for the whole batch. On the compiled kernels each row is bit-identical to runnin
 alone, so batching never changes an answer.
 
 A prompt is prefilled in chunks between decode steps (sized to a few steps' time while others
-decode), and a request decoding alone may check a prompt-lookup draft in the same forward
-(native/speculate.py) — neither changes a bit of any answer.
+decode), and a request decoding alone may check a draft in the same forward — a prompt-lookup
+one (native/speculate.py) or a draft model's (native/draft_model.py) — neither changes a bit of
+any answer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 
 from . import kernels
 from .core_share import CoreShare
+from .draft_model import DraftModel, DraftState
 from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
 from .model import Model
 from .sampling import SamplingParams
@@ -44,7 +46,8 @@ class Job:
     group: list["Job"] | None = None                            # the jobs sharing this prompt
     show: frozenset = frozenset()                               # control tokens shown as text
     pos: int = 0                                                # prompt tokens in the cache so far
-    draft: DraftControl | None = None                           # prompt-lookup speculation state
+    draft: DraftControl | None = None                           # speculation state
+    draft_state: DraftState | None = None                       # the draft model's cache, if one drafts
     carry: int | None = None        # a token chosen but not yet run (after a rejected draft)
 
 
@@ -54,8 +57,11 @@ class Scheduler:
     so a long prompt never freezes a running stream. `prefill_chunk` fixes the chunk instead."""
 
     def __init__(self, model: Model, n_ctx: int, slots: int = 4, prefill_ratio: float = 2.5,
-                 prefill_chunk: int = 0, speculative: bool = True, threads: int | None = None):
+                 prefill_chunk: int = 0, speculative: bool = True, threads: int | None = None,
+                 draft_model: DraftModel | None = None, draft_min: int = 0):
         self.model, self.n_ctx = model, n_ctx
+        self.draft_model = draft_model          # drafts from a second model, else prompt lookup
+        self.draft_min = draft_min              # check at least this many draft tokens (0: as they pay)
         # compute threads: fixed when given, else as many as the cores other processes leave
         self.share = None if threads or kernels.max_threads() < 2 else CoreShare(kernels.max_threads())
         self.threads = threads or (self.share.max_threads if self.share else kernels.max_threads())
@@ -247,11 +253,22 @@ class Scheduler:
         if not (self.speculative and job.params.speculative and cache.can_rewind):
             return False
         if job.draft is None:
-            job.draft = DraftControl()
+            job.draft = DraftControl(self.draft_min)
         gen = job.gen
         room = min(job.params.max_tokens - gen.n_out - 1, self.n_ctx - cache.n - 2)
-        draft, source = propose(gen.history, min(MAX_DRAFT, room), job.draft.cursor) if room > 0 else ([], None)
-        draft = draft[:job.draft.choose(len(draft), self.costs)]
+        if self.draft_model is not None:
+            k = job.draft.choose(min(MAX_DRAFT, room), self.costs,
+                                 self.draft_model.cost_per_token(self.costs.seconds(1)) or 0.0)
+            if k and job.draft_state is None:
+                job.draft_state = self.draft_model.new_state(self.n_ctx)
+            try:
+                draft, source = (self.draft_model.propose(job.draft_state, gen.history, k) if k else []), None
+            except Exception as e:  # noqa: BLE001 - the draft model failing ends the request, not the worker
+                self._end(job, e)
+                return True
+        else:
+            draft, source = propose(gen.history, min(MAX_DRAFT, room), job.draft.cursor) if room > 0 else ([], None)
+            draft = draft[:job.draft.choose(len(draft), self.costs)]
         if not draft:
             return False
         base = cache.n
@@ -274,7 +291,8 @@ class Scheduler:
         cache.truncate(base + 1 + accepted)          # t and the accepted draft tokens
         self.costs.record(1 + len(draft), took)
         job.draft.update(len(draft), accepted)
-        job.draft.cursor = source + accepted
+        if source is not None:
+            job.draft.cursor = source + accepted
         gen.drafted += len(draft)
         gen.accepted += accepted
         self.spec["drafted"] += len(draft)

@@ -100,7 +100,8 @@ class DraftControl:
     beats a plain step, no draft — but a one-token probe every PROBE_EVERY steps keeps the
     estimate alive for when the text turns repetitive."""
 
-    def __init__(self):
+    def __init__(self, at_least: int = 0):
+        self.at_least = at_least                 # draft at least this many whatever it costs (draft_min)
         self.first = [1.0, 2.0]                  # (kept, tried): the prior, half the first tokens kept
         self.later = [1.0, 2.0]                  # the same for tokens after a kept one
         self.drafted = self.accepted = 0
@@ -121,8 +122,9 @@ class DraftControl:
         run = (1 - p1 ** k) / (1 - p1) if p1 < 1 else float(k)
         return 1.0 + self.p0 * run
 
-    def choose(self, available: int, costs: ForwardCosts) -> int:
-        """How many of `available` proposed tokens to check now (0: a plain step)."""
+    def choose(self, available: int, costs: ForwardCosts, per_token: float = 0.0) -> int:
+        """How many of `available` proposed tokens to check now (0: a plain step); `per_token`:
+        what making each draft token costs, in plain steps (a draft model's forward)."""
         if available <= 0:
             return 0
         best, gain = 0, 1.0 + MIN_GAIN
@@ -130,8 +132,10 @@ class DraftControl:
             r = costs.ratio(k + 1)
             if r is None:
                 break
+            r += k * per_token
             if self.expected(k) / r > gain:
                 best, gain = k, self.expected(k) / r
+        best = max(best, min(self.at_least, available, MAX_DRAFT))
         if best:
             self.skipped = 0
             return best

@@ -147,3 +147,34 @@ def test_forward_costs_take_the_median_and_try_a_size_before_judging_it():
     c.record(3, 0.200)
     c.record(3, 0.200)
     assert c.ratio(3) == pytest.approx(0.2 / 0.011)
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0}, {"temperature": 0.8, "seed": 5}])
+def test_a_draft_model_changes_no_token(default_model, kw):
+    """The default model drafts for itself, four tokens a step (draft_min; on its own the
+    controller would not draft with a model as costly as the served one): greedy keeps nearly
+    every draft token, sampling rejects some — and the text is plain decoding's either way."""
+    from kiln.native.draft_model import DraftModel
+    draft = DraftModel(default_model, default_model)
+    prompt = _chat(default_model, "Write a haiku about the sea.")
+    params = SamplingParams(max_tokens=48, ignore_eos=True, **kw)
+    plain = _collect(Scheduler(default_model, 2048, 1, speculative=False).submit(prompt, params, lambda: False))
+    s = Scheduler(default_model, 2048, 1, draft_model=draft, draft_min=4)
+    ids, fin = _collect(s.submit(prompt, params, lambda: False))
+    assert ids == plain[0]
+    assert fin.drafted >= 4 * 8
+    if kw["temperature"] == 0:
+        assert fin.accepted >= fin.drafted - 4           # at most the last draft cut by max_tokens
+    else:
+        assert 0 < fin.accepted < fin.drafted
+    # the draft cache follows the text: a second request on the same scheduler is still exact
+    again, _ = _collect(s.submit(prompt, params, lambda: False))
+    assert again == plain[0]
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(default_model):
+    from conftest import tiny_path
+    from kiln.native.draft_model import DraftModel, DraftModelError
+    from kiln.native.model import load_model
+    with pytest.raises(DraftModelError, match="vocabularies differ"):
+        DraftModel(load_model(tiny_path("qwen3")), default_model)

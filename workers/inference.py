@@ -18,6 +18,7 @@ from kiln.native.chat_template import TemplateError, render_and_tokenize, templa
 from kiln.native.lora import AdapterError, load_adapter
 
 from kiln.native.generate import ContextLengthError, Finish, Token, embed, score_prompt
+from kiln.native.draft_model import DraftModel, DraftModelError
 from kiln.native.scheduler import Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
@@ -50,11 +51,18 @@ class InferenceWorker(Worker):
         c = self.model.config
         self.n_ctx = int(self.settings.get("ctx") or c.n_ctx_train)
         st = self.settings
+        draft = None
+        if st.get("draft_model"):
+            try:
+                draft = DraftModel(load_model(resolve_model(st["draft_model"]), threads=threads), self.model)
+            except (ModelNotFound, PullError, GGUFError, TokenizerError, DraftModelError) as e:
+                raise BootError(f"draft_model {st['draft_model']!r}: {e}") from None
         self.scheduler = Scheduler(self.model, self.n_ctx, int(st.get("parallel") or 4),
                                    prefill_ratio=float(st.get("prefill_ratio") or 2.5),
                                    prefill_chunk=int(st.get("prefill_chunk") or 0),
                                    speculative=bool(st.get("speculative", True)),
-                                   threads=int(st["threads"]) if st.get("threads") else None)
+                                   threads=int(st["threads"]) if st.get("threads") else None,
+                                   draft_model=draft, draft_min=int(st.get("draft_min") or 0))
         try:
             self.template = template_for(self.model)
         except TemplateError:
