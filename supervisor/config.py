@@ -87,6 +87,26 @@ WORKER_FIELDS: dict[str, Field] = {
 }
 BUILTIN_KINDS = {"inference": "kiln.workers.inference", "moe-stream": "kiln.workers.moe_stream",
                  "trainer": "kiln.workers.trainer", "evaluator": "kiln.workers.evaluator"}
+# the `settings` each built-in kind reads (a custom kind's are passed through unchecked): a
+# misspelt key must fail at load, not be ignored
+_INFERENCE_SETTINGS = {
+    "ctx": "context length (default: the model's trained context)",
+    "parallel": "sequences decoded together (default 4)",
+    "prefill_ratio": "a prompt chunk between decode steps takes this many steps' time (default 2.5)",
+    "prefill_chunk": "a fixed prompt chunk instead (tokens)",
+    "speculative": "check prompt-lookup or draft-model drafts (default true)",
+    "draft_model": "a model with the same vocabulary that drafts tokens (path or library name)",
+    "draft_min": "check at least this many draft tokens a step (default 0: as they pay)",
+}
+KIND_SETTINGS: dict[str, dict[str, str]] = {
+    "inference": _INFERENCE_SETTINGS,
+    "moe-stream": {**_INFERENCE_SETTINGS,
+                   "expert_cache": "expert cache size: 2GiB, 25% (of RAM) or auto",
+                   "cache_policy": "lru, lfu or lrfu (default)",
+                   "direct": "read experts with O_DIRECT (default true)"},
+    "trainer": {},
+    "evaluator": {},
+}
 DEFAULT_WORKERS = {"default": {"kind": "inference", "model": "default"},
                    "trainer": {"kind": "trainer", "model": "default"},
                    "evaluator": {"kind": "evaluator"}}
@@ -171,6 +191,12 @@ def _worker(name: str, table: Any) -> dict:
     if out["kind"] not in BUILTIN_KINDS and not out["module"]:
         raise ConfigError(f"[{where}] kind {out['kind']!r} is not built in "
                           f"(built in: {', '.join(BUILTIN_KINDS)}); give its module")
+    known = KIND_SETTINGS.get(out["kind"]) if not out["module"] else None
+    if known is not None:
+        bad = sorted(set(out["settings"]) - set(known))
+        if bad:
+            allowed = "; ".join(f"{k}: {d}" for k, d in known.items()) or "none"
+            raise ConfigError(f"[{where}] unknown setting(s) {bad} for kind {out['kind']!r}; allowed — {allowed}")
     if not name.replace("-", "").replace("_", "").isalnum():
         raise ConfigError(f"[{where}] worker names use letters, digits, '-' and '_'")
     return out

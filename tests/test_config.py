@@ -30,6 +30,10 @@ def test_precedence_and_sources(tmp_path):
     ("[workers.a]\nmodel = 'x'\n", r"\[workers.a\] needs a kind"),
     ("[workers.a]\nkind = 'inference'\ncolour = 'red'\n", r"unknown key\(s\) \['colour'\]"),
     ("[workers.a]\nkind = 'mystery'\n", r"kind 'mystery' is not built in"),
+    ("[workers.a]\nkind = 'inference'\nsettings = { draft_modle = 'x' }\n",
+     r"unknown setting\(s\) \['draft_modle'\] for kind 'inference'; allowed — ctx: .*draft_model: "),
+    ("[workers.a]\nkind = 'moe-stream'\nsettings = { expert_cahce = '25%' }\n", r"allowed — .*expert_cache: "),
+    ("[workers.a]\nkind = 'evaluator'\nsettings = { parallel = 2 }\n", r"for kind 'evaluator'; allowed — none"),
     ("not toml at all [[[", r"not valid TOML"),
 ])
 def test_bad_files_name_the_key_and_what_is_allowed(tmp_path, text, match):
@@ -47,3 +51,10 @@ def test_bad_environment_values_are_named():
 def test_default_workers_serve_the_default_model():
     c = load_config(env={})
     assert c.workers["default"]["kind"] == "inference" and c.workers["default"]["model"] == "default"
+
+
+def test_a_custom_kind_gets_its_settings_unchecked_and_built_in_ones_known_settings(tmp_path):
+    c = load_config(_file(tmp_path, "[workers.a]\nkind = 'mine'\nmodule = 'my.mod'\nsettings = { anything = 1 }\n"
+                                   "[workers.b]\nkind = 'moe-stream'\nsettings = { expert_cache = 'auto', ctx = 2048 }\n"),
+                    env={})
+    assert c.workers["a"]["settings"] == {"anything": 1} and c.workers["b"]["settings"]["ctx"] == 2048
