@@ -3,13 +3,14 @@ the engine alone for the same prompt, the overhead per request and per token, ag
 with 1, 4 and 8 concurrent streaming clients, and one stream's inter-token gaps (p50/p99/max)
 alone and while a ~450-token prompt arrives mid-stream, with that prompt's time to first token.
 
-    python bench/serve.py [--model default|PATH] [--runs 5] [--tokens 64]
+    python bench/serve.py [--model default|PATH] [--runs 5] [--tokens 64] [--parallel 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import json
 import statistics
 import sys
@@ -21,18 +22,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from daemon_harness import Daemon  # noqa: E402
 
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")     # as the supervisor starts workers; before OpenMP loads
+
 def question(i: int) -> list[dict]:
     """A distinct prompt per run, so no run reuses another's KV cache."""
     return [{"role": "user", "content": f"Write a short story about lighthouse keeper number {i}."}]
 
 
-def stream(base: str, tokens: int, i: int, stamps: list | None = None) -> tuple[float, float, int]:
+def stream(base: str, tokens: int, i: int, stamps: list | None = None,
+           speculative: bool = True) -> tuple[float, float, int]:
     """(time to first token, total time, tokens) for one streaming chat request; `stamps`, if
     given, gets the absolute times (perf_counter) of the first and the last token."""
     host, port = base.removeprefix("http://").split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=600)
     body = {"messages": question(i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "speculative": speculative}
     t0 = time.perf_counter()
     c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = c.getresponse()
@@ -114,6 +118,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--parallel", type=int, default=4, help="the worker's `parallel` setting (sequences decoded together)")
     args = ap.parse_args()
     from kiln.native.chat_template import render_and_tokenize, template_for
     from kiln.native.generate import Sequence
@@ -122,36 +127,42 @@ def main() -> None:
     from kiln.native.sampling import SamplingParams
     path = resolve_model(args.model, pull=args.model == "default")
     model = load_model(path)
-    eng_ttft, eng_rate = [], []
     seq = Sequence(model)            # one cache, as the worker's slots: the template prefix is reused
     seq.generate(render_and_tokenize(template_for(model), model.tokenizer, question(999))[1],
                  SamplingParams(max_tokens=1)).__next__()
-    for run in range(args.runs):
-        ids = render_and_tokenize(template_for(model), model.tokenizer, question(1000 + run))[1]
+
+    def engine_run(i: int) -> tuple[float, float]:
+        ids = render_and_tokenize(template_for(model), model.tokenizer, question(i))[1]
         t0 = time.perf_counter()
         first = None
         for ev in seq.generate(ids, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)):
             first = first or time.perf_counter() - t0
         total = time.perf_counter() - t0
-        eng_ttft.append(first)
-        eng_rate.append((args.tokens - 1) / (total - first))
-    del model
-    out = {"benchmark": "serve", "model": path.name, "prompt_tokens": len(ids), "completion_tokens": args.tokens,
-           "engine": {"ttft_ms": round(statistics.median(eng_ttft) * 1000, 1),
-                      "decode_tok_s": round(statistics.median(eng_rate), 1)}}
+        return first, (args.tokens - 1) / (total - first)
+    n_prompt = len(render_and_tokenize(template_for(model), model.tokenizer, question(1000))[1])
+    out = {"benchmark": "serve", "model": path.name, "prompt_tokens": n_prompt, "completion_tokens": args.tokens}
     with tempfile.TemporaryDirectory() as home:
-        d = Daemon(Path(home), {"default": {"kind": "inference", "model": str(path)}},
+        d = Daemon(Path(home), {"default": {"kind": "inference", "model": str(path),
+                                            "settings": {"parallel": args.parallel}}},
                    supervisor={"heartbeat_interval": 1.0}).start()
         try:
             d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=120, what="model loaded")
             stream(d.http, 4, 0)
-            ttft, rate = [], []
+            # the engine in this process and the same request through HTTP, run by run (pairs):
+            # the machine's drift hits both; drafting off in both, so only the serving path differs
+            eng_ttft, eng_rate, ttft, rate = [], [], [], []
             for run in range(args.runs):
-                f, total, n = stream(d.http, args.tokens, 1000 + run)
+                f, r = engine_run(1000 + run)
+                eng_ttft.append(f)
+                eng_rate.append(r)
+                f, total, n = stream(d.http, args.tokens, 1000 + run, speculative=False)
                 ttft.append(f)
                 rate.append((n - 1) / (total - f))
+            out["engine"] = {"ttft_ms": round(statistics.median(eng_ttft) * 1000, 1),
+                             "decode_tok_s": round(statistics.median(eng_rate), 1)}
             h_ttft, h_rate = statistics.median(ttft), statistics.median(rate)
-            out["http"] = {"ttft_ms": round(h_ttft * 1000, 1), "decode_tok_s": round(h_rate, 1)}
+            out["http"] = {"ttft_ms": round(h_ttft * 1000, 1), "decode_tok_s": round(h_rate, 1),
+                           "decode_vs_engine": round(statistics.median(b / a for a, b in zip(eng_rate, rate)), 2)}
             out["overhead"] = {"per_request_ms": round((h_ttft - statistics.median(eng_ttft)) * 1000, 1),
                                "per_token_ms": round((1 / h_rate - 1 / statistics.median(eng_rate)) * 1000, 2)}
             agg, dec = {}, {}
@@ -179,7 +190,8 @@ def main() -> None:
             out["aggregate_ratio_4_vs_1"] = round(agg["4"] / agg["1"], 2)
             out["aggregate_decode_ratio_4_vs_1"] = round(dec["4"] / dec["1"], 2)
             out["long_prompt_mid_stream"] = long_prompt_interference(d.http, max(1, args.runs // 2))
-            out["aggregate_note"] = ("the worker batches the decode steps of up to `parallel` (4) requests; "
+            out["parallel"] = args.parallel
+            out["aggregate_note"] = ("the worker batches the decode steps of up to `parallel` requests; "
                                      "prompts are prefilled in chunks between decode steps; aggregate_tok_s counts every token "
                                      "over the whole wall time, aggregate_decode_tok_s the tokens after the "
                                      "first of each stream over the decode span; medians of --runs")

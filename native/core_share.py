@@ -51,6 +51,11 @@ class CoreShare:
         self.others = 0.0                         # cores the rest of the machine used, last interval
         self._last = None
 
+    def resume(self) -> None:
+        """The engine was idle: what other processes did meanwhile was not contention (they may
+        use the cores we left), so start again with every thread and look after INTERVAL."""
+        self._last, self.current = None, self.max_threads
+
     def threads(self) -> int:
         now = self.clock()
         if self._last is not None and now - self._last[0] < INTERVAL:

@@ -114,8 +114,12 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self.cond:
+                idle = False
                 while not self.waiting and not self.active and not self.prefilling:
+                    idle = True
                     self.cond.wait()
+                if idle and self.share is not None:
+                    self.share.resume()
                 admit = []
                 while self.waiting and len(self.free) >= len(self.waiting[0].group):
                     lead = self.waiting.popleft()

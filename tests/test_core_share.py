@@ -67,3 +67,16 @@ def test_after_an_idle_spell_it_starts_again_with_every_thread():
     assert s.threads() == 2                       # no judgment from a stale window
     m.advance(INTERVAL, others=0.0, ours=2.0)
     assert s.threads() == 2
+
+
+def test_resuming_after_idle_forgets_what_others_did_meanwhile():
+    m = Machine()
+    s = share(m)
+    s.threads()
+    m.advance(INTERVAL, others=1.0, ours=1.0)
+    assert s.threads() == 1
+    m.advance(1.0, others=2.0, ours=0.0)          # we idled 1 s; another process used the cores
+    s.resume()
+    assert s.threads() == 2                       # not judged from that
+    m.advance(INTERVAL, others=0.1, ours=1.9)
+    assert s.threads() == 2
