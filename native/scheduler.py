@@ -271,8 +271,9 @@ class Scheduler:
                 self._end(job, e)
                 return True
         else:
-            draft, source = propose(gen.history, min(MAX_DRAFT, room), job.draft.cursor) if room > 0 else ([], None)
-            draft = draft[:job.draft.choose(len(draft), self.costs)]
+            draft, source, match = propose(gen.history, min(MAX_DRAFT, room), job.draft.cursor) if room > 0 \
+                else ([], None, 0)
+            draft = draft[:job.draft.choose(len(draft), self.costs, match=match)]
         if not draft:
             return False
         base = cache.n

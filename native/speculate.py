@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,8 +28,13 @@ PROBE_EVERY = 16          # steps without a draft before a one-token probe
 DECAY = 0.9               # per draft: the acceptance estimate follows the last ~10 drafts
 
 
-def propose(history: list[int], k: int, cursor: int | None = None,
-            window: int = 4096) -> tuple[list[int], int | None]:
+class Proposal(NamedTuple):
+    tokens: list[int]
+    source: int | None        # where in the history the tokens begin (None: no proposal)
+    match: int = 0            # how many tokens of the history's tail matched there
+
+
+def propose(history: list[int], k: int, cursor: int | None = None, window: int = 4096) -> Proposal:
     """Up to k tokens that followed an earlier occurrence of the history's last n tokens (the
     longest n in MAX_NGRAM..MIN_NGRAM that occurs), and where in the history they begin — or
     ([], None). The occurrence: the first at or after `cursor` (where the text being copied
@@ -37,7 +43,7 @@ def propose(history: list[int], k: int, cursor: int | None = None,
     name changed) the next match along the source beats the latest one, which is often the
     model's own copy of an earlier, similar line."""
     if k <= 0 or len(history) < MIN_NGRAM + 1:
-        return [], None
+        return Proposal([], None)
     base = max(0, len(history) - window)
     h = np.asarray(history[base:], dtype=np.int64)
     for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
@@ -51,8 +57,8 @@ def propose(history: list[int], k: int, cursor: int | None = None,
             continue
         along = [i for i in starts if cursor is not None and base + i + n >= cursor]
         i = along[0] if along else starts[-1]
-        return [int(t) for t in h[i + n:i + n + k]], base + i + n
-    return [], None
+        return Proposal([int(t) for t in h[i + n:i + n + k]], base + i + n, n)
+    return Proposal([], None)
 
 
 class ForwardCosts:
@@ -94,7 +100,7 @@ class DraftControl:
     """How many of a proposal's tokens to check: the number that makes the most tokens per
     second, from two kept-rates and what a forward of that many rows costs. A proposal is
     either in step with the text or not, so the first token is judged apart from the rest:
-    p0, the chance the first draft token is kept; p1, the chance a token is kept when the one
+    p0, the chance the first draft token is kept (per length of the n-gram match); p1, the chance a token is kept when the one
     before it was (both counts decayed, so they follow the text). A draft of k keeps
     1 + p0 (1 + p1 + … + p1^(k-1)) tokens on average for ratio(k + 1) plain steps; when no k
     beats a plain step, no draft — but a one-token probe every PROBE_EVERY steps keeps the
@@ -102,7 +108,8 @@ class DraftControl:
 
     def __init__(self, at_least: int = 0):
         self.at_least = at_least                 # draft at least this many whatever it costs (draft_min)
-        self.first = [1.0, 2.0]                  # (kept, tried): the prior, half the first tokens kept
+        self.first: dict[int, list] = {}         # match length -> (kept, tried) of first tokens
+        self.match = 0                           # the match length of the proposal being judged
         self.later = [1.0, 2.0]                  # the same for tokens after a kept one
         self.drafted = self.accepted = 0
         self.skipped = 0                         # steps since the last draft
@@ -110,7 +117,8 @@ class DraftControl:
 
     @property
     def p0(self) -> float:
-        return self.first[0] / self.first[1]
+        kept, tried = self.first.get(self.match, (1.0, 2.0))     # the prior: half kept
+        return kept / tried
 
     @property
     def p1(self) -> float:
@@ -122,9 +130,12 @@ class DraftControl:
         run = (1 - p1 ** k) / (1 - p1) if p1 < 1 else float(k)
         return 1.0 + self.p0 * run
 
-    def choose(self, available: int, costs: ForwardCosts, per_token: float = 0.0) -> int:
+    def choose(self, available: int, costs: ForwardCosts, per_token: float = 0.0, match: int = 0) -> int:
         """How many of `available` proposed tokens to check now (0: a plain step); `per_token`:
-        what making each draft token costs, in plain steps (a draft model's forward)."""
+        what making each draft token costs, in plain steps (a draft model's forward); `match`:
+        how long the n-gram behind the proposal is — the first token's kept-rate is kept per
+        length (a 3- or 4-token match is kept far more often than a 2-token one)."""
+        self.match = match
         if available <= 0:
             return 0
         best, gain = 0, 1.0 + MIN_GAIN
@@ -151,7 +162,7 @@ class DraftControl:
         self.drafted += drafted
         self.accepted += accepted
         later_tried = min(accepted, drafted - 1)           # tokens 2.. were judged while the last held
-        for counts, kept, tried in ((self.first, min(accepted, 1), 1),
+        for counts, kept, tried in ((self.first.setdefault(self.match, [1.0, 2.0]), min(accepted, 1), 1),
                                     (self.later, max(accepted - 1, 0), later_tried)):
             counts[0] = DECAY * counts[0] + kept
             counts[1] = DECAY * counts[1] + tried

@@ -88,15 +88,15 @@ def test_a_prompt_prefilled_between_decode_steps_gives_the_same_tokens(default_m
 
 def test_propose_finds_the_latest_earlier_occurrence_or_the_next_along_the_source():
     h = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
-    assert propose(h, 3) == ([4, 5, 9], 3)
-    assert propose([1, 2, 3], 4) == ([], None)
-    assert propose([5, 6, 7, 8, 5, 6], 2) == ([7, 8], 2)
-    assert propose(h, 0) == ([], None)
+    assert propose(h, 3) == ([4, 5, 9], 3, 3)              # (tokens, where they begin, match length)
+    assert propose([1, 2, 3], 4)[:2] == ([], None)
+    assert propose([5, 6, 7, 8, 5, 6], 2) == ([7, 8], 2, 2)
+    assert propose(h, 0)[:2] == ([], None)
     # a source with two similar lines; the copy got past the first: the second one is next
     src = [7, 1, 2, 3, 0, 8, 1, 2, 4, 0]
     copied = src + [9, 1, 2, 3, 0, 5, 1, 2]                 # strayed at 9 and 5
-    assert propose(copied, 2) == ([3, 0], 13)               # the latest: the copy's own first line
-    assert propose(copied, 2, cursor=5) == ([4, 0], 8)      # along the source: its second line
+    assert propose(copied, 2)[:2] == ([3, 0], 13)           # the latest: the copy's own first line
+    assert propose(copied, 2, cursor=5)[:2] == ([4, 0], 8)  # along the source: its second line
     assert propose(list(range(10)) * 500 + [3, 4], 2, cursor=4000)[1] == 4005   # past the window: absolute
 
 
@@ -123,6 +123,19 @@ def test_draft_control_checks_more_of_a_draft_as_it_is_kept_and_cheap():
     assert c.choose(2, cheap) == 2                        # never more than was proposed
     dear = _costs(r2=2.1, r3=3.2, r4=4.3)                 # a row costs more than a step
     assert c.choose(16, dear) == 0
+
+
+def test_the_first_token_is_judged_per_match_length():
+    c = DraftControl()
+    costs = _costs(r2=1.3, r3=1.6, r4=1.9)
+    c.choose(16, costs, match=2)
+    for _ in range(10):
+        c.update(2, 0)                                    # two-token matches: never kept
+    c.choose(16, costs, match=4)
+    for _ in range(10):
+        c.update(3, 3)                                    # four-token matches: always
+    assert c.choose(16, costs, match=2) == 0
+    assert c.choose(16, costs, match=4) >= 2
 
 
 def test_draft_control_stops_when_drafts_are_not_kept_and_probes_later():
