@@ -5,6 +5,7 @@ without a failed request, and a model that cannot fit beside a busy one is refus
 numbers."""
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -87,6 +88,8 @@ def test_a_second_model_loads_beside_a_running_stream_then_unloads(default_model
         assert {"second", default_model_path.stem} <= set(listed), listed
         assert listed[default_model_path.stem]["pinned"] and not listed["second"]["pinned"]
         assert listed["second"]["rss_bytes"] and listed["second"]["expires_at"] > time.time()
+        for m in listed.values():     # each worker says how many threads it computes on, and why
+            assert 1 <= m["threads"] <= os.cpu_count() and m["other_processes_cores"] >= 0, m
 
         status, models = 200, json.loads(urllib.request.urlopen(d.http + "/v1/models", timeout=30).read())
         ids = {m["id"] for m in models["data"]}
