@@ -64,9 +64,7 @@ class CoreShare:
         if busy is None:
             return self.current
         if self._last is not None and now - self._last[0] > STALE:
-            # idle since the last look: what others did then says little about now — start
-            # with every thread and look again after INTERVAL
-            self._last, self.current = None, self.max_threads
+            self.resume()            # no step for a while: as after idling
         if self._last is not None:
             t0, b0, o0 = self._last
             wall = now - t0

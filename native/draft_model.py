@@ -16,14 +16,11 @@ import numpy as np
 
 from .kv_cache import KVCache
 from .model import Model
+from .speculate import ema
 
 
 class DraftModelError(ValueError):
     """The draft model cannot draft for this model; the message says why."""
-
-
-def _ema(old: float | None, new: float, a: float = 0.2) -> float:
-    return new if old is None else (1 - a) * old + a * new
 
 
 class DraftState:
@@ -78,6 +75,6 @@ class DraftModel:
         for _ in range(k - 1):
             logits = self.model.forward([out[-1]], cache)
             out.append(int(np.argmax(logits)))
-        self.step_s = _ema(self.step_s, (time.perf_counter() - t0) / k)
+        self.step_s = ema(self.step_s, (time.perf_counter() - t0) / k)
         state.synced = len(history)
         return out

@@ -29,7 +29,7 @@ from .draft_model import DraftModel, DraftState
 from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
 from .model import Model
 from .sampling import SamplingParams
-from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, propose
+from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, propose
 
 
 @dataclass
@@ -245,7 +245,7 @@ class Scheduler:
                     self._end(job, e)
                 continue
             took = time.perf_counter() - t0
-            self.step_s = _ema(self.step_s, took)
+            self.step_s = ema(self.step_s, took)
             self.costs.record(len(group), took)
             for (job, _), row in zip(group, logits):
                 job.logits = row
@@ -326,10 +326,6 @@ class Scheduler:
             if job.slot is not None and job.slot not in self.free:
                 self.free.append(job.slot)
             job.slot = None
-
-
-def _ema(old: float | None, new: float, a: float = 0.2) -> float:
-    return new if old is None else (1 - a) * old + a * new
 
 
 class _Cancelled(Exception):

@@ -28,6 +28,11 @@ PROBE_EVERY = 16          # steps without a draft before a one-token probe
 DECAY = 0.9               # per draft: the acceptance estimate follows the last ~10 drafts
 
 
+def ema(old: float | None, new: float, a: float = 0.2) -> float:
+    """A moving average (the first value taken as it is)."""
+    return new if old is None else (1 - a) * old + a * new
+
+
 class Proposal(NamedTuple):
     tokens: list[int]
     source: int | None        # where in the history the tokens begin (None: no proposal)
@@ -49,14 +54,17 @@ def propose(history: list[int], k: int, cursor: int | None = None, window: int =
     for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
         if len(h) <= n:
             continue
-        tail = h[-n:]
-        # starts i (i + n < len) where h[i:i+n] == tail, in order
-        starts = [int(i) for i in np.flatnonzero(h[:len(h) - n] == tail[0])
-                  if np.array_equal(h[i:i + n], tail)]
-        if not starts:
+        # starts i (i + n < len) where h[i:i+n] == the tail, in order — whole-array compares
+        # (this runs every step a request decodes alone)
+        last = len(h) - n
+        hit = h[:last] == h[last]
+        for j in range(1, n):
+            hit &= h[j:last + j] == h[last + j]
+        starts = np.flatnonzero(hit)
+        if not len(starts):
             continue
-        along = [i for i in starts if cursor is not None and base + i + n >= cursor]
-        i = along[0] if along else starts[-1]
+        along = starts[base + starts + n >= cursor] if cursor is not None else starts[:0]
+        i = int(along[0] if len(along) else starts[-1])
         return Proposal([int(t) for t in h[i + n:i + n + k]], base + i + n, n)
     return Proposal([], None)
 
