@@ -1,14 +1,14 @@
 """The expert cache: streamed experts kept in fixed slots of one page-aligned buffer.
 
 `ExpertCache` holds a number of slots (one expert's three projections each), evicted by a policy
-of native/expert_policy.py (default `lrfu`, frequency-recency: bench/moe_stream.py replays
-routing traces to compare them). Reads are asynchronous — each projection its own read on a few
-I/O threads (native/expert_io.py: the reads the forward waits for first, then the guesses for the
-next layer, then filling free slots; a guess its layer did not choose is dropped if not yet read)
-— and `run_layer` computes the experts already resident while the rest arrive. `Weight`s are views of the slot: the kernels multiply
-them in place, and the layer's sum is taken in the in-RAM order, so a streamed forward computes
-the same bits as the in-RAM one. A decode step whose chosen experts are all resident runs in the
-one-call compiled decode with `table`, the slots' addresses.
+of native/expert_policy.py (default `lrfu`, frequency-recency: bench/moe_stream.py replays routing
+traces to compare them). Reads are asynchronous — each projection its own read on a few I/O
+threads (native/expert_io.py: the reads the forward waits for first, then the guesses for the next
+layer, then filling free slots; a guess its layer did not choose is dropped if not yet read) — and
+`run_layer` computes the experts already resident while the rest arrive. `Weight`s are views of
+the slot: the kernels multiply them in place, and the layer's sum is taken in the in-RAM order, so
+a streamed forward computes the same bits as the in-RAM one. A decode step whose chosen experts
+are all resident runs in the one-call compiled decode with `table`, the slots' addresses.
 """
 
 from __future__ import annotations
