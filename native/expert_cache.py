@@ -83,6 +83,7 @@ class ExpertCache:
         self.buffer = buffer
         self.data = memoryview(buffer)[head:]                              # slots start page-aligned
         self.entries = np.frombuffer(buffer, _ENTRY, self.slots, _HEADER.size)
+        self.entry_seq = self.entries["seq"]                               # a view: one store per use
         self.identity = zlib.crc32(f"{g.path.name}|{g.file_size}|{g.data_offset}".encode())
         self.index: dict[tuple[int, int], int] = {}                        # (layer, expert) -> slot
         self.views: dict[int, dict[str, Weight]] = {}
@@ -296,7 +297,8 @@ class ExpertCache:
 
     def used(self, layer: int, chosen: np.ndarray, rows: int = 0) -> None:
         """The compiled decode used these resident experts: count the hits, tell the policy."""
-        want = [int(e) for e in np.unique(chosen)]
+        flat = chosen.ravel().tolist()
+        want = flat if len(flat) == chosen.shape[-1] else sorted(set(flat))   # one row's top-k are distinct
         self._begin_layer(layer, want, rows)
         self._fill_idle()
         for e in want:
@@ -324,7 +326,7 @@ class ExpertCache:
     def _touch(self, key: tuple[int, int]) -> None:
         self.seq += 1
         self.policy.touch(key)
-        self.entries[self.index[key]]["seq"] = self.seq
+        self.entry_seq[self.index[key]] = self.seq
 
     def request(self, layer: int, experts, rows: int = 0, pin: bool = True) -> None:
         """Make `experts` of `layer` resident (reads start now, in parallel, and are not waited
