@@ -226,7 +226,7 @@ def run_one(spec: dict) -> dict:
         probe.close()
         cache = ExpertCache(model.gguf, store, slots, policy=spec["policy"])
         if not spec.get("read_ahead", True):
-            cache.RA_PAUSE_TOKENS, cache.ra_paused_until = 0, 1 << 62
+            cache.read_ahead_on = False
         if spec.get("preload"):
             for layer in range(model.config.n_layer):
                 cache.prefetch(layer, range(model.config.n_expert))

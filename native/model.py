@@ -415,7 +415,7 @@ class Model:
         return out
 
 
-    READ_AHEAD_MARGIN = 2      # predicted experts beyond top-k (recall against bytes)
+    READ_AHEAD_MARGIN = 2      # predicted beyond top-k (the recall reported); the cache reads the ranks that pay
 
     def _read_ahead(self, layer: int, L: Layer, x: np.ndarray, normed: bool = False) -> None:
         """Predict the next layer's experts — its router applied to this layer's hidden state
@@ -438,7 +438,7 @@ class Model:
             h = self.norm(x, there)
         k = min(self.config.n_expert, self.config.n_expert_used + self.READ_AHEAD_MARGIN)
         logits = matmul(h, nxt.router)
-        cache.read_ahead(layer + 1, np.unique(np.argsort(-logits, axis=-1, kind="stable")[:, :k]))
+        cache.read_ahead(layer + 1, np.argsort(-logits, axis=-1, kind="stable")[:, :k])
 
     def _streamed_moe(self, layer: int, L: Layer, x: np.ndarray, experts, weights, residual=None) -> np.ndarray:
         """A routed FFN whose experts come from the expert cache. The resident experts are
