@@ -231,12 +231,13 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         goto done;
     L.neox = neox; L.eps = (float)eps; L.E = 1; L.k = 1;
     if (ffn_obj != Py_None) {
-        PyObject *fno, *rto = NULL, *go, *uo, *dwo, *xto = Py_None, *cho = Py_None;
+        PyObject *fno, *rto = NULL, *go, *uo, *dwo, *xto = Py_None, *cho = Py_None, *cwo = Py_None;
         int ok;
-        if (PyTuple_Check(ffn_obj) && (PyTuple_GET_SIZE(ffn_obj) == 11 || PyTuple_GET_SIZE(ffn_obj) == 13)) {
+        Py_ssize_t nf = PyTuple_Check(ffn_obj) ? PyTuple_GET_SIZE(ffn_obj) : 0;
+        if (nf == 11 || nf == 13 || nf == 14) {
             L.ffn = FFN_MOE;
-            ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip|OO", &fno, &rto, &go, &uo, &L.gu_t, &dwo, &L.wd_t,
-                                  &L.n_ff, &L.E, &L.k, &L.normalize, &xto, &cho);
+            ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip|OOO", &fno, &rto, &go, &uo, &L.gu_t, &dwo, &L.wd_t,
+                                  &L.n_ff, &L.E, &L.k, &L.normalize, &xto, &cho, &cwo);
             /* streamed experts: a table of E (gate, up, down) addresses the caller keeps valid
                for the call, and where to write each row's chosen experts */
             if (ok && xto != Py_None) {
@@ -256,6 +257,15 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
                     goto done;
                 }
                 L.chosen = chb->buf;
+            }
+            if (ok && cwo != Py_None) {
+                Py_buffer *cwb = hold(h, cwo, 1);
+                if (!cwb) goto done;
+                if ((size_t)cwb->len < (size_t)B * L.k * 4) {
+                    PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-weights output is smaller than B x k");
+                    goto done;
+                }
+                L.chosen_w = cwb->buf;
             }
         } else {
             L.ffn = FFN_DENSE;
@@ -317,6 +327,48 @@ done:
     return ret;
 }
 
+/* moe_stream(x, ffn_norm, eps, gu_type, wd_type, n_ff, sel, wsel, ptrs, done, dn, threads): a routed
+ * FFN over streamed experts in steps (csrc/layer.c moe_stream_rows); returns how many are left. */
+static PyObject *py_moe_stream(PyObject *self, PyObject *args) {
+    PyObject *xo, *fno, *selo, *wso, *po, *dno, *dneo;
+    LayerSpec L = {0};
+    double eps;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOdiiiOOOOOi", &xo, &fno, &eps, &L.gu_t, &L.wd_t, &L.n_ff, &selo, &wso, &po,
+                          &dno, &dneo, &threads))
+        return NULL;
+    Held *h = calloc(1, sizeof(Held));
+    PyObject *ret = NULL;
+    Py_buffer *xb, *fnb, *sb, *wb, *pb, *db, *dnb;
+    if (!h) { PyErr_NoMemory(); return NULL; }
+    if (!(xb = hold(h, xo, 1)) || !(fnb = hold(h, fno, 0)) || !(sb = hold(h, selo, 0)) || !(wb = hold(h, wso, 0)) ||
+        !(pb = hold(h, po, 0)) || !(db = hold(h, dno, 1)) || !(dnb = hold(h, dneo, 1)))
+        goto done;
+    TypeInfo tg, td;
+    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "moe_stream needs the AVX2 kernels"); goto done; }
+    if (!type_info(L.gu_t, &tg) || !type_info(L.wd_t, &td)) {
+        PyErr_SetString(PyExc_ValueError, "moe_stream: a weight type has no compiled kernel"); goto done;
+    }
+    int n = L.n = (int)(fnb->len / 4);              /* x (B, n), done (B, k): the shapes from the buffers */
+    int B = n ? (int)(xb->len / 4 / n) : 0, k = L.k = B ? (int)(db->len / B) : 0;
+    if (n < 1 || B < 1 || B > MAX_BATCH || k < 1 || k > MAX_K || (size_t)xb->len != (size_t)B * n * 4 ||
+        (size_t)db->len != (size_t)B * k || (size_t)sb->len < (size_t)B * k * 4 || (size_t)wb->len < (size_t)B * k * 4 ||
+        (size_t)pb->len < (size_t)B * k * 3 * 8 || (size_t)dnb->len < (size_t)B * k * n * 4 ||
+        n % tg.block || L.n_ff % td.block || L.n_ff < 1) {
+        PyErr_SetString(PyExc_ValueError, "moe_stream: a buffer is smaller than its shape"); goto done;
+    }
+    L.ffn = FFN_MOE; L.eps = (float)eps; L.ffn_norm = fnb->buf;
+    int nt = pick_threads(threads), left;
+    Py_BEGIN_ALLOW_THREADS
+    left = moe_stream_rows(&L, xb->buf, B, sb->buf, wb->buf, pb->buf, db->buf, dnb->buf, nt);
+    Py_END_ALLOW_THREADS
+    ret = PyLong_FromLong(left);
+done:
+    while (h->n) PyBuffer_Release(&h->b[--h->n]);
+    free(h);
+    return ret;
+}
+
 static PyObject *py_features(PyObject *self, PyObject *noargs) {
     int omp = 0, maxt = 1;
 #ifdef _OPENMP
@@ -346,6 +398,7 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
     {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
     {"decode_layer", py_decode_layer, METH_VARARGS, "one decode step of B sequences through a plain llama layer, in place"},
+    {"moe_stream", py_moe_stream, METH_VARARGS, "moe_stream(x, ffn_norm, eps, gu_type, wd_type, n_ff, sel, wsel, ptrs, done, dn, threads) -> left"},
     {"route", py_route, METH_VARARGS, "route(logits, T, E, k, normalize, experts_out, weights_out)"},
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},

@@ -500,6 +500,26 @@ class ExpertCache:
             self.release(layer, group)
         return out
 
+    def run_ready(self, layer: int, experts, step, rows: int = 0, before_wait=None) -> None:
+        """A layer's experts (no more than the slots hold) computed by `step()` — compiled: it
+        computes what the address table holds and returns how many are left — first over the
+        resident ones, then `before_wait(left)` (the forward reads ahead while this layer's
+        misses are read), then again as each read arrives."""
+        experts = [int(e) for e in experts]
+        self.request(layer, experts, rows)
+        try:
+            self._reap()
+            late = {e: self.pending[(layer, e)] for e in experts if (layer, e) in self.pending}
+            left = step()
+            if before_wait is not None:
+                before_wait(left)
+            for _ in self.arrivals(layer, late):
+                left = step()
+            if left:
+                raise RuntimeError(f"layer {layer}: {left} chosen experts never became resident")
+        finally:
+            self.release(layer, experts)
+
     def _weights_at(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
         v = self.views[self.index[(layer, e)]]
         return v["gate"], v["up"], v["down"]

@@ -265,11 +265,16 @@ class Model:
                     how = "attention"            # a plain provider: the experts fetched in Python
                 else:
                     # streamed experts: one compiled call if the chosen experts are resident (the
-                    # table of where they are); else it stops after the attention, as "attention"
+                    # table of where they are); else it stops after the attention and routing,
+                    # and the FFN runs in compiled steps as the experts arrive
                     chosen = np.empty((len(rows), self.config.n_expert_used), np.int32)
-                    if self._decode_layer(i, L, x, rows, cos, sin, ffn=how, experts=(provider.table[i], chosen)):
+                    chosen_w = np.empty(chosen.shape, np.float32)
+                    if self._decode_layer(i, L, x, rows, cos, sin, ffn=how,
+                                          experts=(provider.table[i], chosen, chosen_w)):
                         provider.used(i, chosen, rows=len(rows))
                         self._read_ahead(i, L, x)
+                        continue
+                    if self._streamed_ffn(i, L, x, chosen, chosen_w):
                         continue
                     ctx.residual = x
                     x = x + self.ffn(i, L, self.norm(x, L.ffn_norm), ctx)
@@ -439,6 +444,34 @@ class Model:
         k = min(self.config.n_expert, self.config.n_expert_used + self.READ_AHEAD_MARGIN)
         logits = matmul(h, nxt.router)
         cache.read_ahead(layer + 1, np.argsort(-logits, axis=-1, kind="stable")[:, :k])
+
+    def _streamed_ffn(self, layer: int, L: Layer, x: np.ndarray, chosen: np.ndarray, chosen_w: np.ndarray) -> bool:
+        """The routed FFN of decode rows (x: the attention's residual, updated in place) whose
+        chosen experts are not all resident, in compiled steps: the resident experts first, then
+        — while the misses are read — the next layer predicted from the partial output and read
+        ahead, then each expert as its read arrives. The operations and the sum are the one-call
+        decode's, so the bits are the in-RAM ones. False (nothing done) when the layer's experts
+        outnumber the cache's slots (the Python path takes them in waves)."""
+        cache, c = self.expert_provider, self.config
+        want = sorted(set(chosen.ravel().tolist()))
+        if len(want) > cache.slots or not hasattr(cache, "run_ready"):
+            return False
+        B, k = chosen.shape
+        ptrs = np.zeros((B, k, 3), np.uint64)
+        done = np.zeros((B, k), np.uint8)
+        dn = np.zeros((B, k, x.shape[1]), np.float32)
+        run = kernels.compiled_module().moe_stream
+        spec = (L.ffn_norm, c.rms_eps, int(L.gate_exps.qtype), int(L.down_exps.qtype), L.gate_exps.shape[1])
+
+        def step() -> int:
+            ptrs[:] = cache.table[layer][chosen]          # 0: not resident yet, skipped
+            return run(x, *spec, chosen, chosen_w, ptrs, done, dn, 0)
+
+        def read_ahead(left: int) -> None:
+            partial = x + np.einsum("bk,bkn->bn", chosen_w * done, dn) if left else x
+            self._read_ahead(layer, L, partial)
+        cache.run_ready(layer, want, step, rows=B, before_wait=read_ahead)
+        return True
 
     def _streamed_moe(self, layer: int, L: Layer, x: np.ndarray, experts, weights, residual=None) -> np.ndarray:
         """A routed FFN whose experts come from the expert cache. The resident experts are

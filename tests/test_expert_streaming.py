@@ -119,7 +119,16 @@ def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e
         fused["calls"] += bool(ok and kw.get("experts", (None,))[0] is not None)
         return ok
     m._decode_layer = count
+    real_ffn = m._streamed_ffn
+
+    def count_ffn(*a):
+        ok = real_ffn(*a)
+        fused["steps"] = fused.get("steps", 0) + ok
+        return ok
+    m._streamed_ffn = count_ffn
     assert np.array_equal(run(), in_ram)
+    if slots_per_layer < 8:
+        assert fused.get("steps", 0) > 0          # layers whose experts arrived during the FFN
     st = c.stats()
     assert st["misses"] > 0 and st["used"] <= c.slots
     if slots_per_layer >= 3:

@@ -204,6 +204,7 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     const uint64_t *xtab;     /* FFN_MOE: per-expert addresses (gate, up, down) — experts streamed
                                  into a cache's slots — instead of wg/wu/wd; NULL: stacked */
     int32_t *chosen;          /* FFN_MOE: each row's k chosen experts written here, if not NULL */
+    float *chosen_w;          /* and their weights, if not NULL */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */
@@ -213,4 +214,6 @@ typedef struct {              /* one sequence's row of a decode step */
 } DecodeRow;
 
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
+int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
+                    const uint64_t *ptrs, uint8_t *done, float *dn, int nt);
 #endif

@@ -252,6 +252,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             #pragma omp single
             for (int r = 0; r < B * L->k; r++) {
                 if (L->chosen) L->chosen[r] = sel_all[r];
+                if (L->chosen_w) L->chosen_w[r] = wsel_all[r];
                 if (!L->xtab[3 * sel_all[r]]) missing = 1;
             }
             if (!missing)
@@ -274,4 +275,71 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     free(wsel_all); free(sel_all);
 #endif
     return missing;
+}
+
+/* The routed FFN of B decode rows whose chosen experts are being streamed into cache slots, in
+ * steps: x (B, n) holds the attention's residual (decode_layer_rows stopped there), sel/wsel each
+ * row's k chosen experts (ascending) and weights. Each call computes every (row, j) whose address
+ * triple in ptrs (B, k, 3) is set and which is not yet done into dn (B, k, n) — the same
+ * operations as moe_row — and marks it done; a row whose k are all done gets its weighted sum
+ * added to x in ascending order, as moe_row adds it. Returns how many (row, j) are left, so the
+ * caller can call again as the remaining reads arrive. */
+int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
+                    const uint64_t *ptrs, uint8_t *done, float *dn, int nt) {
+    int n = L->n, n_ff = L->n_ff, k = L->k, left = 0;
+    TypeInfo tg, td;
+    type_info(L->gu_t, &tg); type_info(L->wd_t, &td);
+    size_t d_row = (size_t)(n_ff / td.block) * td.bytes;
+    float *f = malloc((size_t)n * 4), *g = malloc((size_t)k * n_ff * 4), *u = malloc((size_t)k * n_ff * 4);
+    Act ag, ad;
+    act_alloc(&ag, &tg, f, 1, n); act_alloc(&ad, &td, g, k, n_ff);
+    #pragma omp parallel num_threads(nt)
+    for (int b = 0; b < B; b++) {
+        int todo[MAX_K], m = 0;                   /* every thread builds the same list */
+        for (int j = 0; j < k; j++)
+            if (!done[(size_t)b * k + j] && ptrs[((size_t)b * k + j) * 3]) todo[m++] = j;
+        if (!m) continue;
+        const uint8_t *Wgu[2 * MAX_K];
+        int Ngu[2 * MAX_K];
+        float *Ogu[2 * MAX_K];
+        for (int i = 0; i < m; i++) {
+            const uint64_t *p = ptrs + ((size_t)b * k + todo[i]) * 3;
+            Wgu[2 * i] = (const uint8_t *)(uintptr_t)p[0]; Wgu[2 * i + 1] = (const uint8_t *)(uintptr_t)p[1];
+            Ngu[2 * i] = Ngu[2 * i + 1] = n_ff;
+            Ogu[2 * i] = g + (size_t)i * n_ff; Ogu[2 * i + 1] = u + (size_t)i * n_ff;
+        }
+        #pragma omp single
+        { rms_row(x + (size_t)b * n, L->ffn_norm, f, n, L->eps); act_row(&ag, 0, n); }
+        rows_dot(&ag, 1, n, L->gu_t, &tg, 2 * m, Wgu, Ngu, Ogu);
+        #pragma omp single
+        for (int i = 0; i < m; i++) {
+            swiglu_row(g + (size_t)i * n_ff, u + (size_t)i * n_ff, n_ff);
+            act_row(&ad, i, n_ff);
+        }
+        #pragma omp for schedule(static)
+        for (int r = 0; r < m * n; r++) {
+            int i = r / n, row = r % n;
+            const uint64_t *p = ptrs + ((size_t)b * k + todo[i]) * 3;
+            dn[((size_t)b * k + todo[i]) * n + row] = dot_row(L->wd_t, &td, (const uint8_t *)(uintptr_t)p[2] + (size_t)row * d_row, &ad, i, n_ff);
+        }
+        #pragma omp single
+        {
+            for (int i = 0; i < m; i++) done[(size_t)b * k + todo[i]] = 1;
+            int all = 1;
+            for (int j = 0; j < k; j++) all &= done[(size_t)b * k + j];
+            if (all) {
+                float *xb = x + (size_t)b * n;
+                const float *wb = wsel + (size_t)b * k, *db = dn + (size_t)b * k * n;
+                for (int i = 0; i < n; i++) {
+                    float acc = 0.f;          /* the step path's zeros, += weight * expert out, in order */
+                    for (int j = 0; j < k; j++) acc = acc + wb[j] * db[(size_t)j * n + i];
+                    xb[i] = xb[i] + acc;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < B * k; r++) left += !done[r];
+    act_free(&ag); act_free(&ad);
+    free(f); free(g); free(u);
+    return left;
 }
