@@ -11,7 +11,8 @@ layers × 64 experts (4 used), n_embd 1024, expert FFN 1536, Q4_0: 2.7 GB of exp
 - **streamed** (O_DIRECT into the expert cache) for each policy × budget (% of the expert
   bytes): tok/s after the warm-up, hit rate, bytes read per token, read GB/s while reads were in
   flight (and as a fraction of raw), decode stall per token, read-ahead recall and waste;
-  also a 100 % cache with every expert loaded first (the cost of the hit path alone);
+  also a cache holding every expert against in-RAM decode in one process, blocks of 16 tokens
+  alternating on the same sequence (the cost of the hit path alone, free of the machine's drift);
 - **page cache**: the same model with its experts read through mmap — the OS's own caching —
   under the same memory limit as the streamed run of that budget;
 - **traces**: routing recorded from real text through the tiny MoE references and the MoE-fied
@@ -25,7 +26,7 @@ page cache (posix_fadvise DONTNEED) before each. Without cgroups the page-cache 
 skipped and the JSON says why.
 
     python bench/moe_stream.py [--warmup 32] [--tokens 128] [--budgets 10,25,50,100]
-                               [--policies lru,lfu,lrfu] [--plot F.png]
+                               [--policies lru,lfu,lrfu] [--repeat 1] [--plot F.png]
                                [--layers 16 --experts 64 --used 4 --embd 1024 --ff 1536]
 
 The plot needs matplotlib (`pip install matplotlib`); without it the JSON is still printed.
@@ -203,9 +204,52 @@ def figures(before: dict, after: dict, raw_gb_s: float) -> dict:
 
 # -- one configuration, in its own process ----------------------------------------------------------
 
+def resident_vs_ram(spec: dict) -> dict:
+    """The cost of the hit path alone, in one process: the cache holds every expert, and blocks
+    of decode steps alternate between the streamed forward (through the cache's address table)
+    and the in-RAM one on the same sequence — so the machine's drift, which moves whole runs
+    by 30 % on shared vCPUs, falls on both alike. Returns the median of the block ratios."""
+    from kiln.native.expert_cache import ExpertCache
+    from kiln.native.expert_store import ExpertStore
+    from kiln.native.model import load_model
+    path = Path(spec["path"])
+    model = load_model(path)
+    with open(path, "rb", buffering=0) as f:              # the in-RAM side reads the mapped file
+        while f.read(64 << 20):
+            pass
+    c = model.config
+    cache = ExpertCache(model.gguf, ExpertStore(path, direct=True), c.n_layer * c.n_expert)
+    for layer in range(c.n_layer):
+        cache.prefetch(layer, range(c.n_expert))
+    block, rounds = 16, max(4, spec["tokens"] // 16)
+    steps = np.random.default_rng(7).integers(0, c.n_vocab, spec["warmup"] + 2 * block * rounds).tolist()
+    kv = model.new_cache(len(steps) + 32)
+    model.forward(model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")[:12], kv)
+    for tok in steps[:spec["warmup"]]:
+        model.forward([tok], kv)
+    times: dict = {"stream": [], "ram": []}
+    at = spec["warmup"]
+    for r in range(rounds):
+        for mode in ("stream", "ram") if r % 2 == 0 else ("ram", "stream"):
+            model.expert_provider = cache if mode == "stream" else None
+            t = time.perf_counter()
+            for tok in steps[at:at + block]:
+                model.forward([tok], kv)
+            times[mode].append((time.perf_counter() - t) / block)
+            at += block
+    cache.close()
+    ratios = [r / s for s, r in zip(times["stream"], times["ram"])]
+    return {"mode": "all_resident_interleaved", "blocks": rounds, "block_tokens": block,
+            "stream_tok_s": round(1 / statistics.median(times["stream"]), 2),
+            "in_ram_tok_s": round(1 / statistics.median(times["ram"]), 2),
+            "vs_ram": round(statistics.median(ratios), 3), "vs_ram_blocks": [round(x, 3) for x in ratios]}
+
+
 def run_one(spec: dict) -> dict:
     """spec: {path, mode: ram|stream|pagecache, budget_pct, policy, read_ahead, preload, warmup,
-    tokens, raw_gb_s}."""
+    tokens, raw_gb_s}; mode all_resident: resident_vs_ram."""
+    if spec["mode"] == "all_resident":
+        return resident_vs_ram(spec)
     from kiln.native.expert_cache import ExpertCache
     from kiln.native.expert_store import ExpertStore
     from kiln.native.model import load_model
@@ -386,6 +430,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--budgets", default="10,25,50,100")
     ap.add_argument("--policies", default="lru,lfu,lrfu")
+    ap.add_argument("--repeat", type=int, default=1, help="in-RAM/streamed pairs per policy and budget")
     ap.add_argument("--skip-traces", action="store_true")
     ap.add_argument("--plot", default=str(ROOT / ".cache" / "bench" / "moe_stream.png"))
     args = ap.parse_args()
@@ -420,7 +465,8 @@ def main() -> None:
     for pct in budgets:
         limit = non_expert + args.layers * args.experts * slot_bytes * pct // 100 + runtime
         for policy in args.policies.split(","):
-            streamed.append(paired({**base, "mode": "stream", "budget_pct": pct, "policy": policy}, limit, ram))
+            for _ in range(args.repeat):
+                streamed.append(paired({**base, "mode": "stream", "budget_pct": pct, "policy": policy}, limit, ram))
         if pct < 100:
             streamed.append(paired({**base, "mode": "stream", "budget_pct": pct, "policy": "lrfu", "read_ahead": False},
                                    limit, ram))
@@ -428,11 +474,10 @@ def main() -> None:
             if p.get("memory_limit_bytes") is None:
                 p["note"] = "no cgroup memory controller writable here: the page cache was not limited"
             page.append(p)
-    pre = [paired({**base, "mode": "stream", "budget_pct": 100, "policy": "lrfu", "preload": True}, None, ram)
-           for _ in range(2)]
+    pre = measure({**base, "mode": "all_resident"})
     out["in_ram_tok_s"] = statistics.median(r["tok_s"] for r in ram if "tok_s" in r)
     out["streamed"], out["page_cache"] = streamed, page
-    out["all_resident"] = {"runs": pre, "vs_ram": statistics.median(r["vs_ram"] for r in pre if r.get("vs_ram"))}
+    out["all_resident"] = pre
     if not args.skip_traces:
         models = {"synthetic": path,
                   **{f"tiny-{a}": ROOT / "tests" / "data" / "tiny" / f"tiny-{a}.gguf"

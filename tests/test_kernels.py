@@ -110,6 +110,14 @@ def test_bad_buffers_are_refused_not_read_past():
         C.matmul(np.zeros(60, np.float32), w.raw, int(Q.Q4_0), 1, 60, 8, np.zeros(8, np.float32), 0)
     with pytest.raises(ValueError, match="experts"):
         C.route(np.zeros(8, np.float32), 1, 8, 9, False, np.zeros(9, np.int32), np.zeros(9, np.float32))
+    # the streamed FFN steps: one row of 64, k = 2 — a pointer table one expert short
+    x, norm = np.zeros((1, 64), np.float32), np.ones(64, np.float32)
+    sel, wsel, done = np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float32), np.zeros((1, 2), np.uint8)
+    with pytest.raises(ValueError, match="moe_stream: a buffer is smaller than its shape"):
+        C.moe_stream(x, norm, 1e-5, int(Q.Q4_0), int(Q.Q4_0), 32, sel, wsel, np.zeros((1, 1, 3), np.uint64), done,
+                     np.zeros((1, 2, 64), np.float32), 0)
+    assert C.moe_stream(x, norm, 1e-5, int(Q.Q4_0), int(Q.Q4_0), 32, sel, wsel, np.zeros((1, 2, 3), np.uint64),
+                        done, np.zeros((1, 2, 64), np.float32), 0) == 2      # nothing resident: both left
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F32], ids=lambda t: t.name)
