@@ -83,8 +83,17 @@ def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8
 def test_rss_stays_within_non_expert_weights_plus_cache_while_generating(e8k2_path, tmp_path):
     """While generating, RSS above what the booted worker held (Python, tokenizer, the mapped but
     untouched file) ≤ 1.15 × (non-expert weights + cache segment + KV cache), with a cache of a
-    third of the experts."""
+    third of the experts.
+
+    The file is dropped from the page cache first: pages of it that other tests left cached are
+    mapped into the worker by the kernel's fault-around when it touches the non-expert tensors
+    beside them (~40 MB of experts counted in RSS though never read), which made this flaky."""
     import threading
+    fd = os.open(e8k2_path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "16MiB")}) as d:
         ready(d)
         peak = 0
