@@ -102,6 +102,7 @@ class ExpertCache(ReadAhead):
         self.seq = 0
         # next-layer prediction (Model asks; the cache keeps the score)
         self.inflight_hits = 0
+        self.read_errors, self.last_read_error = 0, None
         self._init_read_ahead()
         self._filling: set = set()
         self._fill_order = ((layer, e) for layer in sorted({k[0] for k in self.map}) for e in range(self.n_expert))
@@ -188,6 +189,9 @@ class ExpertCache(ReadAhead):
         self._io_started()
         try:
             self.store.read_into(self.data[base: base + self.part_bytes[p]], off, n)
+        except OSError as exc:                  # say which expert, where: the disk's words alone do not
+            raise OSError(exc.errno, f"reading expert {e} of layer {layer} ({s.name}, {n} bytes at {off}) "
+                                     f"from {self.store.path}: {exc.strerror or exc}") from exc
         finally:
             self._io_done(self.store.span(off, n)[1])
 
@@ -221,8 +225,8 @@ class ExpertCache(ReadAhead):
         if key is None:
             if speculative:
                 return None
-            for k in list(self.pending):
-                self._wait(k)
+            for fut in list(self.pending.values()):
+                fut.exception()                  # wait; a failure is dropped and counted by _reap
             for fut, _ in self.cancelling:
                 fut.exception()
             self._reap()
@@ -242,10 +246,16 @@ class ExpertCache(ReadAhead):
 
     def _reap(self) -> None:
         """Finished reads become resident: placed in the address table, evictable again; the
-        slots of cancelled reads that have stopped are free again."""
+        slots of cancelled reads that have stopped are free again. A read that failed and that
+        no forward is waiting for is dropped (counted in `read_errors`): the next request for
+        that expert reads it again, so one bad moment of the disk fails only the forward that
+        waited for it."""
         if self.pending:
             for k in [k for k, fut in self.pending.items() if fut.done()]:
-                self._wait(k)
+                try:
+                    self._wait(k)
+                except Exception:                # noqa: BLE001 — recorded by _wait
+                    pass
         if self.cancelling:
             still = []
             for fut, slot in self.cancelling:
@@ -264,10 +274,13 @@ class ExpertCache(ReadAhead):
         try:
             self.views[self.index[key]] = views = fut.result()
             self._placed(key, views)
-        except BaseException:
+        except BaseException as exc:
             slot = self.index.pop(key)
             self.policy.remove(key)
             self.free.append(slot)
+            self.speculative.pop(key, None)
+            self.read_errors += 1
+            self.last_read_error = str(exc)
             raise
         finally:
             self.wait_seconds += time.perf_counter() - t0
@@ -360,7 +373,7 @@ class ExpertCache(ReadAhead):
         FILL_IN_FLIGHT reads at a time, and only when no read the forward waits for is out."""
         if not self.free:
             return
-        self._reap()                                         # a read failure surfaces here
+        self._reap()
         if any(k not in self._filling for k in self.pending):
             return
         self._filling &= set(self.pending)
@@ -392,7 +405,9 @@ class ExpertCache(ReadAhead):
             if fut is None:
                 return
             e = waiting[fut]
-            self._wait((layer, e))
+            self._wait((layer, e))               # placed — or dropped, raising the read's error
+            if fut.exception() is not None:      # dropped before by a _reap: still this forward's error
+                raise fut.exception()
             yield e
 
     def prefetch(self, layer: int, experts, rows: int = 0) -> None:
@@ -406,7 +421,11 @@ class ExpertCache(ReadAhead):
         key = (layer, int(e))
         if key not in self.index:
             self.request(layer, [e], pin=False)
-        self._wait(key)
+        fut = self.pending.get(key)
+        self._wait(key)                          # raises the read's error
+        if key not in self.index:                # failed, and dropped by a _reap before this wait
+            raise (fut.exception() if fut is not None and fut.exception() is not None
+                   else OSError(f"expert {e} of layer {layer} could not be read: {self.last_read_error}"))
         return self._weights_at(layer, int(e))
 
     def run_layer(self, layer: int, experts, compute, rows: int = 0, before_wait=None) -> dict:
@@ -419,20 +438,23 @@ class ExpertCache(ReadAhead):
         wave = len(experts) if len(experts) <= self.slots else max(1, self.slots // 2)
         waves = [experts[i:i + wave] for i in range(0, len(experts), wave)]
         out = {}
-        self.request(layer, waves[0], rows)
-        for n, group in enumerate(waves):
-            if n + 1 < len(waves):
-                self.request(layer, waves[n + 1])
-            self._reap()
-            late = {e: self.pending[(layer, e)] for e in group if (layer, e) in self.pending}
-            for e in group:
-                if e not in late:
+        try:
+            self.request(layer, waves[0], rows)
+            for n, group in enumerate(waves):
+                if n + 1 < len(waves):
+                    self.request(layer, waves[n + 1])
+                self._reap()
+                late = {e: self.pending[(layer, e)] for e in group if (layer, e) in self.pending}
+                for e in group:
+                    if e not in late:
+                        out[e] = compute(e, self._weights_at(layer, e))
+                if n == 0 and before_wait is not None:
+                    before_wait(out)
+                for e in self.arrivals(layer, late):
                     out[e] = compute(e, self._weights_at(layer, e))
-            if n == 0 and before_wait is not None:
-                before_wait(out)
-            for e in self.arrivals(layer, late):
-                out[e] = compute(e, self._weights_at(layer, e))
-            self.release(layer, group)
+                self.release(layer, group)
+        finally:                                 # a failed read: nothing of this layer stays pinned
+            self.release(layer, experts)
         return out
 
     def run_ready(self, layer: int, experts, step, rows: int = 0, before_wait=None) -> None:
@@ -441,8 +463,8 @@ class ExpertCache(ReadAhead):
         resident ones, then `before_wait(left)` (the forward reads ahead while this layer's
         misses are read), then again as each read arrives."""
         experts = [int(e) for e in experts]
-        self.request(layer, experts, rows)
         try:
+            self.request(layer, experts, rows)
             self._reap()
             late = {e: self.pending[(layer, e)] for e in experts if (layer, e) in self.pending}
             left = step()
@@ -477,4 +499,5 @@ class ExpertCache(ReadAhead):
                 "read_ms_per_token": round(1000 * self.read_seconds / self.tokens, 3) if self.tokens else None,
                 "bytes_read_per_token": round(self.bytes_read / self.tokens) if self.tokens else None,
                 "hits_in_flight": self.inflight_hits, "fill_reads": self.fill_reads,
+                "read_errors": self.read_errors, "last_read_error": self.last_read_error,
                 "read_ahead": self.read_ahead_stats()}

@@ -182,3 +182,42 @@ def test_a_guess_its_layer_did_not_choose_is_cancelled_and_its_slot_freed(e8k2_p
     assert len(c.free) == free_before + 2 - 1      # the guesses' slots back, one taken by expert 0
     assert not c.cancelling and set(c.index) == {(3, 0)}
     c.close()
+
+
+@pytest.mark.parametrize("during", ["prompt", "decode"])
+def test_a_failed_expert_read_fails_the_forward_with_where_and_loses_nothing(e8k2_path, monkeypatch, during):
+    """An I/O error reading an expert fails that forward — a prompt's (the Python path) or a
+    decode step's (the compiled steps) — with which expert, which file and the disk's words; the
+    slot it was read into goes back, nothing stays pinned, and the next forward (the disk well
+    again) gives the in-RAM logits."""
+    real = os.preadv
+    m = load_model(e8k2_path)
+    ids = reference("smollm2-moe-e8k2")[0]["prompts"][1]["ids"]
+    in_ram = m.forward(ids, m.new_cache(), all_logits=True)
+    c = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=30 * 2)
+    m.expert_provider = c
+    kv = m.new_cache(len(ids) + 300)
+    if during == "decode":
+        m.forward(ids, kv)
+    # layer 5's experts that must be read again fail: one byte of each up projection that no
+    # aligned read of another expert covers
+    up = expert_map(m.gguf)[(5, "up")]
+    bad = [off + n // 2 for off, n in (up.range(e) for e in range(8) if (5, e) not in c.index)]
+
+    def failing(fd, buffers, offset):
+        if any(offset <= b < offset + len(buffers[0]) for b in bad):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(os, "preadv", failing)
+    steps = iter(np.random.default_rng(5).integers(0, m.config.n_vocab, 256).tolist())
+    with pytest.raises(OSError, match=r"reading expert \d of layer 5 \(blk\.5\.ffn_up_exps\.weight.*Input/output error") as err:
+        if during == "prompt":
+            m.forward(ids, m.new_cache(), all_logits=True)
+        for t in steps:                           # until layer 5 chooses one of them
+            m.forward([t], kv)
+    monkeypatch.setattr(os, "preadv", real)
+    e = int(str(err.value).split("reading expert ")[1].split()[0])
+    assert (5, e) not in c.index and not c.busy
+    assert c.stats()["read_errors"] >= 1 and "Input/output error" in c.stats()["last_read_error"]
+    assert len(c.free) + len(c.index) + len(c.cancelling) == c.slots
+    assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
