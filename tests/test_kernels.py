@@ -62,7 +62,7 @@ def simd(request):
 
 
 @pytest.mark.parametrize("qtype", sorted(kernels.COMPILED_TYPES, key=int), ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 6])          # one decode row; a tile of 4 and a remainder
+@pytest.mark.parametrize("rows", [1, 6, 13])      # one decode row; a tile of 4 and a remainder; 8 + 4 + 1
 def test_every_type_equals_dequantize_and_numpy(qtype, rows, simd):
     rng = np.random.default_rng(int(qtype) * 10 + rows)
     n_in = 512                                         # two K-quant super-blocks
@@ -76,13 +76,14 @@ def test_every_type_equals_dequantize_and_numpy(qtype, rows, simd):
     assert err <= bar, f"{qtype.name} ({simd}): relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16],
+                         ids=lambda t: t.name)
 def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype):
     rng = np.random.default_rng(7)
     w = random_weight(qtype, 64, 256, rng)
-    x = rng.standard_normal((7, 256)).astype(np.float32)
+    x = rng.standard_normal((15, 256)).astype(np.float32)     # the 8-, 4- and 3-row kernels
     together = kernels.matmul(x, w)
-    alone = np.concatenate([kernels.matmul(x[i:i + 1], w) for i in range(7)])
+    alone = np.concatenate([kernels.matmul(x[i:i + 1], w) for i in range(15)])
     many = kernels.matmul_many(x, [w, w])
     assert np.array_equal(together, alone) and all(np.array_equal(together, m) for m in many)
 

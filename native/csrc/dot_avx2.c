@@ -3,8 +3,9 @@
  * so a product is the bits llama.cpp computes (see tests/data/README.md for where llama.cpp
  * itself takes other paths). Activations come quantized by quant.c (Q8_K with its 16-value sums,
  * d positive: ggml's sign convention gives the same products). Compiled with target attributes;
- * quant.c calls in only when the CPU has AVX2, FMA and F16C. Four-row variants share a weight
- * block's unpacking across four activation rows and keep each row's operations in order. */
+ * quant.c calls in only when the CPU has AVX2, FMA and F16C. Multi-row variants (8, 4, 3, 2 rows)
+ * share a weight block's unpacking across the activation rows and keep each row's operations in
+ * order, so a row's bits do not depend on the batch it is in. */
 #include "kiln.h"
 
 #ifdef KILN_X86
@@ -47,11 +48,11 @@ AVX2 static inline __attribute__((always_inline)) __m256i block_values(int type,
 AVX2 static inline __attribute__((always_inline)) __m256 block_dot(int type, __m256i x, __m256i y) {
     return HAS_MIN(type) ? sum_u8_i8(x, y) : sum_i8_pairs(x, y);
 }
-/* R (1 to 4) activation rows from t against one weight row of 32-value blocks: per block, one
+/* R (1 to 8) activation rows from t against one weight row of 32-value blocks: per block, one
  * FMA of d_w * d_x into 8 lanes, the minimum's m * s summed apart (ggml's order per row). */
 AVX2 static inline __attribute__((always_inline)) void dot_q8_blocks(int type, int bytes, int R, const uint8_t *w,
                                                                    const Act *a, int t, int nb, float *r) {
-    __m256 acc[4]; float accm[4];
+    __m256 acc[8]; float accm[8];
     for (int i = 0; i < R; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = 0.f; }
     for (int b = 0; b < nb; b++, w += bytes) {
         const __m256i x = block_values(type, w);
@@ -77,6 +78,9 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_blocks(int type, i
     }                                                                                               \
     AVX2 static void dot2_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
         dot_q8_blocks(TYPE, BYTES, 2, w, a, t, nb, r);                                              \
+    }                                                                                               \
+    AVX2 static void dot8_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
+        dot_q8_blocks(TYPE, BYTES, 8, w, a, t, nb, r);                                              \
     }
 Q8_KERNELS(q4_0, T_Q4_0, 18)
 Q8_KERNELS(q4_1, T_Q4_1, 20)
@@ -514,6 +518,18 @@ void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, f
     case T_Q6_K: dot4_q6_K_avx2(w, a, t, nb, res); break;
     default: dot4_q8_0_avx2(w, a, t, nb, res);
     }
+}
+/* Eight activation rows against one weight row (a batch of 8+ decode rows: one unpacking of each
+ * weight block for all eight), for the Q8-activation types: 0 when the type has none. */
+int dot8_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, float *res) {
+    switch (type) {
+    case T_Q4_0: dot8_q4_0_avx2(w, a, t, nb, res); return 1;
+    case T_Q4_1: dot8_q4_1_avx2(w, a, t, nb, res); return 1;
+    case T_Q5_0: dot8_q5_0_avx2(w, a, t, nb, res); return 1;
+    case T_Q5_1: dot8_q5_1_avx2(w, a, t, nb, res); return 1;
+    case T_Q8_0: dot8_q8_0_avx2(w, a, t, nb, res); return 1;
+    }
+    return 0;
 }
 /* Two or three activation rows against one weight row, for the Q8-activation types (the rows
  * a batch of 5-7 leaves after its fours, a draft being checked): 0 when the type has none. */

@@ -309,7 +309,9 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
         int Ni = N[i], t = 0;
 #ifdef KILN_X86
         if (g_avx2 && has_dot4_avx2(type, K)) {
-            int nb = K / ti->block; float res[4];
+            int nb = K / ti->block; float res[8];
+            for (; t + 8 <= T && dot8_avx2(type, w, a, t, nb, res); t += 8)     /* 8 rows: one unpacking */
+                for (int j = 0; j < 8; j++) o[(size_t)(t + j) * Ni + n] = res[j];
             for (; t + 4 <= T; t += 4) {
                 dot4_avx2(type, w, a, t, K, nb, res);
                 for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
