@@ -83,6 +83,8 @@ class ExpertCache(ReadAhead):
             raise ValueError(f"cache buffer of {len(buffer)} bytes is too small for {self.slots} slots")
         self.buffer = buffer
         self.data = memoryview(buffer)[head:]                              # slots start page-aligned
+        self.data_address = np.frombuffer(self.data, np.uint8).ctypes.data
+        self.addresses: dict[int, list[int]] = {}                          # slot -> its projections' addresses
         self.entries = np.frombuffer(buffer, _ENTRY, self.slots, _HEADER.size)
         self.entry_seq = self.entries["seq"]                               # a view: one store per use
         self.identity = zlib.crc32(f"{g.path.name}|{g.file_size}|{g.data_offset}".encode())
@@ -113,6 +115,7 @@ class ExpertCache(ReadAhead):
         self.table = np.zeros((n_layers, self.n_expert, 3), np.uint64)
         self.resident = np.zeros(n_layers, np.int64)
         self.expert_count = len({layer for layer, _ in self.map}) * self.n_expert
+        self.resident_count = 0
         self.all_resident = False                # every expert of the model in the cache
         self.warm_slots = self._attach()
         self.free = [i for i in range(self.slots) if i not in set(self.index.values())]
@@ -158,7 +161,7 @@ class ExpertCache(ReadAhead):
         return crc
 
     def _views(self, layer: int, e: int, slot: int) -> dict[str, Weight]:
-        base, out = slot * self.slot_bytes, {}
+        base, out, addrs = slot * self.slot_bytes, {}, []
         for p in PROJECTIONS:
             s = self.map[(layer, p)]
             off, n = s.range(e)
@@ -166,7 +169,9 @@ class ExpertCache(ReadAhead):
             view = self.data[base + off - start: base + off - start + n]
             out[p] = Weight(f"{s.name}[{e}]", s.qtype, s.shape,
                             np.frombuffer(view, dtype=np.uint8).reshape(s.shape[0], n // s.shape[0]))
+            addrs.append(self.data_address + base + off - start)
             base += self.part_bytes[p]
+        self.addresses[slot] = addrs            # for the address table (views' .ctypes is slow)
         return out
 
     # -- reads (in the I/O threads) -------------------------------------------------------------
@@ -292,11 +297,12 @@ class ExpertCache(ReadAhead):
         if views is None:
             self.table[layer, e] = 0
             self.resident[layer] -= 1
-            self.all_resident = False
+            self.resident_count -= 1
         else:
-            self.table[layer, e] = [views[p].raw.ctypes.data for p in PROJECTIONS]
+            self.table[layer, e] = self.addresses[self.index[key]]
             self.resident[layer] += 1
-            self.all_resident = int(self.resident.sum()) == self.expert_count
+            self.resident_count += 1
+        self.all_resident = self.resident_count == self.expert_count
 
     def resident_table(self, layer: int) -> np.ndarray | None:
         """(E, 3) addresses of the layer's experts if every one is resident, else None. The
