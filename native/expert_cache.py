@@ -18,13 +18,14 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future
 
 import numpy as np
 
 from .expert_io import DEMAND, FILL, ExpertRead, ReadPool
 from .expert_policy import make_policy
 from .expert_read_ahead import ReadAhead
+from .expert_runs import LayerRuns
 from .expert_store import PROJECTIONS, ExpertStore, expert_map
 from .gguf_file import GGUFFile
 from .kernels import Weight
@@ -44,7 +45,7 @@ def segment_bytes(g: GGUFFile, store: ExpertStore, budget: int) -> tuple[int, in
     return int(slots), int(ExpertCache.index_bytes(slots) + slots * probe.slot_bytes)
 
 
-class ExpertCache(ReadAhead):
+class ExpertCache(ReadAhead, LayerRuns):
     """Experts in fixed, page-aligned slots; each slot holds gate, up and down. An expert the
     current layer uses, or whose read is in flight, is never evicted.
 
@@ -110,7 +111,7 @@ class ExpertCache(ReadAhead):
         self._fill_order = ((layer, e) for layer in sorted({k[0] for k in self.map}) for e in range(self.n_expert))
         self.fill_reads, self.free_fill_done = 0, False
         # per layer, where each resident expert's projections are: a layer whose experts are all
-        # resident runs in the one-call compiled decode with this table (resident_table)
+        # resident runs in the one-call compiled decode with this table
         n_layers = 1 + max(layer for layer, _ in self.map)
         self.table = np.zeros((n_layers, self.n_expert, 3), np.uint64)
         self.resident = np.zeros(n_layers, np.int64)
@@ -304,15 +305,6 @@ class ExpertCache(ReadAhead):
             self.resident_count += 1
         self.all_resident = self.resident_count == self.expert_count
 
-    def resident_table(self, layer: int) -> np.ndarray | None:
-        """(E, 3) addresses of the layer's experts if every one is resident, else None. The
-        slots stay put until the forward's thread evicts, so they are valid for the call."""
-        if self.resident[layer] < self.n_expert:
-            self._reap()
-            if self.resident[layer] < self.n_expert:
-                return None
-        return self.table[layer]
-
     def used(self, layer: int, chosen: np.ndarray, rows: int = 0) -> None:
         """The compiled decode used these resident experts: count the hits, tell the policy."""
         flat = chosen.ravel().tolist()
@@ -407,94 +399,6 @@ class ExpertCache(ReadAhead):
     def release(self, layer: int, experts) -> None:
         for e in experts:
             self.busy.discard((layer, int(e)))
-
-    def arrivals(self, layer: int, reads: dict):
-        """The experts of `reads` ({expert: its read's future}) in the order their reads end, each
-        made resident as it arrives; the time blocked counts as the forward's wait."""
-        waiting = {fut: e for e, fut in reads.items()}
-        done = as_completed(waiting)
-        while True:
-            t0 = time.perf_counter()
-            fut = next(done, None)
-            self.wait_seconds += time.perf_counter() - t0
-            if fut is None:
-                return
-            e = waiting[fut]
-            self._wait((layer, e))               # placed — or dropped, raising the read's error
-            if fut.exception() is not None:      # dropped before by a _reap: still this forward's error
-                raise fut.exception()
-            yield e
-
-    def prefetch(self, layer: int, experts, rows: int = 0) -> None:
-        """Make `experts` of `layer` resident and wait for them (not pinned)."""
-        want = list(experts)[:self.slots]
-        self.request(layer, want, rows, pin=False)
-        for e in want:
-            self._wait((layer, int(e)))
-
-    def weights(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
-        key = (layer, int(e))
-        if key not in self.index:
-            self.request(layer, [e], pin=False)
-        fut = self.pending.get(key)
-        self._wait(key)                          # raises the read's error
-        if key not in self.index:                # failed, and dropped by a _reap before this wait
-            raise (fut.exception() if fut is not None and fut.exception() is not None
-                   else OSError(f"expert {e} of layer {layer} could not be read: {self.last_read_error}"))
-        return self._weights_at(layer, int(e))
-
-    def run_layer(self, layer: int, experts, compute, rows: int = 0, before_wait=None) -> dict:
-        """compute(e, (gate, up, down)) for each of a layer's experts: the resident ones first,
-        then `before_wait(results so far)` (the forward reads ahead from the partial output while
-        the disk is still busy with this layer), then the others as their reads complete. More
-        experts than the cache holds (a prompt's chunk) are taken in waves, each expert read
-        once, the next wave's reads overlapping this wave's compute. Returns {expert: result}."""
-        experts = [int(e) for e in experts]
-        wave = len(experts) if len(experts) <= self.slots else max(1, self.slots // 2)
-        waves = [experts[i:i + wave] for i in range(0, len(experts), wave)]
-        out = {}
-        try:
-            self.request(layer, waves[0], rows)
-            for n, group in enumerate(waves):
-                if n + 1 < len(waves):
-                    self.request(layer, waves[n + 1])
-                self._reap()
-                late = {e: self.pending[(layer, e)] for e in group if (layer, e) in self.pending}
-                for e in group:
-                    if e not in late:
-                        out[e] = compute(e, self._weights_at(layer, e))
-                if n == 0 and before_wait is not None:
-                    before_wait(out)
-                for e in self.arrivals(layer, late):
-                    out[e] = compute(e, self._weights_at(layer, e))
-                self.release(layer, group)
-        finally:                                 # a failed read: nothing of this layer stays pinned
-            self.release(layer, experts)
-        return out
-
-    def run_ready(self, layer: int, experts, step, rows: int = 0, before_wait=None) -> None:
-        """A layer's experts (no more than the slots hold) computed by `step()` — compiled: it
-        computes what the address table holds and returns how many are left — first over the
-        resident ones, then `before_wait(left)` (the forward reads ahead while this layer's
-        misses are read), then again as each read arrives."""
-        experts = [int(e) for e in experts]
-        try:
-            self.request(layer, experts, rows)
-            self._reap()
-            late = {e: self.pending[(layer, e)] for e in experts if (layer, e) in self.pending}
-            left = step()
-            if before_wait is not None:
-                before_wait(left)
-            for _ in self.arrivals(layer, late):
-                left = step()
-            if left:
-                raise RuntimeError(f"layer {layer}: {left} chosen experts never became resident")
-        finally:
-            self.release(layer, experts)
-
-    def _weights_at(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
-        v = self.views[self.index[(layer, e)]]
-        return v["gate"], v["up"], v["down"]
 
     def close(self) -> None:
         for fut in [*self.pending.values(), *(f for f, _ in self.cancelling)]:

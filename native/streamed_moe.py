@@ -41,6 +41,7 @@ def read_ahead(m, layer: int, L, x: np.ndarray, normed: bool = False) -> None:
     logits = matmul(h, nxt.router)
     cache.read_ahead(layer + 1, np.argsort(-logits, axis=-1, kind="stable")[:, :k])
 
+
 def compiled_ffn(m, layer: int, L, x: np.ndarray, chosen: np.ndarray, chosen_w: np.ndarray) -> bool:
     """The routed FFN of decode rows (x: the attention's residual, updated in place) whose
     chosen experts are not all resident, in compiled steps: the resident experts first, then
@@ -63,11 +64,12 @@ def compiled_ffn(m, layer: int, L, x: np.ndarray, chosen: np.ndarray, chosen_w: 
         ptrs[:] = cache.table[layer][chosen]          # 0: not resident yet, skipped
         return run(x, *spec, chosen, chosen_w, ptrs, done, dn, 0)
 
-    def look_ahead(left: int) -> None:
-        partial = x + np.einsum("bk,bkn->bn", chosen_w * done, dn) if left else x
+    def look_ahead() -> None:                       # the residual plus the experts computed so far
+        partial = x if done.all() else x + np.einsum("bk,bkn->bn", chosen_w * done, dn)
         read_ahead(m, layer, L, partial)
     cache.run_ready(layer, want, step, rows=B, before_wait=look_ahead)
     return True
+
 
 def python_ffn(m, layer: int, L, x: np.ndarray, experts, weights, residual=None) -> np.ndarray:
     """A routed FFN whose experts come from the expert cache. The resident experts are

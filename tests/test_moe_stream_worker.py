@@ -1,7 +1,9 @@
 """The moe-stream worker through the daemon: same answers as in RAM, a cache that survives a
 worker crash, and no shared-memory segment left behind."""
 
+import ctypes
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -80,20 +82,45 @@ def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8
     assert shm_files(tmp_path) == []                                     # kiln down unlinked it
 
 
+def cached_bytes(path: Path) -> int:
+    """How much of a file is in the page cache (mincore over a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size, page = os.path.getsize(path), mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        vec = (ctypes.c_ubyte * -(-size // page))()
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec) * page
+
+
 def test_rss_stays_within_non_expert_weights_plus_cache_while_generating(e8k2_path, tmp_path):
     """While generating, RSS above what the booted worker held (Python, tokenizer, the mapped but
     untouched file) ≤ 1.15 × (non-expert weights + cache segment + KV cache), with a cache of a
     third of the experts.
 
-    The file is dropped from the page cache first: pages of it that other tests left cached are
-    mapped into the worker by the kernel's fault-around when it touches the non-expert tensors
-    beside them (~40 MB of experts counted in RSS though never read), which made this flaky."""
+    The file starts out of the page cache. When it sits there in large folios (a process read it
+    whole — earlier tests do), touching a non-expert tensor maps its whole folio, experts beside
+    it included: ~40 MB of never-read experts in RSS (no madvise of the mapping prevents it on
+    this kernel: MADV_DONTNEED zaps whole folios, MADV_RANDOM and MADV_NOHUGEPAGE change nothing).
+    Pages another mapping holds cannot be dropped, so this process's models go first."""
+    import gc
     import threading
+    gc.collect()                                     # models earlier tests left in this process
     fd = os.open(e8k2_path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    cached = cached_bytes(e8k2_path)
+    assert cached <= 4 << 20, f"{cached} bytes of the model stay cached: another process maps it"
     with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "16MiB")}) as d:
         ready(d)
         peak = 0
