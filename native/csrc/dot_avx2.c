@@ -48,39 +48,57 @@ AVX2 static inline __attribute__((always_inline)) __m256i block_values(int type,
 AVX2 static inline __attribute__((always_inline)) __m256 block_dot(int type, __m256i x, __m256i y) {
     return HAS_MIN(type) ? sum_u8_i8(x, y) : sum_i8_pairs(x, y);
 }
-/* R (1 to 8) activation rows from t against one weight row of 32-value blocks: per block, one
- * FMA of d_w * d_x into 8 lanes, the minimum's m * s summed apart (ggml's order per row). */
-AVX2 static inline __attribute__((always_inline)) void dot_q8_blocks(int type, int bytes, int R, const uint8_t *w,
-                                                                   const Act *a, int t, int nb, float *r) {
-    __m256 acc[8]; float accm[8];
-    for (int i = 0; i < R; i++) { acc[i] = _mm256_setzero_ps(); accm[i] = 0.f; }
+/* One activation row against one weight row of 32-value blocks: per block, one FMA of d_w * d_x
+ * into 8 lanes, the minimum's m * s summed apart (ggml's order). */
+AVX2 static inline __attribute__((always_inline)) float dot_q8_row(int type, int bytes, const uint8_t *w,
+                                                                 const Act *a, int t, int nb) {
+    __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
+    for (int b = 0; b < nb; b++, w += bytes) {
+        const size_t blk = (size_t)t * nb + b;
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + blk * 32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * a->d[blk]), block_dot(type, block_values(type, w), y), acc);
+        if (HAS_MIN(type)) accm += H2F(w + 2) * a->s[blk];
+    }
+    return HAS_MIN(type) ? hsum_avx(acc) + accm : hsum_avx(acc);
+}
+/* R (2 to 8) rows from t: each weight block unpacked once; the R products d_w * d_x, and the R
+ * minimum terms m * s, as one vector multiply each (the rows' scales sit side by side in the
+ * block-major copy) — every lane the same IEEE operation on the same operands as the one-row
+ * kernel's scalar, so each row's bits are its one-row bits. */
+AVX2 static inline __attribute__((always_inline)) void dot_q8_rows(int type, int bytes, int R, const uint8_t *w,
+                                                                 const Act *a, int t, int nb, float *r) {
+    __m256 acc[8], accm = _mm256_setzero_ps();
+    float dd[8] __attribute__((aligned(32))), mm[8] __attribute__((aligned(32)));
+    const float *dT = a->dT + t, *sT = a->sT + t;
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += bytes) {
         const __m256i x = block_values(type, w);
-        const float dw = H2F(w);
+        const size_t at = (size_t)b * a->ts;
+        _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(H2F(w)), _mm256_loadu_ps(dT + at)));
+        if (HAS_MIN(type))
+            accm = _mm256_add_ps(accm, _mm256_mul_ps(_mm256_set1_ps(H2F(w + 2)), _mm256_loadu_ps(sT + at)));
         for (int i = 0; i < R; i++) {
-            const size_t blk = (size_t)(t + i) * nb + b;
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + blk * 32));
-            acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a->d[blk]), block_dot(type, x, y), acc[i]);
-            if (HAS_MIN(type)) accm[i] += H2F(w + 2) * a->s[blk];
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + ((size_t)(t + i) * nb + b) * 32));
+            acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + i), block_dot(type, x, y), acc[i]);
         }
     }
-    for (int i = 0; i < R; i++) r[i] = HAS_MIN(type) ? hsum_avx(acc[i]) + accm[i] : hsum_avx(acc[i]);
+    _mm256_store_ps(mm, accm);
+    for (int i = 0; i < R; i++) r[i] = HAS_MIN(type) ? hsum_avx(acc[i]) + mm[i] : hsum_avx(acc[i]);
 }
 #define Q8_KERNELS(name, TYPE, BYTES)                                                               \
     AVX2 static float dot_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb) {            \
-        float r; dot_q8_blocks(TYPE, BYTES, 1, w, a, t, nb, &r); return r;                          \
+        return dot_q8_row(TYPE, BYTES, w, a, t, nb);                                                \
     }                                                                                               \
-    AVX2 static void dot4_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
-        dot_q8_blocks(TYPE, BYTES, 4, w, a, t, nb, r);                                              \
-    }                                                                                               \
-    AVX2 static void dot3_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
-        dot_q8_blocks(TYPE, BYTES, 3, w, a, t, nb, r);                                              \
-    }                                                                                               \
-    AVX2 static void dot2_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
-        dot_q8_blocks(TYPE, BYTES, 2, w, a, t, nb, r);                                              \
-    }                                                                                               \
-    AVX2 static void dot8_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r) {  \
-        dot_q8_blocks(TYPE, BYTES, 8, w, a, t, nb, r);                                              \
+    AVX2 static void dotR_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, int R, float *r) { \
+        switch (R) {                 /* R a constant in each copy: the row loop unrolled */          \
+        case 2: dot_q8_rows(TYPE, BYTES, 2, w, a, t, nb, r); break;                                 \
+        case 3: dot_q8_rows(TYPE, BYTES, 3, w, a, t, nb, r); break;                                 \
+        case 4: dot_q8_rows(TYPE, BYTES, 4, w, a, t, nb, r); break;                                 \
+        case 5: dot_q8_rows(TYPE, BYTES, 5, w, a, t, nb, r); break;                                 \
+        case 6: dot_q8_rows(TYPE, BYTES, 6, w, a, t, nb, r); break;                                 \
+        case 7: dot_q8_rows(TYPE, BYTES, 7, w, a, t, nb, r); break;                                 \
+        default: dot_q8_rows(TYPE, BYTES, 8, w, a, t, nb, r);                                       \
+        }                                                                                           \
     }
 Q8_KERNELS(q4_0, T_Q4_0, 18)
 Q8_KERNELS(q4_1, T_Q4_1, 20)
@@ -509,37 +527,27 @@ int has_dot4_avx2(int type, int K) {
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res) {
     switch (type) {
     case T_F16: dot4_f16_avx2(w, a, t, K, res); break;
-    case T_Q4_0: dot4_q4_0_avx2(w, a, t, nb, res); break;
-    case T_Q4_1: dot4_q4_1_avx2(w, a, t, nb, res); break;
-    case T_Q5_0: dot4_q5_0_avx2(w, a, t, nb, res); break;
-    case T_Q5_1: dot4_q5_1_avx2(w, a, t, nb, res); break;
+    case T_Q4_0: dotR_q4_0_avx2(w, a, t, nb, 4, res); break;
+    case T_Q4_1: dotR_q4_1_avx2(w, a, t, nb, 4, res); break;
+    case T_Q5_0: dotR_q5_0_avx2(w, a, t, nb, 4, res); break;
+    case T_Q5_1: dotR_q5_1_avx2(w, a, t, nb, 4, res); break;
     case T_Q4_K: dot4_q4_K_avx2(w, a, t, nb, res); break;
     case T_Q5_K: dot4_q5_K_avx2(w, a, t, nb, res); break;
     case T_Q6_K: dot4_q6_K_avx2(w, a, t, nb, res); break;
-    default: dot4_q8_0_avx2(w, a, t, nb, res);
+    default: dotR_q8_0_avx2(w, a, t, nb, 4, res);
     }
 }
 /* Eight activation rows against one weight row (a batch of 8+ decode rows: one unpacking of each
  * weight block for all eight), for the Q8-activation types: 0 when the type has none. */
-int dot8_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, float *res) {
+/* Two to eight activation rows against one weight row, for the Q8-activation types (a batched
+ * decode step, a draft being checked, prefill): 0 when the type has none. */
+int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res) {
     switch (type) {
-    case T_Q4_0: dot8_q4_0_avx2(w, a, t, nb, res); return 1;
-    case T_Q4_1: dot8_q4_1_avx2(w, a, t, nb, res); return 1;
-    case T_Q5_0: dot8_q5_0_avx2(w, a, t, nb, res); return 1;
-    case T_Q5_1: dot8_q5_1_avx2(w, a, t, nb, res); return 1;
-    case T_Q8_0: dot8_q8_0_avx2(w, a, t, nb, res); return 1;
-    }
-    return 0;
-}
-/* Two or three activation rows against one weight row, for the Q8-activation types (the rows
- * a batch of 5-7 leaves after its fours, a draft being checked): 0 when the type has none. */
-int dot23_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res) {
-    switch (type) {
-    case T_Q4_0: (R == 2 ? dot2_q4_0_avx2 : dot3_q4_0_avx2)(w, a, t, nb, res); return 1;
-    case T_Q4_1: (R == 2 ? dot2_q4_1_avx2 : dot3_q4_1_avx2)(w, a, t, nb, res); return 1;
-    case T_Q5_0: (R == 2 ? dot2_q5_0_avx2 : dot3_q5_0_avx2)(w, a, t, nb, res); return 1;
-    case T_Q5_1: (R == 2 ? dot2_q5_1_avx2 : dot3_q5_1_avx2)(w, a, t, nb, res); return 1;
-    case T_Q8_0: (R == 2 ? dot2_q8_0_avx2 : dot3_q8_0_avx2)(w, a, t, nb, res); return 1;
+    case T_Q4_0: dotR_q4_0_avx2(w, a, t, nb, R, res); return 1;
+    case T_Q4_1: dotR_q4_1_avx2(w, a, t, nb, R, res); return 1;
+    case T_Q5_0: dotR_q5_0_avx2(w, a, t, nb, R, res); return 1;
+    case T_Q5_1: dotR_q5_1_avx2(w, a, t, nb, R, res); return 1;
+    case T_Q8_0: dotR_q8_0_avx2(w, a, t, nb, R, res); return 1;
     }
     return 0;
 }

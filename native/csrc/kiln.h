@@ -95,6 +95,9 @@ typedef struct {
     float *d;             /* per block scale (fp16-rounded for Q8_0/Q8_1) */
     float *s;             /* Q8_1: fp16(d * sum q) */
     int16_t *bs;          /* Q8_K: the sums of each 16 quantized values (ggml's bsums) */
+    float *dT, *sT;       /* Q8_0/Q8_1: d and s again, block-major (block b of row t at b*ts + t),
+                             so a multi-row kernel loads the rows' scales of a block as one vector */
+    int ts;
 } Act;
 
 #ifdef KILN_X86
@@ -155,8 +158,7 @@ float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int 
 int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *out);
 int has_dot4_avx2(int type, int K);
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res);
-int dot23_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
-int dot8_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, float *res);
+int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
 #endif
 void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K);
 void act_row(Act *a, int t, int K);

@@ -264,12 +264,16 @@ int pick_threads(int requested) {      /* 0: the default; the default 0: all Ope
  * row by row (each row on its own, so who quantizes it changes nothing). */
 void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K) {
     int B = ti->act == A_Q8_K ? 256 : 32;
-    *a = (Act){ti->act, x, NULL, NULL, NULL, NULL, NULL};
+    *a = (Act){ti->act, x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, T};
     if (ti->act == A_F16 || ti->act == A_BF16) a->xr = malloc((size_t)T * K * sizeof(float));
     if (ti->act >= A_Q8_0) {
         a->q = malloc((size_t)T * K); a->d = malloc((size_t)T * (K / B) * sizeof(float));
         a->s = malloc((size_t)T * (K / B) * sizeof(float));
         if (ti->act == A_Q8_K) a->bs = malloc((size_t)T * (K / 16) * sizeof(int16_t));
+        else {              /* + 8: a kernel's vector load past the last row (lanes it ignores) */
+            a->dT = calloc((size_t)T * (K / B) + 8, sizeof(float));
+            a->sT = calloc((size_t)T * (K / B) + 8, sizeof(float));
+        }
     }
 }
 void act_row(Act *a, int t, int K) {
@@ -278,8 +282,13 @@ void act_row(Act *a, int t, int K) {
     quantize_row(a->xf + (size_t)t * K, K, a->kind, a->xr ? a->xr + (size_t)t * K : NULL,
                  a->q ? a->q + (size_t)t * K : NULL, a->d ? a->d + (size_t)t * (K / B) : NULL,
                  a->s ? a->s + (size_t)t * (K / B) : NULL, a->bs ? a->bs + (size_t)t * (K / 16) : NULL);
+    if (a->dT)
+        for (int b = 0; b < K / B; b++) {
+            a->dT[(size_t)b * a->ts + t] = a->d[(size_t)t * (K / B) + b];
+            a->sT[(size_t)b * a->ts + t] = a->s[(size_t)t * (K / B) + b];
+        }
 }
-void act_free(Act *a) { free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); }
+void act_free(Act *a) { free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); free(a->dT); free(a->sT); }
 /* Row t of a as a one-row Act (no copy): to multiply one row of a batch on its own. */
 Act act_view(const Act *a, int t, int K) {
     int B = a->kind == A_Q8_K ? 256 : 32;
@@ -290,6 +299,7 @@ Act act_view(const Act *a, int t, int K) {
     if (a->d) v.d = a->d + (size_t)t * (K / B);
     if (a->s) v.s = a->s + (size_t)t * (K / B);
     if (a->bs) v.bs = a->bs + (size_t)t * (K / 16);
+    if (a->dT) { v.dT = a->dT + t; v.sT = a->sT + t; }      /* the same stride: row t is lane 0 */
     return v;
 }
 
@@ -310,15 +320,13 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
 #ifdef KILN_X86
         if (g_avx2 && has_dot4_avx2(type, K)) {
             int nb = K / ti->block; float res[8];
-            for (; t + 8 <= T && dot8_avx2(type, w, a, t, nb, res); t += 8)     /* 8 rows: one unpacking */
-                for (int j = 0; j < 8; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+            /* up to 8 rows at a time share each weight block's unpacking; a last single row
+               takes the one-row kernel (the same bits either way) */
+            for (int R; (R = T - t < 8 ? T - t : 8) >= 2 && dotR_avx2(type, w, a, t, nb, R, res); t += R)
+                for (int j = 0; j < R; j++) o[(size_t)(t + j) * Ni + n] = res[j];
             for (; t + 4 <= T; t += 4) {
                 dot4_avx2(type, w, a, t, K, nb, res);
                 for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
-            }
-            if (T - t >= 2 && dot23_avx2(type, w, a, t, nb, T - t, res)) {
-                for (int j = 0; j < T - t; j++) o[(size_t)(t + j) * Ni + n] = res[j];
-                t = T;
             }
         }
 #endif
