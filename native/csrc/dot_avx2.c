@@ -70,6 +70,7 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_rows(int type, int
     __m256 acc[8], accm = _mm256_setzero_ps();
     float dd[8] __attribute__((aligned(32))), mm[8] __attribute__((aligned(32)));
     const float *dT = a->dT + t, *sT = a->sT + t;
+    #pragma GCC unroll 8
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += bytes) {
         const __m256i x = block_values(type, w);
@@ -77,12 +78,14 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_rows(int type, int
         _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(H2F(w)), _mm256_loadu_ps(dT + at)));
         if (HAS_MIN(type))
             accm = _mm256_add_ps(accm, _mm256_mul_ps(_mm256_set1_ps(H2F(w + 2)), _mm256_loadu_ps(sT + at)));
+        #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + ((size_t)(t + i) * nb + b) * 32));
             acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + i), block_dot(type, x, y), acc[i]);
         }
     }
     _mm256_store_ps(mm, accm);
+    #pragma GCC unroll 8
     for (int i = 0; i < R; i++) r[i] = HAS_MIN(type) ? hsum_avx(acc[i]) + mm[i] : hsum_avx(acc[i]);
 }
 #define Q8_KERNELS(name, TYPE, BYTES)                                                               \
