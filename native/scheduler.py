@@ -77,6 +77,7 @@ class Scheduler:
         self.chunk_n = 16.0                        # interleaved chunk size, steered to its time target
         self.spec = {"drafted": 0, "accepted": 0}
         self.costs = ForwardCosts()                 # forward time by row count (speculation's costs)
+        self.kept = DraftControl()                  # what drafts kept lately, over all requests
         self.cond = threading.Condition()
         self.model_lock = threading.Lock()      # other users of the model (scoring) take turns with steps
         self.thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
@@ -131,10 +132,28 @@ class Scheduler:
                 self.threads = self.share.current
                 kernels.set_threads(self.threads)
             with self.model_lock:
-                for lead in admit:
-                    self._start(lead)
-                self._step()
-                self._prefill_some()
+                try:
+                    for lead in admit:
+                        self._start(lead)
+                    self._step()
+                    self._prefill_some()
+                except Exception as e:  # noqa: BLE001 - a fault of ours must not hang every request
+                    self._fail_all(admit, e)
+
+    def _fail_all(self, admit: list[Job], e: Exception) -> None:
+        """An unexpected error outside a forward (the forwards fail only their own requests): end
+        every request under way with it, forget the caches they were writing (a half-run step
+        may have left them inconsistent), and go on serving."""
+        err = RuntimeError(f"internal error in the scheduler ({type(e).__name__}: {e}); the request was "
+                           f"stopped, the worker goes on serving — please report this")
+        jobs = {id(j): j for lead in admit + list(self.prefilling) for j in lead.group}
+        jobs.update({id(j): j for j in self.active})
+        self.prefilling.clear()
+        for job in jobs.values():
+            if job.slot is not None:
+                self.seqs[job.slot].cache.truncate(0)
+            if job.slot is not None or job in self.active:
+                self._end(job, err)
 
     def _best_slot(self, job: Job) -> int:
         return max(self.free, key=lambda i: (self.seqs[i].cache.common_prefix(job.prompt, job.adapter), -i))
@@ -257,7 +276,7 @@ class Scheduler:
         if not (self.speculative and job.params.speculative and cache.can_rewind):
             return False
         if job.draft is None:
-            job.draft = DraftControl(self.draft_min)
+            job.draft = DraftControl(self.draft_min, prior=self.kept)
         gen = job.gen
         room = min(job.params.max_tokens - gen.n_out - 1, self.n_ctx - cache.n - 2)
         if self.draft_model is not None:

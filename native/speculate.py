@@ -26,6 +26,7 @@ GUESS_PER_ROW = 0.35      # an unmeasured forward of T rows: 1 + 0.35 (T - 1) on
 MIN_GAIN = 0.03           # draft only when it is expected to beat a plain step by this much
 PROBE_EVERY = 16          # steps without a draft before a one-token probe
 DECAY = 0.9               # per draft: the acceptance estimate follows the last ~10 drafts
+PRIOR_WEIGHT = 4.0        # a request starts from what drafts here kept lately, worth this many drafts
 
 
 def ema(old: float | None, new: float, a: float = 0.2) -> float:
@@ -112,13 +113,22 @@ class DraftControl:
     before it was (both counts decayed, so they follow the text). A draft of k keeps
     1 + p0 (1 + p1 + … + p1^(k-1)) tokens on average for ratio(k + 1) plain steps; when no k
     beats a plain step, no draft — but a one-token probe every PROBE_EVERY steps keeps the
-    estimate alive for when the text turns repetitive."""
+    estimate alive for when the text turns repetitive.
 
-    def __init__(self, at_least: int = 0):
+    `prior`: the scheduler's own DraftControl, which hears every request's drafts. A request
+    starts from its counts scaled to PRIOR_WEIGHT drafts (rather than from "half kept", which
+    checked one token at a time for the first several drafts of every request) and then follows
+    its own text."""
+
+    def __init__(self, at_least: int = 0, prior: "DraftControl | None" = None):
         self.at_least = at_least                 # draft at least this many whatever it costs (draft_min)
+        self.prior = prior
         self.first: dict[int, list] = {}         # match length -> (kept, tried) of first tokens
         self.match = 0                           # the match length of the proposal being judged
         self.later = [1.0, 2.0]                  # the same for tokens after a kept one
+        if prior is not None:
+            self.first = {m: _scaled(c) for m, c in prior.first.items()}
+            self.later = _scaled(prior.later)
         self.drafted = self.accepted = 0
         self.skipped = 0                         # steps since the last draft
         self.cursor: int | None = None           # where in the history the copied text had got to
@@ -164,13 +174,23 @@ class DraftControl:
             return 1
         return 0
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int, match: int | None = None) -> None:
         if drafted == 0:
             return
+        match = self.match if match is None else match
         self.drafted += drafted
         self.accepted += accepted
         later_tried = min(accepted, drafted - 1)           # tokens 2.. were judged while the last held
-        for counts, kept, tried in ((self.first.setdefault(self.match, [1.0, 2.0]), min(accepted, 1), 1),
+        for counts, kept, tried in ((self.first.setdefault(match, [1.0, 2.0]), min(accepted, 1), 1),
                                     (self.later, max(accepted - 1, 0), later_tried)):
             counts[0] = DECAY * counts[0] + kept
             counts[1] = DECAY * counts[1] + tried
+        if self.prior is not None:
+            self.prior.update(drafted, accepted, match)
+
+
+def _scaled(counts: list) -> list:
+    """(kept, tried) with the same rate, worth at most PRIOR_WEIGHT tries."""
+    kept, tried = counts
+    f = min(1.0, PRIOR_WEIGHT / tried) if tried > 0 else 1.0
+    return [kept * f, tried * f]

@@ -191,3 +191,38 @@ def test_a_draft_model_with_another_vocabulary_is_refused(default_model):
     from kiln.native.model import load_model
     with pytest.raises(DraftModelError, match="vocabularies differ"):
         DraftModel(load_model(tiny_path("qwen3")), default_model)
+
+
+def test_a_request_starts_from_what_drafts_kept_lately_then_follows_its_own_text():
+    shared = DraftControl()
+    costs = _costs(r2=1.2, r3=1.35, r4=1.5, r5=1.65, r6=1.8, r7=1.95, r8=2.1, r9=2.25)
+    first_ever = DraftControl(prior=shared).choose(16, costs, match=4)
+    earlier = DraftControl(prior=shared)
+    earlier.choose(16, costs, match=4)
+    for _ in range(20):
+        earlier.update(6, 6)                              # an earlier request: every draft kept
+    assert shared.p1 > 0.9 and shared.drafted == 120
+    later = DraftControl(prior=shared)
+    assert later.choose(16, costs, match=4) > first_ever   # starts confident, not at "half kept"
+    for _ in range(6):
+        later.update(4, 0)                                # its own text: nothing kept
+    assert later.p0 < 0.35                                # the prior weighs only a few drafts
+
+
+def test_a_fault_in_the_scheduler_ends_the_requests_under_way_and_it_goes_on(default_model):
+    """A bug outside the forwards (here: drafting raises) must not kill the scheduler thread,
+    which would leave every request waiting for ever: the request gets the error, its slot is
+    freed and its cache forgotten, and the next request is served."""
+    s = Scheduler(default_model, 2048, 1)
+    prompt = _chat(default_model, f"Rewrite this code, renaming width to w and changing nothing else:\n\n{CODE}")
+    params = SamplingParams(temperature=0, max_tokens=24)
+
+    def broken(*a):
+        raise KeyError("a bug")
+    s._speculate = broken
+    with pytest.raises(RuntimeError, match=r"internal error in the scheduler \(KeyError"):
+        _collect(s.submit(prompt, params, lambda: False))
+    assert s.free == [0] and s.seqs[0].cache.n == 0 and s.thread.is_alive()
+    del s._speculate
+    want = _collect(Scheduler(default_model, 2048, 1).submit(prompt, params, lambda: False))[0]
+    assert _collect(s.submit(prompt, params, lambda: False))[0] == want
