@@ -31,6 +31,8 @@ from .model import Model
 from .sampling import SamplingParams
 from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, propose
 
+MIN_CHUNK = 4           # rows: an interleaved prefill chunk smaller than this is mostly fixed cost
+
 
 @dataclass
 class Job:
@@ -74,7 +76,7 @@ class Scheduler:
         self.active: list[Job] = []
         self.prefill_ratio, self.prefill_chunk, self.speculative = prefill_ratio, prefill_chunk, speculative
         self.step_s: float | None = None           # a decode step's time (moving average)
-        self.chunk_n = 16.0                        # interleaved chunk size, steered to its time target
+        self.chunk_n: float | None = None          # interleaved chunk size, steered to its time target
         self.spec = {"drafted": 0, "accepted": 0}
         self.costs = ForwardCosts()                 # forward time by row count (speculation's costs)
         self.kept = DraftControl()                  # what drafts kept lately, over all requests
@@ -176,7 +178,18 @@ class Scheduler:
             return PREFILL_CHUNK                  # nobody waits on us: big chunks, fastest
         if self.prefill_chunk:
             return self.prefill_chunk
+        if self.chunk_n is None:
+            self.chunk_n = float(self._first_chunk())
         return int(self.chunk_n)
+
+    def _first_chunk(self) -> int:
+        """The first interleaved chunk: the most rows whose forward is expected (measured, or
+        guessed from the sizes measured) to take at most prefill_ratio decode steps — a fixed
+        first guess stalled the stream when the machine is slower than the guess assumed."""
+        n = 1
+        while n < PREFILL_CHUNK and (r := self.costs.ratio(n + 1)) is not None and r <= self.prefill_ratio:
+            n += 1
+        return max(MIN_CHUNK, n)
 
     def _prefill_some(self) -> None:
         budget = self._prefill_budget()
@@ -201,7 +214,8 @@ class Scheduler:
                 # proportional to its size: a forward has a fixed part), damped
                 took = time.perf_counter() - t0
                 scale = (self.prefill_ratio * self.step_s / took) ** 0.5
-                self.chunk_n = max(4.0, min(float(PREFILL_CHUNK), n * scale))
+                self.chunk_n = max(float(MIN_CHUNK), min(float(PREFILL_CHUNK), n * scale))
+                self.costs.record(n, took)
             job.pos += n
             budget -= n
             if job.pos >= len(job.prompt):
