@@ -227,18 +227,31 @@ class Model:
         """One decode step for several sequences: tokens[i] is appended to caches[i].
         Returns logits (B, n_vocab). The weight matrices are read once for the whole batch;
         on the compiled path each row is bit-identical to a forward() of that sequence alone."""
+        return self.forward_runs([([t], cache) for t, cache in zip(tokens, caches)], adapter)
+
+    def forward_runs(self, runs: list[tuple[list[int], KVCache]], adapter=None) -> np.ndarray:
+        """Several sequences in one forward, each run's tokens appended to its cache — decode
+        steps and a prompt's next chunk together. Returns logits (len(runs), n_vocab) of each
+        run's last token, bit-identical to forward() of that run alone (every kernel computes a
+        row the same whatever else is in the batch)."""
         c = self.config
-        bad = [t for t in tokens if not 0 <= t < c.n_vocab]
+        if not runs or any(not toks for toks, _ in runs):
+            raise ValueError("forward_runs() needs at least one token in every run")
+        bad = [t for toks, _ in runs for t in toks if not 0 <= t < c.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{c.n_vocab - 1})")
-        for cache, t in zip(caches, tokens):
-            cache.begin([t])
-        positions = np.array([cache.n for cache in caches])
-        x = self._layers(np.asarray(tokens), positions, [(cache, b, b + 1) for b, cache in enumerate(caches)],
+        segments, positions, at = [], [], 0
+        for toks, cache in runs:
+            cache.begin(toks)
+            segments.append((cache, at, at + len(toks)))
+            positions.append(np.arange(cache.n, cache.n + len(toks)))
+            at += len(toks)
+        x = self._layers(np.asarray([t for toks, _ in runs for t in toks]), np.concatenate(positions), segments,
                          adapter)
-        for cache, t in zip(caches, tokens):
-            cache.commit([t])
-        return matmul(rms_norm(x, self.output_norm, c.rms_eps), self.output)
+        for toks, cache in runs:
+            cache.commit(toks)
+        last = x[[b - 1 for _, _, b in segments]]
+        return matmul(rms_norm(last, self.output_norm, c.rms_eps), self.output)
 
     def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list, adapter=None) -> np.ndarray:
         """The decoder stack over rows that belong to one or more sequences; `segments` lists

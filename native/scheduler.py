@@ -23,11 +23,13 @@ from typing import Callable
 
 import time
 
+import numpy as np
+
 from . import kernels
 from .core_share import CoreShare
 from .draft_model import DraftModel, DraftState
 from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
-from .model import Model
+from .model import FUSED_RUN, Model
 from .sampling import SamplingParams
 from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, propose
 
@@ -55,10 +57,11 @@ class Job:
 
 class Scheduler:
     """`prefill_ratio`: while other requests are decoding, a prompt is prefilled in chunks that
-    take about this many decode steps' time each (measured as it runs), between their steps —
-    so a long prompt never freezes a running stream. `prefill_chunk` fixes the chunk instead."""
+    run in the same forward as their decode step, the chunk steered so that this forward takes
+    about this many plain steps' time (measured as it runs) — so a long prompt never freezes a
+    running stream. `prefill_chunk` fixes the chunk instead (run apart, between the steps)."""
 
-    def __init__(self, model: Model, n_ctx: int, slots: int = 4, prefill_ratio: float = 2.5,
+    def __init__(self, model: Model, n_ctx: int, slots: int = 4, prefill_ratio: float = 3.0,
                  prefill_chunk: int = 0, speculative: bool = True, threads: int | None = None,
                  draft_model: DraftModel | None = None, draft_min: int = 0):
         self.model, self.n_ctx = model, n_ctx
@@ -77,6 +80,8 @@ class Scheduler:
         self.prefill_ratio, self.prefill_chunk, self.speculative = prefill_ratio, prefill_chunk, speculative
         self.step_s: float | None = None           # a decode step's time (moving average)
         self.chunk_n: float | None = None          # interleaved chunk size, steered to its time target
+        self.rode = False                           # this step's forward carried a prompt's chunk
+        self.rides = 0                              # how many steps did (load() reports it)
         self.spec = {"drafted": 0, "accepted": 0}
         self.costs = ForwardCosts()                 # forward time by row count (speculation's costs)
         self.kept = DraftControl()                  # what drafts kept lately, over all requests
@@ -110,6 +115,7 @@ class Scheduler:
         with self.cond:
             return {"active": len(self.active), "prefilling": len(self.prefilling), "waiting": len(self.waiting),
                     "slots": len(self.seqs), "speculative": dict(self.spec), "threads": self.threads,
+                    "prefill_rides": self.rides,
                     "other_processes_cores": round(self.share.others, 2) if self.share else None}
 
     # -- the scheduler thread ------------------------------------------------------------------
@@ -192,6 +198,9 @@ class Scheduler:
         return max(MIN_CHUNK, n)
 
     def _prefill_some(self) -> None:
+        if self.rode:                         # this step's chunk rode with the decode rows
+            self.rode = False
+            return
         budget = self._prefill_budget()
         interleaved = bool(self.active)
         while self.prefilling and budget > 0:
@@ -210,20 +219,31 @@ class Scheduler:
                 self._end_group(job, e)
                 continue
             if interleaved and self.step_s and not self.prefill_chunk:
-                # steer the chunk so that it takes prefill_ratio decode steps (its cost is not
-                # proportional to its size: a forward has a fixed part), damped
-                took = time.perf_counter() - t0
-                scale = (self.prefill_ratio * self.step_s / took) ** 0.5
-                self.chunk_n = max(float(MIN_CHUNK), min(float(PREFILL_CHUNK), n * scale))
-                self.costs.record(n, took)
+                self._steer(n, time.perf_counter() - t0)
             job.pos += n
             budget -= n
             if job.pos >= len(job.prompt):
                 self.prefilling.popleft()
-                job.logits = logits
-                self._ready(job)
-                for follower in job.group[1:]:
-                    self._follow(follower, job)
+                self._prefilled(job, logits)
+
+    def _prefilled(self, job: Job, logits: np.ndarray) -> None:
+        job.logits = logits
+        self._ready(job)
+        for follower in job.group[1:]:
+            self._follow(follower, job)
+
+    def _steer(self, n: int, took: float) -> None:
+        """Steer the chunk so that a forward with it takes prefill_ratio decode steps (its cost is
+        not proportional to its size: a forward has a fixed part), damped."""
+        scale = (self.prefill_ratio * self.step_s / took) ** 0.5
+        self.chunk_n = max(float(MIN_CHUNK), min(float(PREFILL_CHUNK), n * scale))
+
+    def _rider(self) -> Job | None:
+        """The prompt whose next chunk runs in this decode step's forward, if any: interleaved
+        prefill (a fixed prefill_chunk keeps chunks apart), once a plain step has been timed."""
+        if self.prefill_chunk or self.step_s is None or not self.prefilling or self.prefilling[0].cancelled():
+            return None
+        return self.prefilling[0]
 
     def _follow(self, job: Job, lead: Job) -> None:
         """A later sequence of a group: a copy of its lead's prefilled cache."""
@@ -263,25 +283,47 @@ class Scheduler:
                 self._end(job, job.gen.finish())
             else:
                 going.append((job, tok.id))
-        if len(going) == 1 and self._speculate(*going[0]):
+        rider = self._rider() if going else None
+        if rider is None and len(going) == 1 and self._speculate(*going[0]):
             return
         groups: dict[int, list] = {}         # one batched step per adapter (None: the base)
         for job, t in going:
             groups.setdefault(id(job.adapter), []).append((job, t))
         for group in groups.values():
+            adapter = group[0][0].adapter
+            runs = [([t], self.seqs[j.slot].cache) for j, t in group]
+            # a prompt being prefilled rides along: its next chunk in the same forward, so a
+            # running stream waits for one forward of a few more rows, not a chunk and a step
+            ride = rider if rider is not None and rider.adapter is adapter else None
+            n = min(self._prefill_budget(), FUSED_RUN, len(ride.prompt) - ride.pos) if ride else 0
+            if ride:
+                runs.append((ride.prompt[ride.pos:ride.pos + n], self.seqs[ride.slot].cache))
+                rider = None
             t0 = time.perf_counter()
             try:
-                logits = self.model.forward_batch([t for _, t in group], [self.seqs[j.slot].cache for j, _ in group],
-                                                  group[0][0].adapter)
+                logits = self.model.forward_runs(runs, adapter)
             except Exception as e:  # noqa: BLE001
                 for job, _ in group:
                     self._end(job, e)
+                if ride:
+                    self.prefilling.remove(ride)
+                    self._end_group(ride, e)
                 continue
             took = time.perf_counter() - t0
-            self.step_s = ema(self.step_s, took)
-            self.costs.record(len(group), took)
+            self.costs.record(len(group) + n, took)
+            if ride:
+                self._steer(n, took)
+                self.rode = True
+                self.rides += 1
+            else:
+                self.step_s = ema(self.step_s, took)
             for (job, _), row in zip(group, logits):
                 job.logits = row
+            if ride:
+                ride.pos += n
+                if ride.pos >= len(ride.prompt):
+                    self.prefilling.remove(ride)
+                    self._prefilled(ride, logits[-1])
 
     def _speculate(self, job: Job, t: int) -> bool:
         """Run `t` and a prompt-lookup draft in one forward; sample each position as plain

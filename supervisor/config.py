@@ -92,7 +92,7 @@ BUILTIN_KINDS = {"inference": "kiln.workers.inference", "moe-stream": "kiln.work
 _INFERENCE_SETTINGS = {
     "ctx": "context length (default: the model's trained context)",
     "parallel": "sequences decoded together (default 4)",
-    "prefill_ratio": "a prompt chunk between decode steps takes this many steps' time (default 2.5)",
+    "prefill_ratio": "a decode step carrying a prompt's chunk takes this many plain steps' time (default 3)",
     "prefill_chunk": "a fixed prompt chunk instead (tokens)",
     "speculative": "check prompt-lookup or draft-model drafts (default true)",
     "draft_model": "a model with the same vocabulary that drafts tokens (path or library name)",

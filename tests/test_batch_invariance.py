@@ -47,6 +47,33 @@ def test_a_batched_decode_step_equals_each_sequence_alone(default_model):
         assert np.array_equal(row, alone)
 
 
+def test_decode_rows_and_a_prompt_chunk_in_one_forward_equal_each_alone(default_model):
+    """forward_runs: two decode steps and the next 9 tokens of a third sequence's prompt in one
+    forward (as the scheduler runs a prompt's chunk with the decode step) — each run's last
+    logits and its cache afterwards are the bits of running it alone."""
+    m = default_model
+    prompts = [m.tokenizer.encode(t) for t in ("Once upon a time", "The capital of France is")]
+    chunk = m.tokenizer.encode("def area(width, height): return width * height")[:9]
+    head = m.tokenizer.encode("# geometry helpers")
+    solo, solo_caches = [], []
+    for p, run in ((prompts[0], [42]), (prompts[1], [7]), (head, chunk)):
+        c = m.new_cache()
+        m.forward(p, c)
+        solo.append(m.forward(run, c))
+        solo_caches.append(c)
+    caches = [m.new_cache() for _ in range(3)]
+    for p, c in zip((prompts[0], prompts[1], head), caches):
+        m.forward(p, c)
+    got = m.forward_runs([([42], caches[0]), ([7], caches[1]), (chunk, caches[2])])
+    assert got.shape == (3, m.config.n_vocab)
+    for row, alone in zip(got, solo):
+        assert np.array_equal(row, alone)
+    after_alone, after_together = (m.forward([5], c) for c in (solo_caches[2], caches[2]))
+    assert np.array_equal(after_alone, after_together)
+    with pytest.raises(ValueError, match="at least one token in every run"):
+        m.forward_runs([([1], caches[0]), ([], caches[1])])
+
+
 def test_the_scheduler_interleaves_requests_and_matches_solo_generation(default_model):
     from kiln.native.generate import Finish, Sequence
     from kiln.native.sampling import SamplingParams

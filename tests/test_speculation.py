@@ -86,6 +86,24 @@ def test_a_prompt_prefilled_between_decode_steps_gives_the_same_tokens(default_m
     assert got == alone
 
 
+def test_a_prompt_whose_chunks_ride_in_the_decode_steps_gives_the_same_tokens(default_model):
+    """The default scheduling: a prompt arriving mid-stream runs chunk by chunk in the stream's
+    decode forwards — both requests' tokens are what each gives alone."""
+    long_prompt = _chat(default_model, "Summarise: " + CODE * 3)
+    short = _chat(default_model, "Count to twenty.")
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    alone = {name: _collect(Scheduler(default_model, 2048, 2, speculative=False).submit(p, params, lambda: False))[0]
+             for name, p in (("long", long_prompt), ("short", short))}
+    s = Scheduler(default_model, 2048, 2, speculative=False)
+    first = s.submit(short, params, lambda: False)
+    ev = first.events.get(timeout=120)                     # the stream is under way
+    assert isinstance(ev, Token)
+    second = s.submit(long_prompt, params, lambda: False)
+    got_short = [ev.id] + _collect(first)[0]
+    assert _collect(second)[0] == alone["long"] and got_short == alone["short"]
+    assert s.load()["prefill_rides"] >= 3                 # it was prefilled riding, in several chunks
+
+
 def test_propose_finds_the_latest_earlier_occurrence_or_the_next_along_the_source():
     h = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
     assert propose(h, 3) == ([4, 5, 9], 3, 3)              # (tokens, where they begin, match length)

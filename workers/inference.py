@@ -58,7 +58,7 @@ class InferenceWorker(Worker):
             except (ModelNotFound, PullError, GGUFError, TokenizerError, DraftModelError) as e:
                 raise BootError(f"draft_model {st['draft_model']!r}: {e}") from None
         self.scheduler = Scheduler(self.model, self.n_ctx, int(st.get("parallel") or 4),
-                                   prefill_ratio=float(st.get("prefill_ratio") or 2.5),
+                                   prefill_ratio=float(st.get("prefill_ratio") or 3.0),
                                    prefill_chunk=int(st.get("prefill_chunk") or 0),
                                    speculative=bool(st.get("speculative", True)),
                                    threads=int(st["threads"]) if st.get("threads") else None,
