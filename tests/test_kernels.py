@@ -131,7 +131,13 @@ def test_the_numpy_path_computes_the_compiled_kernels_bits(qtype):
         pytest.skip("the portable kernels sum in another order")
     rng = np.random.default_rng(int(qtype))
     w = random_weight(qtype, 48, 576, rng)
-    x = rng.standard_normal((5, 576)).astype(np.float32)
+    x = rng.standard_normal((7, 576)).astype(np.float32)
+    # activation quantization's edges: an all-zero block; a block whose largest value is 127, so
+    # the values are their own quantized products — halves round to even; a lone huge value
+    x[5, :32] = 0
+    x[5, 32:64] = np.r_[127, -127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, np.arange(22) - 11.5]
+    x[6, 64:96] = 1e-3
+    x[6, 70] = 3e4
     assert np.array_equal(kernels.matmul(x, w), ggml_round.matmul(x, Weight(w.name, w.qtype, w.shape, w.raw).exact))
     q = rng.standard_normal((4, 9, 64)).astype(np.float32)
     k, v = (rng.standard_normal((21, 3, 64)).astype(np.float16) for _ in range(2))

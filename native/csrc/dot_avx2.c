@@ -521,6 +521,40 @@ int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb,
     return 0;
 }
 
+/* One 32-value block quantized to Q8 as quantize_row's scalar loop does it (the same amax, the
+ * same x * (127 / amax) products rounded half to even, the same clamp): returns the sum of the
+ * quantized values and the absolute maximum. */
+AVX2 int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), m);     /* a NaN is skipped, as the scalar ">" does */
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+    const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    __m256i i32[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        i32[j] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
+        total = _mm256_add_epi32(total, i32[j]);
+    }
+    /* pack 4 x 8 int32 to 32 int8 in order (packs work per 128-bit lane: undo with a permute) */
+    __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p8);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    *amax_out = amax;
+    return _mm_cvtsi128_si32(t);
+}
+
 /* Does this type have a four-row kernel (same bits as four one-row calls)? */
 int has_dot4_avx2(int type, int K) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 ||

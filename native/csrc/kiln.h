@@ -159,6 +159,7 @@ int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb,
 int has_dot4_avx2(int type, int K);
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res);
 int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
+int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax);
 #endif
 void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K);
 void act_row(Act *a, int t, int K);

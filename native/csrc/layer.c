@@ -198,10 +198,11 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     #pragma omp parallel num_threads(nt)
     {
         float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
-        #pragma omp single
+        /* per-row work (norms, quantizing, RoPE) dealt between the threads: rows are independent */
+        #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) { rms_row(x + (size_t)b * n, L->attn_norm, a + (size_t)b * n, n, L->eps); act_row(&aq, b, n); }
         rows_dot(&aq, B, n, L->qkv_t, &tq, 3, Wqkv, Nqkv, Oqkv);
-        #pragma omp single
+        #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
             rope_row(q + (size_t)b * qn, rows[b].cos, rows[b].sin, H, D, L->R, L->neox);
@@ -223,10 +224,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
             else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
         }
-        #pragma omp single
+        #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) act_row(&ao, b, qn);
         rows_dot(&ao, B, qn, L->wo_t, &to, 1, Wo, No, Oo);
-        #pragma omp single
+        #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *xb = x + (size_t)b * n, *ob = o + (size_t)b * n;
             for (int i = 0; i < n; i++) xb[i] = xb[i] + ob[i];
@@ -234,10 +235,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         }
         if (L->ffn == FFN_DENSE) {
             rows_dot(&ag, B, n, L->gu_t, &tg, 2, Wgu, Ngu, Ogu);
-            #pragma omp single
-            {
-                swiglu_row(g, u, (size_t)B * n_ff);
-                for (int b = 0; b < B; b++) act_row(&ad, b, n_ff);
+            #pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                swiglu_row(g + (size_t)b * n_ff, u + (size_t)b * n_ff, n_ff);
+                act_row(&ad, b, n_ff);
             }
             rows_dot(&ad, B, n_ff, L->wd_t, &td, 1, Wd, Nd, Od);
             #pragma omp single

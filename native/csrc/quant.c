@@ -39,6 +39,18 @@ static void quantize_row(const float *x, int K, int kind, float *xr, int8_t *q, 
     if (kind == A_F16) { for (int i = 0; i < K; i++) xr[i] = round_fp16(x[i]); return; }
     if (kind == A_BF16) { for (int i = 0; i < K; i++) xr[i] = round_bf16(x[i]); return; }
     int B = kind == A_Q8_K ? 256 : 32;
+#ifdef KILN_X86
+    if (g_avx2 && B == 32) {
+        for (int b = 0; b < K / 32; b++) {
+            float amax;
+            int sum = quantize_q8_block_avx2(x + b * 32, q + b * 32, &amax);
+            float dd = amax / 127.f;
+            d[b] = round_fp16(dd);
+            if (s) s[b] = round_fp16(dd * (float)sum);
+        }
+        return;
+    }
+#endif
     for (int b = 0; b < K / B; b++) {
         const float *xb = x + b * B;
         float amax = 0.f;
