@@ -171,7 +171,8 @@ def main() -> None:
                 for run in range(args.runs):
                     counts, stamps = [0] * clients, []
                     def one(i):
-                        counts[i] = stream(d.http, args.tokens, 2000 + 100 * clients + 10 * run + i, stamps)[2]
+                        counts[i] = stream(d.http, args.tokens, 2000 + 100 * clients + 10 * run + i, stamps,
+                                           speculative=False)[2]     # batching alone: drafts run only solo
                     t0 = time.perf_counter()
                     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
                     for t in threads:
