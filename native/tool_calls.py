@@ -111,6 +111,29 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
+# any text, ending at the first "\n</parameter>\n" (llguidance's & and ~ on a lexeme): the value
+# may hold newlines and "<", and cannot run on past its closing tag
+_STR_END_RE = r"/(.|\n)*\n<\/parameter>\n/ & ~/(.|\n)*\n<\/parameter>\n(.|\n)+/"
+_STR_END = f"STR_END: {_STR_END_RE}"
+
+
+def _string_bounds(ps: dict) -> list[str]:
+    """Regexes for a string parameter's own constraints (minLength, maxLength, pattern — a JSON
+    Schema pattern matches anywhere in the value), each one the value must match. `format` is an
+    annotation in JSON Schema and is not enforced here, as in the JSON formats."""
+    lo, hi, pattern = ps.get("minLength"), ps.get("maxLength"), ps.get("pattern")
+    parts = []
+    if lo is not None or hi is not None:
+        parts.append(f"(.|\\n){{{int(lo or 0)},{'' if hi is None else int(hi)}}}")
+    if pattern is not None:             # unanchored unless it says ^ / $
+        head = pattern[1:] if pattern.startswith("^") else None
+        body = head if head is not None else pattern
+        tail = body.endswith("$") and not body.endswith("\\$")
+        body = body[:-1] if tail else body
+        parts.append(("" if head is not None else "(.|\\n)*") + f"({body})" + ("" if tail else "(.|\\n)*"))
+    return parts
+
+
 def call_grammar(fmt: str, tools: list[dict], parallel: bool, special_ids: dict[str, int]) -> str:
     """A Lark grammar (llguidance) for one call — or one or more when `parallel` — to one of
     `tools`, in the model's own format, arguments valid against each function's schema."""
@@ -125,16 +148,24 @@ def call_grammar(fmt: str, tools: list[dict], parallel: bool, special_ids: dict[
                 if ps.get("type") == "string" and isinstance(ps.get("enum"), list):
                     value = "(" + " | ".join(_lark_str(str(v)) for v in ps["enum"]) + ")"
                 else:
-                    value = "STR" if ps.get("type") == "string" else json_rule(ps)
-                rules.append(f"p{i}_{j}: {_lark_str(f'<parameter={k}>' + chr(10))} {value} "
-                             f"{_lark_str(chr(10) + '</parameter>' + chr(10))}")
+                    value = None if ps.get("type") == "string" else json_rule(ps)
+                if value is None:
+                    # a string runs to the first "\n</parameter>\n" (lines, "<" and all: code, HTML)
+                    tail = "STR_END"
+                    if _string_bounds(ps):
+                        tail = f"S{i}_{j}"
+                        rules.append(f"{tail}: {_STR_END_RE}" + "".join(f" & /{b}" + r"\n<\/parameter>\n/"
+                                                                        for b in _string_bounds(ps)))
+                else:
+                    tail = f"{value} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
+                rules.append(f"p{i}_{j}: {_lark_str(f'<parameter={k}>' + chr(10))} {tail}")
                 parts.append(f"p{i}_{j}" + ("" if k in required else "?"))
             rules.append(f"f{i}: {_lark_str(f'<function={names[i]}>' + chr(10))} {' '.join(parts)} "
                          f"{_lark_str('</function>')}")
             alts.append(f"f{i}")
         body = f"call: \"<tool_call>\\n\" ({' | '.join(alts)}) \"\\n</tool_call>\""
         start = "start: call (\"\\n\" call)*" if parallel else "start: call"
-        return "\n".join([start, body, *rules, r"STR: /[^<\n]*/"])  # one line: a small model rambles on
+        return "\n".join([start, body, *rules, _STR_END])
     obj_key = "parameters" if fmt == "llama3" else "arguments"
     one = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, obj_key: _schema(t)},
                       "required": ["name", obj_key], "additionalProperties": False}

@@ -18,7 +18,7 @@ from kiln.native.tool_calls import ToolCallParser, call_grammar, detect_format, 
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}, "days": {"type": "integer"},
                                          "unit": {"type": "string", "enum": ["c", "f"]}},
         "required": ["city", "days"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -158,6 +158,31 @@ def test_each_formats_grammar_gives_a_call_that_parses_and_validates(model, fmt,
     assert got.strip() == "" and len(calls) == 1, text
     name, args = calls[0]
     jsonschema.validate(args, {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
+
+
+def test_qwen_xml_string_values_span_lines_end_at_their_tag_and_keep_their_bounds(model):
+    """A Qwen XML string parameter may hold several lines and "<" (code, HTML) and ends at the
+    first "\n</parameter>\n"; minLength, maxLength and pattern hold (the JSON formats get them
+    from the schema grammar)."""
+    import llguidance
+    from kiln.native.constrain import _lltokenizer
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["code"],
+        "properties": {"code": {"type": "string"},
+                       "tag": {"type": "string", "minLength": 2, "maxLength": 5, "pattern": "^[a-z]+$"}}}}}]
+    grammar = lark_grammar(call_grammar("qwen_xml", tools, False, {}))
+    lt = _lltokenizer(model.tokenizer)
+
+    def accepts(text):
+        m = llguidance.LLMatcher(lt, grammar, log_level=0)
+        return all(m.consume_token(t) for t in model.tokenizer.encode(text, add_bos=False)) and m.is_accepting()
+    code = "<tool_call>\n<function=f>\n<parameter=code>\nif a < b:\n    return '</p>'\n</parameter>\n"
+    end = "</function>\n</tool_call>"
+    assert accepts(code + end)
+    assert accepts(code + "<parameter=tag>\nabc\n</parameter>\n" + end)
+    for bad in ("abcdef", "a", "ab1"):                    # too long, too short, off the pattern
+        assert not accepts(code + f"<parameter=tag>\n{bad}\n</parameter>\n" + end), bad
+    assert not accepts(code.replace("</parameter>\n", "</parameter>\nmore\n</parameter>\n") + end)
 
 
 def test_json_schema_grammar_holds_and_bad_schemas_are_errors(model):
