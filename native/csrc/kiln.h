@@ -130,6 +130,8 @@ AVX2 static inline __m256 expf8(__m256 x) {
                                       _mm256_andnot_ps(_mm256_castsi256_ps(c), _mm256_fmadd_ps(k, j, k)))));
 }
 
+#define H2F(p) _cvtsh_ss(rd16(p))      /* an fp16 in memory as a float (F16C) */
+
 AVX2 static inline float hsum_avx(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -160,6 +162,15 @@ int has_dot4_avx2(int type, int K);
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res);
 int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
 int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax);
+/* dot_kquants_avx2.c */
+float dot_q2_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
+float dot_q3_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
+float dot_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
+float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
+float dot_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
+void dot4_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res);
+void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res);
+void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res);
 #endif
 void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K);
 void act_row(Act *a, int t, int K);
