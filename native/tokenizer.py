@@ -40,6 +40,7 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
 
 
 # Texts llama.cpp marks end-of-generation and forces to control type (FIM tokens included).
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                         "<|eom_id|>", "<EOT>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
                         "<|fim_pad|>", "<|fim_repo|>", "<|repo_name|>", "<|file_sep|>"})
@@ -115,8 +116,15 @@ class GGUFTokenizer:
         eot = meta.get("tokenizer.ggml.eot_token_id")
         eom = meta.get("tokenizer.ggml.eom_token_id")
         stops = {int(t) for t in (eos, eot, eom) if t is not None}
+        # gpt-oss's harmony format: <|end|> closes each message (the analysis before the final
+        # answer), so only <|return|> (the answer is done) and <|call|> (a tool call) end it
+        self.harmony = all(t in self._vocab for t in HARMONY_MARKERS)
+        ends = ("<|return|>", "<|call|>") if self.harmony else \
+            ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+        if self.harmony:
+            stops.discard(self._vocab["<|end|>"])
         # Chat models often end turns with a control token the metadata does not name as EOS.
-        for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
+        for name in ends:
             if name in self._vocab and self.token_types[self._vocab[name]] == TOKEN_CONTROL:
                 stops.add(self._vocab[name])
         bos = meta.get("tokenizer.ggml.bos_token_id")

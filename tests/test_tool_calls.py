@@ -203,3 +203,60 @@ def test_the_mask_only_lets_the_grammar_through(model):
     allowed = np.flatnonzero(np.isfinite(masked))
     assert 0 < len(allowed) < 20
     assert all(model.tokenizer.decode([int(i)]) in ("y", "ye", "yes", "n", "no") for i in allowed)
+
+
+HARMONY = ("<|channel|>analysis<|message|>The user asks for the weather; call the tool.<|end|>"
+           "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.")
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_harmony_messages_split_into_reasoning_and_answer_however_the_text_arrives(step):
+    out = ChatOutput(None, None, None, harmony=True)
+    got = {"text": "", "reasoning": "", "tool_calls": []}
+    for i in range(0, len(HARMONY), step):
+        for k, v in out.feed(HARMONY[i:i + step]).items():
+            got[k] += v
+    for k, v in out.finish().items():
+        got[k] += v
+    assert got == {"text": "It is sunny in Paris.", "reasoning": "The user asks for the weather; call the tool.",
+                   "tool_calls": []}
+
+
+def test_a_harmony_message_to_a_function_is_a_tool_call_and_a_headerless_answer_is_text():
+    out = ChatOutput(None, None, None, harmony=True)
+    text = ("<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}')
+    first, last = out.feed(text), out.finish()           # <|call|> ended generation: not in the text
+    assert first == {"reasoning": "Need the tool."}
+    (call,) = last["tool_calls"]
+    assert (call.index, call.name, json.loads(call.arguments)) == (0, "get_weather", {"city": "Paris", "days": 2})
+    assert out.calls == [call]
+    plain = ChatOutput(None, None, None, harmony=True)   # a constrained answer starts with no header
+    assert plain.feed('{"a": 1}') == {"text": '{"a": 1}'} and plain.finish() == {}
+
+
+def test_a_harmony_vocabulary_ends_at_return_or_call_not_at_each_messages_end(tiny_gpt_oss_harmony):
+    tok = tiny_gpt_oss_harmony
+    assert tok.harmony
+    ids = {n: tok.id_of(n) for n in ("<|end|>", "<|return|>", "<|call|>")}
+    assert ids["<|end|>"] not in tok.special.stop_ids
+    assert {ids["<|return|>"], ids["<|call|>"]} <= tok.special.stop_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_harmony():
+    """The tiny gpt-oss file's tokenizer with seven of its tokens renamed to harmony's markers
+    (the tiny reference has a small ChatML vocabulary; a real gpt-oss file is 13 GB)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+    from kiln.native.gguf_file import read_gguf
+    from kiln.native.tokenizer import GGUFTokenizer
+    g = read_gguf(Path(__file__).parent / "data" / "tiny" / "tiny-gpt-oss.gguf")
+    meta = dict(g.metadata)
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    for k, name in enumerate(("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                              "<|constrain|>")):
+        i = len(tokens) - 1 - k
+        tokens[i], types[i] = name, 3                   # control, as gpt-oss files mark them
+    meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"] = tokens, types
+    return GGUFTokenizer(SimpleNamespace(metadata=meta, path=g.path))

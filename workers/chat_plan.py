@@ -18,6 +18,8 @@ from kiln.native.tool_calls import call_grammar, detect_format, prepare
 # control tokens a parser must see in the text (the decoder hides control tokens otherwise)
 _MARKERS = ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<tool_call>", "</tool_call>", "<think>", "</think>")
 EFFORTS = ("low", "medium", "high")
+# gpt-oss's message markers, shown to the harmony splitter (<|return|> and <|call|> end the answer)
+HARMONY_SHOWN = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
 
 
 class PlanError(ValueError):
@@ -32,11 +34,12 @@ class ChatPlan:
     tools: list[dict] | None = None
     thinking: bool | None = None               # None: the template has no <think> blocks
     show: frozenset = field(default_factory=frozenset)
+    harmony: bool = False                      # gpt-oss: channels and calls in harmony messages
 
     def output(self) -> ChatOutput | None:
-        if self.tool_format is None and self.thinking is None:
+        if self.tool_format is None and self.thinking is None and not self.harmony:
             return None
-        return ChatOutput(self.tool_format, self.tools, self.thinking)
+        return ChatOutput(self.tool_format, self.tools, self.thinking, harmony=self.harmony)
 
 
 def _template_vars(body: dict, source: str) -> dict:
@@ -81,6 +84,10 @@ def plan(body: dict, model, template) -> ChatPlan:
 
     grammar = _response_grammar(body.get("response_format"))
     where = "response_format.json_schema.schema"
+    harmony = getattr(tok, "harmony", False)
+    if tools and choice != "auto" and harmony:
+        raise PlanError("tool_choice: a forced tool call is not supported for gpt-oss's harmony format yet; "
+                        "use \"auto\" (the model's calls are parsed)")
     if tools and choice != "auto":
         if grammar:
             raise PlanError("tool_choice: a forced tool call and a response_format cannot both constrain "
@@ -114,5 +121,6 @@ def plan(body: dict, model, template) -> ChatPlan:
             check(grammar, tok)
         except GrammarError as e:
             raise PlanError(f"{where}: {e}") from None
-    show = frozenset(i for i in map(tok.id_of, _MARKERS) if i is not None and tok.is_control(i))
-    return ChatPlan(ids, grammar, fmt, tools, (opens if thinks else None), show)
+    markers = _MARKERS + (HARMONY_SHOWN if harmony else ())
+    show = frozenset(i for i in map(tok.id_of, markers) if i is not None and tok.is_control(i))
+    return ChatPlan(ids, grammar, fmt, tools, (opens if thinks else None), show, harmony)
