@@ -3,6 +3,7 @@ prefix reuse, batched decode and a fresh run give the same bits (and the same gr
 
 import numpy as np
 import pytest
+from pathlib import Path
 
 from conftest import tiny_path
 from kiln.native import kernels
@@ -139,6 +140,34 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, defau
     finally:
         m._fusable_cache = saved
     assert np.array_equal(fused, stepwise)
+
+
+@pytest.mark.parametrize("kv", [np.float16, np.float32], ids=["fp16-kv", "f32-kv"])
+def test_a_long_decode_with_heads_split_between_threads_keeps_the_bits(kv, default_model):
+    """Past SPLIT_ATTENTION_FROM positions a decode step whose rows x heads do not divide among
+    the threads (9 heads, 1 or 3 rows, 2 threads) deals each head's scores, softmax and value
+    sums between them: the step-by-step path's bits, alone and batched."""
+    m = default_model
+    text = (Path(__file__).parent / "data" / "perplexity" / "GPL-3.txt").read_text()
+    prompts = [m.tokenizer.encode(text)[:300 + 17 * i] for i in range(3)]
+
+    def decode():
+        caches = [m.new_cache(dtype=kv) for _ in prompts]
+        last = [m.forward(p, c) for p, c in zip(prompts, caches)]
+        out = []
+        for _ in range(3):
+            last[0] = m.forward([int(np.argmax(last[0]))], caches[0])
+            out.append(last[0][None])
+            last = list(m.forward_batch([int(np.argmax(x)) for x in last], caches))
+            out.append(np.array(last))
+        return np.concatenate(out)
+    fused = decode()
+    saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)
+    try:
+        stepwise = decode()
+    finally:
+        m._fusable_cache = saved
+    assert m.config.n_head % 2 == 1 and np.array_equal(fused, stepwise)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe", "gpt-oss"])

@@ -26,18 +26,21 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
 #define LD1_F32(x) (x)
 #define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define LD1_F16(x) _cvtsh_ss(x)
-#define ATTN_TASK(NAME, T, LD8, LD1, RND, RND8)                                                      \
-AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
-                      int H, int Hkv, int D, int n, float scale, float *row, int win,             \
-                      const float *sinks) {                                                       \
+/* The pieces of a task, each usable alone so that a long decode can deal one (row, head)
+ * between the threads (attention_decode_split): scores of keys s0..s1-1 (four at a time, each
+ * reduced as a lone key's: the bits do not depend on the grouping), the softmax, and the value
+ * sums of lanes i0..i1-1 (lane i: positions i, i+8, …) with their final reduction. */
+#define ATTN_PHASES(NAME, T, LD8, LD1, RND, RND8)                                                    \
+AVX2 void NAME##_scores(const float *Q, const T *Kc, int t, int h, int H, int Hkv, int D, int s0,   \
+                        int s1, float scale, float *row) {                                        \
     int kh = h / (H / Hkv);                                                                       \
     size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
     float q[512];                                  /* D <= 512, checked by the callers */       \
     for (int i = 0; i < D; i++) q[i] = RND(Q[((size_t)t * H + h) * D + i]);                       \
     const T *K0 = Kc + (size_t)kh * D;                                                            \
-    float mx = -INFINITY; int s = 0;                                                              \
-    if (D % 8 == 0) {                                                                             \
-        for (; s + 4 <= n; s += 4) {                                                              \
+    int s = s0;                                                                                   \
+    if (D % 8 == 0)                                                                               \
+        for (; s + 4 <= s1; s += 4) {                                                             \
             const T *k0 = K0 + s * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;               \
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
             for (int i = 0; i < D; i += 8) {                                                      \
@@ -45,73 +48,100 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
                 a0 = _mm256_fmadd_ps(qq, LD8(k0 + i), a0); a1 = _mm256_fmadd_ps(qq, LD8(k1 + i), a1); \
                 a2 = _mm256_fmadd_ps(qq, LD8(k2 + i), a2); a3 = _mm256_fmadd_ps(qq, LD8(k3 + i), a3); \
             }                                                                                     \
-            /* each key's sum is reduced exactly as a lone key's (hsum_avx): same bits */         \
             row[s] = hsum_avx(a0) * scale; row[s + 1] = hsum_avx(a1) * scale;                     \
             row[s + 2] = hsum_avx(a2) * scale; row[s + 3] = hsum_avx(a3) * scale;                 \
-            for (int j = 0; j < 4; j++) if (row[s + j] > mx) mx = row[s + j];                     \
         }                                                                                         \
-    }                                                                                             \
-    for (; s < n; s++) {                                                                          \
+    for (; s < s1; s++) {                                                                         \
         const T *k = K0 + s * ks;                                                                 \
         __m256 acc = _mm256_setzero_ps(); int i = 0;                                              \
         for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), LD8(k + i), acc); \
         float dot = hsum_avx(acc);                                                                \
         for (; i < D; i++) dot += q[i] * LD1(k[i]);                                               \
         row[s] = dot * scale;                                                                     \
-        if (row[s] > mx) mx = row[s];                                                             \
     }                                                                                             \
-    if (win > 0 && n > win) {                      /* sliding window: ggml's -inf mask */       \
-        mx = -INFINITY;                                                                           \
-        for (s = 0; s < n - win; s++) row[s] = -INFINITY;                                         \
-        for (; s < n; s++) if (row[s] > mx) mx = row[s];                                          \
-    }                                                                                             \
-    /* softmax as ggml's soft_max: exp 8 at a time (expf8), each 8's sum added in double, scaled  \
-     * by 1/sum computed in double; the cells past n are ggml's masked padding (exp -> 0) */      \
+}                                                                                                 \
+/* softmax as ggml's soft_max: exp 8 at a time (expf8), each 8's sum added in double, scaled by   \
+ * 1/sum computed in double; the cells past n are ggml's masked padding (exp -> 0); a sliding     \
+ * window masks the keys before it with -inf, a sink logit joins the max and the denominator */  \
+AVX2 void NAME##_softmax(float *row, int n, int win, const float *sink) {                         \
+    int s = 0;                                                                                    \
+    if (win > 0 && n > win) for (; s < n - win; s++) row[s] = -INFINITY;                          \
+    float mx = -INFINITY;                                                                         \
+    for (; s < n; s++) if (row[s] > mx) mx = row[s];                                              \
     int n8 = (n + 7) & ~7;                                                                        \
     for (int j = n; j < n8; j++) row[j] = -INFINITY;                                              \
-    if (sinks && sinks[h] > mx) mx = sinks[h];     /* a sink logit joins the max (ggml) */       \
+    if (sink && *sink > mx) mx = *sink;                                                           \
     __m256 vmx = _mm256_set1_ps(mx); double dsum = 0.0;                                           \
     for (s = 0; s < n8; s += 8) {                                                                 \
         __m256 e = expf8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));                           \
         _mm256_storeu_ps(row + s, e);                                                             \
         dsum += (double)hsum_avx(e);                                                              \
     }                                                                                             \
-    if (sinks) dsum += (double)expf(sinks[h] - mx); /* ... and the denominator, with no value */  \
-    float inv = (float)(1.0 / dsum), *o = O + ((size_t)t * H + h) * D;                            \
-    {   /* eight at a time: the same product and rounding per element (round to nearest even) */ \
-        __m256 vinv = _mm256_set1_ps(inv);                                                        \
-        for (s = 0; s + 8 <= n; s += 8)                                                           \
-            _mm256_storeu_ps(row + s, RND8(_mm256_mul_ps(_mm256_loadu_ps(row + s), vinv)));       \
-        for (; s < n; s++) row[s] = RND(row[s] * inv);                                            \
-    }                                                                                             \
-    /* out[d] = sum over positions of p * v[d], as ggml's prompt-batch (tinyBLAS) dot over the    \
-     * positions: lane i accumulates positions = i (mod 8) in order, then the lanes are reduced   \
-     * as hsum_avx reduces; eight dimensions at a time, one lane per register */                  \
+    if (sink) dsum += (double)expf(*sink - mx);                                                   \
+    float inv = (float)(1.0 / dsum);                                                              \
+    __m256 vinv = _mm256_set1_ps(inv);             /* the same product and rounding per element */\
+    for (s = 0; s + 8 <= n; s += 8)                                                               \
+        _mm256_storeu_ps(row + s, RND8(_mm256_mul_ps(_mm256_loadu_ps(row + s), vinv)));           \
+    for (; s < n; s++) row[s] = RND(row[s] * inv);                                                \
+}                                                                                                 \
+/* out[d] = sum over positions of p * v[d], as ggml's prompt-batch (tinyBLAS) dot over the       \
+ * positions: lane i accumulates positions i (mod 8) in order, 64 dimensions in registers, into   \
+ * acc (8 lanes x D); reduce adds the lanes as hsum_avx does. D % 64 == 0. */                     \
+AVX2 void NAME##_vlanes(const float *row, const T *V, int h, int H, int Hkv, int D, int n, int i0, \
+                        int i1, float *acc) {                                                     \
+    size_t ks = (size_t)Hkv * D;                                                                  \
+    const T *V0 = V + (size_t)(h / (H / Hkv)) * D;                                                \
+    for (int g = 0; g < D; g += 64)                                                               \
+        for (int i = i0; i < i1; i++) {                                                           \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+            for (int j = i; j < n; j += 8) {                                                      \
+                __m256 p = _mm256_set1_ps(row[j]);                                                \
+                const T *vr = V0 + (size_t)j * ks + g;                                            \
+                a0 = _mm256_fmadd_ps(LD8(vr), p, a0); a1 = _mm256_fmadd_ps(LD8(vr + 8), p, a1);   \
+                a2 = _mm256_fmadd_ps(LD8(vr + 16), p, a2); a3 = _mm256_fmadd_ps(LD8(vr + 24), p, a3); \
+                a4 = _mm256_fmadd_ps(LD8(vr + 32), p, a4); a5 = _mm256_fmadd_ps(LD8(vr + 40), p, a5); \
+                a6 = _mm256_fmadd_ps(LD8(vr + 48), p, a6); a7 = _mm256_fmadd_ps(LD8(vr + 56), p, a7); \
+            }                                                                                     \
+            float *d = acc + (size_t)i * D + g;                                                   \
+            _mm256_storeu_ps(d, a0); _mm256_storeu_ps(d + 8, a1); _mm256_storeu_ps(d + 16, a2);   \
+            _mm256_storeu_ps(d + 24, a3); _mm256_storeu_ps(d + 32, a4); _mm256_storeu_ps(d + 40, a5); \
+            _mm256_storeu_ps(d + 48, a6); _mm256_storeu_ps(d + 56, a7);                           \
+        }                                                                                         \
+}
+ATTN_PHASES(attn_f32, float, LD8_F32, LD1_F32, RND_NONE, RND8_NONE)
+ATTN_PHASES(attn_f16, uint16_t, LD8_F16, LD1_F16, RND_F16, RND8_F16)
+
+AVX2 void attn_reduce_lanes(const float *acc, float *o, int D) {
+    for (int d = 0; d < D; d += 8) {
+        const float *a = acc + d;
+        __m256 r = _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(a + 4 * D)),
+                          _mm256_add_ps(_mm256_loadu_ps(a + 2 * D), _mm256_loadu_ps(a + 6 * D))),
+            _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(a + D), _mm256_loadu_ps(a + 5 * D)),
+                          _mm256_add_ps(_mm256_loadu_ps(a + 3 * D), _mm256_loadu_ps(a + 7 * D))));
+        _mm256_storeu_ps(o + d, r);
+    }
+}
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"      /* acc: filled by _vlanes */
+#define ATTN_TASK(NAME, P, T, LD8, LD1)                                                              \
+AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
+                      int H, int Hkv, int D, int n, float scale, float *row, int win,             \
+                      const float *sinks) {                                                       \
+    int kh = h / (H / Hkv);                                                                       \
+    size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
+    P##_scores(Q, Kc, t, h, H, Hkv, D, 0, n, scale, row);                                         \
+    P##_softmax(row, n, win, sinks ? sinks + h : NULL);                                           \
+    float *o = O + ((size_t)t * H + h) * D;                                                       \
     const T *V0 = V + (size_t)kh * D;                                                             \
     int d0 = 0;                                                                                   \
     if (D % 8 == 0) {                                                                             \
         /* the same lanes kept in L1 instead of registers, so each value row is read once,      \
            not once per eight dimensions (the position loop outside, dimensions inside) */      \
         float acc[8 * 512] __attribute__((aligned(32)));                                          \
-        if (D % 64 == 0) {                                                                        \
-            /* lane by lane, 64 dimensions in registers: lane i's positions i, i+8, … in order */  \
-            for (int g = 0; g < D; g += 64)                                                       \
-                for (int i = 0; i < 8; i++) {                                                     \
-                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-                    for (int j = i; j < n; j += 8) {                                              \
-                        __m256 p = _mm256_set1_ps(row[j]);                                        \
-                        const T *vr = V0 + (size_t)j * ks + g;                                    \
-                        a0 = _mm256_fmadd_ps(LD8(vr), p, a0); a1 = _mm256_fmadd_ps(LD8(vr + 8), p, a1); \
-                        a2 = _mm256_fmadd_ps(LD8(vr + 16), p, a2); a3 = _mm256_fmadd_ps(LD8(vr + 24), p, a3); \
-                        a4 = _mm256_fmadd_ps(LD8(vr + 32), p, a4); a5 = _mm256_fmadd_ps(LD8(vr + 40), p, a5); \
-                        a6 = _mm256_fmadd_ps(LD8(vr + 48), p, a6); a7 = _mm256_fmadd_ps(LD8(vr + 56), p, a7); \
-                    }                                                                             \
-                    float *d = acc + (size_t)i * D + g;                                           \
-                    _mm256_store_ps(d, a0); _mm256_store_ps(d + 8, a1); _mm256_store_ps(d + 16, a2); \
-                    _mm256_store_ps(d + 24, a3); _mm256_store_ps(d + 32, a4); _mm256_store_ps(d + 40, a5); \
-                    _mm256_store_ps(d + 48, a6); _mm256_store_ps(d + 56, a7);                     \
-                }                                                                                 \
-        } else {                                                                                  \
+        if (D % 64 == 0) P##_vlanes(row, V, h, H, Hkv, D, n, 0, 8, acc);                          \
+        else {                                                                                    \
             for (int i = 0; i < 8 * D; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());     \
             for (int j = 0; j < n; j++) {                                                         \
                 float *a = acc + (size_t)(j & 7) * D;                                             \
@@ -121,15 +151,7 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
                     _mm256_store_ps(a + d, _mm256_fmadd_ps(LD8(vr + d), p, _mm256_load_ps(a + d))); \
             }                                                                                     \
         }                                                                                         \
-        for (int d = 0; d < D; d += 8) {                                                          \
-            const float *a = acc + d;                                                             \
-            __m256 r = _mm256_add_ps(                                                             \
-                _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(a), _mm256_load_ps(a + 4 * D)),        \
-                              _mm256_add_ps(_mm256_load_ps(a + 2 * D), _mm256_load_ps(a + 6 * D))), \
-                _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(a + D), _mm256_load_ps(a + 5 * D)),    \
-                              _mm256_add_ps(_mm256_load_ps(a + 3 * D), _mm256_load_ps(a + 7 * D)))); \
-            _mm256_storeu_ps(o + d, r);                                                           \
-        }                                                                                         \
+        attn_reduce_lanes(acc, o, D);                                                             \
         d0 = D;                                                                                   \
     }                                                                                             \
     for (; d0 + 8 <= D; d0 += 8) {                                                                \
@@ -153,8 +175,9 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
         o[d0] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));                \
     }                                                                                             \
 }
-ATTN_TASK(attn_task_avx2, float, LD8_F32, LD1_F32, RND_NONE, RND8_NONE)
-ATTN_TASK(attn_task_avx2_h, uint16_t, LD8_F16, LD1_F16, RND_F16, RND8_F16)
+ATTN_TASK(attn_task_avx2, attn_f32, float, LD8_F32, LD1_F32)
+ATTN_TASK(attn_task_avx2_h, attn_f16, uint16_t, LD8_F16, LD1_F16)
+#pragma GCC diagnostic pop
 #endif
 
 static inline float vdot(const float *a, const float *b, int n) {

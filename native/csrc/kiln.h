@@ -189,6 +189,16 @@ void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, i
                     int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
 void attn_task_avx2_h(const float *Q, const uint16_t *Kc, const uint16_t *V, float *O, int t, int h,
                       int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
+void attn_f32_scores(const float *Q, const float *Kc, int t, int h, int H, int Hkv, int D, int s0, int s1,
+                     float scale, float *row);
+void attn_f16_scores(const float *Q, const uint16_t *Kc, int t, int h, int H, int Hkv, int D, int s0, int s1,
+                     float scale, float *row);
+void attn_f32_softmax(float *row, int n, int win, const float *sink);
+void attn_f16_softmax(float *row, int n, int win, const float *sink);
+void attn_f32_vlanes(const float *row, const float *V, int h, int H, int Hkv, int D, int n, int i0, int i1, float *acc);
+void attn_f16_vlanes(const float *row, const uint16_t *V, int h, int H, int Hkv, int D, int n, int i0, int i1,
+                     float *acc);
+void attn_reduce_lanes(const float *acc, float *o, int D);
 #endif
 
 /* ---- layer.c -------------------------------------------------------------------------------- */

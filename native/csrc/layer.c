@@ -7,6 +7,10 @@
  * Python calls and regions per layer. */
 #include "kiln.h"
 
+/* positions from which a decode step whose heads do not divide among the threads splits each
+ * head's attention between them (below, three more barriers cost more than the imbalance) */
+#define SPLIT_ATTENTION_FROM 256
+
 void rms_row(const float *x, const float *w, float *o, int n, float eps) {
     double sum = 0.0;                       /* double accumulation, as ggml */
     for (int i = 0; i < n; i++) sum += (double)(x[i] * x[i]);   /* float square, double sum */
@@ -195,6 +199,9 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     act_alloc(&aq, &tq, a, B, n); act_alloc(&ao, &to, att, B, qn);
     if (L->ffn) { act_alloc(&ag, &tg, f, B, n); act_alloc(&ad, &td, g, fr, n_ff); act_alloc(&ar, &tf, f, B, n); }
     float scale = L->kq_scale > 0.f ? L->kq_scale : 1.0f / sqrtf((float)D);
+    int split = nt > 1 && (B * H) % nt != 0 && D % 64 == 0 && S >= SPLIT_ATTENTION_FROM;
+    float *rowbuf = split ? malloc((size_t)B * H * (S + 8) * sizeof(float)) : NULL;
+    float *accbuf = split ? malloc((size_t)B * H * 8 * D * sizeof(float)) : NULL;
     #pragma omp parallel num_threads(nt)
     {
         float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
@@ -218,11 +225,42 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 memcpy((float *)rows[b].v + at, vb, (size_t)kvn * 4);
             }
         }
-        #pragma omp for schedule(static)
-        for (int task = 0; task < B * H; task++) {
-            int b = task / H;
-            if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
-            else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
+        if (split) {
+            /* a long decode with heads that do not divide among the threads (9 on 2): each
+               (row, head) dealt in phases — scores by positions, the softmax whole, the value
+               sums by lanes — every piece the arithmetic of the whole task (same bits) */
+            #pragma omp for schedule(static)
+            for (int c = 0; c < B * H * nt; c++) {
+                int task = c / nt, part = c % nt, b = task / H, m = rows[b].pos + 1;
+                int s0 = (int)((long)m * part / nt) & ~3, s1 = part == nt - 1 ? m : (int)((long)m * (part + 1) / nt) & ~3;
+                float *row = rowbuf + (size_t)task * (S + 8);
+                if (L->kv_f16) attn_f16_scores(q, rows[b].k, b, task % H, H, Hkv, D, s0, s1, scale, row);
+                else attn_f32_scores(q, rows[b].k, b, task % H, H, Hkv, D, s0, s1, scale, row);
+            }
+            #pragma omp for schedule(static)
+            for (int task = 0; task < B * H; task++) {
+                float *row = rowbuf + (size_t)task * (S + 8);
+                if (L->kv_f16) attn_f16_softmax(row, rows[task / H].pos + 1, 0, NULL);
+                else attn_f32_softmax(row, rows[task / H].pos + 1, 0, NULL);
+            }
+            #pragma omp for schedule(static)
+            for (int c = 0; c < B * H * 2; c++) {
+                int task = c / 2, b = task / H, i0 = 4 * (c % 2);
+                const float *row = rowbuf + (size_t)task * (S + 8);
+                float *acc = accbuf + (size_t)task * 8 * D;
+                if (L->kv_f16) attn_f16_vlanes(row, rows[b].v, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
+                else attn_f32_vlanes(row, rows[b].v, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
+            }
+            #pragma omp for schedule(static)
+            for (int task = 0; task < B * H; task++)
+                attn_reduce_lanes(accbuf + (size_t)task * 8 * D, att + (size_t)task * D, D);
+        } else {
+            #pragma omp for schedule(static)
+            for (int task = 0; task < B * H; task++) {
+                int b = task / H;
+                if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
+                else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
+            }
         }
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) act_row(&ao, b, qn);
@@ -273,7 +311,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     act_free(&aq); act_free(&ao);
     if (L->ffn) { act_free(&ag); act_free(&ad); act_free(&ar); }
     free(a); free(q); free(kt); free(vt); free(att); free(o); free(f); free(g); free(u); free(dn); free(logits);
-    free(wsel_all); free(sel_all);
+    free(wsel_all); free(sel_all); free(rowbuf); free(accbuf);
 #endif
     return missing;
 }
