@@ -110,6 +110,16 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
     assert clear.sum() >= 5 and (l32.argmax(-1) == l16.argmax(-1))[clear].all()
 
 
+def _fused_and_stepwise(m, run):
+    """run() through the one-call compiled layers, and again through the step-by-step path."""
+    fused = run()
+    saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)
+    try:
+        return fused, run()
+    finally:
+        m._fusable_cache = saved
+
+
 @pytest.mark.parametrize("kv", [np.float16, np.float32], ids=["fp16-kv", "f32-kv"])
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, default_model, e8k2_path):
@@ -133,12 +143,7 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, defau
         # a run of one sequence's tokens (a speculative draft being checked) through the same call
         run = m.forward([int(np.argmax(x)) for x in last] + [42, 7], caches[1], all_logits=True)
         return np.concatenate([np.array(out).reshape(-1, run.shape[-1]), run])
-    fused = decode()
-    saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)
-    try:
-        stepwise = decode()
-    finally:
-        m._fusable_cache = saved
+    fused, stepwise = _fused_and_stepwise(m, decode)
     assert np.array_equal(fused, stepwise)
 
 
@@ -161,12 +166,7 @@ def test_a_long_decode_with_heads_split_between_threads_keeps_the_bits(kv, defau
             last = list(m.forward_batch([int(np.argmax(x)) for x in last], caches))
             out.append(np.array(last))
         return np.concatenate(out)
-    fused = decode()
-    saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)
-    try:
-        stepwise = decode()
-    finally:
-        m._fusable_cache = saved
+    fused, stepwise = _fused_and_stepwise(m, decode)
     assert m.config.n_head % 2 == 1 and np.array_equal(fused, stepwise)
 
 
