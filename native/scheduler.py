@@ -80,7 +80,6 @@ class Scheduler:
         self.prefill_ratio, self.prefill_chunk, self.speculative = prefill_ratio, prefill_chunk, speculative
         self.step_s: float | None = None           # a decode step's time (moving average)
         self.chunk_n: float | None = None          # interleaved chunk size, steered to its time target
-        self.rode = False                           # this step's forward carried a prompt's chunk
         self.rides = 0                              # how many steps did (load() reports it)
         self.spec = {"drafted": 0, "accepted": 0}
         self.costs = ForwardCosts()                 # forward time by row count (speculation's costs)
@@ -143,8 +142,8 @@ class Scheduler:
                 try:
                     for lead in admit:
                         self._start(lead)
-                    self._step()
-                    self._prefill_some()
+                    if not self._step():          # a step that carried a chunk was this round's prefill
+                        self._prefill_some()
                 except Exception as e:  # noqa: BLE001 - a fault of ours must not hang every request
                     self._fail_all(admit, e)
 
@@ -198,9 +197,6 @@ class Scheduler:
         return max(MIN_CHUNK, n)
 
     def _prefill_some(self) -> None:
-        if self.rode:                         # this step's chunk rode with the decode rows
-            self.rode = False
-            return
         budget = self._prefill_budget()
         interleaved = bool(self.active)
         while self.prefilling and budget > 0:
@@ -265,9 +261,10 @@ class Scheduler:
         with self.cond:
             self.active.append(job)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         """Sample one token for every active job, then one batched forward for those going on
-        (or, for a job decoding alone, a forward that also checks a prompt-lookup draft)."""
+        (or, for a job decoding alone, a forward that also checks a prompt-lookup draft). True
+        when a prompt's chunk rode in the forward."""
         going = []
         for job in list(self.active):
             if job.cancelled():
@@ -285,7 +282,8 @@ class Scheduler:
                 going.append((job, tok.id))
         rider = self._rider() if going else None
         if rider is None and len(going) == 1 and self._speculate(*going[0]):
-            return
+            return False
+        rode = False
         groups: dict[int, list] = {}         # one batched step per adapter (None: the base)
         for job, t in going:
             groups.setdefault(id(job.adapter), []).append((job, t))
@@ -313,8 +311,8 @@ class Scheduler:
             self.costs.record(len(group) + n, took)
             if ride:
                 self._steer(n, took)
-                self.rode = True
                 self.rides += 1
+                rode = True
             else:
                 self.step_s = ema(self.step_s, took)
             for (job, _), row in zip(group, logits):
@@ -324,6 +322,7 @@ class Scheduler:
                 if ride.pos >= len(ride.prompt):
                     self.prefilling.remove(ride)
                     self._prefilled(ride, logits[-1])
+        return rode
 
     def _speculate(self, job: Job, t: int) -> bool:
         """Run `t` and a prompt-lookup draft in one forward; sample each position as plain

@@ -151,11 +151,11 @@ def call_grammar(fmt: str, tools: list[dict], parallel: bool, special_ids: dict[
                     value = None if ps.get("type") == "string" else json_rule(ps)
                 if value is None:
                     # a string runs to the first "\n</parameter>\n" (lines, "<" and all: code, HTML)
-                    tail = "STR_END"
-                    if _string_bounds(ps):
+                    tail, bounds = "STR_END", _string_bounds(ps)
+                    if bounds:
                         tail = f"S{i}_{j}"
                         rules.append(f"{tail}: {_STR_END_RE}" + "".join(f" & /{b}" + r"\n<\/parameter>\n/"
-                                                                        for b in _string_bounds(ps)))
+                                                                        for b in bounds))
                 else:
                     tail = f"{value} {_lark_str(chr(10) + '</parameter>' + chr(10))}"
                 rules.append(f"p{i}_{j}: {_lark_str(f'<parameter={k}>' + chr(10))} {tail}")
