@@ -19,7 +19,9 @@ layers × 64 experts (4 used), n_embd 1024, expert FFN 1536, Q4_0: 2.7 GB of exp
   SmolLM2 variants (skewed, unlike the synthetic model's), replayed offline through every policy
   and budget (native/expert_policy.py — the classes the cache runs) against Belady's optimum.
 
-Each measured configuration runs in its own process. The memory limit is a cgroup (v1
+Each measured configuration runs in its own process, in the environment `kiln up` gives a worker
+(libgomp's spin as supervisor/processes.py sets it); `summary` has the median ratio per policy and
+budget over the `--repeat` pairs. The memory limit is a cgroup (v1
 `memory.limit_in_bytes` or v2 `memory.max`, root only): non-expert bytes + the budget + 512 MiB
 for the runtime, for the streamed and the page-cache run alike; the file is evicted from the
 page cache (posix_fadvise DONTNEED) before each. Without cgroups the page-cache baseline is
@@ -335,13 +337,35 @@ def paired(spec: dict, limit: int | None, ram: list) -> dict:
     return r
 
 
+def worker_env() -> dict:
+    """The environment a worker runs in: the supervisor sets libgomp's spin (supervisor/processes.py)
+    unless the user did, so the bench measures the engine as `kiln up` runs it."""
+    env = dict(os.environ)
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        env["GOMP_SPINCOUNT"] = "30000"
+    return env
+
+
+def summary(streamed: list) -> list:
+    """Median vs_ram (and tok/s) per policy, budget and read-ahead over the repeated pairs."""
+    groups: dict = {}
+    for r in streamed:
+        if "vs_ram" in r:
+            groups.setdefault((r["policy"], r["budget_pct"], r.get("read_ahead_on", True)), []).append(r)
+    return [{"policy": p, "budget_pct": b, "read_ahead": ra, "runs": len(rs),
+             "vs_ram_median": round(statistics.median(r["vs_ram"] for r in rs), 3),
+             "vs_ram_range": [min(r["vs_ram"] for r in rs), max(r["vs_ram"] for r in rs)],
+             "tok_s_median": round(statistics.median(r["tok_s"] for r in rs), 2)}
+            for (p, b, ra), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0], not kv[0][2]))]
+
+
 def measure(spec: dict, limit: int | None = None) -> dict:
     import subprocess
     import sys
     evict(Path(spec["path"]))
     with MemoryLimit(limit) if limit else _nolimit() as lim:
         proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True,
-                              preexec_fn=lim.preexec if limit else None, timeout=3600)
+                              preexec_fn=lim.preexec if limit else None, timeout=3600, env=worker_env())
     if proc.returncode != 0:
         return {**spec, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     res = json.loads(proc.stdout)
@@ -477,6 +501,7 @@ def main() -> None:
     pre = measure({**base, "mode": "all_resident"})
     out["in_ram_tok_s"] = statistics.median(r["tok_s"] for r in ram if "tok_s" in r)
     out["streamed"], out["page_cache"] = streamed, page
+    out["summary"] = summary(streamed)
     out["all_resident"] = pre
     if not args.skip_traces:
         models = {"synthetic": path,
