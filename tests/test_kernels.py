@@ -88,6 +88,10 @@ def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype):
         assert np.array_equal(together, alone[:rows]), f"{qtype.name}: a batch of {rows} rows"
     many = kernels.matmul_many(x, [w, w])
     assert all(np.array_equal(alone, m) for m in many)
+    # one row takes the weight rows in pairs: odd counts, and a pair that would straddle two weights
+    odd = [random_weight(qtype, n, 256, rng) for n in (7, 5)]
+    one, two = kernels.matmul_many(x[:1], odd), kernels.matmul_many(x[:2], odd)
+    assert all(np.array_equal(a, b[:1]) for a, b in zip(one, two)), f"{qtype.name}: one row, odd weights"
 
 
 def test_compiled_routing_chooses_and_weighs_experts_as_the_softmax_does():

@@ -88,9 +88,30 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_rows(int type, int
     #pragma GCC unroll 8
     for (int i = 0; i < R; i++) r[i] = HAS_MIN(type) ? hsum_avx(acc[i]) + mm[i] : hsum_avx(acc[i]);
 }
+/* One activation row against two consecutive weight rows: the two rows' chains interleaved (a
+ * decode step's rows are short — K = 576 is 18 blocks — and one row's FMA chain leaves the core
+ * waiting on its own latency); each row's operations are dot_q8_row's, in its order. */
+AVX2 static inline __attribute__((always_inline)) void dot_q8_row2(int type, int bytes, const uint8_t *w0,
+                                                                 size_t row_bytes, const Act *a, int t, int nb, float *r) {
+    const uint8_t *w1 = w0 + row_bytes;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); float m0 = 0.f, m1 = 0.f;
+    for (int b = 0; b < nb; b++, w0 += bytes, w1 += bytes) {
+        const size_t blk = (size_t)t * nb + b;
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + blk * 32));
+        const float dx = a->d[blk];
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w0) * dx), block_dot(type, block_values(type, w0), y), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w1) * dx), block_dot(type, block_values(type, w1), y), acc1);
+        if (HAS_MIN(type)) { const float s = a->s[blk]; m0 += H2F(w0 + 2) * s; m1 += H2F(w1 + 2) * s; }
+    }
+    r[0] = HAS_MIN(type) ? hsum_avx(acc0) + m0 : hsum_avx(acc0);
+    r[1] = HAS_MIN(type) ? hsum_avx(acc1) + m1 : hsum_avx(acc1);
+}
 #define Q8_KERNELS(name, TYPE, BYTES)                                                               \
     AVX2 static float dot_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb) {            \
         return dot_q8_row(TYPE, BYTES, w, a, t, nb);                                                \
+    }                                                                                               \
+    AVX2 static void dotW2_##name##_avx2(const uint8_t *w, size_t rb, const Act *a, int t, int nb, float *r) { \
+        dot_q8_row2(TYPE, BYTES, w, rb, a, t, nb, r);                                              \
     }                                                                                               \
     AVX2 static void dotR_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, int R, float *r) { \
         switch (R) {                 /* R a constant in each copy: the row loop unrolled */          \
@@ -228,6 +249,18 @@ void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, f
     case T_Q6_K: dot4_q6_K_avx2(w, a, t, nb, res); break;
     default: dotR_q8_0_avx2(w, a, t, nb, 4, res);
     }
+}
+/* One activation row against two consecutive weight rows (row_bytes apart), for the
+ * Q8-activation types: 0 when the type has none. */
+int dotW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res) {
+    switch (type) {
+    case T_Q4_0: dotW2_q4_0_avx2(w, row_bytes, a, t, nb, res); return 1;
+    case T_Q4_1: dotW2_q4_1_avx2(w, row_bytes, a, t, nb, res); return 1;
+    case T_Q5_0: dotW2_q5_0_avx2(w, row_bytes, a, t, nb, res); return 1;
+    case T_Q5_1: dotW2_q5_1_avx2(w, row_bytes, a, t, nb, res); return 1;
+    case T_Q8_0: dotW2_q8_0_avx2(w, row_bytes, a, t, nb, res); return 1;
+    }
+    return 0;
 }
 /* Two to eight activation rows against one weight row, for the Q8-activation types (a batched
  * decode step, a draft being checked, prefill): 0 when the type has none. */

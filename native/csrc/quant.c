@@ -322,6 +322,27 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
     size_t row_bytes = (size_t)(K / ti->block) * ti->bytes;
     int total = 0;
     for (int i = 0; i < nw; i++) total += N[i];
+#ifdef KILN_X86
+    if (T == 1 && g_avx2 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0)) {
+        /* one activation row: weight rows in pairs (two chains in flight); a pair that would
+           straddle two weights, and an odd last row, take the one-row kernel (the same bits) */
+        const int nb = K / ti->block;
+        #pragma omp for schedule(static)
+        for (int p = 0; p < (total + 1) / 2; p++) {
+            int r = 2 * p, i = 0, n = r;
+            while (n >= N[i]) n -= N[i++];
+            if (n + 1 < N[i]) {
+                float res[2];
+                dotW2_avx2(type, W[i] + (size_t)n * row_bytes, row_bytes, a, 0, nb, res);
+                out[i][n] = res[0]; out[i][n + 1] = res[1];
+                continue;
+            }
+            out[i][n] = dot_row(type, ti, W[i] + (size_t)n * row_bytes, a, 0, K);
+            if (r + 1 < total) out[i + 1][0] = dot_row(type, ti, W[i + 1], a, 0, K);
+        }
+        return;
+    }
+#endif
     #pragma omp for schedule(static)
     for (int r = 0; r < total; r++) {
         int i = 0, n = r;
