@@ -194,8 +194,10 @@ class Call:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-_XML_FN = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+# a closing tag counts only where the next thing is the next parameter / function or the end: a
+# value may hold the literal tag mid-text (code about these very tags), as the grammar lets it
+_XML_FN = re.compile(r"<function=([^>\n]+)>(.*?)</function>(?=\s*(?:<function=|\Z))", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>(?=\s*(?:<parameter=|\Z))", re.S)
 
 
 class ToolCallParser:

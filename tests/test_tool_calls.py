@@ -57,6 +57,14 @@ def test_every_native_format_parses_split_anywhere(fmt):
         assert _run(fmt, [out[:i], out[i:]]) == (text, calls), i
 
 
+def test_qwen_xml_values_may_hold_their_own_closing_tags_mid_text():
+    code = 'if "</parameter>" in s:\n    s = s.split("</function>")[0]'
+    out = (f"<tool_call>\n<function=get_time>\n<parameter=zone>\n{code}\n</parameter>\n</function>\n</tool_call>"
+           "<tool_call>\n<function=get_weather>\n<parameter=city>Oslo</parameter><parameter=days>2</parameter>\n"
+           "</function>\n</tool_call>")
+    assert _run("qwen_xml", list(out)) == ("", [("get_time", {"zone": code}), ("get_weather", {"city": "Oslo", "days": 2})])
+
+
 def test_mistral_v11_form_and_llama3_python_tag():
     assert _run("mistral", ['[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}']) == ("", [("get_time", {"zone": "UTC"})])
     assert _run("llama3", ['<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}']) == \
