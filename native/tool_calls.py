@@ -9,6 +9,8 @@ source:
              Qwen3-Coder)
   llama3     a bare JSON object `{"name": …, "parameters": {…}}`, optionally after <|python_tag|>
   mistral    `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`, or `[TOOL_CALLS]NAME[ARGS]{…}`
+  harmony    gpt-oss: the template lists the tools as a TypeScript namespace and the model calls in
+             a `commentary to=functions.NAME` message (native/chat_output.py HarmonySplitter)
   generic    a template that knows no tools (SmolLM2…): the tools are described in a system
              message (GENERIC_PROMPT) and the model answers in the hermes form
 
@@ -42,6 +44,8 @@ def detect_format(source: str | None) -> str:
     s = source or ""
     if "tools" not in s:
         return "generic"
+    if "<|channel|>" in s:
+        return "harmony"
     if "<function=" in s and "<tool_call>" in s:
         return "qwen_xml"
     if "<tool_call>" in s:

@@ -99,6 +99,8 @@ def test_detect_format_reads_the_template():
     assert detect_format("{% if tools %}<tool_call><function={{ name }}>{% endif %}") == "qwen_xml"
     assert detect_format("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
     assert detect_format("{% if tools %}<|python_tag|>{% endif %}") == "llama3"
+    assert detect_format('{% if tools %}{{ render_tool_namespace("functions", tools) }}{% endif %}'
+                         "<|start|>assistant<|channel|>commentary to=functions.x") == "harmony"
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -130,6 +132,29 @@ def test_a_template_with_tools_receives_them_and_calls_with_object_arguments():
     text = ChatTemplate(HERMES).render(msgs, **extra)
     assert '"get_weather"' in text
     assert '{"name": "get_time", "arguments": {"zone": "UTC"}}' in text
+
+
+# gpt-oss's form (written for this test after its template's shape): tools as a namespace in the
+# developer message, calls as commentary messages to functions.NAME, results from functions.NAME
+HARMONY_TEMPLATE = ("{% if tools %}<|start|>developer<|message|>namespace functions {\n{% for t in tools %}type "
+           "{{ t.function.name }} = (_: any) => any;\n{% endfor %}}<|end|>{% endif %}{% for m in messages %}"
+           "{% if m.tool_calls %}{% for c in m.tool_calls %}<|start|>assistant<|channel|>commentary to=functions."
+           "{{ c.function.name }} <|constrain|>json<|message|>{{ c.function.arguments | tojson }}<|call|>{% endfor %}"
+           "{% elif m.role == 'tool' %}<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"
+           "{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}"
+           "{% endfor %}<|start|>assistant")
+
+
+def test_a_harmony_template_lists_the_tools_itself_and_keeps_calls_and_results_in_its_form():
+    assert detect_format(HARMONY_TEMPLATE) == "harmony"
+    conv = [{"role": "user", "content": "t?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "12:00"}]
+    msgs, extra = prepare(conv, TOOLS, "harmony")
+    text = ChatTemplate(HARMONY_TEMPLATE).render(msgs, **extra)
+    assert "type get_weather = " in text and "<tool_call>" not in text and "<tools>" not in text
+    assert 'to=functions.get_time <|constrain|>json<|message|>{"zone": "UTC"}<|call|>' in text
+    assert "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>12:00<|end|>" in text
 
 
 @pytest.fixture(scope="module")

@@ -78,13 +78,16 @@ def plan(body: dict, model, template) -> ChatPlan:
     choice = body.get("tool_choice", "auto" if tools else "none")
     if choice == "none":
         tools = None
-    fmt = detect_format(source) if tools else None
-    messages, extra = prepare(body["messages"], tools, fmt or detect_format(source))
+    harmony = getattr(tok, "harmony", False)
+    # a harmony template over a vocabulary without harmony's markers could not call: no tools in it
+    native = detect_format(source)
+    native = "generic" if native == "harmony" and not harmony else native
+    fmt = native if tools else None
+    messages, extra = prepare(body["messages"], tools, native)
     extra.update(_template_vars(body, source))
 
     grammar = _response_grammar(body.get("response_format"))
     where = "response_format.json_schema.schema"
-    harmony = getattr(tok, "harmony", False)
     if tools and choice != "auto" and harmony:
         raise PlanError("tool_choice: a forced tool call is not supported for gpt-oss's harmony format yet; "
                         "use \"auto\" (the model's calls are parsed)")
