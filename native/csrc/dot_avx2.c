@@ -106,12 +106,57 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_row2(int type, int
     r[0] = HAS_MIN(type) ? hsum_avx(acc0) + m0 : hsum_avx(acc0);
     r[1] = HAS_MIN(type) ? hsum_avx(acc1) + m1 : hsum_avx(acc1);
 }
+/* R (2 to 4) activation rows against two consecutive weight rows: dot_q8_rows for each weight
+ * row, the activation blocks loaded once for both — each (weight row, activation row) the same
+ * operations in the same order, so the bits are dot_q8_rows' (and so the one-row kernel's).
+ * r: the first weight row's R results, then the second's. */
+AVX2 static inline __attribute__((always_inline)) void dot_q8_rows2(int type, int bytes, int R, const uint8_t *w0,
+                                                                  size_t row_bytes, const Act *a, int t, int nb, float *r) {
+    const uint8_t *w1 = w0 + row_bytes;
+    __m256 acc0[4], acc1[4], accm0 = _mm256_setzero_ps(), accm1 = _mm256_setzero_ps();
+    float d0[8] __attribute__((aligned(32))), d1[8] __attribute__((aligned(32)));
+    float m0[8] __attribute__((aligned(32))), m1[8] __attribute__((aligned(32)));
+    const float *dT = a->dT + t, *sT = a->sT + t;
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w0 += bytes, w1 += bytes) {
+        const __m256i x0 = block_values(type, w0), x1 = block_values(type, w1);
+        const size_t at = (size_t)b * a->ts;
+        const __m256 dx = _mm256_loadu_ps(dT + at);
+        _mm256_store_ps(d0, _mm256_mul_ps(_mm256_set1_ps(H2F(w0)), dx));
+        _mm256_store_ps(d1, _mm256_mul_ps(_mm256_set1_ps(H2F(w1)), dx));
+        if (HAS_MIN(type)) {
+            const __m256 sx = _mm256_loadu_ps(sT + at);
+            accm0 = _mm256_add_ps(accm0, _mm256_mul_ps(_mm256_set1_ps(H2F(w0 + 2)), sx));
+            accm1 = _mm256_add_ps(accm1, _mm256_mul_ps(_mm256_set1_ps(H2F(w1 + 2)), sx));
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + ((size_t)(t + i) * nb + b) * 32));
+            acc0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(d0 + i), block_dot(type, x0, y), acc0[i]);
+            acc1[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(d1 + i), block_dot(type, x1, y), acc1[i]);
+        }
+    }
+    _mm256_store_ps(m0, accm0); _mm256_store_ps(m1, accm1);
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        r[i] = HAS_MIN(type) ? hsum_avx(acc0[i]) + m0[i] : hsum_avx(acc0[i]);
+        r[R + i] = HAS_MIN(type) ? hsum_avx(acc1[i]) + m1[i] : hsum_avx(acc1[i]);
+    }
+}
 #define Q8_KERNELS(name, TYPE, BYTES)                                                               \
     AVX2 static float dot_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb) {            \
         return dot_q8_row(TYPE, BYTES, w, a, t, nb);                                                \
     }                                                                                               \
     AVX2 static void dotW2_##name##_avx2(const uint8_t *w, size_t rb, const Act *a, int t, int nb, float *r) { \
         dot_q8_row2(TYPE, BYTES, w, rb, a, t, nb, r);                                              \
+    }                                                                                               \
+    AVX2 static void dotRW2_##name##_avx2(const uint8_t *w, size_t rb, const Act *a, int t, int nb, int R, float *r) { \
+        switch (R) {                                                                                \
+        case 2: dot_q8_rows2(TYPE, BYTES, 2, w, rb, a, t, nb, r); break;                            \
+        case 3: dot_q8_rows2(TYPE, BYTES, 3, w, rb, a, t, nb, r); break;                            \
+        default: dot_q8_rows2(TYPE, BYTES, 4, w, rb, a, t, nb, r);                                 \
+        }                                                                                           \
     }                                                                                               \
     AVX2 static void dotR_##name##_avx2(const uint8_t *w, const Act *a, int t, int nb, int R, float *r) { \
         switch (R) {                 /* R a constant in each copy: the row loop unrolled */          \
@@ -259,6 +304,19 @@ int dotW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t
     case T_Q5_0: dotW2_q5_0_avx2(w, row_bytes, a, t, nb, res); return 1;
     case T_Q5_1: dotW2_q5_1_avx2(w, row_bytes, a, t, nb, res); return 1;
     case T_Q8_0: dotW2_q8_0_avx2(w, row_bytes, a, t, nb, res); return 1;
+    }
+    return 0;
+}
+/* R (2 to 4) activation rows from t against two consecutive weight rows (row_bytes apart), for
+ * the Q8-activation types: res holds the first weight row's R results, then the second's; 0 when
+ * the type has none. */
+int dotRW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, int R, float *res) {
+    switch (type) {
+    case T_Q4_0: dotRW2_q4_0_avx2(w, row_bytes, a, t, nb, R, res); return 1;
+    case T_Q4_1: dotRW2_q4_1_avx2(w, row_bytes, a, t, nb, R, res); return 1;
+    case T_Q5_0: dotRW2_q5_0_avx2(w, row_bytes, a, t, nb, R, res); return 1;
+    case T_Q5_1: dotRW2_q5_1_avx2(w, row_bytes, a, t, nb, R, res); return 1;
+    case T_Q8_0: dotRW2_q8_0_avx2(w, row_bytes, a, t, nb, R, res); return 1;
     }
     return 0;
 }

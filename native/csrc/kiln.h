@@ -162,6 +162,7 @@ int has_dot4_avx2(int type, int K);
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res);
 int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
 int dotW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res);
+int dotRW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, int R, float *res);
 int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax);
 /* dot_kquants_avx2.c */
 float dot_q2_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
