@@ -320,9 +320,9 @@ Act act_view(const Act *a, int t, int K) {
     return v;
 }
 
-/* One weight row (n of weight i, at w) against the T activation rows: up to 8 rows at a time
- * share each weight block's unpacking; a last single row takes the one-row kernel (the same bits
- * either way). */
+/* Weight row n (its bytes at w; o: its weight's output, Ni columns) against the T activation
+ * rows: up to 8 rows at a time share each weight block's unpacking; a last single row takes the
+ * one-row kernel (the same bits either way). */
 static void weight_row(const Act *a, int T, int K, int type, const TypeInfo *ti, const uint8_t *w, float *o,
                        int Ni, int n) {
     int t = 0;
@@ -350,10 +350,10 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
 #ifdef KILN_X86
     if (T <= PAIRED_ROWS_UP_TO && g_avx2 &&
         (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0)) {
-        /* a decode step, a few sequences, a short draft: weight rows in pairs (twice the chains in flight, each
-           activation block loaded once for both), the activation rows four at a time; a pair
-           that would straddle two weights, and an odd last row, go one weight row at a time
-           (the same bits: every (weight row, activation row) is the one-row kernel's arithmetic) */
+        /* a decode step, a few sequences, a short draft: weight rows in pairs (twice the chains
+           in flight, each activation block loaded once for both); a pair that would straddle two
+           weights, and an odd last row, go one weight row at a time (the same bits: every
+           (weight row, activation row) is the one-row kernel's arithmetic) */
         const int nb = K / ti->block;
         #pragma omp for schedule(static)
         for (int p = 0; p < (total + 1) / 2; p++) {
@@ -364,7 +364,7 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
                 float res[8], *o = out[i];
                 const int Ni = N[i];
                 for (int t = 0, R; t < T; t += R) {
-                    R = T - t < 4 ? T - t : 4;
+                    R = T - t < PAIRED_ROWS_UP_TO ? T - t : PAIRED_ROWS_UP_TO;
                     if (R == 1) dotW2_avx2(type, w, row_bytes, a, t, nb, res);
                     else dotRW2_avx2(type, w, row_bytes, a, t, nb, R, res);
                     for (int j = 0; j < R; j++) {
