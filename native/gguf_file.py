@@ -102,6 +102,9 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Sequential little-endian reads over a buffer, with bounds errors that say where."""
 
@@ -126,6 +129,21 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def _skip_strings(self, count: int) -> None:
+        """Step over `count` strings (a vocabulary: ~100k of them) without decoding them — the
+        lengths read in a tight loop, as listing and planning models read every header."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            pos += 8 + length(buf, pos)[0]
+        else:
+            if pos <= end:
+                self.pos = pos
+                return
+        raise GGUFError(f"{self.path}: an array of {count} strings at offset {self.pos} runs past the "
+                        f"end of the file; the file is truncated or corrupt")
+
     def value(self, vtype: int, skip_arrays: bool):
         if vtype in _SCALAR_TYPES:
             return self.unpack(_SCALAR_TYPES[vtype][0])
@@ -144,9 +162,7 @@ class _Cursor:
                 return arr if arr is not None else _Skipped(count)
             if etype == _STRING:
                 if skip_arrays:
-                    for _ in range(count):
-                        n = self.unpack("<Q")
-                        self.pos += n
+                    self._skip_strings(count)
                     return _Skipped(count)
                 return [self.string() for _ in range(count)]
             if etype == _ARRAY:

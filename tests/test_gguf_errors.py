@@ -103,3 +103,12 @@ def test_header_only_read_skips_vocabulary():
     g = read_gguf(tiny_path("llama"), skip_arrays=True)
     assert len(g.metadata["tokenizer.ggml.tokens"]) == 288
     assert g.architecture == "llama"
+    assert g.tensors.keys() == read_gguf(tiny_path("llama")).tensors.keys()
+
+
+@pytest.mark.parametrize("keep", [2000, 3000, 5000])     # inside the vocabulary's strings
+def test_a_header_read_over_a_cut_vocabulary_says_truncated(tmp_path, keep):
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny_path("llama").read_bytes()[:keep])
+    with pytest.raises(GGUFError, match="truncated"):
+        read_gguf(p, skip_arrays=True)
