@@ -1,0 +1,102 @@
+"""The report half of bench/moe_stream.py: routing traces recorded from real text through small
+MoE models and replayed offline through every policy and budget (against Belady's optimum), and
+the PNG of the streamed runs against in-RAM decode and the page cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def record_trace(path: Path, texts: list[str], max_tokens: int = 600) -> list:
+    """(layer, experts) for every token of `texts` fed one at a time (decode-like routing)."""
+    from kiln.native.model import load_model
+
+    class Recorder:
+        def __init__(self, m):
+            self.m, self.trace = m, []
+
+        def prefetch(self, layer, experts, rows=0):
+            self.trace.append((layer, sorted(int(e) for e in experts)))
+
+        def weights(self, layer, e):
+            return self.m.layers[layer].expert(int(e))
+    m = load_model(path)
+    rec = Recorder(m)
+    m.expert_provider = rec
+    n = 0
+    for text in texts:
+        ids = m.tokenizer.encode(text)[:max_tokens - n]
+        cache = m.new_cache(len(ids) + 1)
+        for t in ids:
+            m.forward([t], cache)
+        n += len(ids)
+        if n >= max_tokens:
+            break
+    return rec.trace
+
+
+def replay_traces(models: dict, budgets: list[int], policies: list[str]) -> dict:
+    from kiln.native.expert_policy import belady, make_policy, replay
+    from kiln.native.gguf_file import read_gguf
+    texts = [p["text"] if isinstance(p, dict) else p
+             for p in json.loads((ROOT / "tests" / "data" / "prompts_tiny.json").read_text())["prompts"]]
+    out = {}
+    for name, path in models.items():
+        if not path.exists():
+            continue
+        g = read_gguf(path, skip_arrays=True)
+        arch = g.architecture
+        layers, experts = int(g.get(f"{arch}.block_count")), int(g.get(f"{arch}.expert_count"))
+        trace = record_trace(path, texts)
+        warm = len(trace) // 4
+        rows = []
+        for pct in budgets:
+            slots = max(1, layers * experts * pct // 100)
+            row = {"budget_pct": pct, "belady": round(belady(trace, slots, warm), 4)}
+            for pol in policies:
+                row[pol] = round(replay(trace, make_policy(pol), slots, warm), 4)
+            rows.append(row)
+        out[name] = {"layers": layers, "experts": experts, "routed_layers": len(trace), "hit_rates": rows}
+    return out
+
+
+def plot(out: dict, dest: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    runs = [r for r in out["streamed"] if "tok_s" in r]
+    for label, pick in [(p, lambda r, p=p: r["policy"] == p and r.get("read_ahead_on", True))
+                        for p in sorted({r["policy"] for r in runs})] + \
+            [("lrfu, no read-ahead", lambda r: r["policy"] == "lrfu" and r.get("read_ahead_on") is False)]:
+        rs = sorted((r for r in runs if pick(r)), key=lambda r: r["budget_pct"])
+        if not rs:
+            continue
+        x = [r["budget_pct"] for r in rs]
+        axes[0].plot(x, [r["vs_ram"] for r in rs], "o-", label=f"O_DIRECT cache ({label})")
+        axes[1].plot(x, [r["hit_rate"] for r in rs], "o-", label=label)
+        io = [r for r in rs if r["read_gb_s"]]                   # a cache that read nothing has no rate
+        axes[2].plot([r["budget_pct"] for r in io], [r["read_gb_s"] for r in io], "o-", label=label)
+    pc = [p for p in out["page_cache"] if "tok_s" in p]
+    if pc:
+        axes[0].plot([p["budget_pct"] for p in pc], [p["vs_ram"] for p in pc], "s--", color="black",
+                     label="page cache (mmap) at the same memory limit")
+    axes[0].axhline(1.0, color="grey", ls="--", label=f"in RAM ({out['in_ram_tok_s']:.1f} tok/s)")
+    axes[2].axhline(out["disk"]["raw_gb_s"], color="grey", ls="--", label="raw O_DIRECT (best)")
+    axes[2].axhline(out["disk"]["random_qd1_gb_s"], color="grey", ls=":", label="raw O_DIRECT, 1 in flight")
+    for ax, title in zip(axes, ("decode speed ÷ in-RAM (after warm-up)", "cache hit rate", "read GB/s while reading")):
+        ax.set_xlabel("expert cache budget, % of expert bytes")
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="upper left" if ax is axes[0] else "best")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{out['model']} — {out['expert_bytes'] / 2**30:.2f} GiB of experts")
+    fig.tight_layout()
+    Path(dest).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(dest, dpi=90)
+    return dest
