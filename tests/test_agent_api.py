@@ -211,15 +211,22 @@ def test_metrics_parse_and_count_what_was_served(client, served):
 
 
 def test_every_request_is_a_line_in_the_daemon_log(client, served):
-    for chunk in client.chat.completions.create(model="default", messages=ASK, max_tokens=4, stream=True):
-        pass
     # the harness runs the daemon in the foreground: its log is daemon.out (`kiln up` detached
     # writes the same lines to logs/kiln.log, which `kiln logs kiln` shows)
-    out = (served.home / "daemon.out").read_text()
-    lines = [ln for ln in out.splitlines() if "request POST /v1/chat/completions" in ln]
-    assert lines, out[-2000:]
-    last = lines[-1]
-    for part in ("status=200", "model=default", "prompt_tokens=", "completion_tokens=4", "ttft_ms=", "total_ms="):
+    log = served.home / "daemon.out"
+
+    def lines():
+        return [ln for ln in log.read_text().splitlines() if "request POST /v1/chat/completions" in ln]
+    before, usage = len(lines()), None
+    for chunk in client.chat.completions.create(model="default", messages=ASK, max_tokens=4, stream=True,
+                                                stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+    # the line is written once the server has ended the stream, which may be after the client
+    # read its last chunk: wait for it (the model may also stop before max_tokens)
+    served.wait(lambda _: len(lines()) > before, what="the streamed request's log line")
+    last = lines()[-1]
+    for part in ("status=200", "model=default", "prompt_tokens=", f"completion_tokens={usage.completion_tokens}",
+                 "ttft_ms=", "total_ms="):
         assert part in last, last
 
 
