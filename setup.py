@@ -13,4 +13,9 @@ setup(ext_modules=[Extension(
                         "-Wno-unknown-pragmas"],
     extra_link_args=["-fopenmp"],
     optional=True,
+), Extension(
+    "kiln.native._reader", ["native/_reader.c"],
+    extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-fvisibility=hidden", "-Wall"],
+    extra_link_args=["-pthread"],
+    optional=True,
 )])

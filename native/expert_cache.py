@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import mmap
 import struct
-import threading
 import time
 import zlib
-from concurrent.futures import Future
-
 import numpy as np
 
-from .expert_io import DEMAND, FILL, ExpertRead, ReadPool
+from .expert_io import CHUNK_BYTES, DEMAND, FILL, ExpertRead, ReadQueue
 from .expert_policy import make_policy
 from .expert_read_ahead import ReadAhead
 from .expert_runs import LayerRuns
@@ -91,17 +88,13 @@ class ExpertCache(ReadAhead, LayerRuns):
         self.identity = zlib.crc32(f"{g.path.name}|{g.file_size}|{g.data_offset}".encode())
         self.index: dict[tuple[int, int], int] = {}                        # (layer, expert) -> slot
         self.views: dict[int, dict[str, Weight]] = {}
-        self.pending: dict[tuple[int, int], Future] = {}                   # reads in flight
-        self.reads: dict[tuple[int, int], ExpertRead] = {}
-        self.cancelling: list[tuple[Future, int]] = []                     # (read, its slot) being cancelled
+        self.pending: dict[tuple[int, int], ExpertRead] = {}               # reads in flight
+        self.cancelling: list[tuple[ExpertRead, int]] = []                 # (read, its slot) being cancelled
         self.busy: set[tuple[int, int]] = set()                            # in use by the current layer
-        self.lock = threading.Lock()
-        self.pool = ReadPool(threads)
+        self.io = ReadQueue(store, threads, self.slots, sum(-(-b // CHUNK_BYTES) for b in self.part_bytes.values()))
         self.tokens = 0                                                    # rows routed through layer 0
-        self.hits = self.misses = self.bytes_read = 0
-        self.read_seconds = 0.0           # wall time with at least one read in flight (the disk busy)
+        self.hits = self.misses = 0
         self.wait_seconds = 0.0           # time the forward waited for reads (I/O not hidden by compute)
-        self._inflight, self._busy_since = 0, 0.0
         self.seq = 0
         # next-layer prediction (Model asks; the cache keeps the score)
         self.inflight_hits = 0
@@ -175,37 +168,20 @@ class ExpertCache(ReadAhead, LayerRuns):
         self.addresses[slot] = addrs            # for the address table (views' .ctypes is slow)
         return out
 
-    # -- reads (in the I/O threads) -------------------------------------------------------------
+    # -- reads (native/expert_io.py) ---------------------------------------------------------------
 
-    def _io_started(self) -> None:
-        with self.lock:
-            if self._inflight == 0:
-                self._busy_since = time.perf_counter()
-            self._inflight += 1
+    @property
+    def bytes_read(self) -> int:
+        return self.io.stats()["bytes"]
 
-    def _io_done(self, nbytes: int) -> None:
-        with self.lock:
-            self._inflight -= 1
-            self.bytes_read += nbytes
-            if self._inflight == 0:
-                self.read_seconds += time.perf_counter() - self._busy_since
+    @property
+    def read_seconds(self) -> float:
+        """Wall time with at least one read in flight (the disk busy)."""
+        return self.io.stats()["busy_seconds"]
 
-    def _read_part(self, layer: int, e: int, slot: int, p: str) -> None:
-        s = self.map[(layer, p)]
-        off, n = s.range(e)
-        base = slot * self.slot_bytes + sum(self.part_bytes[q] for q in PROJECTIONS[:PROJECTIONS.index(p)])
-        self._io_started()
-        try:
-            self.store.read_into(self.data[base: base + self.part_bytes[p]], off, n)
-        except OSError as exc:                  # say which expert, where: the disk's words alone do not
-            raise OSError(exc.errno, f"reading expert {e} of layer {layer} ({s.name}, {n} bytes at {off}) "
-                                     f"from {self.store.path}: {exc.strerror or exc}") from exc
-        finally:
-            self._io_done(self.store.span(off, n)[1])
-
-    def _submit(self, key: tuple[int, int], slot: int, priority: int = DEMAND) -> Future:
-        """Read an expert's three projections in parallel; the future completes (with its
-        views) after the last one, when the slot's index entry is marked ready."""
+    def _submit(self, key: tuple[int, int], slot: int, priority: int = DEMAND) -> ExpertRead:
+        """Read an expert's three projections, in chunks, in parallel; the read completes (with
+        its views) after the last, when the slot's index entry is marked ready."""
         layer, e = key
         self.entries[slot]["state"] = 0                      # not valid until fully read
 
@@ -215,10 +191,21 @@ class ExpertCache(ReadAhead, LayerRuns):
             ent["crc"] = self._fingerprint(slot)
             ent["state"] = READY
             return self._views(layer, e, slot)
-        parts = [lambda p=p: self._read_part(layer, e, slot, p) for p in PROJECTIONS]
-        read = self.reads[key] = ExpertRead(self.pool, priority, parts, finish)
-        self.pending[key] = read.future
-        return read.future
+        parts, spans, base = [], [], self.data_address + slot * self.slot_bytes
+        for p in PROJECTIONS:
+            s = self.map[(layer, p)]
+            off, n = s.range(e)
+            start, size = self.store.span(off, n)
+            parts.append((start, size, off - start + n, base))
+            spans.append((start, start + size, p, off, n))
+            base += self.part_bytes[p]
+
+        def describe(at: int, exc: OSError) -> OSError:     # say which expert, where: the disk's words alone do not
+            _, _, p, off, n = next((sp for sp in spans if sp[0] <= at < sp[1]), spans[0])
+            return OSError(exc.errno, f"reading expert {e} of layer {layer} ({self.map[(layer, p)].name}, "
+                                      f"{n} bytes at {off}) from {self.store.path}: {exc.strerror or exc}")
+        read = self.pending[key] = self.io.submit(slot, priority, parts, finish, describe)
+        return read
 
     # -- residency (in the forward's thread) ------------------------------------------------------
 
@@ -258,8 +245,12 @@ class ExpertCache(ReadAhead, LayerRuns):
         no forward is waiting for is dropped (counted in `read_errors`): the next request for
         that expert reads it again, so one bad moment of the disk fails only the forward that
         waited for it."""
+        if self.pending or self.cancelling:
+            self.io.collect(0.0)
         if self.pending:
-            for k in [k for k, fut in self.pending.items() if fut.done()]:
+            # a failed read the current layer waits for stays, for the layer to raise its error
+            for k in [k for k, fut in self.pending.items()
+                      if fut.completed and (k not in self.busy or fut.exception() is None)]:
                 try:
                     self._wait(k)
                 except Exception:                # noqa: BLE001 — recorded by _wait
@@ -267,7 +258,7 @@ class ExpertCache(ReadAhead, LayerRuns):
         if self.cancelling:
             still = []
             for fut, slot in self.cancelling:
-                if fut.done():
+                if fut.completed:
                     self.free.append(slot)
                 else:
                     still.append((fut, slot))
@@ -275,7 +266,6 @@ class ExpertCache(ReadAhead, LayerRuns):
 
     def _wait(self, key: tuple[int, int]) -> None:
         fut = self.pending.pop(key, None)
-        self.reads.pop(key, None)
         if fut is None:
             return
         t0 = time.perf_counter()
@@ -357,9 +347,9 @@ class ExpertCache(ReadAhead, LayerRuns):
             for key in keys:
                 if key in self.index:
                     self._hit(key)
-                    if key in self.reads:                    # a guess or a fill still in flight
+                    if key in self.pending:                  # a guess or a fill still in flight
                         self.inflight_hits += 1
-                        self.reads[key].hurry(self.pool, DEMAND)
+                        self.pending[key].hurry(DEMAND)
                 else:
                     self.misses += 1
                     slot = self._evict_for(speculative=False)
@@ -403,7 +393,7 @@ class ExpertCache(ReadAhead, LayerRuns):
     def close(self) -> None:
         for fut in [*self.pending.values(), *(f for f, _ in self.cancelling)]:
             fut.exception()
-        self.pool.close()
+        self.io.close()
 
     def stats(self) -> dict:
         total = self.hits + self.misses

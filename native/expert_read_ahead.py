@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .expert_io import AHEAD
-from .expert_store import PROJECTIONS
+from .expert_io import AHEAD, CHUNK_BYTES
 
 
 class ReadAhead:
@@ -74,17 +73,17 @@ class ReadAhead:
     def _cancel(self, key: tuple[int, int]) -> None:
         """A guess its layer did not choose: if its read is still queued or running, skip what
         has not started and free the slot once nothing writes to it any more."""
-        read = self.reads.get(key)
-        if read is None or self.speculative.get(key) is not False or read.future.done():
+        read = self.pending.get(key)
+        if read is None or self.speculative.get(key) is not False or read.done():
             return
-        taken = read.cancel()
-        self.spec_cancelled += not taken
-        self.spec_wasted_bytes += sum(self.part_bytes[PROJECTIONS[i]] for i in taken)
+        started = read.cancel()                              # chunks already read or being read
+        self.spec_cancelled += not started
+        self.spec_wasted_bytes += min(self.slot_bytes, started * CHUNK_BYTES)
         slot = self.index.pop(key)
-        del self.pending[key], self.reads[key]
+        del self.pending[key]
         self.policy.remove(key)
         self.speculative.pop(key)
-        self.cancelling.append((read.future, slot))
+        self.cancelling.append((read, slot))
 
     def read_ahead_stats(self) -> dict:
         return {"reads": self.spec_reads, "used": self.spec_used,

@@ -6,8 +6,6 @@ pinned when a read fails."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import as_completed
-
 from .kernels import Weight
 
 
@@ -15,21 +13,23 @@ class LayerRuns:
     """Mixed into ExpertCache: uses its requests, pending reads and views."""
 
     def arrivals(self, layer: int, reads: dict):
-        """The experts of `reads` ({expert: its read's future}) in the order their reads end, each
-        made resident as it arrives; the time blocked counts as the forward's wait."""
-        waiting = {fut: e for e, fut in reads.items()}
-        done = as_completed(waiting)
-        while True:
-            t0 = time.perf_counter()
-            fut = next(done, None)
-            self.wait_seconds += time.perf_counter() - t0
-            if fut is None:
-                return
-            e = waiting[fut]
-            self._wait((layer, e))               # placed — or dropped, raising the read's error
-            if fut.exception() is not None:      # dropped before by a _reap: still this forward's error
-                raise fut.exception()
-            yield e
+        """The experts of `reads` ({expert: its read}) in the order their reads end, each made
+        resident as it arrives; the time blocked counts as the forward's wait."""
+        waiting = dict(reads)
+        while waiting:
+            self.io.collect(0.0)
+            ready = [e for e, r in waiting.items() if r.completed]
+            if not ready:
+                t0 = time.perf_counter()
+                self.io.wait_any(waiting.values())
+                self.wait_seconds += time.perf_counter() - t0
+                continue
+            for e in ready:
+                fut = waiting.pop(e)
+                self._wait((layer, e))           # placed — or dropped, raising the read's error
+                if fut.exception() is not None:  # dropped before by a _reap: still this forward's error
+                    raise fut.exception()
+                yield e
 
     def _in_arrival_order(self, layer: int, group: list[int], before_wait=None):
         """`group` (requested) in batches ready to compute: the resident experts, then — after

@@ -3,10 +3,10 @@
 - `expert_map`: from the GGUF tensor table, the file byte range of every (layer, expert,
   projection) slice of `ffn_{gate,up,down}_exps` — the expert is the outermost dimension, so each
   slice is contiguous; starts are only 32-byte aligned.
-- `ExpertStore`: reads slices with `O_DIRECT` — the aligned superset of the range, into
-  page-aligned memory, with `os.preadv` — so streamed experts do not fill the page cache. Where
-  O_DIRECT is refused (EINVAL at open or read: tmpfs, overlayfs) it falls back to buffered
-  `preadv` + `posix_fadvise(DONTNEED)` and says so in `io_mode`; never silently.
+- `ExpertStore`: the file opened for `O_DIRECT` reads — the aligned superset of a range, into
+  page-aligned memory (native/expert_io.py reads) — so streamed experts do not fill the page
+  cache. Where O_DIRECT is refused (EINVAL at open or read: tmpfs, overlayfs) it falls back to
+  buffered reads + `posix_fadvise(DONTNEED)` and says so in `io_mode`; never silently.
 
 Where read experts are kept is native/expert_cache.py.
 """
@@ -73,29 +73,10 @@ class ExpertStore:
         end = -(-(offset + length) // self.align) * self.align
         return start, end - start
 
-    def read_into(self, dest: memoryview, offset: int, length: int) -> memoryview:
-        """Read file bytes [offset, offset+length) into the page-aligned `dest`; return the view
-        of exactly those bytes inside it."""
-        start, size = self.span(offset, length)
-        if size > len(dest):
-            raise ValueError(f"slot of {len(dest)} bytes is smaller than the aligned read of {size}")
-        fd = self.fd
-        try:
-            got = os.preadv(fd, [dest[:size]], start)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self._to_buffered(fd, "O_DIRECT refused at read (EINVAL)")
-            got = os.preadv(self.fd, [dest[:size]], start)
-        if got < offset - start + length:
-            raise OSError(errno.EIO, f"short read of {self.path}: {got} bytes at {start}, needed {offset - start + length}")
-        if self.io_mode == "buffered" and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, start, size, os.POSIX_FADV_DONTNEED)
-        return dest[offset - start: offset - start + length]
-
-    def _to_buffered(self, failed_fd: int, reason: str) -> None:
-        with self._switch:                  # parallel reads may all hit EINVAL: switch once
-            if self.fd != failed_fd:
+    def to_buffered(self, reason: str) -> None:
+        """From O_DIRECT to buffered reads (the reader calls this when O_DIRECT is refused at read)."""
+        with self._switch:
+            if self.io_mode == "buffered":
                 return
             self._retired.append(self.fd)
             self.fd = os.open(self.path, os.O_RDONLY)

@@ -1,7 +1,7 @@
 """Experts streamed from disk through a small slot cache give the in-RAM logits bit for bit."""
 
 import errno
-import os
+import time
 
 import numpy as np
 import pytest
@@ -58,21 +58,15 @@ def test_tiny_moe_architectures_stream_bit_exactly(arch):
     assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
 
 
-def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so(e8k2_path, monkeypatch):
-    import fcntl
-    real = os.preadv
-
-    def refuse_direct(fd, buffers, offset):         # what tmpfs/overlayfs answer an O_DIRECT read
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, buffers, offset)
+def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so(e8k2_path):
     store = ExpertStore(e8k2_path)
     assert store.io_mode == "direct"
-    monkeypatch.setattr(os, "preadv", refuse_direct)
     m = load_model(e8k2_path)
     ids = reference("smollm2-moe-e8k2")[0]["prompts"][0]["ids"]
     in_ram = m.forward(ids, m.new_cache(), all_logits=True)
     m.expert_provider = ExpertCache(m.gguf, store, slots=30)
+    # what tmpfs/overlayfs answer an O_DIRECT read (the reader's simulated disk)
+    m.expert_provider.io.reader.fault(0, 1 << 40, errno.EINVAL, 0.0, True)
     assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
     st = m.expert_provider.stats()
     assert st["io_mode"] == "buffered" and "EINVAL" in st["fallback_reason"]
@@ -161,18 +155,21 @@ def test_a_guess_its_layer_did_not_choose_is_cancelled_and_its_slot_freed(e8k2_p
     """While the disk is busy, guesses queue behind the reads the forward waits for; when the
     layer routes elsewhere the guesses not yet read are dropped — they would only delay the
     next layer's misses — and their slots go back to the free list."""
-    import threading
     m = load_model(e8k2_path)
     c = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=8, threads=1)
-    gate, running = threading.Event(), threading.Event()
-    c.pool.submit(0, lambda: (running.set(), gate.wait(10)))   # the one I/O thread is busy
-    assert running.wait(10)
+    held = c.map[(2, "gate")].range(1)[0]
+    c.io.reader.fault(held, held + 1, 0, -1.0)     # the disk stalls on expert 1 of layer 2 ...
+    c.request(2, [1], pin=False)
+    deadline = time.monotonic() + 10               # ... and the one I/O thread is in that read
+    while c.io.stats()["chunks_in_flight"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     c.read_ahead(3, [[6, 7]])
     assert {(3, 6), (3, 7)} <= set(c.pending)
     free_before = len(c.free)
     c.request(3, [0], pin=False)                   # layer 3 routes to expert 0, not 6 or 7
     assert (3, 6) not in c.index and (3, 7) not in c.index
-    gate.set()
+    c.io.reader.fault()
     c.weights(3, 0)                                # the demanded read completes
     for fut, _ in list(c.cancelling):
         fut.exception(10)
@@ -180,17 +177,16 @@ def test_a_guess_its_layer_did_not_choose_is_cancelled_and_its_slot_freed(e8k2_p
     st = c.stats()
     assert st["read_ahead"]["cancelled"] == 2 and st["read_ahead"]["wasted_bytes"] == 0
     assert len(c.free) == free_before + 2 - 1      # the guesses' slots back, one taken by expert 0
-    assert not c.cancelling and set(c.index) == {(3, 0)}
+    assert not c.cancelling and set(c.index) == {(2, 1), (3, 0)}
     c.close()
 
 
 @pytest.mark.parametrize("during", ["prompt", "decode"])
-def test_a_failed_expert_read_fails_the_forward_with_where_and_loses_nothing(e8k2_path, monkeypatch, during):
+def test_a_failed_expert_read_fails_the_forward_with_where_and_loses_nothing(e8k2_path, during):
     """An I/O error reading an expert fails that forward — a prompt's (the Python path) or a
     decode step's (the compiled steps) — with which expert, which file and the disk's words; the
     slot it was read into goes back, nothing stays pinned, and the next forward (the disk well
     again) gives the in-RAM logits."""
-    real = os.preadv
     m = load_model(e8k2_path)
     ids = reference("smollm2-moe-e8k2")[0]["prompts"][1]["ids"]
     in_ram = m.forward(ids, m.new_cache(), all_logits=True)
@@ -203,19 +199,15 @@ def test_a_failed_expert_read_fails_the_forward_with_where_and_loses_nothing(e8k
     # aligned read of another expert covers
     up = expert_map(m.gguf)[(5, "up")]
     bad = [off + n // 2 for off, n in (up.range(e) for e in range(8) if (5, e) not in c.index)]
-
-    def failing(fd, buffers, offset):
-        if any(offset <= b < offset + len(buffers[0]) for b in bad):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset)
-    monkeypatch.setattr(os, "preadv", failing)
+    for b in bad:                                 # the disk fails there (simulated)
+        c.io.reader.fault(b, b + 1, errno.EIO)
     steps = iter(np.random.default_rng(5).integers(0, m.config.n_vocab, 256).tolist())
     with pytest.raises(OSError, match=r"reading expert \d of layer 5 \(blk\.5\.ffn_up_exps\.weight.*Input/output error") as err:
         if during == "prompt":
             m.forward(ids, m.new_cache(), all_logits=True)
         for t in steps:                           # until layer 5 chooses one of them
             m.forward([t], kv)
-    monkeypatch.setattr(os, "preadv", real)
+    c.io.reader.fault()
     e = int(str(err.value).split("reading expert ")[1].split()[0])
     assert (5, e) not in c.index and not c.busy
     assert c.stats()["read_errors"] >= 1 and "Input/output error" in c.stats()["last_read_error"]
