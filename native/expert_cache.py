@@ -133,19 +133,20 @@ class ExpertCache(ReadAhead, LayerRuns):
             valid.append((int(ent["seq"]), layer, e, i))
         for seq, layer, e, i in sorted(valid):                 # oldest first: the policy's order
             self.index[(layer, e)] = i
-            self.views[i] = self._views(layer, e, i)
+            self.views[i] = self._ready(layer, e, i)
             self._placed((layer, e), self.views[i])
             self.policy.touch((layer, e))
             self.seq = max(self.seq, seq)
         return len(valid)
 
-    SAMPLE = 4096
+    SAMPLE = 512
 
     def _fingerprint(self, slot: int) -> int:
-        """CRC32 of a slot's first, middle and last 4 KiB of each projection. A slot is only
+        """CRC32 of a slot's first, middle and last 512 bytes of each projection. A slot is only
         marked ready after its read completes (the state word is cleared first), so the check
         on re-attach is against a foreign or stale segment, not torn writes; sampling keeps it
-        off the decode path's CPU budget (a whole-slot CRC32 cost ~14 ms per token at 25 %)."""
+        off the decode path's CPU budget (a whole-slot CRC32 cost ~14 ms per token at 25 %,
+        4 KiB samples ~25 µs per read)."""
         crc, base = 0, slot * self.slot_bytes
         for p in PROJECTIONS:
             n = self.part_bytes[p]
@@ -154,18 +155,28 @@ class ExpertCache(ReadAhead, LayerRuns):
             base += n
         return crc
 
+    def _ready(self, layer: int, e: int, slot: int) -> dict:
+        """A slot just read: where its projections start (for the address table). Its views —
+        what the Python path multiplies — are made when first asked for (`_weights_at`); the
+        compiled decode needs only the addresses."""
+        base, addrs = self.data_address + slot * self.slot_bytes, []
+        for p in PROJECTIONS:
+            off, n = self.map[(layer, p)].range(e)
+            addrs.append(base + off % self.store.align)
+            base += self.part_bytes[p]
+        self.addresses[slot] = addrs
+        return {}
+
     def _views(self, layer: int, e: int, slot: int) -> dict[str, Weight]:
-        base, out, addrs = slot * self.slot_bytes, {}, []
+        base, out = slot * self.slot_bytes, {}
         for p in PROJECTIONS:
             s = self.map[(layer, p)]
             off, n = s.range(e)
-            start, _ = self.store.span(off, n)
-            view = self.data[base + off - start: base + off - start + n]
+            start = base + off % self.store.align
+            view = self.data[start: start + n]
             out[p] = Weight(f"{s.name}[{e}]", s.qtype, s.shape,
                             np.frombuffer(view, dtype=np.uint8).reshape(s.shape[0], n // s.shape[0]))
-            addrs.append(self.data_address + base + off - start)
             base += self.part_bytes[p]
-        self.addresses[slot] = addrs            # for the address table (views' .ctypes is slow)
         return out
 
     # -- reads (native/expert_io.py) ---------------------------------------------------------------
@@ -190,7 +201,7 @@ class ExpertCache(ReadAhead, LayerRuns):
             ent["layer"], ent["expert"] = layer, e
             ent["crc"] = self._fingerprint(slot)
             ent["state"] = READY
-            return self._views(layer, e, slot)
+            return self._ready(layer, e, slot)
         parts, spans, base = [], [], self.data_address + slot * self.slot_bytes
         for p in PROJECTIONS:
             s = self.map[(layer, p)]

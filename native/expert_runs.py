@@ -100,5 +100,8 @@ class LayerRuns:
         return self._weights_at(layer, int(e))
 
     def _weights_at(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
-        v = self.views[self.index[(layer, e)]]
+        slot = self.index[(layer, e)]
+        v = self.views[slot]
+        if not v:                                # made on first use (the compiled path needs none)
+            v = self.views[slot] = self._views(layer, e, slot)
         return v["gate"], v["up"], v["down"]
