@@ -278,7 +278,7 @@ def run_one(spec: dict) -> dict:
             for layer in range(model.config.n_layer):
                 cache.prefetch(layer, range(model.config.n_expert))
         model.expert_provider = cache
-        out.update(slots=slots, io_mode=store.io_mode)
+        out.update(slots=slots, io_mode=store.io_mode, memory=cache.placement.kind, huge_pages=cache.placement.huge_pages)
     tok_s, before, after = decode(model, prompt, spec["tokens"], spec["warmup"])
     out["tok_s"] = round(tok_s, 2)
     if before is not None:

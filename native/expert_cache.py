@@ -19,6 +19,7 @@ import time
 import zlib
 import numpy as np
 
+from .expert_memory import Placement, huge_page_bytes, place, private_buffer
 from .expert_io import CHUNK_BYTES, DEMAND, FILL, ExpertRead, ReadQueue
 from .expert_policy import make_policy
 from .expert_read_ahead import ReadAhead
@@ -68,15 +69,17 @@ class ExpertCache(ReadAhead, LayerRuns):
 
 
     def __init__(self, g: GGUFFile, store: ExpertStore, slots: int, threads: int = 4, buffer=None,
-                 policy: str = "lrfu", pinned=()):
+                 policy: str = "lrfu", pinned=(), placement: Placement | None = None):
         self.policy = make_policy(policy, pinned)
         self._geometry(g, store)
         self.store = store
         self.n_expert = next(iter(g.tensors[s.name] for s in self.map.values())).shape[0]
         self.slots = max(1, slots)
         head = self.index_bytes(self.slots)
-        if buffer is None:
-            buffer = mmap.mmap(-1, head + self.slots * self.slot_bytes)    # page-aligned
+        if buffer is None:                       # private memory in huge pages (native/expert_memory.py)
+            buffer = private_buffer(head + self.slots * self.slot_bytes)
+            placement = placement or place("private", None)
+        self.placement = placement or Placement("shared", False, "a buffer the caller gave")
         if len(buffer) < head + self.slots * self.slot_bytes:
             raise ValueError(f"cache buffer of {len(buffer)} bytes is too small for {self.slots} slots")
         self.buffer = buffer
@@ -409,6 +412,8 @@ class ExpertCache(ReadAhead, LayerRuns):
     def stats(self) -> dict:
         total = self.hits + self.misses
         return {"io_mode": self.store.io_mode, "fallback_reason": self.store.fallback_reason,
+                "memory": self.placement.kind, "warm_restart": self.placement.warm_restart,
+                "memory_why": self.placement.why, "huge_page_bytes": huge_page_bytes(),
                 "slots": self.slots, "used": len(self.index), "warm_slots_at_start": self.warm_slots,
                 "slot_bytes": self.slot_bytes, "cache_bytes": self.slots * self.slot_bytes,
                 "hits": self.hits, "misses": self.misses,

@@ -103,7 +103,8 @@ KIND_SETTINGS: dict[str, dict[str, str]] = {
     "moe-stream": {**_INFERENCE_SETTINGS,
                    "expert_cache": "expert cache size: 2GiB, 25% (of RAM) or auto",
                    "cache_policy": "lru, lfu or lrfu (default)",
-                   "direct": "read experts with O_DIRECT (default true)"},
+                   "direct": "read experts with O_DIRECT (default true)",
+                   "cache_memory": "auto (default), shared (warm restarts) or private (huge pages)"},
     "trainer": {},
     "evaluator": {},
 }

@@ -52,34 +52,48 @@ def settled_stats(d):
     return cur
 
 
-def stream_worker(model, cache):
-    return {"kind": "moe-stream", "model": str(model), "settings": {"expert_cache": cache}}
+def stream_worker(model, cache, memory=None):
+    settings = {"expert_cache": cache, **({"cache_memory": memory} if memory else {})}
+    return {"kind": "moe-stream", "model": str(model), "settings": settings}
 
 
 def shm_files(home):
     return sorted(p.name for p in segments.SHM_DIR.glob(segments.prefix(Path(home)) + "*"))
 
 
-def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8k2_path, tmp_path):
+@pytest.mark.parametrize("memory", ["shared", "private"])
+def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8k2_path, tmp_path, memory):
+    """In the supervisor's segment the cache survives a worker's crash (warm restart); in the
+    worker's own memory (huge pages where shared memory has none) the restart starts cold — and
+    the status says which."""
     engine = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "debug", "generate", str(e8k2_path),
                              "Once upon a time", "--max-tokens", "12", "--json"],
                             capture_output=True, text=True, env=env_for(tmp_path), check=True)
-    with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "64MiB")}) as d:
+    with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "64MiB", memory)}) as d:
         ready(d)
         assert len(shm_files(tmp_path)) == 1
         assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
         st = settled_stats(d)
         assert st["io_mode"] in ("direct", "buffered") and st["misses"] > 0 and st["used"] > 0
+        assert st["memory"] == memory and st["warm_restart"] == (memory == "shared") and st["memory_why"]
         old = d.status()["workers"][0]["pid"]
         os.kill(old, signal.SIGKILL)
         d.wait(lambda s: s["workers"][0]["pid"] not in (None, old) and s["workers"][0]["worker_state"] == "ready",
                timeout=60, what="restarted")
         warm = cache_stats(d)
-        assert warm["warm_slots_at_start"] == st["used"]                 # every slot re-validated
+        assert warm["warm_slots_at_start"] == (st["used"] if memory == "shared" else 0)   # every slot re-validated
         assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
         after = settled_stats(d)
-        assert after["hits"] > 0 and after["hit_rate"] > 0.9             # warm from the first token
+        if memory == "shared":
+            assert after["hits"] > 0 and after["hit_rate"] > 0.9         # warm from the first token
     assert shm_files(tmp_path) == []                                     # kiln down unlinked it
+
+
+def test_a_cache_memory_that_is_not_a_choice_fails_the_boot_and_says_the_choices(e8k2_path, tmp_path):
+    with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "64MiB", "hugetlb")}) as d:
+        w = d.wait_state("default", "fatal", timeout=60)
+        assert "cache_memory 'hugetlb' is not one of auto, shared, private" in w["reason"]
+        assert w["restarts"] == 0                                        # a boot error is not retried
 
 
 def cached_bytes(path: Path) -> int:

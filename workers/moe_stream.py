@@ -2,19 +2,21 @@
 
 Non-expert weights are used from the memory-mapped GGUF as usual; the routed experts are read
 with O_DIRECT into an expert cache that lives in a shared-memory segment the supervisor created
-(`settings.shm`, `settings.shm_slots`). The segment outlives this process, so a restarted worker
-re-attaches and finds its cache warm (every slot re-validated by CRC32). Same ops as the
-inference worker; the HTTP API does not change.
+(`settings.shm`, `settings.shm_slots`) — the segment outlives this process, so a restarted worker
+re-attaches and finds its cache warm (every slot re-validated by CRC32) — or, where shared memory
+cannot have huge pages and private memory can, in this process's own memory, where the disk
+reads ~1.5x faster (`cache_memory`: native/expert_memory.py). Same ops as the inference worker;
+the HTTP API does not change.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import psutil
 
 from kiln.native.expert_cache import ExpertCache
+from kiln.native.expert_memory import place, private_buffer, shared_buffer
 from kiln.native.expert_store import ExpertStore, expert_map
 
 from .inference import InferenceWorker
@@ -33,15 +35,23 @@ class MoEStreamWorker(InferenceWorker):
         if not shm or not slots:
             raise BootError("no expert cache segment was given (moe-stream workers are started by `kiln up`)")
         try:
-            fd = os.open(shm, os.O_RDWR)
+            placement = place(self.settings.get("cache_memory", "auto"), shm)
+        except ValueError as e:
+            raise BootError(str(e)) from None
+        size = os.path.getsize(shm) if os.path.exists(shm) else 0
+        if not size:
+            raise BootError(f"cannot open the expert cache segment {shm}: it does not exist or is empty")
+        try:
+            # the segment survives a crash (a warm restart); private memory takes huge pages
+            # where shared memory cannot (native/expert_memory.py says which and why)
+            self.segment = shared_buffer(shm, placement.huge_pages) if placement.warm_restart \
+                else private_buffer(size, placement.huge_pages)
         except OSError as e:
-            raise BootError(f"cannot open the expert cache segment {shm}: {e.strerror}") from None
-        self.segment = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
-        os.close(fd)
+            raise BootError(f"cannot map the expert cache segment {shm}: {e.strerror}") from None
         store = ExpertStore(self.model.path, direct=self.settings.get("direct", True))
         try:
             self.cache = ExpertCache(self.model.gguf, store, int(slots), buffer=self.segment,
-                                     policy=self.settings.get("cache_policy", "lrfu"))
+                                     policy=self.settings.get("cache_policy", "lrfu"), placement=placement)
         except ValueError as e:
             raise BootError(str(e)) from None
         self.model.expert_provider = self.cache

@@ -85,7 +85,9 @@ async function refreshWorkers() {
 function renderExperts() {
   const rows = workers.filter((w) => w.stats && w.stats.expert_cache).map((w) => {
     const c = w.stats.expert_cache;
+    const memory = `${c.memory ?? "–"}${c.huge_page_bytes ? `, ${mib(c.huge_page_bytes)} in huge pages` : ""}`;
     return el("tr", {}, el("th", { scope: "row" }, w.name), el("td", {}, c.io_mode),
+      el("td", { title: c.memory_why ?? "" }, memory),
       el("td", {}, c.hit_rate == null ? "–" : `${(100 * c.hit_rate).toFixed(1)} %`), el("td", {}, c.hits),
       el("td", {}, c.misses), el("td", {}, mib(c.bytes_read)), el("td", {}, c.read_gb_s ?? "–"),
       el("td", {}, `${c.used}/${c.slots}`));
