@@ -110,6 +110,18 @@ static void finished(Reader *r, int slot, int n) {      /* n chunks of the read 
     rd->left -= n;
     if (rd->left > 0) return;
     int err = rd->err ? rd->err : rd->cancelled ? ECANCELED : 0;
+    if (r->done_n == r->done_cap) {                    /* a slot read again before its completion was
+                                                          collected: keep both, in order */
+        Done *d = malloc(sizeof(Done) * r->done_cap * 2);
+        if (d) {
+            for (int i = 0; i < r->done_n; i++) d[i] = r->done[(r->done_head + i) % r->done_cap];
+            free(r->done);
+            r->done = d; r->done_head = 0; r->done_cap *= 2;
+        } else {
+            r->done_head = (r->done_head + 1) % r->done_cap;   /* out of memory: the oldest goes */
+            r->done_n--;
+        }
+    }
     r->done[(r->done_head + r->done_n) % r->done_cap] = (Done){slot, rd->gen, err, rd->err_offset};
     r->done_n++;
     rd->active = 0;
@@ -228,7 +240,7 @@ static int Reader_init(Reader *r, PyObject *args, PyObject *kw) {
     r->chunks = calloc((size_t)slots * max_chunks, sizeof(Chunk));
     r->heap_cap = 64;
     r->heap = malloc(sizeof(Entry) * r->heap_cap);
-    r->done_cap = slots;                                  /* one completion per slot at most */
+    r->done_cap = slots;                                  /* one per slot, grown if ever needed */
     r->done = malloc(sizeof(Done) * r->done_cap);
     r->threads = calloc(threads, sizeof(pthread_t));
     if (!r->reads || !r->chunks || !r->heap || !r->done || !r->threads) { PyErr_NoMemory(); return -1; }
@@ -353,7 +365,8 @@ static PyObject *Reader_poll(Reader *r, PyObject *args) {
         Py_END_ALLOW_THREADS
     }
     int n = r->done_n;
-    Done got[n > 0 ? n : 1];
+    Done *got = malloc(sizeof(Done) * (n > 0 ? n : 1));
+    if (!got) { pthread_mutex_unlock(&r->mu); return PyErr_NoMemory(); }
     for (int i = 0; i < n; i++) got[i] = r->done[(r->done_head + i) % r->done_cap];
     r->done_head = (r->done_head + n) % r->done_cap;
     r->done_n = 0;
@@ -361,6 +374,7 @@ static PyObject *Reader_poll(Reader *r, PyObject *args) {
     PyObject *out = PyList_New(n);
     for (int i = 0; out && i < n; i++)
         PyList_SET_ITEM(out, i, Py_BuildValue("(iiiL)", got[i].slot, got[i].gen, got[i].err, (long long)got[i].err_offset));
+    free(got);
     return out;
 }
 

@@ -34,6 +34,7 @@ from .sampling import SamplingParams
 from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, propose
 
 MIN_CHUNK = 4           # rows: an interleaved prefill chunk smaller than this is mostly fixed cost
+DEFAULT_PARALLEL = 4    # sequences a worker decodes together (its `parallel` setting)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Scheduler:
     about this many plain steps' time (measured as it runs) — so a long prompt never freezes a
     running stream. `prefill_chunk` fixes the chunk instead (run apart, between the steps)."""
 
-    def __init__(self, model: Model, n_ctx: int, slots: int = 4, prefill_ratio: float = 3.0,
+    def __init__(self, model: Model, n_ctx: int, slots: int = DEFAULT_PARALLEL, prefill_ratio: float = 3.0,
                  prefill_chunk: int = 0, speculative: bool = True, threads: int | None = None,
                  draft_model: DraftModel | None = None, draft_min: int = 0):
         self.model, self.n_ctx = model, n_ctx

@@ -214,6 +214,7 @@ class ToolCallParser:
         self.starts = {"mistral": ["[TOOL_CALLS]"], "llama3": ["<|python_tag|>"]}.get(fmt, ["<tool_call>"])
         self.end = "</tool_call>" if fmt in ("hermes", "qwen_xml", "generic") else None
         self.buf, self.marker = "", None       # marker: the start marker of the call being read
+        self.end_from = 0                      # where to look for the call's end marker
         self.at_start = True                   # llama3: a bare JSON answer is a call
         self.after_call = False                # whitespace between and after calls is layout
         self.calls: list[Call] = []
@@ -250,15 +251,31 @@ class ToolCallParser:
                     self.buf = self.buf[len(self.buf) - hold:]
                     self.at_start = False
                 return out
-            if self.end is None or self.end not in self.buf:
+            if self.end is None:
                 return out
-            i = self.buf.index(self.end)
-            out += self._close(self.buf[:i], self.marker + self.buf[:i + len(self.end)])
-            self.buf, self.marker = self.buf[i + len(self.end):], None
-            self.after_call = bool(out) and out[-1][0] == "call"
+            # an end marker closes the call only where the body before it parses: a value may
+            # hold the literal marker (code about tool calls); else look for a later one
+            i = self.buf.find(self.end, self.end_from)
+            if i < 0:
+                return out
+            if not self._parse(self.buf[:i].strip()):
+                self.end_from = i + 1
+                continue
+            self._close_at(i, out)
+
+    def _close_at(self, i: int, out: list) -> None:
+        out += self._close(self.buf[:i], self.marker + self.buf[:i + len(self.end)])
+        self.buf, self.marker, self.end_from = self.buf[i + len(self.end):], None, 0
+        self.after_call = bool(out) and out[-1][0] == "call"
 
     def finish(self) -> list[tuple]:
         out = []
+        first_end = self.buf.find(self.end) if self.marker is not None and self.end else -1
+        if first_end >= 0:
+            # no end marker closed a call that parses: the first one ends it (as text, as
+            # written), and what follows is read again — it may hold calls of its own
+            self._close_at(first_end, out)
+            return out + self.feed("") + self.finish()
         if self.marker is not None:
             out = self._close(self.buf, self.marker + self.buf)
         elif self.buf and not (self.after_call and not self.buf.strip()):

@@ -216,7 +216,8 @@ def _preflight(cfg) -> None:
         try:
             path = resolve_model(spec["model"])
             budget = cfg["supervisor"]["memory_budget"] or None
-            p = plan(path, (spec.get("settings") or {}).get("ctx"), available=budget)
+            settings = spec.get("settings") or {}
+            p = plan(path, settings.get("ctx"), available=budget, parallel=settings.get("parallel"))
         except (ModelNotFound, GGUFError, ValueError, KeyError) as e:
             if cfg.workers_source == "cli":   # `kiln up --model BAD`: nothing else to serve
                 fail(f"cannot serve {spec['model']}: {e}")

@@ -174,7 +174,8 @@ class Placer:
         if need > self.budget:
             raise PlaceError("insufficient_memory", (
                 f"{path.stem} needs {need / GiB:.2f} GiB (weights {p['weights_bytes'] / GiB:.2f} + KV cache "
-                f"{p['kv_cache_bytes'] / GiB:.2f} at {p['context']} tokens + runtime {p['runtime_bytes'] / GiB:.2f}) "
+                f"{p['kv_cache_bytes'] / GiB:.2f} for {p.get('parallel', 1)} sequences of {p['context']} tokens + "
+                f"runtime {p['runtime_bytes'] / GiB:.2f}) "
                 f"but the model memory budget is {self.budget / GiB:.2f} GiB ([models] memory_budget)"))
         self._make_room(need, path.stem)
         name = self._name_for(path.stem)

@@ -104,8 +104,8 @@ def test_the_compiled_mxfp4_product_is_the_numpy_paths():
 
 def test_plan_counts_only_the_layers_that_keep_keys_and_the_recurrent_state():
     from kiln.native.models.plan import plan
-    dense = plan(tiny_path("llama"), ctx=1024, available=2**40)
-    hybrid = plan(tiny_path("qwen35"), ctx=1024, available=2**40)
+    dense = plan(tiny_path("llama"), ctx=1024, available=2**40, parallel=1)
+    hybrid = plan(tiny_path("qwen35"), ctx=1024, available=2**40, parallel=1)
     assert dense["kv_cache_bytes"] == 2 * 2 * 2 * 32 * 2 * 1024            # 2 layers, K and V, 2 heads of 32, fp16
     assert hybrid["recurrent_state_bytes"] == 6 * 4 * (3 * 256 + 4 * 32 * 32)
     assert hybrid["kv_cache_bytes"] == 2 * 2 * 2 * 64 * 2 * 1024 + hybrid["recurrent_state_bytes"]   # 2 attention layers
@@ -130,5 +130,5 @@ def test_sliding_window_layers_hold_only_their_window_and_compute_the_same_bits(
     held = max(len(k) for k in cache._wk.values())       # the window (+ up to 7 of its group) + a chunk
     assert len(cache._wk) == 5 and held <= 16 + 8 + 256
     from kiln.native.models.plan import plan
-    p = plan(tiny_path("gemma3"), ctx=4096, available=2**40)
+    p = plan(tiny_path("gemma3"), ctx=4096, available=2**40, parallel=1)
     assert p["kv_cache_bytes"] == 2 * 1 * 2 * 64 * 2 * 4096 + 2 * 5 * 2 * 64 * 2 * (16 + 256)

@@ -76,9 +76,16 @@ def test_human_listing_shows_unreadable_files_with_their_reason(stores):
 def test_plan_says_fits_or_too_large_with_numbers(default_model_path):
     from kiln.native.models.plan import plan
     p = plan(default_model_path, ctx=2048)
-    assert p["verdict"] == "fits" and p["weights_bytes"] > 90e6 and p["kv_cache_bytes"] == 2 * 30 * 3 * 64 * 2 * 2048   # fp16 K and V
+    seq = 2 * 30 * 3 * 64 * 2 * 2048                                       # fp16 K and V of one sequence
+    assert p["verdict"] == "fits" and p["weights_bytes"] > 90e6 and p["kv_per_sequence_bytes"] == seq
+    assert p["parallel"] == 4 and p["kv_cache_bytes"] == 4 * seq           # each of `parallel` may fill the context
     small = plan(default_model_path, ctx=2048, available=150 * 2**20)
     assert small["verdict"] == "too_large" and "short" in small["advice"]
+    # short by less than three sequences' KV: fewer parallel sequences would fit, and it says so
+    need = p["total_bytes"] - seq - seq // 2
+    fewer = plan(default_model_path, ctx=2048, available=int(need / 0.9))
+    assert fewer["verdict"] == "too_large" and "2 parallel sequences instead of 4 (--parallel)" in fewer["advice"]
+    assert plan(default_model_path, ctx=2048, available=int(need / 0.9), parallel=2)["verdict"] == "fits"
     moe = plan(tiny_path("olmoe"), ctx=512, available=300 * 2**20)
     assert moe["expert_bytes"] > 0
 
@@ -144,5 +151,6 @@ def test_inspect_and_plan_on_the_moe_variants(e8k8_path, e8k2_path):
         assert info["moe"]["experts"] == 8 and info["moe"]["experts_used"] == k and info["moe"]["expert_bytes"] == 30 * 3 * 1536 * 576 * 20 // 32
         p = plan(path, ctx=1024)
         assert p["verdict"] == "fits" and p["expert_bytes"] == info["moe"]["expert_bytes"]
-        tight = plan(path, ctx=1024, available=p["non_expert_bytes"] + p["kv_cache_bytes"] + 160 * 2**20)
+        room = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["runtime_bytes"] + 70 * p["expert_bytes"] // (30 * 8)
+        tight = plan(path, ctx=1024, available=int(room / 0.9))          # 70 of the 240 experts fit
         assert tight["verdict"] == "streams" and tight["expert_cache_slots"] >= 2 * 30

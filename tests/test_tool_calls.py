@@ -65,6 +65,22 @@ def test_qwen_xml_values_may_hold_their_own_closing_tags_mid_text():
     assert _run("qwen_xml", list(out)) == ("", [("get_time", {"zone": code}), ("get_weather", {"city": "Oslo", "days": 2})])
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "qwen_xml"])
+def test_a_value_may_hold_the_call_end_marker_itself(fmt):
+    """Code about tool calls: `</tool_call>` inside a value does not end the call — only a marker
+    after which the call parses does — and a malformed call before a good one stays text while
+    the good one is still a call, split anywhere."""
+    code = 'out = "<tool_call>" + body + "</tool_call>"'
+    if fmt == "hermes":
+        call = "<tool_call>\n" + json.dumps({"name": "get_time", "arguments": {"zone": code}}) + "\n</tool_call>"
+    else:
+        call = f"<tool_call>\n<function=get_time>\n<parameter=zone>\n{code}\n</parameter>\n</function>\n</tool_call>"
+    for i in range(len(call) + 1):
+        assert _run(fmt, [call[:i], call[i:]]) == ("", [("get_time", {"zone": code})]), i
+    bad = "<tool_call>not a call</tool_call> then "
+    assert _run(fmt, list(bad + call)) == ("<tool_call>not a call</tool_call> then ", [("get_time", {"zone": code})])
+
+
 def test_mistral_v11_form_and_llama3_python_tag():
     assert _run("mistral", ['[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}']) == ("", [("get_time", {"zone": "UTC"})])
     assert _run("llama3", ['<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}']) == \

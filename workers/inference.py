@@ -19,7 +19,7 @@ from kiln.native.lora import AdapterError, load_adapter
 
 from kiln.native.generate import ContextLengthError, Finish, Token, embed, score_prompt
 from kiln.native.draft_model import DraftModel, DraftModelError
-from kiln.native.scheduler import Scheduler
+from kiln.native.scheduler import DEFAULT_PARALLEL, Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model
@@ -57,7 +57,7 @@ class InferenceWorker(Worker):
                 draft = DraftModel(load_model(resolve_model(st["draft_model"]), threads=threads), self.model)
             except (ModelNotFound, PullError, GGUFError, TokenizerError, DraftModelError) as e:
                 raise BootError(f"draft_model {st['draft_model']!r}: {e}") from None
-        self.scheduler = Scheduler(self.model, self.n_ctx, int(st.get("parallel") or 4),
+        self.scheduler = Scheduler(self.model, self.n_ctx, int(st.get("parallel") or DEFAULT_PARALLEL),
                                    prefill_ratio=float(st.get("prefill_ratio") or 3.0),
                                    prefill_chunk=int(st.get("prefill_chunk") or 0),
                                    speculative=bool(st.get("speculative", True)),

@@ -1,5 +1,6 @@
 """Will a model run here? Memory needed (weights as the engine holds them, KV cache at a
-context, runtime) against the RAM psutil says is available, with a verdict and what to change."""
+context for each sequence decoded together, runtime) against the RAM psutil says is available,
+with a verdict and what to change."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ from ..config import read_config
 from ..gguf_file import read_gguf
 from ..kernels import COMPILED_TYPES, kernel_info
 from ..kv_cache import KV_DTYPE
+from ..scheduler import DEFAULT_PARALLEL
 
 RUNTIME_BYTES = 120 * 2**20      # Python, numpy, tokenizer, scratch activations (measured ~100 MB)
 MIN_EXPERT_CACHE_SLOTS = 2       # per layer: the fewest experts a streamed step can work with
 
 
-def plan(path: Path, ctx: int | None = None, available: int | None = None) -> dict:
+def plan(path: Path, ctx: int | None = None, available: int | None = None, parallel: int | None = None) -> dict:
+    """`parallel`: sequences decoded together (a worker's `parallel`, default 4) — each may grow its
+    own KV cache to the whole context, so the plan counts that many."""
+    parallel = max(1, int(parallel or DEFAULT_PARALLEL))
     g = read_gguf(path, skip_arrays=True)
     c = read_config(g)
     ctx = ctx or min(c.n_ctx_train, 4096)
@@ -36,14 +41,16 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None) -> di
     fam = family(c.arch)
     # keys and values of the layers that keep every position, the sliding-window layers' window,
     # and the recurrent state of linear-attention layers
-    kv = fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize) \
+    kv_seq = fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize) \
         + fam.recurrent_state_bytes(c)
+    kv = kv_seq * parallel
     total = weights + kv + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
     out = {"model": str(path), "architecture": c.arch, "context": ctx, "kernel_path": "compiled" if compiled else "numpy",
            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
-           "kv_cache_bytes": kv, "recurrent_state_bytes": fam.recurrent_state_bytes(c),
+           "kv_cache_bytes": kv, "kv_per_sequence_bytes": kv_seq, "parallel": parallel,
+           "recurrent_state_bytes": fam.recurrent_state_bytes(c),
            "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
            "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
     if total <= 0.9 * avail:
@@ -63,13 +70,16 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None) -> di
             # uniform routing gives the floor; real routers reuse experts, so the hit rate is higher
             out["expected_hit_rate"] = [round(frac, 2), round(min(1.0, frac / used * 0.5 + frac * 0.5), 2)]
             out["advice"] = (f"experts ({expert_bytes / 2**30:.2f} GiB) do not fit; stream them with a "
-                             f"{cache / 2**30:.2f} GiB expert cache (moe-stream worker, not built yet)")
+                             f"{cache / 2**30:.2f} GiB expert cache (a moe-stream worker)")
             return out
     out["verdict"] = "too_large"
     need = total - 0.9 * avail
     tips = [f"needs {total / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is available ({need / 2**30:.2f} GiB short)"]
     if kv > need:
         tips.append(f"a context of {max(256, int(ctx * (1 - need / kv)) // 256 * 256)} tokens would fit (--ctx)")
+        if parallel > 1 and kv_seq * (parallel - 1) >= need:
+            fewer = max(1, parallel - int(-(-need // kv_seq)))
+            tips.append(f"or {fewer} parallel sequence{'s' if fewer > 1 else ''} instead of {parallel} (--parallel)")
     tips.append("or use a smaller quantization of this model")
     out["advice"] = "; ".join(tips)
     return out
