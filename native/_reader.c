@@ -188,6 +188,7 @@ static int read_chunk(Reader *r, const Chunk *c, int fd, int buffered, int64_t *
 
 static void *thread_main(void *arg) {
     Reader *r = arg;
+    pthread_setname_np(pthread_self(), "kiln-expert-io");   /* for ps, top, py-spy */
     pthread_mutex_lock(&r->mu);
     for (;;) {
         while (!r->stop && r->heap_n == 0) pthread_cond_wait(&r->work, &r->mu);
