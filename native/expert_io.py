@@ -222,7 +222,7 @@ class ExpertRead:
     def __init__(self, queue: "ReadQueue", slot: int, priority: int, parts, finish: Callable, describe: Callable):
         self.queue, self.slot, self.priority = queue, slot, priority
         self.parts, self.finish, self.describe = parts, finish, describe
-        self.completed, self._value, self._error, self.retried = False, None, None, False
+        self.completed, self._value, self._error, self.retried, self.cancelled = False, None, None, False, False
         self.gen = queue.reader.submit(slot, priority, parts)
 
     def done(self) -> bool:
@@ -247,7 +247,10 @@ class ExpertRead:
 
     def cancel(self) -> int:
         """Skip the chunks not yet read; returns how many had started (they run to the end)."""
-        return 0 if self.completed else self.queue.reader.cancel(self.slot)
+        if self.completed:
+            return 0
+        self.cancelled = True
+        return self.queue.reader.cancel(self.slot)
 
 
 class ReadQueue:
@@ -276,7 +279,7 @@ class ReadQueue:
             read = self.inflight.get(slot)
             if read is None or read.gen != gen:
                 continue
-            if err == errno.EINVAL and not read.retried:
+            if err == errno.EINVAL and not read.retried and not read.cancelled:
                 # O_DIRECT refused at read (tmpfs, overlayfs): on to buffered reads, once
                 if self.store.io_mode == "direct":
                     self.store.to_buffered("O_DIRECT refused at read (EINVAL)")
@@ -286,7 +289,7 @@ class ReadQueue:
                 continue
             del self.inflight[slot]
             read.completed = True
-            if err == errno.ECANCELED:
+            if err == errno.ECANCELED or read.cancelled:        # a cancelled read's error is moot
                 read._error = ReadCancelled()
             elif err:
                 read._error = read.describe(err_at, OSError(err, os.strerror(err)))
