@@ -132,6 +132,27 @@ def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e
     c.close()
 
 
+def test_without_the_compiled_reader_python_threads_read_the_same_bits(e8k2_path, monkeypatch):
+    """An install without the compiled module reads experts on Python threads (expert_io's
+    ThreadReader): decode steps through a small cache still give the in-RAM logits."""
+    from kiln.native import expert_io
+    monkeypatch.setattr(expert_io, "compiled_reader", lambda: None)
+    ids = reference("smollm2-moe-e8k2")[0]["prompts"][1]["ids"]
+    m = load_model(e8k2_path)
+    steps = np.random.default_rng(4).integers(0, m.config.n_vocab, 12).tolist()
+
+    def run():
+        cache = m.new_cache(len(ids) + len(steps) + 1)
+        return np.stack([m.forward(ids, cache)] + [m.forward([t], cache) for t in steps])
+    in_ram = run()
+    c = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=60)
+    assert c.io.kind == "python"
+    m.expert_provider = c
+    assert np.array_equal(run(), in_ram)
+    assert c.stats()["misses"] > 0 and c.stats()["bytes_read"] > 0
+    c.close()
+
+
 def test_read_ahead_stops_reading_the_ranks_whose_guesses_go_unused(e8k2_path):
     """Reading ahead experts the next layer does not use costs a read it needs when the disk is
     the limit: a rank whose guesses are used less than 60 % of the time is no longer read, and
