@@ -93,23 +93,21 @@ def place(mode: str, segment: str | None, thp: Path = THP, mounts: Path = Path("
 
 
 def private_buffer(size: int, huge: bool = True) -> mmap.mmap:
-    """Anonymous private memory for the slots, asking for huge pages (no error where the system
-    gives none: the pages are then 4 KiB)."""
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    return buf
+    """Anonymous private memory for the slots, asking for huge pages."""
+    return _ask_huge(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), huge)
 
 
 def shared_buffer(path: str, huge: bool) -> mmap.mmap:
+    """The supervisor's segment, asking for huge pages where its mount gives them."""
     fd = os.open(path, os.O_RDWR)
     try:
-        buf = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
+        return _ask_huge(mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED), huge)
     finally:
         os.close(fd)
+
+
+def _ask_huge(buf: mmap.mmap, huge: bool) -> mmap.mmap:
+    """madvise(MADV_HUGEPAGE) — no error where the system gives none: the pages are then 4 KiB."""
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
