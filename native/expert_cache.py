@@ -413,7 +413,7 @@ class ExpertCache(ReadAhead, LayerRuns):
         total = self.hits + self.misses
         return {"io_mode": self.store.io_mode, "fallback_reason": self.store.fallback_reason,
                 "memory": self.placement.kind, "warm_restart": self.placement.warm_restart,
-                "memory_why": self.placement.why, "huge_page_bytes": huge_page_bytes(),
+                "memory_why": self.placement.why, "huge_page_bytes": huge_page_bytes(self.data_address),
                 "slots": self.slots, "used": len(self.index), "warm_slots_at_start": self.warm_slots,
                 "slot_bytes": self.slot_bytes, "cache_bytes": self.slots * self.slot_bytes,
                 "hits": self.hits, "misses": self.misses,

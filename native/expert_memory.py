@@ -116,16 +116,22 @@ def _ask_huge(buf: mmap.mmap, huge: bool) -> mmap.mmap:
     return buf
 
 
-def huge_page_bytes() -> int | None:
-    """Bytes of this process's memory in huge pages now (anonymous and shmem), from
-    /proc/self/smaps_rollup; None where there is no such file."""
+def huge_page_bytes(address: int) -> int | None:
+    """Bytes in huge pages now of the mapping that holds `address` (the cache's slots), from
+    /proc/self/smaps — not the process's total: numpy asks for huge pages for its large arrays
+    too. None where there is no such file."""
     try:
-        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+        with open("/proc/self/smaps") as f:
+            inside, total = False, 0
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if head[0] in "0123456789abcdef" and "-" in head and not head.endswith(":"):
+                    if inside:
+                        break                             # the next mapping: done
+                    lo, hi = (int(v, 16) for v in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+                    total += int(line.split()[1]) * 1024
+            return total
     except OSError:
         return None
-    total = 0
-    for line in lines:
-        key, _, rest = line.partition(":")
-        if key in ("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped"):
-            total += int(rest.split()[0]) * 1024
-    return total

@@ -120,3 +120,39 @@ def test_with_an_api_key_the_page_asks_for_it(default_model_path, tmp_path, brow
         expect(pg.locator('tr[data-worker="default"]')).to_be_visible(timeout=15000)
         expect(pg.locator("#keyform")).to_be_hidden()
         pg.close()
+
+
+@pytest.mark.skipif(__import__("kiln.native.kernels", fromlist=["x"]).kernel_info()["path"] != "compiled",
+                    reason="the moe-stream worker needs the compiled kernels")
+def test_the_expert_cache_panel_shows_a_streaming_workers_cache(e8k2_path, tmp_path, browser):
+    """A moe-stream worker's cache: its I/O mode, where its slots live (with the reason as the
+    cell's title) and its hit rate once a request has streamed experts."""
+    import json
+    import urllib.request
+    workers = {"default": {"kind": "moe-stream", "model": str(e8k2_path), "settings": {"expert_cache": "16MiB"}}}
+    with Daemon(tmp_path, workers) as d:
+        d.wait(lambda st: st["workers"][0]["state"] == "running" and st["workers"][0]["worker_state"] == "ready",
+               timeout=90, what="stream worker ready")
+        req = urllib.request.Request(d.http + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": "Once upon a time", "max_tokens": 8}).encode())
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["choices"][0]["text"]
+        d.wait(lambda st: (st["workers"][0].get("stats") or {}).get("expert_cache", {}).get("misses"),
+               timeout=30, what="cache stats")
+        cache = d.status()["workers"][0]["stats"]["expert_cache"]
+        pg = browser.new_page(viewport={"width": 1400, "height": 1100})
+        errors = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.goto(d.http + "/ui")
+        row = pg.locator("#experts tbody tr").first
+        expect(row.locator("th")).to_have_text("default", timeout=15000)
+        expect(pg.locator("#no-experts")).to_be_hidden()
+        cells = row.locator("td")
+        expect(cells.nth(0)).to_have_text(cache["io_mode"])
+        expect(cells.nth(1)).to_contain_text(cache["memory"])
+        assert cells.nth(1).get_attribute("title") == cache["memory_why"]
+        expect(cells.nth(2)).to_contain_text("%", timeout=15000)             # a hit rate, not "–"
+        SHOTS.mkdir(exist_ok=True)
+        pg.locator("#expert-panel").screenshot(path=str(SHOTS / "expert-panel-streaming.png"))
+        pg.close()
+        assert not errors, errors

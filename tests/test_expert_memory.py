@@ -77,5 +77,10 @@ def test_private_memory_asks_for_huge_pages_where_the_system_gives_them():
     address = np.frombuffer(buf, np.uint8).ctypes.data
     assert thp_eligible(address) == anon_huge_pages()
     buf[:] = b"\1" * len(buf)
-    assert buf[len(buf) - 1] == 1 and huge_page_bytes() is not None
+    held = huge_page_bytes(address)
+    assert held is not None and held <= len(buf)                 # this mapping's, not the process's
+    if anon_huge_pages():
+        other = np.frombuffer(private_buffer(8 << 20, huge=False), np.uint8)
+        other[:] = 1
+        assert huge_page_bytes(other.ctypes.data) == 0
     del address
