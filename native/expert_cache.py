@@ -158,28 +158,32 @@ class ExpertCache(ReadAhead, LayerRuns):
             base += n
         return crc
 
+    def _layout(self, layer: int, e: int, slot: int) -> list[tuple]:
+        """Per projection of expert e in `slot`: (projection, file offset, bytes, where its part
+        of the slot starts in `data`). The aligned read lands at the part's start, so the
+        projection's bytes begin `offset % align` into it."""
+        out, base = [], slot * self.slot_bytes
+        for p in PROJECTIONS:
+            off, n = self.map[(layer, p)].range(e)
+            out.append((p, off, n, base))
+            base += self.part_bytes[p]
+        return out
+
     def _ready(self, layer: int, e: int, slot: int) -> dict:
         """A slot just read: where its projections start (for the address table). Its views —
         what the Python path multiplies — are made when first asked for (`_weights_at`); the
         compiled decode needs only the addresses."""
-        base, addrs = self.data_address + slot * self.slot_bytes, []
-        for p in PROJECTIONS:
-            off, n = self.map[(layer, p)].range(e)
-            addrs.append(base + off % self.store.align)
-            base += self.part_bytes[p]
-        self.addresses[slot] = addrs
+        align = self.store.align
+        self.addresses[slot] = [self.data_address + base + off % align for _, off, _, base in self._layout(layer, e, slot)]
         return {}
 
     def _views(self, layer: int, e: int, slot: int) -> dict[str, Weight]:
-        base, out = slot * self.slot_bytes, {}
-        for p in PROJECTIONS:
+        out = {}
+        for p, off, n, base in self._layout(layer, e, slot):
             s = self.map[(layer, p)]
-            off, n = s.range(e)
             start = base + off % self.store.align
-            view = self.data[start: start + n]
             out[p] = Weight(f"{s.name}[{e}]", s.qtype, s.shape,
-                            np.frombuffer(view, dtype=np.uint8).reshape(s.shape[0], n // s.shape[0]))
-            base += self.part_bytes[p]
+                            np.frombuffer(self.data[start: start + n], dtype=np.uint8).reshape(s.shape[0], n // s.shape[0]))
         return out
 
     # -- reads (native/expert_io.py) ---------------------------------------------------------------
@@ -205,14 +209,11 @@ class ExpertCache(ReadAhead, LayerRuns):
             ent["crc"] = self._fingerprint(slot)
             ent["state"] = READY
             return self._ready(layer, e, slot)
-        parts, spans, base = [], [], self.data_address + slot * self.slot_bytes
-        for p in PROJECTIONS:
-            s = self.map[(layer, p)]
-            off, n = s.range(e)
+        parts, spans = [], []
+        for p, off, n, base in self._layout(layer, e, slot):
             start, size = self.store.span(off, n)
-            parts.append((start, size, off - start + n, base))
+            parts.append((start, size, off - start + n, self.data_address + base))
             spans.append((start, start + size, p, off, n))
-            base += self.part_bytes[p]
 
         def describe(at: int, exc: OSError) -> OSError:     # say which expert, where: the disk's words alone do not
             _, _, p, off, n = next((sp for sp in spans if sp[0] <= at < sp[1]), spans[0])
