@@ -35,6 +35,7 @@ typedef struct { int slot, gen, err; int64_t err_offset; } Done;
 typedef struct { int64_t start, end; int err, direct_only; double delay; } Fault;
 
 #define MAX_FAULTS 16
+#define DEPTHS 8
 
 typedef struct {
     PyObject_HEAD
@@ -54,6 +55,7 @@ typedef struct {
     int64_t bytes;
     int inflight;
     double busy_s, busy_since;
+    double depth_s[DEPTHS], depth_since;   /* seconds with 1, 2, ... chunks in flight (the last: or more) */
     Fault faults[MAX_FAULTS];
     int nfaults;
 } Reader;
@@ -62,6 +64,15 @@ static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static void depth_changes(Reader *r, int by) {          /* under mu: the time at the old depth is over */
+    double t = now();
+    if (r->inflight) r->depth_s[(r->inflight < DEPTHS ? r->inflight : DEPTHS) - 1] += t - r->depth_since;
+    else r->busy_since = t;
+    r->depth_since = t;
+    r->inflight += by;
+    if (!r->inflight) r->busy_s += t - r->busy_since;
 }
 
 /* -- the heap (lowest priority, then oldest, on top); all under mu -------------------------- */
@@ -198,14 +209,14 @@ static void *thread_main(void *arg) {
         /* skipped (cancelled, failed), taken through a hurried copy, or left by an earlier read of the slot */
         if (c->taken || r->reads[c->read].gen != e.gen) continue;
         c->taken = 1;
-        if (r->inflight++ == 0) r->busy_since = now();
+        depth_changes(r, 1);
         int fd = r->fd, buffered = r->buffered;
         pthread_mutex_unlock(&r->mu);
         int64_t got = 0, err_at = -1;
         int err = read_chunk(r, c, fd, buffered, &got, &err_at);
         pthread_mutex_lock(&r->mu);
         r->bytes += got;
-        if (--r->inflight == 0) r->busy_s += now() - r->busy_since;
+        depth_changes(r, -1);
         Read *rd = &r->reads[c->read];
         int n = 1;
         if (err && !rd->err) {                            /* the rest of this read is not worth reading */
@@ -381,9 +392,12 @@ static PyObject *Reader_poll(Reader *r, PyObject *args) {
 
 static PyObject *Reader_stats(Reader *r, PyObject *noargs) {
     pthread_mutex_lock(&r->mu);
-    double busy = r->busy_s + (r->inflight ? now() - r->busy_since : 0);
-    PyObject *out = Py_BuildValue("{s:L,s:d,s:i,s:i}", "bytes", (long long)r->bytes, "busy_seconds", busy,
-                                  "chunks_in_flight", r->inflight, "chunks_queued", r->heap_n);
+    double t = now(), busy = r->busy_s + (r->inflight ? t - r->busy_since : 0);
+    PyObject *depth = PyList_New(DEPTHS);
+    for (int i = 0; depth && i < DEPTHS; i++)
+        PyList_SET_ITEM(depth, i, PyFloat_FromDouble(r->depth_s[i] + (r->inflight && i == (r->inflight < DEPTHS ? r->inflight : DEPTHS) - 1 ? t - r->depth_since : 0)));
+    PyObject *out = depth ? Py_BuildValue("{s:L,s:d,s:i,s:i,s:N}", "bytes", (long long)r->bytes, "busy_seconds", busy,
+                                          "chunks_in_flight", r->inflight, "chunks_queued", r->heap_n, "depth_seconds", depth) : NULL;
     pthread_mutex_unlock(&r->mu);
     return out;
 }

@@ -43,6 +43,12 @@ def segment_bytes(g: GGUFFile, store: ExpertStore, budget: int) -> tuple[int, in
     return int(slots), int(ExpertCache.index_bytes(slots) + slots * probe.slot_bytes)
 
 
+def mean_depth(depth_seconds: list[float]) -> float | None:
+    """Mean chunks in flight while any was (the last bucket counts as its own depth)."""
+    total = sum(depth_seconds)
+    return round(sum((i + 1) * s for i, s in enumerate(depth_seconds)) / total, 2) if total > 0 else None
+
+
 class ExpertCache(ReadAhead, LayerRuns):
     """Experts in fixed, page-aligned slots; each slot holds gate, up and down. An expert the
     current layer uses, or whose read is in flight, is never evicted.
@@ -196,6 +202,11 @@ class ExpertCache(ReadAhead, LayerRuns):
     def read_seconds(self) -> float:
         """Wall time with at least one read in flight (the disk busy)."""
         return self.io.stats()["busy_seconds"]
+
+    @property
+    def read_depth_seconds(self) -> list[float]:
+        """Seconds with 1, 2, ... chunks in flight: how deep the disk's queue was while reading."""
+        return self.io.stats()["depth_seconds"]
 
     def _submit(self, key: tuple[int, int], slot: int, priority: int = DEMAND) -> ExpertRead:
         """Read an expert's three projections, in chunks, in parallel; the read completes (with
@@ -420,6 +431,7 @@ class ExpertCache(ReadAhead, LayerRuns):
                 "hits": self.hits, "misses": self.misses,
                 "hit_rate": round(self.hits / total, 4) if total else None, "bytes_read": self.bytes_read,
                 "read_gb_s": round(self.bytes_read / self.read_seconds / 1e9, 3) if self.read_seconds else None,
+                "read_queue_depth": mean_depth(self.read_depth_seconds),
                 "policy": self.policy.name, "tokens": self.tokens,
                 "io_ms_per_token": round(1000 * self.wait_seconds / self.tokens, 3) if self.tokens else None,
                 "read_ms_per_token": round(1000 * self.read_seconds / self.tokens, 3) if self.tokens else None,

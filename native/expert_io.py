@@ -27,6 +27,7 @@ DEMAND, AHEAD, FILL = 0, 1, 2
 # a needed read waits at most this much of a guess per thread; whole 884 KiB projections read
 # ~5 % faster than 512 KiB halves (one expert in flight, into huge pages), 256 KiB ~10 % slower
 CHUNK_BYTES = 1 << 20
+DEPTHS = 8                   # stats: seconds with 1, 2, ... 8-or-more chunks in flight (as _reader.c)
 
 
 class ReadCancelled(Exception):
@@ -56,6 +57,7 @@ class ThreadReader:
         self.done: list = []
         self.faults: list = []
         self.bytes, self.busy, self.inflight, self.busy_since, self.stop = 0, 0.0, 0, 0.0, False
+        self.depth, self.depth_since = [0.0] * DEPTHS, 0.0
         self.threads = [threading.Thread(target=self._run, name=f"kiln-expert-io-{i}", daemon=True) for i in range(threads)]
         for t in self.threads:
             t.start()
@@ -111,9 +113,25 @@ class ThreadReader:
 
     def stats(self) -> dict:
         with self.mu:
-            busy = self.busy + (time.perf_counter() - self.busy_since if self.inflight else 0)
+            t = time.perf_counter()
+            busy = self.busy + (t - self.busy_since if self.inflight else 0)
+            depth = list(self.depth)
+            if self.inflight:
+                depth[min(self.inflight, DEPTHS) - 1] += t - self.depth_since
             return {"bytes": self.bytes, "busy_seconds": busy, "chunks_in_flight": self.inflight,
-                    "chunks_queued": len(self.heap)}
+                    "chunks_queued": len(self.heap), "depth_seconds": depth}
+
+    def _depth_changes(self, by: int) -> None:
+        """Under mu: the time at the old depth is over (as _reader.c's depth_changes)."""
+        t = time.perf_counter()
+        if self.inflight:
+            self.depth[min(self.inflight, DEPTHS) - 1] += t - self.depth_since
+        else:
+            self.busy_since = t
+        self.depth_since = t
+        self.inflight += by
+        if not self.inflight:
+            self.busy += t - self.busy_since
 
     def set_fd(self, fd: int, buffered: bool) -> None:
         with self.mu:
@@ -165,9 +183,7 @@ class ThreadReader:
                 if c[4] or self.gen[slot] != gen:
                     continue
                 c[4] = True
-                if self.inflight == 0:
-                    self.busy_since = time.perf_counter()
-                self.inflight += 1
+                self._depth_changes(1)
                 fd, buffered = self.fd, self.buffered
                 while any(f[3] < 0 for f in self._faults_at(c, buffered)):
                     self.mu.wait()                    # held until the faults are cleared
@@ -178,9 +194,7 @@ class ThreadReader:
                 finally:
                     self.mu.acquire()
                 self.bytes += got
-                self.inflight -= 1
-                if self.inflight == 0:
-                    self.busy += time.perf_counter() - self.busy_since
+                self._depth_changes(-1)
                 rd, n = self.reads[slot], 1
                 if err and not rd["err"]:
                     rd["err"], rd["err_at"] = err, err_at

@@ -156,3 +156,34 @@ def test_o_direct_refused_at_read_turns_to_buffered_reads_and_says_so(setup):
     assert submit(q, mem, 0, DEMAND, name="read").result(DEADLINE) == "read"
     assert store.io_mode == "buffered" and "EINVAL" in store.fallback_reason
     assert mem[:SLOT].tobytes() == data[:SLOT]
+
+
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_the_time_at_each_queue_depth_adds_up_to_the_time_reading(kind, data_file):
+    """depth_seconds: how deep the disk's queue was while reading (the bench's read_queue_depth)."""
+    from kiln.native.expert_cache import mean_depth
+    if kind == "compiled" and compiled_reader() is None:
+        pytest.skip("the compiled reader is not built")
+    store = ExpertStore(data_file)
+    buf = mmap.mmap(-1, 8 * SLOT)
+    mem = np.frombuffer(buf, np.uint8)
+    q = ReadQueue(store, 3, 8, 4, CHUNK, python=kind == "python")
+    try:
+        for s in range(3):                                  # each read's first chunk held: 3 in flight
+            q.reader.fault(s * SLOT, s * SLOT + 1, 0, -1.0)
+        reads = [submit(q, mem, s, DEMAND) for s in range(3)]
+        wait_until(lambda: q.stats()["chunks_in_flight"] == 3)
+        wait_until(lambda: q.stats()["depth_seconds"][2] > 0.05)
+        q.reader.fault()
+        for r in reads:
+            r.result(DEADLINE)
+        st = q.stats()
+        depth = st["depth_seconds"]
+        assert len(depth) == 8 and depth[2] > 0.05 and not any(depth[3:])
+        assert sum(depth) == pytest.approx(st["busy_seconds"], abs=1e-6)
+        assert 2.0 < mean_depth(depth) <= 3.0
+        assert mean_depth([0.0] * 8) is None
+    finally:
+        q.reader.fault()
+        q.close()
+        store.close()
