@@ -217,7 +217,8 @@ def _preflight(cfg) -> None:
             path = resolve_model(spec["model"])
             budget = cfg["supervisor"]["memory_budget"] or None
             settings = spec.get("settings") or {}
-            p = plan(path, settings.get("ctx"), available=budget, parallel=settings.get("parallel"))
+            draft = resolve_model(settings["draft_model"]) if settings.get("draft_model") else None
+            p = plan(path, settings.get("ctx"), available=budget, parallel=settings.get("parallel"), draft=draft)
         except (ModelNotFound, GGUFError, ValueError, KeyError) as e:
             if cfg.workers_source == "cli":   # `kiln up --model BAD`: nothing else to serve
                 fail(f"cannot serve {spec['model']}: {e}")

@@ -120,6 +120,8 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
                 ctx: Optional[int] = typer.Option(None, "--ctx", help="context size to plan for"),
                 parallel: Optional[int] = typer.Option(None, "--parallel", help="sequences decoded together, each "
                                                        "with its own KV cache (a worker's `parallel`; default 4)"),
+                draft: Optional[str] = typer.Option(None, "--draft", help="a draft model served beside it "
+                                                    "(a worker's `draft_model`): its weights and KV caches count too"),
                 stream: bool = typer.Option(False, "--stream", help="also measure which expert-cache size streams "
                                             "this MoE fastest here (kept for --expert-cache auto)"),
                 tokens: int = typer.Option(32, "--tokens", help="with --stream: decode steps measured per cache size"),
@@ -129,7 +131,7 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
     from kiln.native.models.plan import plan
     path = _model_path(model)
     try:
-        p = plan(path, ctx, parallel=parallel)
+        p = plan(path, ctx, parallel=parallel, draft=_model_path(draft) if draft else None)
     except GGUFError as e:
         fail(str(e))
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
@@ -145,7 +147,9 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
 
     def human(p):
         typer.echo(f"{p['verdict']}: weights {gib(p['weights_bytes'])} ({p['kernel_path']} path) + KV cache "
-                   f"{gib(p['kv_cache_bytes'])} ({p['parallel']} × {p['context']} tokens) + runtime {gib(p['runtime_bytes'])} = "
+                   f"{gib(p['kv_cache_bytes'])} ({p['parallel']} × {p['context']} tokens)"
+                   + (f" + draft model {gib(p['draft_weights_bytes'] + p['draft_kv_cache_bytes'])}" if 'draft_model' in p else "")
+                   + f" + runtime {gib(p['runtime_bytes'])} = "
                    f"{gib(p['total_bytes'])}; available {gib(p['available_bytes'])}\n  {p['advice']}")
         t = p.get("expert_cache_tuning")
         if t:

@@ -47,8 +47,12 @@ def remove_stale(home: Path) -> list[str]:
     return removed
 
 
+def segment_path(home: Path, worker: str) -> Path:
+    return SHM_DIR / (prefix(home) + worker)
+
+
 def create(home: Path, worker: str, size: int) -> Path:
-    path = SHM_DIR / (prefix(home) + worker)
+    path = segment_path(home, worker)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -58,12 +62,16 @@ def create(home: Path, worker: str, size: int) -> Path:
 
 
 def make_for_workers(home: Path, table, record) -> list[Path]:
-    """Expert-cache segments for the moe-stream workers, sized from their model and budget; stale
-    ones of a killed daemon are removed first. A worker whose segment cannot be made gets none and
-    then fails at boot with a clear reason."""
+    """Expert caches for the moe-stream workers, sized from their model and budget (settings
+    `cache_slots`, `cache_bytes`), and a segment for each whose cache lives in shared memory
+    (`shm`); stale segments of a killed daemon are removed first. Where the cache goes is the
+    worker's `cache_memory` (native/expert_memory.place): a worker whose cache will be private
+    gets no segment — it would never be touched. A worker whose cache cannot be sized or whose
+    segment cannot be made gets none and then fails at boot with a clear reason."""
     import psutil
 
     from kiln.native.expert_cache import segment_bytes
+    from kiln.native.expert_memory import place
     from kiln.native.expert_store import ExpertStore
     from kiln.native.gguf_file import GGUFError, read_gguf
     from kiln.native.models.library import ModelNotFound, resolve_model
@@ -97,8 +105,19 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
         except (ModelNotFound, GGUFError, ValueError, OSError) as e:
             record("segment_failed", w.name, str(e))
             continue
-        seg = create(home, w.name, size)
-        made.append(seg)
-        w.spec = dict(w.spec, settings={**w.spec["settings"], "shm": str(seg), "shm_slots": slots})
-        record("segment_created", w.name, f"{seg.name}: {slots} expert slots, {size / 2**20:.1f} MiB")
+        settings = {**w.spec["settings"], "cache_slots": slots, "cache_bytes": size}
+        try:
+            placement = place(settings.get("cache_memory", "auto"), str(segment_path(home, w.name)))
+        except ValueError:                    # not a choice: the worker's boot says so, with the choices
+            w.spec = dict(w.spec, settings=settings)
+            continue
+        if placement.kind == "shared":
+            seg = create(home, w.name, size)
+            made.append(seg)
+            settings["shm"] = str(seg)
+            record("segment_created", w.name, f"{seg.name}: {slots} expert slots, {size / 2**20:.1f} MiB")
+        else:
+            record("segment_skipped", w.name, f"{slots} expert slots, {size / 2**20:.1f} MiB in the worker's "
+                                              f"own memory: {placement.why}")
+        w.spec = dict(w.spec, settings=settings)
     return made

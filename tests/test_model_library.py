@@ -90,6 +90,18 @@ def test_plan_says_fits_or_too_large_with_numbers(default_model_path):
     assert moe["expert_bytes"] > 0
 
 
+def test_plan_counts_a_draft_models_weights_and_its_kv_cache_per_sequence(default_model_path):
+    from kiln.native.models.plan import plan
+    draft = tiny_path("llama")
+    alone, d = plan(default_model_path, ctx=2048), plan(draft, ctx=2048, parallel=1)
+    both = plan(default_model_path, ctx=2048, draft=draft)
+    assert both["draft_weights_bytes"] == d["weights_bytes"] > 0
+    assert both["draft_kv_cache_bytes"] == 4 * d["kv_per_sequence_bytes"] > 0      # one per parallel sequence
+    assert both["total_bytes"] == alone["total_bytes"] + both["draft_weights_bytes"] + both["draft_kv_cache_bytes"]
+    tight = plan(default_model_path, ctx=2048, draft=draft, available=int(alone["total_bytes"] / 0.9) + 1)
+    assert tight["verdict"] == "too_large" and "or no draft model" in tight["advice"]
+
+
 def test_plan_is_within_15_percent_of_the_measured_rss(default_model_path):
     # The process's RSS, as `kiln ps` and the placer read it. The file is mapped once (header
     # parser and tensors share the mapping): with two, RSS counted the pages present in both

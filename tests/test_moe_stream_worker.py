@@ -71,7 +71,9 @@ def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8
                             capture_output=True, text=True, env=env_for(tmp_path), check=True)
     with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "64MiB", memory)}) as d:
         ready(d)
-        assert len(shm_files(tmp_path)) == 1
+        assert len(shm_files(tmp_path)) == (memory == "shared")          # no segment for a private cache
+        made = [e["event"] for e in d.status()["events"] if e["event"].startswith("segment_")]
+        assert made == ["segment_created" if memory == "shared" else "segment_skipped"]
         assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
         st = settled_stats(d)
         assert st["io_mode"] in ("direct", "buffered") and st["misses"] > 0 and st["used"] > 0
@@ -147,12 +149,12 @@ def test_rss_stays_within_non_expert_weights_plus_cache_while_generating(e8k2_pa
         mem = w["stats"]["memory"]
         cache = settled_stats(d)
         assert cache["misses"] > 0 and cache["io_ms_per_token"] is not None
-        budget = 1.15 * (mem["non_expert_bytes"] + mem["cache_segment_bytes"] + mem["kv_cache_bytes"])
+        budget = 1.15 * (mem["non_expert_bytes"] + mem["cache_bytes"] + mem["kv_cache_bytes"])
         assert peak - mem["rss_after_boot"] <= budget, (peak, mem)
 
 
 def test_stale_segments_of_a_killed_tree_are_removed_by_the_next_up(e8k2_path, tmp_path):
-    d = Daemon(tmp_path, {"default": stream_worker(e8k2_path, "8MiB")}).start()
+    d = Daemon(tmp_path, {"default": stream_worker(e8k2_path, "8MiB", "shared")}).start()
     ready(d)
     seg = shm_files(tmp_path)
     pids = [d.proc.pid, d.status()["workers"][0]["pid"]]
@@ -164,7 +166,7 @@ def test_stale_segments_of_a_killed_tree_are_removed_by_the_next_up(e8k2_path, t
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert shm_files(tmp_path) == seg                                    # the crash leaked it...
-    d2 = Daemon(tmp_path, {"default": stream_worker(e8k2_path, "8MiB")}).start()
+    d2 = Daemon(tmp_path, {"default": stream_worker(e8k2_path, "8MiB", "shared")}).start()
     try:
         ready(d2)
         events = [e for e in d2.status()["events"] if e["event"] == "stale_segments_removed"]

@@ -1,12 +1,13 @@
 """The MoE stream worker (kind `moe-stream`): an inference worker whose experts come from disk.
 
 Non-expert weights are used from the memory-mapped GGUF as usual; the routed experts are read
-with O_DIRECT into an expert cache that lives in a shared-memory segment the supervisor created
-(`settings.shm`, `settings.shm_slots`) — the segment outlives this process, so a restarted worker
-re-attaches and finds its cache warm (every slot re-validated by CRC32) — or, where shared memory
-cannot have huge pages and private memory can, in this process's own memory, where the disk
-reads ~1.5x faster (`cache_memory`: native/expert_memory.py). Same ops as the inference worker;
-the HTTP API does not change.
+with O_DIRECT into an expert cache of `settings.cache_slots` slots (`cache_bytes`, sized by the
+supervisor) that lives in a shared-memory segment the supervisor created (`settings.shm`) — the
+segment outlives this process, so a restarted worker re-attaches and finds its cache warm (every
+slot re-validated by CRC32) — or, where shared memory cannot have huge pages and private memory
+can, in this process's own memory, where the disk reads ~1.5x faster (`cache_memory`:
+native/expert_memory.py; the supervisor makes no segment then). Same ops as the inference
+worker; the HTTP API does not change.
 """
 
 from __future__ import annotations
@@ -31,23 +32,23 @@ class MoEStreamWorker(InferenceWorker):
         super().boot()
         if not self.model.config.is_moe:
             raise BootError(f"{self.model.path.name} is not a mixture-of-experts model; use kind = \"inference\"")
-        shm, slots = self.settings.get("shm"), self.settings.get("shm_slots")
-        if not shm or not slots:
-            raise BootError("no expert cache segment was given (moe-stream workers are started by `kiln up`)")
+        shm, slots, size = (self.settings.get(k) for k in ("shm", "cache_slots", "cache_bytes"))
+        if not slots or not size:
+            raise BootError("the expert cache was not sized (moe-stream workers are started by `kiln up`; "
+                            "its events say why the cache could not be made)")
         try:
             placement = place(self.settings.get("cache_memory", "auto"), shm)
         except ValueError as e:
             raise BootError(str(e)) from None
-        size = os.path.getsize(shm) if os.path.exists(shm) else 0
-        if not size:
-            raise BootError(f"cannot open the expert cache segment {shm}: it does not exist or is empty")
+        if placement.warm_restart and not (os.path.exists(shm) and os.path.getsize(shm) >= size):
+            raise BootError(f"cannot open the expert cache segment {shm}: it does not exist or is too small")
         try:
             # the segment survives a crash (a warm restart); private memory takes huge pages
             # where shared memory cannot (native/expert_memory.py says which and why)
             self.segment = shared_buffer(shm, placement.huge_pages) if placement.warm_restart \
-                else private_buffer(size, placement.huge_pages)
+                else private_buffer(int(size), placement.huge_pages)
         except OSError as e:
-            raise BootError(f"cannot map the expert cache segment {shm}: {e.strerror}") from None
+            raise BootError(f"cannot map the expert cache {shm or 'memory'}: {e.strerror}") from None
         store = ExpertStore(self.model.path, direct=self.settings.get("direct", True))
         try:
             self.cache = ExpertCache(self.model.gguf, store, int(slots), buffer=self.segment,
@@ -66,7 +67,7 @@ class MoEStreamWorker(InferenceWorker):
             st["expert_cache"] = cache.stats()
             st["memory"] = {"rss_before_model": self.rss_before_model, "rss_after_boot": self.rss_after_boot,
                             "non_expert_bytes": self.non_expert_bytes,
-                            "cache_segment_bytes": len(self.segment),
+                            "cache_bytes": len(self.segment),
                             "kv_cache_bytes": sum(s.cache.nbytes for s in self.scheduler.seqs)}
         return st
 

@@ -20,14 +20,8 @@ RUNTIME_BYTES = 120 * 2**20      # Python, numpy, tokenizer, scratch activations
 MIN_EXPERT_CACHE_SLOTS = 2       # per layer: the fewest experts a streamed step can work with
 
 
-def plan(path: Path, ctx: int | None = None, available: int | None = None, parallel: int | None = None) -> dict:
-    """`parallel`: sequences decoded together (a worker's `parallel`, default 4) — each may grow its
-    own KV cache to the whole context, so the plan counts that many."""
-    parallel = max(1, int(parallel or DEFAULT_PARALLEL))
-    g = read_gguf(path, skip_arrays=True)
-    c = read_config(g)
-    ctx = ctx or min(c.n_ctx_train, 4096)
-    compiled = kernel_info()["path"] == "compiled"
+def _weights(g, compiled: bool) -> tuple[Counter, Counter, int]:
+    """Bytes per tensor type as stored and as the engine holds them, and the experts' share."""
     by_type: Counter = Counter()
     held: Counter = Counter()
     expert_bytes = 0
@@ -37,29 +31,55 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
         held[t.type.name] += engine
         if "_exps." in name:
             expert_bytes += engine
-    weights = sum(held.values())
+    return by_type, held, expert_bytes
+
+
+def _kv_per_sequence(c, ctx: int) -> int:
+    """Keys and values of the layers that keep every position, the sliding-window layers' window,
+    and the recurrent state of linear-attention layers."""
     fam = family(c.arch)
-    # keys and values of the layers that keep every position, the sliding-window layers' window,
-    # and the recurrent state of linear-attention layers
-    kv_seq = fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize) \
+    return fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize) \
         + fam.recurrent_state_bytes(c)
+
+
+def plan(path: Path, ctx: int | None = None, available: int | None = None, parallel: int | None = None,
+         draft: Path | None = None) -> dict:
+    """`parallel`: sequences decoded together (a worker's `parallel`, default 4) — each may grow its
+    own KV cache to the whole context, so the plan counts that many. `draft`: a worker's
+    `draft_model`, whose weights and one KV cache per sequence (the same context) it also holds."""
+    parallel = max(1, int(parallel or DEFAULT_PARALLEL))
+    g = read_gguf(path, skip_arrays=True)
+    c = read_config(g)
+    ctx = ctx or min(c.n_ctx_train, 4096)
+    compiled = kernel_info()["path"] == "compiled"
+    by_type, held, expert_bytes = _weights(g, compiled)
+    weights = sum(held.values())
+    kv_seq = _kv_per_sequence(c, ctx)
     kv = kv_seq * parallel
-    total = weights + kv + RUNTIME_BYTES
+    draft_bytes = 0
+    if draft is not None:
+        dg = read_gguf(draft, skip_arrays=True)
+        draft_weights = sum(_weights(dg, compiled)[1].values())
+        draft_kv = _kv_per_sequence(read_config(dg), ctx) * parallel
+        draft_bytes = draft_weights + draft_kv
+    total = weights + kv + draft_bytes + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
     out = {"model": str(path), "architecture": c.arch, "context": ctx, "kernel_path": "compiled" if compiled else "numpy",
            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
            "kv_cache_bytes": kv, "kv_per_sequence_bytes": kv_seq, "parallel": parallel,
-           "recurrent_state_bytes": fam.recurrent_state_bytes(c),
+           "recurrent_state_bytes": family(c.arch).recurrent_state_bytes(c),
            "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
            "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
+    if draft is not None:
+        out.update(draft_model=str(draft), draft_weights_bytes=draft_weights, draft_kv_cache_bytes=draft_kv)
     if total <= 0.9 * avail:
         out["verdict"] = "fits"
         out["advice"] = f"needs {total / 2**30:.2f} GiB of {avail / 2**30:.2f} GiB available"
         return out
-    if c.is_moe and non_expert + kv + RUNTIME_BYTES < 0.9 * avail:
+    if c.is_moe and non_expert + kv + draft_bytes + RUNTIME_BYTES < 0.9 * avail:
         per_expert = expert_bytes / max(1, c.n_layer * c.n_expert)
-        cache = 0.9 * avail - (non_expert + kv + RUNTIME_BYTES)
+        cache = 0.9 * avail - (non_expert + kv + draft_bytes + RUNTIME_BYTES)
         slots = int(cache // per_expert)
         if slots >= MIN_EXPERT_CACHE_SLOTS * c.n_layer:
             frac = min(1.0, slots / (c.n_layer * c.n_expert))
@@ -80,6 +100,8 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
         if parallel > 1 and kv_seq * (parallel - 1) >= need:
             fewer = max(1, parallel - int(-(-need // kv_seq)))
             tips.append(f"or {fewer} parallel sequence{'s' if fewer > 1 else ''} instead of {parallel} (--parallel)")
+    if draft_bytes:
+        tips.append(f"or no draft model (it holds {draft_bytes / 2**30:.2f} GiB)")
     tips.append("or use a smaller quantization of this model")
     out["advice"] = "; ".join(tips)
     return out
