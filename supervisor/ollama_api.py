@@ -248,9 +248,12 @@ class Ollama:
         out = []
         for m in bus(self.sup, "ps")["models"]:
             exp = m.get("expires_at")
+            path = _file_of(m.get("path") or str(m["model"]))
+            st = path.stat() if path else None
             out.append({"name": _name(str(m["model"])), "model": _name(str(m["model"])),
                         "size": m.get("rss_bytes") or m.get("planned_bytes") or 0, "size_vram": 0,
-                        "digest": "", "details": _details(m.get("path") or ""),
+                        "digest": _digest(str(path), st.st_size, st.st_mtime) if st else "",
+                        "details": _details(str(path) if path else ""),
                         "expires_at": datetime.fromtimestamp(exp, timezone.utc).isoformat() if exp else
                         "9999-12-31T23:59:59Z", "context_length": m.get("n_ctx") or 0})
         resp.media = {"models": out}
@@ -378,6 +381,16 @@ def _args(arguments: str):
         return json.loads(arguments)
     except ValueError:
         return arguments
+
+
+def _file_of(model: str):
+    """The file a loaded model runs from ('default', a library name or a path), or None."""
+    from kiln.native.models.library import ModelNotFound, resolve_model
+    try:
+        path = resolve_model(model)
+        return path if path.is_file() else None
+    except (ModelNotFound, OSError, ValueError):
+        return None
 
 
 def _digest(path: str, size: int, mtime: float) -> str:

@@ -39,8 +39,11 @@ def test_list_show_and_ps(client):
     shown = client.show("smol")
     assert shown.details.family == "llama" and "im_start" in shown.template
     assert "llama.context_length" in shown.modelinfo
-    loaded = [p.model for p in client.ps().models]
+    loaded = {p.model: p for p in client.ps().models}
     assert "smol:latest" in loaded
+    running = loaded["smol:latest"]                   # the same file's facts as the listing's
+    assert running.details.family == "llama" and running.details.quantization_level == m.details.quantization_level
+    assert running.digest == m.digest
 
 
 def test_chat_stream_equals_whole_at_temperature_zero(client, served):
