@@ -150,11 +150,13 @@ class Supervisor:
             return commands.run(self, name, args or {})
         return self.submit(lambda: commands.run(self, name, args or {})).result(timeout)
 
-    def request(self, op: str, body: Any = None, timeout: float | None = None) -> LocalCall:
-        """A routed op (generate, score, tokenize, train.submit, …) for an in-process front end."""
+    def request(self, op: str, body: Any = None, timeout: float | None = None, replayable: bool = False) -> LocalCall:
+        """A routed op (generate, score, tokenize, train.submit, …) for an in-process front end.
+        `replayable`: the front end shows nothing before the reply, so a worker's death after
+        output reruns the request (a "restart" message first) instead of failing it."""
         c = LocalCall(self)
         worker_op, body, target = routed_target(op, body)
-        client = Client(c.id, c.events.put, "http")
+        client = Client(c.id, c.events.put, "http", replayable)
         self.submit(lambda: self.router.submit(worker_op, body, client, target, timeout))
         return c
 

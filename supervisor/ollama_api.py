@@ -135,7 +135,7 @@ class Ollama:
         if not isinstance(stream, bool):
             raise bad("stream", "stream must be a boolean", "invalid_type")
         t0 = time.perf_counter()
-        answer = self.api.answer(req, "generate", work)
+        answer = self.api.answer(req, "generate", work, whole=not stream)
         model = body["model"]
         field = "message" if kind == "chat" else "response"
 

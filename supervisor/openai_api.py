@@ -42,8 +42,11 @@ class Answer:
     """The messages of one routed request, read by an HTTP thread. The first one is awaited
     before the response starts, so that a refusal (queue full, worker gone) is an HTTP status."""
 
-    def __init__(self, sup, op: str, body: dict, disconnected, seen=lambda msg: None):
-        self.call = sup.request(op, body)
+    def __init__(self, sup, op: str, body: dict, disconnected, seen=lambda msg: None, whole: bool = False):
+        # whole: the caller answers only once it has everything (not streamed), so the router may
+        # rerun the request when its worker dies after output — what came before is dropped
+        self.call = sup.request(op, body, replayable=whole)
+        self.whole = whole
         self.disconnected = disconnected
         self.seen = seen                       # timing and usage, for the request log and metrics
         self.finished = False
@@ -58,11 +61,14 @@ class Answer:
                     self.close()
                     return None
                 continue
-            if msg.type != "chunk":
+            if msg.type not in ("chunk", "restart"):
                 self.finished = True
             return msg
 
     def __iter__(self) -> Iterator[Message]:
+        if self.whole:
+            yield from self._kept()
+            return
         msg = self.first
         while msg is not None:
             if msg.type == "error":
@@ -72,6 +78,25 @@ class Answer:
             if msg.type == "reply" or self.disconnected():
                 return
             msg = self._next()
+
+    def _kept(self) -> list[Message]:
+        """Every message of the last run, once the reply came: a "restart" (the worker died after
+        output; the router runs the request again) drops what came before it."""
+        kept, msg = [], self.first
+        while msg is not None:
+            if msg.type == "error":
+                raise WorkerGone(msg)
+            if msg.type == "restart":
+                kept = []
+            else:
+                self.seen(msg)
+                kept.append(msg)
+                if msg.type == "reply":
+                    return kept
+            if self.disconnected():
+                return []
+            msg = self._next()
+        return []
 
     def close(self) -> None:
         if not self.finished:                  # client gone, or the stream was closed
@@ -156,8 +181,9 @@ class OpenAI:
                                                                                "draft_tokens", "accepted_tokens")}
         return seen
 
-    def answer(self, req, op: str, body: dict) -> Answer:
-        a = Answer(self.sup, op, body, self._disconnected(req), self._observer(req))
+    def answer(self, req, op: str, body: dict, whole: bool = False) -> Answer:
+        """`whole`: the response is sent once the answer is complete (not streamed)."""
+        a = Answer(self.sup, op, body, self._disconnected(req), self._observer(req), whole)
         if a.first is None:
             raise JSONError(499, "client_closed", "the client closed the connection")
         if a.first.type == "error":
@@ -237,7 +263,7 @@ class OpenAI:
                 if n_gen > 0:
                     final = None
                     answer = self.answer(req, "generate", dict(work, params=dict(params, max_tokens=n_gen),
-                                                               worker=name))
+                                                               worker=name), whole=True)
                     for msg in answer:
                         if msg.type == "chunk":
                             text += msg.body["text"]
@@ -290,7 +316,7 @@ class OpenAI:
         work = dict(work, params=params, worker=name)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "created": int(time.time()), "model": body.get("model") or name}
-        answer = self.answer(req, "generate", work)
+        answer = self.answer(req, "generate", work, whole=not stream)
         if stream:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")

@@ -55,6 +55,9 @@ class Client:
     id: str
     deliver: Callable[[Message], None]
     origin: str = "local"          # "http" | "control" | "worker:<name>" — for logs
+    # shows nothing before the reply (a non-streamed HTTP answer): output it got may be dropped
+    # (a "restart" message) and the request run again when its worker dies
+    replayable: bool = False
 
 
 @dataclass
@@ -269,16 +272,20 @@ class Router:
             self.placer.touch(p.target_worker, p.keep_alive)
 
     def on_worker_exit(self, w: WorkerProcess, how: str) -> None:
-        """A worker died: its requests that produced nothing wait for the restart and run again;
-        the others end with worker_crashed."""
+        """A worker died: its requests that produced nothing — or whose client has shown nothing
+        yet (replayable) — wait for the restart and run again; the others end with worker_crashed."""
         for p in list(self.pending.values()):
             if p.worker != w.name:
                 continue
-            if not p.got_output and p.attempts < MAX_ATTEMPTS:
+            if (not p.got_output or p.client.replayable) and p.attempts < MAX_ATTEMPTS:
+                had_output, p.got_output = p.got_output, False
+                if had_output:                 # the client drops what it got and waits for the rerun
+                    p.client.deliver(make("restart", id=p.client.id, reason=how))
                 p.worker = None
                 p.retried_after.append(how)
                 self.counts["retried"] += 1
-                self.record("request_retried", w.name, f"{p.op} {p.id}: the worker died ({how}) before any output")
+                self.record("request_retried", w.name, f"{p.op} {p.id}: the worker died ({how}) "
+                            + ("after output its client had not shown yet" if had_output else "before any output"))
             else:
                 self._finish(p, "worker_crashed", f"worker {w.name} died ({how}) during the request"
                              + (" after it had produced output" if p.got_output else f" ({p.attempts} attempts)"))

@@ -49,8 +49,8 @@ class Rig:
                              **{"max_queue": 4, "wait_for_worker": 30.0, "request_timeout": 100.0, **router_kw})
         self.got: dict[str, list] = {}
 
-    def client(self, cid: str) -> Client:
-        return Client(cid, lambda m: self.got.setdefault(cid, []).append(m), "http")
+    def client(self, cid: str, replayable: bool = False) -> Client:
+        return Client(cid, lambda m: self.got.setdefault(cid, []).append(m), "http", replayable)
 
     def start(self, name: str = "default", ready: bool = True):
         w = self.table[name]
@@ -71,8 +71,8 @@ class Rig:
         self.spawner.last(name).send_signal(signal.SIGKILL)
         self.tick()
 
-    def generate(self, cid: str, **target):
-        return self.router.submit("generate", {"messages": []}, self.client(cid), Target(**target))
+    def generate(self, cid: str, replayable: bool = False, **target):
+        return self.router.submit("generate", {"messages": []}, self.client(cid, replayable), Target(**target))
 
     def requests_to(self, name: str = "default"):
         return [m for n, m in self.sent if n == name and m.type == "request"]
@@ -155,6 +155,43 @@ def test_a_request_that_had_produced_output_ends_with_worker_crashed():
     r.kill()
     assert [m.type for m in r.got["c1"]] == ["chunk", "error"]
     assert r.got["c1"][-1].get("code") == "worker_crashed" and r.got["c1"][-1].get("retryable") is True
+
+
+def test_a_whole_answer_that_had_produced_output_is_dropped_and_run_again():
+    """A client that shows nothing before the reply (a non-streamed HTTP answer) loses nothing when
+    the worker dies after output: it is told to drop what it got, and the request runs again."""
+    r = Rig()
+    r.start()
+    r.generate("c1", replayable=True)
+    first = r.requests_to()[-1]
+    r.answer(first, type_="chunk")
+    r.kill()
+    assert [m.type for m in r.got["c1"]] == ["chunk", "restart"]
+    assert r.got["c1"][-1].get("reason") == "signal 9 (SIGKILL)" and r.router.pending
+    r.tick(SETTINGS.backoff_initial)
+    r.hello()
+    second = r.requests_to()[-1]
+    assert second.id == first.id and len(r.requests_to()) == 2
+    r.answer(second, type_="chunk")
+    r.answer(second)
+    assert [m.type for m in r.got["c1"]] == ["chunk", "restart", "chunk", "reply"]
+    assert r.got["c1"][-1].get("retried_after") == ["signal 9 (SIGKILL)"]
+    assert any(e[0] == "request_retried" and "had not shown" in e[2] for e in r.events)
+
+
+def test_a_whole_answer_that_kills_its_worker_every_time_stops_after_max_attempts():
+    r = Rig()
+    r.start()
+    r.generate("c1", replayable=True)
+    for attempt in range(MAX_ATTEMPTS):
+        r.answer(r.requests_to()[-1], type_="chunk")
+        r.kill()
+        r.tick(SETTINGS.backoff_initial)
+        r.hello()
+        r.tick(1.0)
+    assert len(r.requests_to()) == MAX_ATTEMPTS
+    assert [m.type for m in r.got["c1"]][-2:] == ["chunk", "error"]
+    assert r.got["c1"][-1].get("code") == "worker_crashed" and not r.router.pending
 
 
 def test_a_request_that_kills_its_worker_every_time_stops_after_max_attempts():
