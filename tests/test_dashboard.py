@@ -4,6 +4,7 @@ shows a worker killed from outside coming back, and asks for the API key when th
 one. Each panel's screenshot is written to tests/screenshots/ (for a person to look at)."""
 
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -152,6 +153,8 @@ def test_the_expert_cache_panel_shows_a_streaming_workers_cache(e8k2_path, tmp_p
         expect(cells.nth(1)).to_contain_text(cache["memory"])
         assert cells.nth(1).get_attribute("title") == cache["memory_why"]
         expect(cells.nth(2)).to_contain_text("%", timeout=15000)             # a hit rate, not "–"
+        assert cache["read_queue_depth"] >= 1                               # the disk's queue while reading
+        expect(cells.nth(6)).to_have_attribute("title", re.compile(r"^\d+(\.\d+)? reads in flight on average while reading$"))
         SHOTS.mkdir(exist_ok=True)
         pg.locator("#expert-panel").screenshot(path=str(SHOTS / "expert-panel-streaming.png"))
         pg.close()

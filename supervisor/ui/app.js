@@ -89,7 +89,8 @@ function renderExperts() {
     return el("tr", {}, el("th", { scope: "row" }, w.name), el("td", {}, c.io_mode),
       el("td", { title: c.memory_why ?? "" }, memory),
       el("td", {}, c.hit_rate == null ? "–" : `${(100 * c.hit_rate).toFixed(1)} %`), el("td", {}, c.hits),
-      el("td", {}, c.misses), el("td", {}, mib(c.bytes_read)), el("td", {}, c.read_gb_s ?? "–"),
+      el("td", {}, c.misses), el("td", {}, mib(c.bytes_read)), el("td", { title: c.read_queue_depth == null ? "" :
+        `${c.read_queue_depth} reads in flight on average while reading` }, c.read_gb_s ?? "–"),
       el("td", {}, `${c.used}/${c.slots}`));
   });
   $("#experts tbody").replaceChildren(...rows);
