@@ -25,6 +25,7 @@ from .expert_policy import make_policy
 from .expert_read_ahead import ReadAhead
 from .expert_runs import LayerRuns
 from .expert_store import PROJECTIONS, ExpertStore, expert_map
+from .expert_warm import WarmStart
 from .gguf_file import GGUFFile
 from .kernels import Weight
 
@@ -49,7 +50,7 @@ def mean_depth(depth_seconds: list[float]) -> float | None:
     return round(sum((i + 1) * s for i, s in enumerate(depth_seconds)) / total, 2) if total > 0 else None
 
 
-class ExpertCache(ReadAhead, LayerRuns):
+class ExpertCache(ReadAhead, LayerRuns, WarmStart):
     """Experts in fixed, page-aligned slots; each slot holds gate, up and down. An expert the
     current layer uses, or whose read is in flight, is never evicted.
 
@@ -109,6 +110,7 @@ class ExpertCache(ReadAhead, LayerRuns):
         self.inflight_hits = 0
         self.read_errors, self.last_read_error = 0, None
         self._init_read_ahead()
+        self._init_warm()
         self._filling: set = set()
         self._fill_order = ((layer, e) for layer in sorted({k[0] for k in self.map}) for e in range(self.n_expert))
         self.fill_reads, self.free_fill_done = 0, False
@@ -342,6 +344,7 @@ class ExpertCache(ReadAhead, LayerRuns):
         if layer == 0 and rows:
             self.tokens += rows
             self.policy.tick(rows)
+            self._note_hot()
         guess = self.predicted.pop(layer, None)
         if guess is not None:
             self.recall_total += len(want)
@@ -438,4 +441,4 @@ class ExpertCache(ReadAhead, LayerRuns):
                 "bytes_read_per_token": round(self.bytes_read / self.tokens) if self.tokens else None,
                 "hits_in_flight": self.inflight_hits, "fill_reads": self.fill_reads,
                 "read_errors": self.read_errors, "last_read_error": self.last_read_error,
-                "read_ahead": self.read_ahead_stats()}
+                "preloaded_at_start": self.preloaded, "read_ahead": self.read_ahead_stats()}

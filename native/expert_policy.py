@@ -51,6 +51,11 @@ class Policy:
     def candidates(self, busy):
         return (k for k in self.order if k not in busy and k not in self.pinned)
 
+    def hottest_first(self, keys: list) -> list:
+        """`keys` ordered as this policy would keep them: the last it would evict first."""
+        at = {k: i for i, k in enumerate(self.order)}
+        return sorted(keys, key=lambda k: at.get(k, -1), reverse=True)
+
     def victim(self, busy=frozenset()):
         return next(self.candidates(busy), None)
 
@@ -79,6 +84,10 @@ class LFU(Policy):
 
     def victim(self, busy=frozenset()):
         return min(self.candidates(busy), key=lambda k: self.freq.get(k, 0.0), default=None)
+
+    def hottest_first(self, keys: list) -> list:
+        at = {k: i for i, k in enumerate(self.order)}               # ties: the most recent first
+        return sorted(keys, key=lambda k: (self.freq.get(k, 0.0), at.get(k, -1)), reverse=True)
 
 
 class LRFU(Policy):
@@ -139,6 +148,9 @@ class LRFU(Policy):
         i = self.slot.get(key)
         if i is not None:
             self.resident[i] = self.evictable[i] = False
+
+    def hottest_first(self, keys: list) -> list:
+        return sorted(keys, key=lambda k: self.level[self.slot[k]] if k in self.slot else -math.inf, reverse=True)
 
     def victim(self, busy=frozenset()):
         n = len(self.keys)

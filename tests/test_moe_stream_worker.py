@@ -78,12 +78,16 @@ def test_streamed_answers_equal_in_ram_answers_and_the_cache_survives_a_crash(e8
         st = settled_stats(d)
         assert st["io_mode"] in ("direct", "buffered") and st["misses"] > 0 and st["used"] > 0
         assert st["memory"] == memory and st["warm_restart"] == (memory == "shared") and st["memory_why"]
+        hot = tmp_path / "expert-cache" / "default.json"                 # the worker's hot list
+        d.wait(lambda s: hot.exists(), timeout=30, what="the hot list saved")
         old = d.status()["workers"][0]["pid"]
         os.kill(old, signal.SIGKILL)
         d.wait(lambda s: s["workers"][0]["pid"] not in (None, old) and s["workers"][0]["worker_state"] == "ready",
                timeout=60, what="restarted")
         warm = cache_stats(d)
         assert warm["warm_slots_at_start"] == (st["used"] if memory == "shared" else 0)   # every slot re-validated
+        if memory == "private":                                          # read again from the hot list
+            assert 0 < warm["preloaded_at_start"] <= warm["used"]
         assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
         after = settled_stats(d)
         if memory == "shared":

@@ -6,22 +6,29 @@ supervisor) that lives in a shared-memory segment the supervisor created (`setti
 segment outlives this process, so a restarted worker re-attaches and finds its cache warm (every
 slot re-validated by CRC32) — or, where shared memory cannot have huge pages and private memory
 can, in this process's own memory, where the disk reads ~1.5x faster (`cache_memory`:
-native/expert_memory.py; the supervisor makes no segment then). Same ops as the inference
-worker; the HTTP API does not change.
+native/expert_memory.py; the supervisor makes no segment then). A cache that did not survive
+(private memory, or a new daemon) preloads the experts its predecessor held, hottest first, from
+the hot list this worker keeps in the state folder (native/expert_warm.py). Same ops as the
+inference worker; the HTTP API does not change.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 
 from kiln.native.expert_cache import ExpertCache
 from kiln.native.expert_memory import place, private_buffer, shared_buffer
 from kiln.native.expert_store import ExpertStore, expert_map
+from kiln.native.expert_warm import load_hot, save_hot
 
 from .inference import InferenceWorker
-from .runtime import BootError, main
+from .runtime import BootError, main, state_dir
+
+PRELOAD_SECONDS = 3.0        # at most this much of a boot reads the predecessor's hot experts
+SAVE_EVERY = 2.0             # seconds between two writes of the hot list (on heartbeats)
 
 
 class MoEStreamWorker(InferenceWorker):
@@ -56,14 +63,37 @@ class MoEStreamWorker(InferenceWorker):
         except ValueError as e:
             raise BootError(str(e)) from None
         self.model.expert_provider = self.cache
+        # a cache that did not survive (private memory, or a new daemon) starts with the experts
+        # its predecessor held (native/expert_warm.py)
+        self.hot_file = state_dir() / "expert-cache" / f"{self.name}.json"
+        hot = load_hot(self.hot_file, self.model.path)
+        if hot:
+            self.cache.preload(hot, PRELOAD_SECONDS)
+        self.saved_version, self.saved_at = self.cache.hot_version, 0.0
         experts = {s.name for s in expert_map(self.model.gguf).values()}
         self.non_expert_bytes = sum(t.n_bytes for n, t in self.model.gguf.tensors.items() if n not in experts)
         self.rss_after_boot = psutil.Process().memory_info().rss   # + tokenizer, template, mappings
+
+    def _save_hot(self, force: bool = False) -> None:
+        cache = self.cache
+        now = time.monotonic()
+        if cache.hot_version != self.saved_version and (force or now - self.saved_at >= SAVE_EVERY):
+            self.saved_version, self.saved_at = cache.hot_version, now
+            try:
+                save_hot(self.hot_file, self.model.path, cache.hot)
+            except OSError:
+                pass                             # only a slower start next time
+
+    def on_stop(self) -> None:
+        if getattr(self, "cache", None) is not None:
+            self._save_hot(force=True)
+        super().on_stop()
 
     def status(self) -> dict:
         st = super().status()
         cache = getattr(self, "cache", None)
         if cache is not None:
+            self._save_hot()                     # heartbeats are this worker's clock
             st["expert_cache"] = cache.stats()
             st["memory"] = {"rss_before_model": self.rss_before_model, "rss_after_boot": self.rss_after_boot,
                             "non_expert_bytes": self.non_expert_bytes,
