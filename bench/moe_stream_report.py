@@ -91,6 +91,8 @@ def plot(out: dict, dest: str) -> str | None:
     axes[2].axhline(1.0, color="grey", ls="--", label="raw O_DIRECT right before/after the run (best)")
     beside = out["disk"]["raw_beside_decode_gb_s"] / out["disk"]["raw_gb_s"]
     axes[2].axhline(beside, color="grey", ls=":", label="raw beside an in-RAM decode ÷ raw (at the start)")
+    spread = out["disk"]["raw_spread_gb_s"] / out["disk"]["raw_gb_s"]
+    axes[2].axhline(spread, color="grey", ls="-.", label="raw into spread destinations ÷ raw (at the start)")
     for ax, title in zip(axes, ("decode speed ÷ in-RAM (after warm-up)", "cache hit rate",
                                 "read GB/s while reading ÷ raw O_DIRECT")):
         ax.set_xlabel("expert cache budget, % of expert bytes")
