@@ -258,8 +258,11 @@ class Router:
             p.got_output = True
             p.client.deliver(self._for_client(p, msg))
             return
-        if msg.type == "error" and not p.got_output and msg.get("code") == "shutting_down" \
-                and p.attempts < MAX_ATTEMPTS:
+        if msg.type == "error" and (not p.got_output or p.client.replayable) \
+                and msg.get("code") == "shutting_down" and p.attempts < MAX_ATTEMPTS:
+            if p.got_output:           # the client drops what it got and waits for the rerun
+                p.client.deliver(make("restart", id=p.client.id, reason="the worker stopped"))
+                p.got_output = False
             p.worker = None            # the worker is stopping: wait for its successor
             return
         del self.pending[p.id]

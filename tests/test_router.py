@@ -278,6 +278,18 @@ def test_a_worker_that_stops_mid_request_hands_it_to_its_successor():
     assert "c1" not in r.got and r.router.waiting() == 1
 
 
+def test_a_worker_that_stops_mid_answer_hands_a_whole_answer_to_its_successor_and_ends_a_stream():
+    r = Rig()
+    r.start()
+    r.generate("whole", replayable=True)
+    r.generate("stream")
+    for req in r.requests_to():
+        r.answer(req, type_="chunk")
+        r.answer(req, type_="error", code="shutting_down")
+    assert [m.type for m in r.got["whole"]] == ["chunk", "restart"] and r.router.waiting() == 1
+    assert [m.type for m in r.got["stream"]] == ["chunk", "error"]   # it had shown output: it cannot rerun
+
+
 def test_the_active_adapter_applies_unless_the_request_names_one():
     r = Rig()
     r.start()
