@@ -260,9 +260,13 @@ class Router:
             return
         if msg.type == "error" and (not p.got_output or p.client.replayable) \
                 and msg.get("code") == "shutting_down" and p.attempts < MAX_ATTEMPTS:
-            if p.got_output:           # the client drops what it got and waits for the rerun
+            had_output, p.got_output = p.got_output, False
+            if had_output:             # the client drops what it got and waits for the rerun
                 p.client.deliver(make("restart", id=p.client.id, reason="the worker stopped"))
-                p.got_output = False
+            self.counts["retried"] += 1
+            p.retried_after.append("the worker stopped")
+            self.record("request_retried", w.name, f"{p.op} {p.id}: the worker stopped "
+                        + ("after output its client had not shown yet" if had_output else "before any output"))
             p.worker = None            # the worker is stopping: wait for its successor
             return
         del self.pending[p.id]

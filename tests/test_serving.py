@@ -222,31 +222,41 @@ def tokens_seen(d) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("kiln_inter_token_seconds_count")))
 
 
-def test_kill_mid_answer_of_a_whole_answer_runs_it_again_and_loses_nothing(served, client):
-    """A non-streamed answer has shown the client nothing when its worker dies after output: the
-    router runs it again and the client gets the whole answer, as if nothing had happened."""
-    ask = dict(model="default", messages=[{"role": "user", "content": "Tell me about the sea."}], temperature=0,
-               max_tokens=300, extra_body={"ignore_eos": True})
+def interrupted_whole_answer(served, client, content, interrupt):
+    """A 300-token non-streamed answer to a prompt never asked before, interrupted once 20 of its
+    tokens reached the front end (/metrics); then the same request again, uninterrupted."""
+    ask = dict(model="default", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=300,
+               extra_body={"ignore_eos": True, "speculative": False})
     served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready")
-    calm = client.chat.completions.create(**ask).choices[0].message.content
-    pid = worker(served)["pid"]
-    retried = served.status()["router"]["retried"]
     result = {}
     t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(**ask)))
     t.start()
-    gaps = before = tokens_seen(served)
-    deadline = time.monotonic() + 60
-    while gaps < before + 20:                       # 20 tokens of it have reached the front end
+    before, deadline = tokens_seen(served), time.monotonic() + 60
+    while tokens_seen(served) < before + 20:
         assert time.monotonic() < deadline and t.is_alive(), "the answer did not start"
         time.sleep(0.01)
-        gaps = tokens_seen(served)
-    os.kill(pid, signal.SIGKILL)
+    interrupt()
     t.join(180)
-    r = result["r"]
-    assert r.choices[0].message.content == calm and r.usage.completion_tokens == 300
-    assert worker(served)["pid"] != pid
-    assert served.status()["router"]["retried"] == retried + 1
+    served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready again")
+    return result["r"], client.chat.completions.create(**ask)
+
+
+def test_kill_mid_answer_of_a_whole_answer_runs_it_again_and_loses_nothing(served, client):
+    """A non-streamed answer has shown the client nothing when its worker dies after output: the
+    router runs it again and the client gets the whole answer, as if nothing had happened."""
+    pid, retried = worker(served)["pid"], served.status()["router"]["retried"]
+    r, calm = interrupted_whole_answer(served, client, "Tell me about the sea.", lambda: os.kill(pid, signal.SIGKILL))
+    assert r.choices[0].message.content == calm.choices[0].message.content and r.usage.completion_tokens == 300
+    assert worker(served)["pid"] != pid and served.status()["router"]["retried"] == retried + 1
     assert any(e["event"] == "request_retried" and "had not shown" in e["detail"] for e in served.status()["events"])
+
+
+def test_a_restart_mid_answer_of_a_whole_answer_runs_it_again_on_the_successor(served, client):
+    pid, retried = worker(served)["pid"], served.status()["router"]["retried"]
+    r, calm = interrupted_whole_answer(served, client, "Tell me about rivers.",
+                                       lambda: served.command("restart", {"name": "default"}))
+    assert r.choices[0].message.content == calm.choices[0].message.content and r.usage.completion_tokens == 300
+    assert worker(served)["pid"] != pid and served.status()["router"]["retried"] == retried + 1
 
 
 def test_kill_mid_stream_ends_with_an_error_event_then_done(served, client):
