@@ -260,14 +260,7 @@ class Router:
             return
         if msg.type == "error" and (not p.got_output or p.client.replayable) \
                 and msg.get("code") == "shutting_down" and p.attempts < MAX_ATTEMPTS:
-            had_output, p.got_output = p.got_output, False
-            if had_output:             # the client drops what it got and waits for the rerun
-                p.client.deliver(make("restart", id=p.client.id, reason="the worker stopped"))
-            self.counts["retried"] += 1
-            p.retried_after.append("the worker stopped")
-            self.record("request_retried", w.name, f"{p.op} {p.id}: the worker stopped "
-                        + ("after output its client had not shown yet" if had_output else "before any output"))
-            p.worker = None            # the worker is stopping: wait for its successor
+            self._rerun(p, w, "the worker stopped")      # wait for its successor
             return
         del self.pending[p.id]
         self.counts["completed" if msg.type == "reply" else "failed"] += 1
@@ -278,6 +271,18 @@ class Router:
         if self.placer is not None and p.op in MODEL_RUNS:
             self.placer.touch(p.target_worker, p.keep_alive)
 
+    def _rerun(self, p: Pending, w: WorkerProcess, what: str, reason: str | None = None) -> None:
+        """Send `p` again once a worker can take it; a client that got output drops it first."""
+        had_output, p.got_output = p.got_output, False
+        reason = reason or what
+        if had_output:
+            p.client.deliver(make("restart", id=p.client.id, reason=reason))
+        p.worker = None
+        p.retried_after.append(reason)
+        self.counts["retried"] += 1
+        self.record("request_retried", w.name, f"{p.op} {p.id}: {what} "
+                    + ("after output its client had not shown yet" if had_output else "before any output"))
+
     def on_worker_exit(self, w: WorkerProcess, how: str) -> None:
         """A worker died: its requests that produced nothing — or whose client has shown nothing
         yet (replayable) — wait for the restart and run again; the others end with worker_crashed."""
@@ -285,14 +290,7 @@ class Router:
             if p.worker != w.name:
                 continue
             if (not p.got_output or p.client.replayable) and p.attempts < MAX_ATTEMPTS:
-                had_output, p.got_output = p.got_output, False
-                if had_output:                 # the client drops what it got and waits for the rerun
-                    p.client.deliver(make("restart", id=p.client.id, reason=how))
-                p.worker = None
-                p.retried_after.append(how)
-                self.counts["retried"] += 1
-                self.record("request_retried", w.name, f"{p.op} {p.id}: the worker died ({how}) "
-                            + ("after output its client had not shown yet" if had_output else "before any output"))
+                self._rerun(p, w, f"the worker died ({how})", how)
             else:
                 self._finish(p, "worker_crashed", f"worker {w.name} died ({how}) during the request"
                              + (" after it had produced output" if p.got_output else f" ({p.attempts} attempts)"))
