@@ -61,7 +61,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                  "each failed start in a row)", 0, 600),
         "stable_secs": Field(float, 10.0, "seconds a worker must have run for its crash to restart it at once", 0, None),
         "backoff_max": Field(float, 30.0, "longest restart delay, seconds", 0, 3600),
-        "boot_timeout": Field(float, 120.0, "seconds a worker may take from spawn to hello", 1, None),
+        "boot_timeout": Field(float, 120.0, "seconds a worker may take from spawn to hello, and stay silent while it loads a model", 1, None),
         "memory_budget": Field(int, 0, "bytes a model may plan to use (0: the RAM available)", 0, None),
     },
     "models": {

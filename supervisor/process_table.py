@@ -216,12 +216,21 @@ class ProcessTable:
             self.apply(w, policy.Exited(code, sig, reason))
 
     def _check_liveness(self, now: float) -> None:
-        limit = self.liveness * self.heartbeat_interval
+        beats = self.liveness * self.heartbeat_interval
         for w in self.workers.values():
-            if w.pid and w.identity and w.ps.state in (STARTING, RUNNING) and w.kill_at is None \
-                    and now - w.last_heartbeat > limit:
-                self.apply(w, policy.Unresponsive(
-                    f"missed {self.liveness} heartbeats (none for {now - w.last_heartbeat:.1f} s)"))
+            if not (w.pid and w.identity and w.ps.state in (STARTING, RUNNING) and w.kill_at is None):
+                continue
+            # A worker that says it is loading a model may miss heartbeats honestly: parsing a
+            # vocabulary holds the GIL for a tenth of a second at a time on an idle machine, much
+            # longer on a busy one (the tokenizers library's builders). It has boot_timeout to
+            # speak again; a served worker has `liveness` heartbeats.
+            loading = w.worker_state in WORKER_LOADING
+            limit = max(beats, self.settings.boot_timeout) if loading else beats
+            if now - w.last_heartbeat > limit:
+                why = (f"no heartbeat for {now - w.last_heartbeat:.1f} s while loading "
+                       f"(boot_timeout {self.settings.boot_timeout:g} s)") if loading else \
+                    f"missed {self.liveness} heartbeats (none for {now - w.last_heartbeat:.1f} s)"
+                self.apply(w, policy.Unresponsive(why))
 
     # -- worker traffic -----------------------------------------------------------------------
 

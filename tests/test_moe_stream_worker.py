@@ -99,7 +99,11 @@ def test_a_cache_memory_that_is_not_a_choice_fails_the_boot_and_says_the_choices
     with Daemon(tmp_path, {"default": stream_worker(e8k2_path, "64MiB", "hugetlb")}) as d:
         w = d.wait_state("default", "fatal", timeout=60)
         assert "cache_memory 'hugetlb' is not one of auto, shared, private" in w["reason"]
-        assert w["restarts"] == 0                                        # a boot error is not retried
+        events = [(e["event"], e["detail"]) for e in d.status()["events"] if e["worker"] == "default"]
+        exits = [i for i, (e, _) in enumerate(events) if e == "exited"]
+        assert w["restarts"] == 0, events                                # no kill while it loaded either
+        assert len(exits) == 1 and events[exits[0]][1].startswith("code 3"), events
+        assert not any(e == "spawned" for e, _ in events[exits[0]:]), events   # a boot error is not retried
 
 
 def cached_bytes(path: Path) -> int:

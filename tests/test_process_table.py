@@ -52,6 +52,29 @@ def test_start_spawns_and_hello_plus_start_secs_makes_it_running():
     assert r.w.ps.state == "running"
 
 
+def test_a_loading_worker_has_boot_timeout_to_speak_and_a_served_one_has_liveness():
+    """Parsing a model holds the GIL (tokenizer builders): a worker that says it is loading may
+    miss heartbeats until boot_timeout; once ready, three missed heartbeats kill it."""
+    r = Rig()
+    r.table.apply(r.w, policy.Start(manual=False))
+    r.hello(state="loading")
+    first = r.spawner.last("w")
+    r.tick(SETTINGS.boot_timeout - 1)
+    assert signal.SIGKILL not in first.signals and r.w.ps.state == "running"
+    r.tick(2.0)
+    assert signal.SIGKILL in first.signals
+    assert "while loading (boot_timeout" in r.w.ps.reason
+    r.tick(0.0)
+    r.tick(SETTINGS.backoff_initial)
+    second = r.spawner.last("w")
+    r.hello(state="loading")
+    r.tick(5.0)
+    assert signal.SIGKILL not in second.signals
+    r.table.on_heartbeat(r.w, {"state": "ready"})
+    r.tick(3.1)
+    assert signal.SIGKILL in second.signals and "missed 3 heartbeats" in r.w.ps.reason
+
+
 def test_a_hello_from_another_pid_is_refused():
     r = Rig()
     r.table.apply(r.w, policy.Start(manual=False))
