@@ -87,6 +87,10 @@ def plot(out: dict, dest: str) -> str | None:
     if pc:
         axes[0].plot([p["budget_pct"] for p in pc], [p["vs_ram"] for p in pc], "s--", color="black",
                      label="page cache (mmap) at the same memory limit")
+    il = sorted((r for r in out.get("interleaved", []) if "vs_ram" in r), key=lambda r: r["budget_pct"])
+    if il:
+        axes[0].plot([r["budget_pct"] for r in il], [r["vs_ram"] for r in il], "D:", color="tab:purple",
+                     label="O_DIRECT cache (lrfu), in-RAM blocks interleaved in one process")
     axes[0].axhline(1.0, color="grey", ls="--", label=f"in RAM ({out['in_ram_tok_s']:.1f} tok/s)")
     axes[2].axhline(1.0, color="grey", ls="--", label="raw O_DIRECT right before/after the run (best)")
     beside = out["disk"]["raw_beside_decode_gb_s"] / out["disk"]["raw_gb_s"]
