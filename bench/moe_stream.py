@@ -27,7 +27,8 @@ layers × 64 experts (4 used), n_embd 1024, expert FFN 1536, Q4_0: 2.7 GB of exp
 
 Each measured configuration runs in its own process, in the environment `kiln up` gives a worker
 (libgomp's spin as supervisor/processes.py sets it); `summary` has the median ratio per policy and
-budget over the `--repeat` pairs. The memory limit is a cgroup (v1
+budget over the `--repeat` pairs; `acceptance` puts the expert-streaming issue's bars beside every
+reading of this run that speaks to them. The memory limit is a cgroup (v1
 `memory.limit_in_bytes` or v2 `memory.max`, root only): non-expert bytes + the budget + 512 MiB
 for the runtime, for the streamed and the page-cache run alike; the file is evicted from the
 page cache (posix_fadvise DONTNEED) before each. Without cgroups the page-cache baseline is
@@ -55,7 +56,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from moe_stream_disk import evict, raw_direct_reads, worker_env
-from moe_stream_report import plot, replay_traces
+from moe_stream_report import acceptance, plot, replay_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FROM = ROOT / "tests" / "data" / "tiny" / "tiny-llama.gguf"
@@ -440,6 +441,7 @@ def main() -> None:
     out["streamed"], out["page_cache"] = streamed, page
     out["summary"] = summary(streamed)
     out["interleaved"] = interleaved
+    out["acceptance"] = acceptance(out)
     if not args.skip_traces:
         models = {"synthetic": path,
                   **{f"tiny-{a}": ROOT / "tests" / "data" / "tiny" / f"tiny-{a}.gguf"

@@ -63,6 +63,33 @@ def replay_traces(models: dict, budgets: list[int], policies: list[str]) -> dict
     return out
 
 
+def acceptance(out: dict) -> dict:
+    """Issue 20's bars beside the figures of this run that speak to them — every reading of the
+    same quantity, so that a reader sees which holds under which definition."""
+    import statistics
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 3) if xs else None
+    il = {r["budget_pct"]: r.get("vs_ram") for r in out.get("interleaved", [])}
+    runs = [r for r in out["streamed"] if "vs_ram" in r and r.get("read_ahead_on", True)]
+    pairs = {pct: med(r["vs_ram"] for r in runs if r["budget_pct"] == pct) for pct in (25, 100)}
+    page = next((p.get("vs_ram") for p in out["page_cache"] if p.get("budget_pct") == 25), None)
+    read = [r for r in out["streamed"] if r.get("read_vs_raw")]
+    return {
+        "full_cache_vs_ram": {"bar": 0.95, "interleaved_in_one_process": il.get(100),
+                              "separate_processes_median": pairs[100]},
+        "quarter_cache_vs_ram": {"bar": 0.5, "interleaved_in_one_process": il.get(25),
+                                 "separate_processes_median": pairs[25], "page_cache_same_limit": page},
+        "read_vs_raw": {"bar": 0.8, "runs": len(read),
+                        "vs_raw_reused_buffers_median": med(r["read_vs_raw"] for r in read),
+                        "vs_raw_spread_destinations_median": med(r.get("read_vs_raw_spread") for r in read),
+                        "vs_raw_beside_decode_median": med(r.get("read_vs_raw_beside_decode") for r in read)},
+        "read_ahead_recall": {"goal": 0.8, "median": med((r.get("read_ahead") or {}).get("recall")
+                                                         for r in runs if r["budget_pct"] < 100)},
+    }
+
+
 def plot(out: dict, dest: str) -> str | None:
     try:
         import matplotlib
