@@ -36,11 +36,12 @@ READY = 1
 
 
 def segment_bytes(g: GGUFFile, store: ExpertStore, budget: int) -> tuple[int, int]:
-    """(slots, total bytes) of a cache segment that fits in `budget` bytes."""
+    """(slots, total bytes) of a cache segment that fits in `budget` bytes — no more slots than
+    the model has experts (a budget of 25 % of RAM for a small MoE holds all of them)."""
     probe = ExpertCache.__new__(ExpertCache)
     probe._geometry(g, store)
     per_slot = probe.slot_bytes + _ENTRY.itemsize
-    slots = max(1, (budget - 4096) // per_slot)
+    slots = min(probe.expert_count, max(1, (budget - 4096) // per_slot))
     return int(slots), int(ExpertCache.index_bytes(slots) + slots * probe.slot_bytes)
 
 
@@ -73,6 +74,8 @@ class ExpertCache(ReadAhead, LayerRuns, WarmStart):
                                   for (_, pp), s in self.map.items() if pp == p) for p in PROJECTIONS}
         self.part_bytes = {p: -(-b // page) * page for p, b in self.part_bytes.items()}
         self.slot_bytes = sum(self.part_bytes.values())
+        self.n_expert = next(iter(g.tensors[s.name] for s in self.map.values())).shape[0]
+        self.expert_count = len({layer for layer, _ in self.map}) * self.n_expert
 
 
     def __init__(self, g: GGUFFile, store: ExpertStore, slots: int, threads: int = 4, buffer=None,
@@ -80,7 +83,6 @@ class ExpertCache(ReadAhead, LayerRuns, WarmStart):
         self.policy = make_policy(policy, pinned)
         self._geometry(g, store)
         self.store = store
-        self.n_expert = next(iter(g.tensors[s.name] for s in self.map.values())).shape[0]
         self.slots = max(1, slots)
         head = self.index_bytes(self.slots)
         if buffer is None:                       # private memory in huge pages (native/expert_memory.py)
@@ -119,7 +121,6 @@ class ExpertCache(ReadAhead, LayerRuns, WarmStart):
         n_layers = 1 + max(layer for layer, _ in self.map)
         self.table = np.zeros((n_layers, self.n_expert, 3), np.uint64)
         self.resident = np.zeros(n_layers, np.int64)
-        self.expert_count = len({layer for layer, _ in self.map}) * self.n_expert
         self.resident_count = 0
         self.all_resident = False                # every expert of the model in the cache
         self.warm_slots = self._attach()

@@ -81,7 +81,7 @@ def make_placer(table, m: dict, busy, record, state_file):
         return None
     return Placer(table, budget=budget, max_loaded=m["max_loaded"], keep_alive=parse_duration(m["keep_alive"]),
                   pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
-                  plan=lambda path, ctx: plan(path, ctx, available=budget),
+                  plan=lambda path, ctx, parallel=None: plan(path, ctx, available=budget, parallel=parallel),
                   available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file)
 
 
@@ -178,6 +178,8 @@ class Supervisor:
     def serve(self, on_ready: Callable[[], None] | None = None) -> int:
         self.files.acquire()
         self.segments = segments.make_for_workers(self.paths.home, self.table, self.record)
+        if self.placer is not None:
+            self.placer.plan_pinned()                # after the segments: a moe-stream cache is sized
         ctx = zmq.Context.instance()
         self.worker_sock = ctx.socket(zmq.ROUTER)
         self.worker_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kiln.protocol.vocab import ALIVE, STOPPED
+from kiln.protocol.vocab import ALIVE, FATAL, STOPPED
 
 from . import policy
 from .process_table import ProcessTable, WorkerProcess
@@ -78,7 +78,7 @@ class Loaded:
 class Placer:
     def __init__(self, table: ProcessTable, *, budget: int, max_loaded: int, keep_alive: float | None,
                  pressure_bytes: int, busy: Callable[[str], int], record: Callable[..., None],
-                 resolve: Callable[[str], Path], plan: Callable[[Path, int | None], dict],
+                 resolve: Callable[[str], Path], plan: Callable[..., dict],
                  available: Callable[[], int], ctx: int | None = None, state_file: Path | None = None):
         self.table, self.budget, self.max_loaded, self.keep_alive = table, budget, max_loaded, keep_alive
         self.pressure_bytes, self.busy, self.record = pressure_bytes, busy, record
@@ -139,16 +139,42 @@ class Placer:
 
     def used_bytes(self) -> int:
         """What the loaded models take: the larger of plan and measured RSS for each. A model
-        being unloaded counts as gone: its worker is idle and exits within graceful_timeout."""
+        being unloaded counts as gone: its worker is idle and exits within graceful_timeout; so
+        does a configured one stopped by request or given up on (fatal). A configured worker
+        that is restarting counts its plan: it will hold that again in a moment."""
         total = 0
         for name, l in self.loaded.items():
             if l.unloading:
                 continue
             w = self.table[name] if name in self.table else None
-            rss = (w.rss or 0) if w is not None and w.pid else 0
-            if w is not None and (w.pid or l.planned_bytes):
+            if w is None or (l.pinned and not w.pid and w.ps.state in (STOPPED, FATAL)):
+                continue
+            rss = (w.rss or 0) if w.pid else 0
+            if w.pid or l.planned_bytes:
                 total += max(l.planned_bytes, rss)
         return total
+
+    def plan_pinned(self) -> None:
+        """The planned memory of the configured model workers — their model's plan at their own
+        ctx and parallel; a moe-stream worker's without the experts, with its cache (sized by
+        then: supervisor/segments.py) — so that `kiln ps` shows it and a worker still loading or
+        restarting counts against the budget before its RSS does. A model that cannot be planned
+        counts by its RSS alone: its worker's boot says what is wrong with it."""
+        for l in self.loaded.values():
+            if not l.pinned or l.planned_bytes or l.worker not in self.table:
+                continue
+            w = self.table[l.worker]
+            settings = w.spec.get("settings") or {}
+            try:
+                p = self.plan(self.resolve_path(l.path), settings.get("ctx"), parallel=settings.get("parallel"))
+            except Exception:  # noqa: BLE001 - a bad path or a corrupt file: the boot reports it
+                continue
+            need = int(p["total_bytes"])
+            if w.kind == "moe-stream":
+                if not settings.get("cache_bytes"):
+                    continue
+                need += int(settings["cache_bytes"]) - int(p["expert_bytes"])
+            l.planned_bytes = need
 
     def place(self, model: str, keep_alive: float | None | str = "default") -> WorkerProcess:
         """The worker for `model`, starting one (and unloading idle ones) when needed."""

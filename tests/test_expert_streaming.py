@@ -9,7 +9,7 @@ import pytest
 from conftest import reference, tiny_path
 from fidelity import assert_meets_bars, measure
 from kiln.native import kernels
-from kiln.native.expert_cache import ExpertCache
+from kiln.native.expert_cache import ExpertCache, segment_bytes
 from kiln.native.expert_store import ExpertStore, expert_map
 from kiln.native.model import load_model
 
@@ -26,6 +26,24 @@ def test_the_expert_map_points_at_each_experts_bytes(e8k2_path):
     whole = m.gguf.raw("blk.7.ffn_down_exps.weight")
     assert bytes(m.gguf._map[off:off + n]) == bytes(whole[5 * n:6 * n])
     assert off % 32 == 0
+
+
+def test_a_cache_is_never_sized_beyond_the_experts_the_model_has(e8k2_path):
+    """`expert_cache = 25%` of RAM for a small MoE: a slot per expert, not gigabytes of slots
+    nothing will ever fill (the plan, the events and a shared segment's size would say so)."""
+    from kiln.native.gguf_file import read_gguf
+    g, store = read_gguf(e8k2_path, skip_arrays=True), ExpertStore(e8k2_path)
+    try:
+        probe = ExpertCache.__new__(ExpertCache)
+        probe._geometry(g, store)
+        count = probe.expert_count
+        assert count == 30 * 8                                   # SmolLM2's 30 layers x 8 experts
+        slots, size = segment_bytes(g, store, 8 << 30)
+        assert slots == count and size == ExpertCache.index_bytes(count) + count * probe.slot_bytes
+        slots, _ = segment_bytes(g, store, 10 * probe.slot_bytes)
+        assert slots == 9                                        # the index takes its share of a small budget
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("slots_per_layer", [None, 1, 2, 8])      # None: in RAM; 8 = all experts

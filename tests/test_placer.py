@@ -21,7 +21,7 @@ from kiln.supervisor.router import Client, Router, Target
 SETTINGS = policy.Settings(start_secs=1.0, max_restarts=3, restart_window=60.0, backoff_initial=0.5,
                            backoff_max=8.0, boot_timeout=10.0, stable_secs=10.0)
 GiB = 2**30
-LIBRARY = {"small": 1 * GiB, "medium": 2 * GiB, "huge": 50 * GiB}
+LIBRARY = {"small": 1 * GiB, "medium": 2 * GiB, "another": 2 * GiB, "huge": 50 * GiB}
 
 
 class Rig:
@@ -38,7 +38,7 @@ class Rig:
         self.placer = self.router.placer = Placer(
             self.table, budget=budget, max_loaded=max_loaded, keep_alive=keep_alive, pressure_bytes=GiB,
             busy=self.router.busy, record=record, resolve=self._resolve,
-            plan=lambda path, ctx: {"total_bytes": LIBRARY[path.stem], "weights_bytes": LIBRARY[path.stem] // 2,
+            plan=lambda path, ctx, parallel=None: {"total_bytes": LIBRARY[path.stem], "weights_bytes": LIBRARY[path.stem] // 2,
                                     "kv_cache_bytes": LIBRARY[path.stem] // 4, "runtime_bytes": LIBRARY[path.stem] // 4,
                                     "context": 4096},
             available=lambda: self.avail, state_file=(tmp / "models.json") if tmp else None)
@@ -167,6 +167,38 @@ def test_pinned_workers_stay():
     assert r.got["a"][-1].get("code") == "insufficient_memory"
     with pytest.raises(Exception, match="pinned|configured"):
         r.placer.unload("default", "test")
+
+
+def test_a_configured_worker_counts_its_plan_while_it_restarts_and_nothing_once_stopped():
+    """A pinned worker's plan (`kiln ps`'s PLANNED) counts against the budget while it has no
+    process — crashed and backing off, it will hold that memory again in a moment — so an
+    on-demand model does not take its room; stopped by request, it holds nothing."""
+    r = Rig(workers={"pinned": {"kind": "inference", "model": "medium"}}, budget=4 * GiB)
+    r.placer.plan_pinned()
+    pinned = r.table["pinned"]
+    assert next(m for m in r.placer.describe() if m["worker"] == "pinned")["planned_bytes"] == 2 * GiB
+    r.table.apply(pinned, policy.Start(manual=False))
+    r.hello_all()
+    r.tick(1.5)
+    r.spawner.last("pinned").exit(-signal.SIGKILL)         # crashed: backing off, no process
+    r.tick(0)
+    assert pinned.ps.state == "backoff" and pinned.pid is None
+    r.ask("a", "small")
+    r.hello_all()
+    r.tick(1)
+    r.answer_all()
+    r.ask("b", "another")                                   # 2 + 1 + 2 > 4: the idle small one goes
+    assert r.loaded() == ["another", "medium"]
+    r.tick(SETTINGS.backoff_initial)
+    r.hello_all()
+    r.tick(1.5)
+    r.answer_all()
+    assert pinned.ps.state == "running"
+    r.table.apply(pinned, policy.Stop())
+    r.tick(0)
+    r.spawner.last("pinned").exit(0)
+    r.tick(0)
+    assert pinned.ps.state == "stopped" and r.placer.used_bytes() == 2 * GiB   # "another" alone
 
 
 def test_keep_alive_expires_idle_models_default_zero_and_forever():
