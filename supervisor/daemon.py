@@ -81,7 +81,8 @@ def make_placer(table, m: dict, busy, record, state_file):
         return None
     return Placer(table, budget=budget, max_loaded=m["max_loaded"], keep_alive=parse_duration(m["keep_alive"]),
                   pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
-                  plan=lambda path, ctx, parallel=None: plan(path, ctx, available=budget, parallel=parallel),
+                  plan=lambda path, ctx, parallel=None, draft=None: plan(path, ctx, available=budget, parallel=parallel,
+                                                                  draft=draft),
                   available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file)
 
 

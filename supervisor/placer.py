@@ -156,7 +156,7 @@ class Placer:
 
     def plan_pinned(self) -> None:
         """The planned memory of the configured model workers — their model's plan at their own
-        ctx and parallel; a moe-stream worker's without the experts, with its cache (sized by
+        ctx and parallel, with their draft model; a moe-stream worker's without the experts, with its cache (sized by
         then: supervisor/segments.py) — so that `kiln ps` shows it and a worker still loading or
         restarting counts against the budget before its RSS does. A model that cannot be planned
         counts by its RSS alone: its worker's boot says what is wrong with it."""
@@ -166,7 +166,9 @@ class Placer:
             w = self.table[l.worker]
             settings = w.spec.get("settings") or {}
             try:
-                p = self.plan(self.resolve_path(l.path), settings.get("ctx"), parallel=settings.get("parallel"))
+                draft = self.resolve_path(settings["draft_model"]) if settings.get("draft_model") else None
+                p = self.plan(self.resolve_path(l.path), settings.get("ctx"), parallel=settings.get("parallel"),
+                              draft=draft)
             except Exception:  # noqa: BLE001 - a bad path or a corrupt file: the boot reports it
                 continue
             need = int(p["total_bytes"])

@@ -220,6 +220,24 @@ def test_a_guess_its_layer_did_not_choose_is_cancelled_and_its_slot_freed(e8k2_p
     c.close()
 
 
+def test_the_used_slots_are_the_resident_ones_not_the_reads_in_flight(e8k2_path):
+    """`used` counts experts a forward could use now (and a warm restart would find), `reading`
+    the reads still in flight; a read the disk has not delivered is not used yet."""
+    m = load_model(e8k2_path)
+    c = ExpertCache(m.gguf, ExpertStore(e8k2_path), slots=8, threads=1)
+    held = c.map[(2, "gate")].range(1)[0]
+    c.io.reader.fault(held, held + 1, 0, -1.0)     # the disk stalls on expert 1 of layer 2
+    c.request(2, [1, 3], pin=False)
+    st = c.stats()
+    assert (st["used"], st["reading"]) == (0, 2)
+    c.io.reader.fault()
+    c.weights(2, 1)
+    c.weights(2, 3)
+    st = c.stats()
+    assert (st["used"], st["reading"]) == (2, 0)
+    c.close()
+
+
 @pytest.mark.parametrize("during", ["prompt", "decode"])
 def test_a_failed_expert_read_fails_the_forward_with_where_and_loses_nothing(e8k2_path, during):
     """An I/O error reading an expert fails that forward — a prompt's (the Python path) or a

@@ -24,6 +24,12 @@ GiB = 2**30
 LIBRARY = {"small": 1 * GiB, "medium": 2 * GiB, "another": 2 * GiB, "huge": 50 * GiB}
 
 
+def fake_plan(path: Path, ctx, parallel=None, draft=None) -> dict:
+    size = LIBRARY[path.stem]
+    return {"total_bytes": size + (LIBRARY[draft.stem] if draft else 0), "weights_bytes": size // 2,
+            "kv_cache_bytes": size // 4, "runtime_bytes": size // 4, "context": 4096}
+
+
 class Rig:
     def __init__(self, workers=None, budget=4 * GiB, max_loaded=3, keep_alive=300.0, tmp: Path | None = None):
         self.clock, self.spawner = FakeClock(), FakeSpawner()
@@ -38,9 +44,7 @@ class Rig:
         self.placer = self.router.placer = Placer(
             self.table, budget=budget, max_loaded=max_loaded, keep_alive=keep_alive, pressure_bytes=GiB,
             busy=self.router.busy, record=record, resolve=self._resolve,
-            plan=lambda path, ctx, parallel=None: {"total_bytes": LIBRARY[path.stem], "weights_bytes": LIBRARY[path.stem] // 2,
-                                    "kv_cache_bytes": LIBRARY[path.stem] // 4, "runtime_bytes": LIBRARY[path.stem] // 4,
-                                    "context": 4096},
+            plan=fake_plan,
             available=lambda: self.avail, state_file=(tmp / "models.json") if tmp else None)
 
     @staticmethod
@@ -175,8 +179,8 @@ def test_a_configured_worker_counts_its_plan_while_it_restarts_and_nothing_once_
     on-demand model does not take its room; stopped by request, it holds nothing."""
     r = Rig(workers={"pinned": {"kind": "inference", "model": "medium"}}, budget=4 * GiB)
     r.placer.plan_pinned()
+    assert [m["planned_bytes"] for m in r.placer.describe()] == [2 * GiB]
     pinned = r.table["pinned"]
-    assert next(m for m in r.placer.describe() if m["worker"] == "pinned")["planned_bytes"] == 2 * GiB
     r.table.apply(pinned, policy.Start(manual=False))
     r.hello_all()
     r.tick(1.5)
@@ -199,6 +203,13 @@ def test_a_configured_worker_counts_its_plan_while_it_restarts_and_nothing_once_
     r.spawner.last("pinned").exit(0)
     r.tick(0)
     assert pinned.ps.state == "stopped" and r.placer.used_bytes() == 2 * GiB   # "another" alone
+
+
+def test_a_configured_workers_plan_holds_its_draft_model_and_a_bad_model_counts_nothing_planned():
+    r = Rig(workers={"drafted": {"kind": "inference", "model": "medium", "settings": {"draft_model": "small"}},
+                     "broken": {"kind": "inference", "model": "missing"}})
+    r.placer.plan_pinned()
+    assert {m["worker"]: m["planned_bytes"] for m in r.placer.describe()} == {"drafted": 3 * GiB, "broken": None}
 
 
 def test_keep_alive_expires_idle_models_default_zero_and_forever():
