@@ -156,10 +156,10 @@ class Placer:
 
     def plan_pinned(self) -> None:
         """The planned memory of the configured model workers — their model's plan at their own
-        ctx and parallel, with their draft model; a moe-stream worker's without the experts, with its cache (sized by
-        then: supervisor/segments.py) — so that `kiln ps` shows it and a worker still loading or
-        restarting counts against the budget before its RSS does. A model that cannot be planned
-        counts by its RSS alone: its worker's boot says what is wrong with it."""
+        ctx and parallel, with their draft model; a moe-stream worker's without the experts, with
+        its cache (sized by then: supervisor/segments.py) — so that `kiln ps` shows it and a
+        worker still loading or restarting counts against the budget before its RSS does. A model
+        that cannot be planned counts by its RSS alone: its worker's boot says what is wrong."""
         for l in self.loaded.values():
             if not l.pinned or l.planned_bytes or l.worker not in self.table:
                 continue
