@@ -175,7 +175,7 @@ class Placer:
             if w.kind == "moe-stream":
                 if not settings.get("cache_bytes"):
                     continue
-                need += int(settings["cache_bytes"]) - int(p["expert_bytes"])
+                need = streamed_need(p, int(settings["cache_bytes"]))
             l.planned_bytes = need
 
     def place(self, model: str, keep_alive: float | None | str = "default") -> WorkerProcess:
@@ -198,7 +198,7 @@ class Placer:
             # into an expert cache of the planned size
             kind = "moe-stream"
             settings["expert_cache"] = f"{int(p['expert_cache_bytes']) // 2**20}MiB"
-            need = int(p["total_bytes"]) - int(p["expert_bytes"]) + int(p["expert_cache_bytes"])
+            need = streamed_need(p, int(p["expert_cache_bytes"]))
         if need > self.budget:
             raise PlaceError("insufficient_memory", (
                 f"{path.stem} needs {need / GiB:.2f} GiB (weights {p['weights_bytes'] / GiB:.2f} + KV cache "
@@ -323,6 +323,11 @@ class Placer:
                         "keep_alive_s": l.keep_alive, "unloading": l.unloading,
                         "expires_at": None if l.expires_at is None else round(now_w + (l.expires_at - now_m), 3)})
         return out
+
+
+def streamed_need(p: dict, cache_bytes: int) -> int:
+    """What a moe-stream worker holds: its model's plan without the experts, with its cache."""
+    return int(p["total_bytes"]) - int(p["expert_bytes"]) + cache_bytes
 
 
 def _stem(model: str) -> str:
