@@ -1,7 +1,8 @@
 """LoRA fine-tuning through a real daemon: a trainer worker beside an inference worker.
 
-It learns a made-up fact, serves it through `kiln run --adapter`, survives kill -9 mid-job with
-a bit-identical result, refuses bad data with line numbers, and never stops inference."""
+It learns a made-up fact, serves it through `kiln run --adapter`, survives a graceful restart and
+kill -9 mid-job with a bit-identical result, refuses bad data with line numbers, and never stops
+inference."""
 
 from __future__ import annotations
 
@@ -148,21 +149,37 @@ def test_adapters_load_unload_and_delete_refused_while_active(daemon, zorb):
     assert status == 200 and body["active"] is None and "zorb" in [a["name"] for a in body["data"]]
 
 
-def test_kill_9_mid_job_resumes_to_a_bit_identical_adapter(daemon, zorb):
-    job_id = submit(daemon, "zorb-resumed", "--checkpoint-interval", "3")
+def test_a_graceful_restart_then_kill_9_in_one_job_resume_to_a_bit_identical_adapter(daemon, zorb):
+    """One job, stopped twice: `kiln restart trainer` pauses it with a checkpoint; the next
+    trainer resumes it and writes its periodic checkpoint (every 4 steps); kill -9 then — and
+    the trainer after it resumes from that checkpoint. The adapter is zorb's bits."""
+    job_id = submit(daemon, "zorb-resumed", "--checkpoint-interval", "4")
     ckpt = Path(daemon.home) / "train" / "jobs" / job_id / "checkpoint.npz"
     deadline = time.monotonic() + 300
-    while not (ckpt.exists() and daemon.command("train.job", {"id": job_id})["step"] >= 4):
-        assert time.monotonic() < deadline, "no checkpoint appeared"
+    while daemon.command("train.job", {"id": job_id})["step"] < 3:
+        assert time.monotonic() < deadline, "the job did not reach step 3"
         time.sleep(0.1)
-    trainer = daemon.worker("trainer")
-    os.kill(trainer["pid"], signal.SIGKILL)
-    daemon.wait(lambda st: any(w["name"] == "trainer" and w["pid"] not in (None, trainer["pid"]) for w in st["workers"]),
+    first = daemon.worker("trainer")["pid"]
+    assert kiln(daemon.home, "restart", "trainer").returncode == 0
+    daemon.wait(lambda st: any(w["name"] == "trainer" and w["pid"] not in (None, first) for w in st["workers"]),
                 timeout=60, what="trainer restarted")
-    job = wait_job(daemon, job_id)
-    assert job["state"] == "completed", job
-    assert [rec["step"] for rec in job["losses"]] == list(range(1, 17))
+    # paused with a checkpoint (not killed: the trainer asks for the time to write it)
+    assert daemon.worker("trainer")["last_exit"]["code"] == 0
+    job = daemon.command("train.job", {"id": job_id})
+    assert job["pauses"] == 1 and 3 <= job["paused_at_step"] < 12 and ckpt.exists(), job
+    at_pause = ckpt.stat()
+    while (s := ckpt.stat()).st_mtime_ns == at_pause.st_mtime_ns and s.st_ino == at_pause.st_ino:
+        assert time.monotonic() < deadline, "the resumed job wrote no periodic checkpoint"
+        time.sleep(0.05)
+    second = daemon.worker("trainer")["pid"]
+    os.kill(second, signal.SIGKILL)
+    daemon.wait(lambda st: any(w["name"] == "trainer" and w["pid"] not in (None, second) for w in st["workers"]),
+                timeout=60, what="trainer restarted after kill -9")
     assert daemon.worker("trainer")["last_exit"]["signal"] == 9
+    job = wait_job(daemon, job_id)
+    assert job["state"] == "completed" and job["pauses"] == 1, job
+    assert [rec["step"] for rec in job["losses"]] == list(range(1, 17))
+    assert not ckpt.exists()                             # a completed job leaves no checkpoint
     a = load_adapter(Path(daemon.home) / "adapters" / "zorb.gguf")
     b = load_adapter(Path(daemon.home) / "adapters" / "zorb-resumed.gguf")
     assert list(a.tensors) == list(b.tensors)
@@ -171,24 +188,6 @@ def test_kill_9_mid_job_resumes_to_a_bit_identical_adapter(daemon, zorb):
             assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), n
     assert kiln(daemon.home, "adapters", "delete", "zorb-resumed").returncode == 0
     assert "zorb-resumed" not in [a["name"] for a in daemon.command("adapters.list")["adapters"]]
-
-
-def test_a_graceful_restart_checkpoints_pauses_and_resumes_bit_identically(daemon, zorb):
-    job_id = submit(daemon, "zorb-restarted")            # no periodic checkpoint before step 50
-    deadline = time.monotonic() + 300
-    while daemon.command("train.job", {"id": job_id})["step"] < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert kiln(daemon.home, "restart", "trainer").returncode == 0
-    job = wait_job(daemon, job_id)
-    # it was paused with a checkpoint (not killed: the trainer asks for the time to write it)
-    assert job["state"] == "completed" and job["pauses"] == 1 and job["paused_at_step"] >= 3, job
-    assert daemon.worker("trainer")["last_exit"]["code"] == 0
-    a = load_adapter(Path(daemon.home) / "adapters" / "zorb.gguf")
-    b = load_adapter(Path(daemon.home) / "adapters" / "zorb-restarted.gguf")
-    for n in a.tensors:
-        for x, y in zip(a.tensors[n], b.tensors[n]):
-            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), n
 
 
 def test_cancel_a_running_and_a_queued_job_and_delete(daemon):
