@@ -6,7 +6,7 @@ layers × 64 experts (4 used), n_embd 1024, expert FFN 1536, Q4_0: 2.7 GB of exp
 - **raw disk**: O_DIRECT reads of that file — 8 MiB sequential, and reads of one expert
   projection's size at random offsets with 1, 4 and 16 in flight; `raw_gb_s` is the best; the
   random reads into destinations spread over 1 GiB, as the cache's slots are (`raw_spread_gb_s`;
-  the others reuse a few buffers, which the CPU's cache keeps), and beside an in-RAM decode in
+  the others reuse a few buffers, which this VM fills faster), and beside an in-RAM decode in
   another process (`raw_beside_decode_gb_s`: what the disk gives while both vCPUs compute);
 - **in RAM**: the file memory-mapped and paged in; a warm-up, then the measured tokens — run
   again right before every other configuration, whose `vs_ram` is against that run (the

@@ -24,9 +24,11 @@ def raw_direct_reads(path: Path, read_bytes: int, seq_bytes: int = 1 << 30, chun
 
     `_spread`: the random reads 1 and 4 at a time again, each into a different 2 MiB of a 1 GiB
     region — as the expert cache's reads land all over its slots. The reads above reuse a few
-    buffers, which stay in the CPU's cache; on this VM (where a read is the host copying into
-    guest memory) that alone makes them ~25 % faster (4 buffers 2.26 GB/s, 16: 1.86, 64: 1.69,
-    192: 1.77, alternated). `raw_spread_gb_s` is the best of those, beside `raw_gb_s`, not in it.
+    buffers, and on this VM (where a read is the host copying into guest memory) that alone makes
+    them ~25 % faster (4 buffers 2.26 GB/s, 16: 1.86, 64: 1.69, 192: 1.77, alternated). It is not
+    the guest's CPU cache: touching a spread destination's every line or every page just before
+    its read does not help (2.17 / 2.57 GB/s against 2.49, 4 in flight, 8 rounds) — it is how the
+    host maps the guest's memory, out of the guest's reach. `raw_spread_gb_s` is the best of those, beside `raw_gb_s`, not in it.
 
     Then the same random reads into huge pages beside an in-RAM decode of the model in another
     process (`_beside_decode`): what the disk delivers while the two vCPUs compute, as they do
