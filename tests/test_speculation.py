@@ -54,7 +54,6 @@ def test_drafting_changes_no_token(default_model, kw):
 
 
 def test_a_prompt_prefilled_between_decode_steps_gives_the_same_tokens(default_model):
-    tok = default_model.tokenizer
     long_prompt = _chat(default_model, "Summarise: " + CODE * 4)
     short = _chat(default_model, "Count to twenty.")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
