@@ -78,6 +78,13 @@ class GGUFFile:
     data_offset: int
     file_size: int
     _map: np.memmap | None = field(default=None, repr=False)
+    private: Any = field(default=None, repr=False)     # PrivateWeights: tensors copied out of the mapping
+
+    def copy_to_private(self, names) -> None:
+        """Copy the tensors `names` into private memory in huge pages (native/private_weights.py);
+        raw() gives those from the copy from then on, the others from the mapping."""
+        from .private_weights import PrivateWeights
+        self.private = PrivateWeights(self, names)
 
     @property
     def architecture(self) -> str:
@@ -86,6 +93,8 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of tensor `name` as a zero-copy uint8 view into the file."""
         info = self.tensor(name)
+        if self.private is not None and name in self.private.arrays:
+            return self.private.arrays[name]
         if self._map is None:
             self._map = _mapping(self.path)
         return self._map[info.offset: info.offset + info.n_bytes]

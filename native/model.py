@@ -91,11 +91,27 @@ class Layer:
         return w
 
 
+WEIGHTS = ("mapped", "private")
+
+
+def check_weights(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights = {weights!r}: must be one of {', '.join(WEIGHTS)}")
+
+
 class Model:
-    def __init__(self, path: str | os.PathLike, *, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, weights: str = "mapped",
+                 keep_mapped=()):
+        """`weights`: "mapped" (views of the file's page cache) or "private" (copied into huge
+        pages, native/private_weights.py) — all tensors but `keep_mapped` (a streamed model's
+        experts, which the expert cache reads)."""
         t0 = time.perf_counter()
+        check_weights(weights)
         self.path = Path(path)
         self.gguf: GGUFFile = read_gguf(self.path)
+        if weights == "private":
+            keep = set(keep_mapped)
+            self.gguf.copy_to_private(n for n in self.gguf.tensors if n not in keep)
         self.config: ModelConfig = read_config(self.gguf)
         self.tokenizer = GGUFTokenizer(self.gguf)
         self.expert_provider = None    # an ExpertCache streams experts instead of the mapped file
@@ -446,6 +462,7 @@ class Model:
 
 
 def load_model(path: str | os.PathLike, **kw) -> Model:
+    check_weights(kw.get("weights", "mapped"))          # outside the try: the caller's mistake, not the file's
     try:
         return Model(path, **kw)
     except (OSError, ValueError) as e:  # memmap of a vanished file, reshape of a corrupt tensor

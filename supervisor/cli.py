@@ -124,7 +124,10 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
        stream: bool = typer.Option(False, "--stream", help="stream the model's MoE experts from disk (moe-stream worker)"),
        expert_cache: str = typer.Option("25%", "--expert-cache", help="expert cache size with --stream: 512MiB, 2GiB, "
                                         "% of RAM, or auto (the size `kiln models plan M --stream` measured; "
-                                        "measured now if it never was)")):
+                                        "measured now if it never was)"),
+       weights: Optional[str] = typer.Option(None, "--weights", help="with --model: mapped (default: the file's page "
+                                             "cache, shared) or private (copied into huge pages: faster decode "
+                                             "where the page cache holds 4 KiB pages)")):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from .client import daemon_pid
     from .daemon import Supervisor
@@ -133,10 +136,15 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     cli = {"server.host": host, "server.port": port}
     if stream and not model:
         fail("--stream needs --model", 2)
+    if weights is not None and not model:
+        fail("--weights needs --model (for configured workers, set weights in their settings)", 2)
+    if weights is not None and weights not in ("mapped", "private"):
+        fail(f"--weights {weights!r}: must be mapped or private", 2)
+    own = {"weights": weights} if weights is not None else {}
     if stream and expert_cache.strip().lower() == "auto":
         expert_cache = _tuned_expert_cache(paths.home, model)
-    workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache}}}
-               if stream else {"default": {"kind": "inference", "model": model},
+    workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache, **own}}}
+               if stream else {"default": {"kind": "inference", "model": model, "settings": own},
                                "trainer": {"kind": "trainer", "model": model},
                                "evaluator": {"kind": "evaluator"}}) if model else None
     cfg = _load_config(config, cli, workers)
@@ -148,7 +156,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         paths.ensure()
         args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
         for flag, val in (("--config", config), ("--host", host), ("--port", port), ("--model", model),
-                          ("--expert-cache", expert_cache if stream else None)):
+                          ("--expert-cache", expert_cache if stream else None), ("--weights", weights)):
             if val is not None:
                 args += [flag, str(val)]
         if stream:

@@ -74,6 +74,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "min_available": Field(str, "512MiB", "below this much available RAM, idle on-demand models are "
                                "unloaded (memory pressure); a size or a share of RAM"),
         "ctx": Field(int, 0, "context of an on-demand model (0: its plan's, at most 4096)", 0, 1 << 24),
+        "weights": Field(str, "mapped", "an on-demand model's weights: mapped (the file's page cache, shared) or "
+                         "private (copied into huge pages: faster decode where the page cache holds 4 KiB pages)",
+                         choices=("mapped", "private")),
     },
 }
 
@@ -97,6 +100,9 @@ _INFERENCE_SETTINGS = {
     "speculative": "check prompt-lookup or draft-model drafts (default true)",
     "draft_model": "a model with the same vocabulary that drafts tokens (path or library name)",
     "draft_min": "check at least this many draft tokens a step (default 0: as they pay)",
+    "weights": "mapped (default: the file's page cache, shared between processes) or private (copied "
+               "into huge pages: faster decode where the page cache holds 4 KiB pages; a moe-stream "
+               "worker copies all but its experts)",
 }
 KIND_SETTINGS: dict[str, dict[str, str]] = {
     "inference": _INFERENCE_SETTINGS,

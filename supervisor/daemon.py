@@ -83,7 +83,8 @@ def make_placer(table, m: dict, busy, record, state_file):
                   pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
                   plan=lambda path, ctx, parallel=None, draft=None: plan(path, ctx, available=budget, parallel=parallel,
                                                                   draft=draft),
-                  available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file)
+                  available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file,
+                  weights=m["weights"])
 
 
 class Supervisor:

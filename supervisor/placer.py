@@ -79,11 +79,12 @@ class Placer:
     def __init__(self, table: ProcessTable, *, budget: int, max_loaded: int, keep_alive: float | None,
                  pressure_bytes: int, busy: Callable[[str], int], record: Callable[..., None],
                  resolve: Callable[[str], Path], plan: Callable[..., dict],
-                 available: Callable[[], int], ctx: int | None = None, state_file: Path | None = None):
+                 available: Callable[[], int], ctx: int | None = None, state_file: Path | None = None,
+                 weights: str = "mapped"):
         self.table, self.budget, self.max_loaded, self.keep_alive = table, budget, max_loaded, keep_alive
         self.pressure_bytes, self.busy, self.record = pressure_bytes, busy, record
         self.resolve_path, self.plan, self.available, self.ctx = resolve, plan, available, ctx
-        self.state_file = state_file
+        self.state_file, self.weights = state_file, weights
         self.loaded: dict[str, Loaded] = {}
         now = table.clock.monotonic()
         for w in table:
@@ -193,6 +194,8 @@ class Placer:
             raise PlaceError("model_invalid", f"{path.name}: {e}") from None
         need = int(p["total_bytes"])
         kind, settings = "inference", {"ctx": p["context"]}
+        if self.weights != "mapped":
+            settings["weights"] = self.weights                       # [models] weights
         if p.get("verdict") == "streams":
             # the experts do not fit but the rest does: a moe-stream worker reads them from disk
             # into an expert cache of the planned size

@@ -35,6 +35,7 @@ def test_precedence_and_sources(tmp_path):
     ("[workers.a]\nkind = 'moe-stream'\nsettings = { expert_cahce = '25%' }\n", r"allowed — .*expert_cache: "),
     ("[workers.a]\nkind = 'evaluator'\nsettings = { parallel = 2 }\n", r"for kind 'evaluator'; allowed — none"),
     ("not toml at all [[[", r"not valid TOML"),
+    ("[models]\nweights = 'shared'\n", r"models.weights = 'shared' is not valid: must be one of 'mapped', 'private'"),
 ])
 def test_bad_files_name_the_key_and_what_is_allowed(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -55,6 +56,8 @@ def test_default_workers_serve_the_default_model():
 
 def test_a_custom_kind_gets_its_settings_unchecked_and_built_in_ones_known_settings(tmp_path):
     c = load_config(_file(tmp_path, "[workers.a]\nkind = 'mine'\nmodule = 'my.mod'\nsettings = { anything = 1 }\n"
-                                   "[workers.b]\nkind = 'moe-stream'\nsettings = { expert_cache = 'auto', ctx = 2048 }\n"),
+                                   "[workers.b]\nkind = 'moe-stream'\nsettings = { expert_cache = 'auto', ctx = 2048 }\n"
+                                   "[workers.c]\nkind = 'inference'\nsettings = { weights = 'private' }\n"),
                     env={})
     assert c.workers["a"]["settings"] == {"anything": 1} and c.workers["b"]["settings"]["ctx"] == 2048
+    assert c.workers["c"]["settings"] == {"weights": "private"}

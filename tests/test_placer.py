@@ -284,6 +284,16 @@ def test_a_model_whose_experts_do_not_fit_streams_them():
     assert r.placer.loaded["huge"].planned_bytes == 3 * GiB
 
 
+def test_models_weights_private_reaches_the_on_demand_workers_settings():
+    r = Rig()
+    r.ask("a", "small")
+    assert "weights" not in r.table["small"].spec["settings"]           # mapped: the worker's default
+    r = Rig()
+    r.placer.weights = "private"                                         # [models] weights = "private"
+    r.ask("a", "small")
+    assert r.table["small"].spec["settings"]["weights"] == "private"
+
+
 @pytest.mark.parametrize("text, seconds", [(300, 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("10s", 10.0),
                                            ("0", 0.0), (0, 0.0), (-1, None), ("-1", None), ("250ms", 0.25)])
 def test_keep_alive_durations(text, seconds):

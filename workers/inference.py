@@ -23,7 +23,7 @@ from kiln.native.scheduler import DEFAULT_PARALLEL, Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model
-from kiln.native.model import load_model
+from kiln.native.model import WEIGHTS, load_model
 from kiln.native.sampling import SamplingError, SamplingParams
 from kiln.native.tokenizer import TokenizerError
 
@@ -45,7 +45,11 @@ class InferenceWorker(Worker):
             threads = self.settings.get("threads") or None
             if threads:
                 kernels.set_threads(threads)
-            self.model = load_model(path, threads=threads)
+            weights = self.settings.get("weights", "mapped")
+            if weights not in WEIGHTS:
+                raise BootError(f"weights = {weights!r} is not valid: mapped (the default: the file's page cache, "
+                                f"shared between processes) or private (a copy in huge pages)")
+            self.model = load_model(path, threads=threads, weights=weights, keep_mapped=self.keep_mapped(path))
         except (ModelNotFound, PullError, GGUFError, TokenizerError) as e:
             raise BootError(str(e)) from None
         c = self.model.config
@@ -54,7 +58,8 @@ class InferenceWorker(Worker):
         draft = None
         if st.get("draft_model"):
             try:
-                draft = DraftModel(load_model(resolve_model(st["draft_model"]), threads=threads), self.model)
+                draft = DraftModel(load_model(resolve_model(st["draft_model"]), threads=threads, weights=weights),
+                                   self.model)
             except (ModelNotFound, PullError, GGUFError, TokenizerError, DraftModelError) as e:
                 raise BootError(f"draft_model {st['draft_model']!r}: {e}") from None
         self.scheduler = Scheduler(self.model, self.n_ctx, int(st.get("parallel") or DEFAULT_PARALLEL),
@@ -73,6 +78,10 @@ class InferenceWorker(Worker):
         self.adapters = AdapterRegistry(state_dir())
         self._loaded: dict[str, tuple[float, object]] = {}     # name -> (mtime, Adapter)
 
+    def keep_mapped(self, path) -> set[str]:
+        """Tensors left in the mapping with weights = "private" (none here; a moe-stream worker's experts)."""
+        return set()
+
     def status(self) -> dict:
         m = getattr(self, "model", None)
         if m is None:
@@ -80,6 +89,8 @@ class InferenceWorker(Worker):
         return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx,
                 "requests": self.served, "tokens_generated": self.tokens_out,
                 "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(), **self.scheduler.load(),
+                "weights": {"mode": "private", **m.gguf.private.stats()} if m.gguf.private is not None
+                else {"mode": "mapped"},
                 "kv_cache_bytes": sum(s.cache.nbytes for s in self.scheduler.seqs),
                 "kv_cache_tokens": sum(s.cache.n for s in self.scheduler.seqs)}
 

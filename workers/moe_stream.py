@@ -23,6 +23,7 @@ from kiln.native.expert_cache import ExpertCache
 from kiln.native.expert_memory import place, private_buffer, shared_buffer
 from kiln.native.expert_store import ExpertStore, expert_map
 from kiln.native.expert_warm import load_hot, save_hot
+from kiln.native.gguf_file import read_gguf
 
 from .inference import InferenceWorker
 from .runtime import BootError, main, state_dir
@@ -73,6 +74,10 @@ class MoEStreamWorker(InferenceWorker):
         experts = {s.name for s in expert_map(self.model.gguf).values()}
         self.non_expert_bytes = sum(t.n_bytes for n, t in self.model.gguf.tensors.items() if n not in experts)
         self.rss_after_boot = psutil.Process().memory_info().rss   # + tokenizer, template, mappings
+
+    def keep_mapped(self, path) -> set[str]:
+        """The experts stay in the mapping with weights = "private": the expert cache reads them."""
+        return {s.name for s in expert_map(read_gguf(path, skip_arrays=True)).values()}
 
     def _save_hot(self, force: bool = False) -> None:
         cache = self.cache
