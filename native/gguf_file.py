@@ -91,7 +91,8 @@ class GGUFFile:
         return str(self.metadata.get("general.architecture", ""))
 
     def raw(self, name: str) -> np.ndarray:
-        """The stored bytes of tensor `name` as a zero-copy uint8 view into the file."""
+        """The stored bytes of tensor `name` as a zero-copy uint8 view into the file (or into
+        the private copy, for the tensors `copy_to_private` took)."""
         info = self.tensor(name)
         if self.private is not None and name in self.private.arrays:
             return self.private.arrays[name]

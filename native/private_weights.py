@@ -2,19 +2,19 @@
 
 By default a model's weights are views of the memory-mapped GGUF file: nothing is read until a
 tensor is used, and every process that maps the file shares one copy, the page cache's. But the
-page cache decides the pages: ext4 kept a file in 4 KiB pages until Linux 6.16 (Debian 12 and
-13), and a decode step that touches weights spread over gigabytes — a mixture of experts picks a
-few of many — pays a TLB miss for each. A private copy asks for 2 MiB pages
-(`madvise(MADV_HUGEPAGE)`, which transparent huge pages give where they are `always` or `madvise`). Measured on this VM
+page cache decides the pages: ext4 kept a file in 4 KiB pages until Linux 6.16 (Debian 12 and 13),
+and a decode step that touches weights spread over gigabytes — a mixture of experts picks a few of
+many — pays a TLB miss for each. A private copy asks for 2 MiB pages (`madvise(MADV_HUGEPAGE)`,
+which transparent huge pages give where they are `always` or `madvise`). Measured on this VM
 (bench/private_weights.py: one process, blocks of 16 decode tokens alternating between the mapped
-and the private copy of the same model), the private copy decodes the bench's 2.7 GB MoE 1.19×
-as fast with the page cache in 4 KiB pages, 1.16× with the file read whole, and still 1.12× with
-the file mapped in 2 MiB pages (why, from inside the VM, I could not tell); SmolLM2-135M
-1.08–1.09×. The price: the copy is the process's own — two processes of the same
-model hold it twice — and it is read whole at load (at the disk's or the page cache's speed).
+and the private copy of the same model; medians of five runs), the private copy decodes the bench's
+2.7 GB MoE 1.15× as fast with the page cache in 4 KiB pages, 1.10× with the file read whole, and
+1.12× with the file mapped in 2 MiB pages (why, from inside the VM, I could not tell); a 100 MB
+model 1.01–1.05×. The price: the copy is the process's own — two processes of the same model hold
+it twice — and it is read whole at load (at the disk's or the page cache's speed).
 
-The copy reads through the page cache and then drops the pages it read (`POSIX_FADV_DONTNEED`:
-the kernel keeps those another process maps), so the model is in memory once.
+The copy reads through the page cache and then drops the pages it read (`POSIX_FADV_DONTNEED`: the
+kernel keeps those another process maps), so the model is in memory once.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class PrivateWeights:
         try:
             for t, dst in places:
                 _read_exactly(fd, view[dst: dst + t.n_bytes], t.offset, g.path, t.name)
-                self.arrays[t.name] = np.frombuffer(self.buffer, np.uint8, t.n_bytes, dst)
+                arr = self.arrays[t.name] = np.frombuffer(self.buffer, np.uint8, t.n_bytes, dst)
+                arr.flags.writeable = False      # as the read-only mapping's: a stray write raises
         finally:
             os.close(fd)
         self.seconds = time.perf_counter() - t0
