@@ -10,7 +10,8 @@ layers × 64 experts (4 used), n_embd 1024, expert FFN 1536, Q4_0: 2.7 GB of exp
   another process (`raw_beside_decode_gb_s`: what the disk gives while both vCPUs compute);
 - **in RAM**: the file memory-mapped and paged in; a warm-up, then the measured tokens — run
   again right before every other configuration, whose `vs_ram` is against that run (the
-  machine's speed drifts over minutes on shared vCPUs);
+  machine's speed drifts over minutes on shared vCPUs, and with the pages the page cache gave
+  the file: `file_pmd_mapped_bytes` says how much of it was mapped in 2 MiB pages);
 - **streamed** (O_DIRECT into the expert cache) for each policy × budget (% of the expert
   bytes): tok/s after the warm-up, hit rate, bytes read per token, read GB/s while reads were in
   flight (as a fraction of raw, of raw into spread destinations — both taken right before and
@@ -55,7 +56,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
-from moe_stream_disk import evict, raw_direct_reads, worker_env
+from moe_stream_disk import evict, file_pmd_mapped, raw_direct_reads, worker_env
 from moe_stream_report import acceptance, plot, replay_traces
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,7 +223,8 @@ def interleaved_vs_ram(spec: dict) -> dict:
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
             "stream_tok_s": round(1 / statistics.median(times["stream"]), 2),
             "in_ram_tok_s": round(1 / statistics.median(times["ram"]), 2),
-            "vs_ram": round(statistics.median(ratios), 3), "vs_ram_blocks": [round(x, 3) for x in ratios]}
+            "vs_ram": round(statistics.median(ratios), 3), "vs_ram_blocks": [round(x, 3) for x in ratios],
+            "file_pmd_mapped_bytes": file_pmd_mapped()}
 
 
 def run_one(spec: dict) -> dict:
@@ -258,6 +260,8 @@ def run_one(spec: dict) -> dict:
         out.update(slots=slots, io_mode=store.io_mode, memory=cache.placement.kind, huge_pages=cache.placement.huge_pages)
     tok_s, before, after = decode(model, prompt, spec["tokens"], spec["warmup"])
     out["tok_s"] = round(tok_s, 2)
+    if spec["mode"] == "ram":                             # the page cache's pages move this run's speed
+        out["file_pmd_mapped_bytes"] = file_pmd_mapped()
     if spec["mode"] == "stream":                          # what the kernel gave, not what was asked
         out["huge_page_bytes"], out["cache_bytes"] = cache.stats()["huge_page_bytes"], len(cache.buffer)
     if before is not None:

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_stream_disk import file_pmd_mapped  # noqa: E402
 
 
 def page_cache(path: Path, state: str) -> None:
@@ -46,11 +48,6 @@ def page_cache(path: Path, state: str) -> None:
         m.close()
     finally:
         os.close(fd)
-
-
-def file_pmd_mapped() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        return next((int(line.split()[1]) * 1024 for line in f if line.startswith("FilePmdMapped:")), 0)
 
 
 def compare(path: Path, state: str, rounds: int, block: int = 16) -> dict:
