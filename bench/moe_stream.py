@@ -188,7 +188,7 @@ def interleaved_vs_ram(spec: dict) -> dict:
     from kiln.native.model import load_model
     path = Path(spec["path"])
     pct = spec.get("budget_pct", 100)
-    model = load_model(path)
+    model = load_model(path, weights=spec.get("weights", "mapped"))     # private: the in-RAM side's too
     with open(path, "rb", buffering=0) as f:              # the in-RAM side reads the mapped file
         while f.read(64 << 20):
             pass
@@ -219,6 +219,7 @@ def interleaved_vs_ram(spec: dict) -> dict:
     cache.close()
     ratios = [r / s for s, r in zip(times["stream"], times["ram"])]
     return {"mode": "interleaved", "budget_pct": pct, "policy": cache.policy.name, "blocks": rounds,
+            "weights": spec.get("weights", "mapped"),
             "block_tokens": block,
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
             "stream_tok_s": round(1 / statistics.median(times["stream"]), 2),

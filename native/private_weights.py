@@ -9,9 +9,9 @@ which transparent huge pages give where they are `always` or `madvise`). Measure
 (bench/private_weights.py: one process, blocks of 16 decode tokens alternating between the mapped
 and the private copy of the same model; medians of five runs), the private copy decodes the bench's
 2.7 GB MoE 1.15× as fast with the page cache in 4 KiB pages, 1.10× with the file read whole, and
-1.12× with the file mapped in 2 MiB pages (why, from inside the VM, I could not tell); a 100 MB
-model 1.01–1.05×. The price: the copy is the process's own — two processes of the same model hold
-it twice — and it is read whole at load (at the disk's or the page cache's speed).
+1.06–1.12× with the file mapped in 2 MiB pages (why, from inside the VM, I could not tell); a 100
+MB model 1.01–1.05×. The price: the copy is the process's own — two processes of the same model
+hold it twice — and it is read whole at load (at the disk's or the page cache's speed).
 
 The copy reads through the page cache and then drops the pages it read (`POSIX_FADV_DONTNEED`: the
 kernel keeps those another process maps), so the model is in memory once.
