@@ -182,7 +182,8 @@ def interleaved_vs_ram(spec: dict) -> dict:
     At 100 % the cache holds every expert (the cost of the hit path alone); below, the cache of
     `budget_pct` is warmed by `warmup` streamed steps and keeps its state across the in-RAM
     blocks (it is not limited to a cgroup: its reads bypass the page cache, which holds the
-    whole file for the in-RAM side). Returns the median of the block ratios."""
+    whole file for the in-RAM side; `weights`: "private" copies the model's weights into huge
+    pages first, the in-RAM side's experts included). Returns the median of the block ratios."""
     from kiln.native.expert_cache import ExpertCache
     from kiln.native.expert_store import ExpertStore
     from kiln.native.model import load_model
