@@ -23,7 +23,8 @@ def _threads(m: dict) -> str:
 def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
     @app.command()
     def ps(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-        """Loaded models: worker, state, memory (RSS, planned), KV cache use, compute threads, expires-at."""
+        """Loaded models: worker, state, memory (RSS, planned), KV cache use, weights (mapped or private),
+        compute threads, expires-at."""
         out = command("ps")
         if as_json:
             typer.echo(json.dumps(out, indent=2))
@@ -32,7 +33,7 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
             typer.echo(f"default model: {out['active_model']} (kiln activate)")
         if out.get("budget_bytes") is not None:
             typer.echo(f"memory: {_mb(out['used_bytes'])} of a {_mb(out['budget_bytes'])} budget")
-        rows = [("MODEL", "WORKER", "STATE", "RSS", "PLANNED", "KV", "THREADS", "UNTIL")]
+        rows = [("MODEL", "WORKER", "STATE", "RSS", "PLANNED", "KV", "WEIGHTS", "THREADS", "UNTIL")]
         for m in out["models"]:
             until = "pinned" if m.get("pinned") else "forever" if m.get("expires_at") is None and \
                 m.get("keep_alive_s") is None else "-" if m.get("expires_at") is None else \
@@ -41,7 +42,7 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
                 until = "unloading"
             rows.append((str(m["model"]), m["worker"], m["state"] + (f"/{m['worker_state']}" if m.get("worker_state") else ""),
                          _mb(m.get("rss_bytes")), _mb(m.get("planned_bytes")), _mb(m.get("kv_cache_bytes")),
-                         _threads(m), until))
+                         m.get("weights") or "-", _threads(m), until))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -322,6 +322,7 @@ class Placer:
                         "rss_bytes": w.rss if w.pid else None, "planned_bytes": l.planned_bytes or None,
                         "kv_cache_bytes": st.get("kv_cache_bytes"), "kv_cache_tokens": st.get("kv_cache_tokens"),
                         "n_ctx": st.get("n_ctx"), "busy": self.busy(name),
+                        "weights": (st.get("weights") or {}).get("mode"),
                         "threads": st.get("threads"), "other_processes_cores": st.get("other_processes_cores"),
                         "keep_alive_s": l.keep_alive, "unloading": l.unloading,
                         "expires_at": None if l.expires_at is None else round(now_w + (l.expires_at - now_m), 3)})

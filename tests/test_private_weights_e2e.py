@@ -49,6 +49,8 @@ def test_kiln_up_with_private_weights_answers_as_the_mapped_engine(default_model
         assert weights["mode"] == "private" and weights["tensors"] == len(g.tensors)
         assert weights["bytes"] == sum(t.n_bytes for t in g.tensors.values())
         assert weights["huge_page_bytes"] is not None and weights["copy_seconds"] >= 0
+        assert [m["weights"] for m in d.command("ps")["models"]] == ["private"]
+        assert "private" in kiln(tmp_path, "ps").stdout.splitlines()[-1]
 
 
 def test_a_streamed_model_copies_all_but_its_experts(e8k2_path, tmp_path):
