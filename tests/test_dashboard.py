@@ -73,6 +73,7 @@ def test_the_page_lists_the_workers_running_without_errors(served, page):
     expect(table).to_be_visible()
     expect(page.locator("#conn")).to_have_text("live", timeout=15000)
     expect(page.locator('td[data-plan="smol"]')).to_contain_text("fits", timeout=15000)   # the plan verdict
+    expect(page.locator('td[data-weights="mapped"]').first).to_have_text("mapped", timeout=15000)
     SHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SHOTS / "dashboard.png"), full_page=True)
     for panel in ("workers-panel", "models-panel", "expert-panel", "train-panel", "eval-panel"):

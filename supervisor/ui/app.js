@@ -128,7 +128,8 @@ async function refreshModels() {
     if (l && l.pinned) btn.disabled = true;
     return el("tr", { "data-model": m.id }, el("th", { scope: "row" }, m.id), el("td", {}, l ? (l.worker_state || l.state) : "no"),
       el("td", {}, l ? l.worker : "–"), el("td", {}, mib(l && l.rss_bytes)), el("td", {}, mib(l && l.planned_bytes)),
-      el("td", {}, mib(l && l.kv_cache_bytes)), el("td", {}, until), planCell(m.id, !!l), el("td", {}, btn));
+      el("td", {}, mib(l && l.kv_cache_bytes)), el("td", { "data-weights": (l && l.weights) || "" }, (l && l.weights) || "–"),
+      el("td", {}, until), planCell(m.id, !!l), el("td", {}, btn));
   });
   $("#models tbody").replaceChildren(...rows);
   const pick = $("#model"), keep = pick.value;
