@@ -138,8 +138,9 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         fail("--stream needs --model", 2)
     if weights is not None and not model:
         fail("--weights needs --model (for configured workers, set weights in their settings)", 2)
-    if weights is not None and weights not in ("mapped", "private"):
-        fail(f"--weights {weights!r}: must be mapped or private", 2)
+    from .config import WEIGHTS
+    if weights is not None and weights not in WEIGHTS:
+        fail(f"--weights {weights!r}: must be {' or '.join(WEIGHTS)}", 2)
     own = {"weights": weights} if weights is not None else {}
     if stream and expert_cache.strip().lower() == "auto":
         expert_cache = _tuned_expert_cache(paths.home, model)

@@ -36,6 +36,9 @@ class Field:
         return f"a{'n' if self.type is int else ''} {self.type.__name__}{rng}"
 
 
+WEIGHTS = ("mapped", "private")   # a model worker's weights (kiln.native.model.WEIGHTS: the supervisor
+                                  # does not import the engine to read it; a test keeps them equal)
+
 SCHEMA: dict[str, dict[str, Field]] = {
     "server": {
         "host": Field(str, "127.0.0.1", "HTTP listen address"),
@@ -76,7 +79,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "ctx": Field(int, 0, "context of an on-demand model (0: its plan's, at most 4096)", 0, 1 << 24),
         "weights": Field(str, "mapped", "an on-demand model's weights: mapped (the file's page cache, shared) or "
                          "private (copied into huge pages: faster decode where the page cache holds 4 KiB pages)",
-                         choices=("mapped", "private")),
+                         choices=WEIGHTS),
     },
 }
 
