@@ -114,6 +114,19 @@ def _tuned_expert_cache(home, model: str) -> str:
     return f"{tuned['suggested_bytes'] // 2**20}MiB"
 
 
+def _already_up(paths, pid: int) -> None:
+    """`kiln up --detach` without options while the daemon runs: say where it is (exit 0), so
+    the README's first command can be run again. Options might differ from the running
+    daemon's, so `up` with any of them is still refused."""
+    from .client import ControlClient
+    try:
+        with ControlClient(paths, 5) as c:
+            http = c.command("status", timeout=5)["daemon"]["http"]
+    except Exception as e:  # noqa: BLE001 - running but not answering: say so, as a failure
+        fail(f"kiln is already running (pid {pid}) but does not answer ({e}); `kiln down` stops it")
+    typer.echo(f"kiln is already up (pid {pid}); http://{http[0]}:{http[1]}; log {paths.daemon_log}")
+
+
 @app.command()
 def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the background (pidfile + log file)"),
        config: Optional[str] = typer.Option(None, "--config", "-c", help="kiln.toml to use"),
@@ -151,6 +164,9 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:
+        if detach and not any((config, host, port, model, stream, weights)):
+            _already_up(paths, running)       # as `systemctl start`: the command's goal holds already
+            return
         fail(f"kiln is already running (pid {running}); `kiln down` stops it")
     _preflight(cfg)
     if detach:

@@ -36,8 +36,7 @@ def _pick_worker(client, model: Optional[str]) -> str:
     try:
         r = client.command("route", {"model": model} if model else {})
     except CommandFailed as e:
-        hint = "; `kiln models list` shows the library" if e.code == "model_not_found" else ""
-        fail(e.message + hint)
+        fail(e.message)                           # a model not found already names `kiln models list`
     if r["state"] == vocab.FATAL:
         fail(f"worker {r['worker']} is fatal: {r['reason']} (`kiln restart {r['worker']}` once fixed)")
     if not vocab.serving(r["state"], r["worker_state"]):

@@ -34,19 +34,20 @@ def bus(sup, name: str, args: dict | None = None):
         raise JSONError(e.status, e.code, e.message) from None
 
 
-def error_from(msg) -> JSONError:
+def error_from(msg, param: str = "messages") -> JSONError:
     """A router or worker `error` message as the HTTP error users read: the status from the
-    shared vocabulary, Retry-After only where retrying can help."""
+    shared vocabulary, Retry-After only where retrying can help. `param`: the request field a
+    too-long input came in (messages, prompt, input)."""
     code = msg.get("code") or "error"
     status = http_status(code)
     headers = None
     if msg.get("retry_after") is not None:
         headers = {"Retry-After": str(max(1, round(float(msg.get("retry_after")))))}
-    extra = {"param": "messages"} if code == "context_length_exceeded" else {}
+    extra = {"param": param} if code == "context_length_exceeded" else {}
     return JSONError(status, code, msg.get("message") or code, headers=headers, **extra)
 
 
-def routed(sup, op: str, body: dict, timeout: float = 600) -> dict:
+def routed(sup, op: str, body: dict, timeout: float = 600, param: str = "messages") -> dict:
     """One routed op (train.submit, eval.cancel, tokenize, …) through the router: its reply body,
     or its error as a JSONError."""
     call = sup.request(op, body, timeout)
@@ -56,5 +57,5 @@ def routed(sup, op: str, body: dict, timeout: float = 600) -> dict:
         call.cancel()
         raise JSONError(504, "timeout", f"{op} was not answered within {timeout:g} s") from None
     if msg.type == "error":
-        raise error_from(msg)
+        raise error_from(msg, param)
     return msg.body

@@ -238,7 +238,8 @@ class Ollama:
             raise JSONError(400, "model_invalid", str(e)) from None
         meta = {k: v for k, v in g.metadata.items() if not isinstance(v, (list, bytes)) and k != "tokenizer.chat_template"}
         template = g.metadata.get("tokenizer.chat_template") or ""
-        caps = ["completion"] + (["tools"] if "tools" in template or template else []) + \
+        # tools with any chat template: one that knows none gets them described (native/tool_calls.py)
+        caps = ["completion"] + (["tools"] if template else []) + \
             (["thinking"] if "<think>" in template else [])
         resp.media = {"modelfile": f"FROM {path}\n", "parameters": "", "template": template,
                       "details": _details(str(path)), "model_info": meta, "capabilities": caps,

@@ -187,7 +187,7 @@ class OpenAI:
         if a.first is None:
             raise JSONError(499, "client_closed", "the client closed the connection")
         if a.first.type == "error":
-            raise error_from(a.first)
+            raise error_from(a.first, _param(body))
         return a
 
     def _one(self, op: str, body: dict) -> dict:
@@ -291,7 +291,7 @@ class OpenAI:
                     lps_out = {"tokens": pieces, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
                 choices.append({"index": index, "text": prefix + text, "logprobs": lps_out, "finish_reason": reason})
         except WorkerGone as e:
-            raise error_from(e.msg) from None
+            raise error_from(e.msg, "prompt") from None
         resp.media = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
                       "model": body.get("model") or name, "choices": choices, "system_fingerprint": "kiln",
                       "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
@@ -335,7 +335,7 @@ class OpenAI:
             if final is None:
                 raise JSONError(499, "client_closed", "the client closed the connection")
         except WorkerGone as e:
-            raise error_from(e.msg) from None
+            raise error_from(e.msg, _param(work)) from None
         finally:
             answer.close()
         for f in final.get("choices", [final]):
@@ -353,7 +353,7 @@ class OpenAI:
                     yield from s.closing(msg.body.get("choices", [msg.body]), msg.body, include_usage)
             yield shapes.sse("[DONE]")
         except WorkerGone as e:
-            yield shapes.sse(error_from(e.msg).kiln_body)
+            yield shapes.sse(error_from(e.msg, "messages" if s.chat else "prompt").kiln_body)
             yield shapes.sse("[DONE]")
 
     def on_post_embeddings(self, req, resp):
@@ -364,7 +364,7 @@ class OpenAI:
         work = {"inputs": inputs, "worker": name, **adapter(body), **keep_alive(body)}
         if body.get("dimensions") is not None:
             work["dimensions"] = body["dimensions"]
-        out = routed(self.sup, "embed", work, 600)
+        out = routed(self.sup, "embed", work, 600, "input")
         req.context.usage = {"prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": 0}
         b64 = body.get("encoding_format") == "base64"
         data = [{"object": "embedding", "index": i,
@@ -403,6 +403,11 @@ class OpenAI:
         w = self.route({"model": req.get_param("model")} if req.get_param("model") else {})
         info = self._one("info", {"worker": w["worker"]})
         resp.media = {k: info[k] for k in ("bos_token", "eos_token", "chat_template", "vocab_size", "n_ctx")}
+
+
+def _param(work: dict) -> str:
+    """The request field a generation's input came in: chat messages, or a completion's prompt."""
+    return "messages" if "messages" in work else "prompt"
 
 
 def install(app: falcon.App, sup, metrics=None) -> "OpenAI":

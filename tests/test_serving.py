@@ -128,6 +128,17 @@ def test_bad_requests_get_openai_errors(served, body, status, code, param):
     assert worker(served)["state"] == "running"
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 10 ** 6}, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": "hi " * 9000, "max_tokens": 1}, "prompt"),
+    ("/v1/embeddings", {"model": "default", "input": "hi " * 9000}, "input"),
+])
+def test_too_long_inputs_name_the_field_they_came_in(served, path, body, param):
+    got, err, _ = post(served.http + path, body)
+    assert got == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert err["error"]["param"] == param and "context holds" in err["error"]["message"]
+
+
 def test_malformed_json_and_oversized_bodies(served):
     got, err, _ = post(served.http + "/v1/chat/completions", b"{nope", raw=True)
     assert got == 400 and err["error"]["code"] == "invalid_json"

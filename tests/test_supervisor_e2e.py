@@ -145,11 +145,17 @@ def test_sigkill_of_the_daemon_takes_the_workers_down_too(tmp_path):
         d2.stop()
 
 
-def test_second_up_is_refused_and_status_without_daemon_says_so(tmp_path):
+def test_second_up_is_refused_unless_plain_detach_and_status_without_daemon_says_so(tmp_path):
     with Daemon(tmp_path, {"a": spec()}) as d:
         r = kiln(tmp_path, "up", "--config", str(d.config))
         assert r.returncode == 1
         assert f"already running (pid {d.proc.pid})" in r.stderr
+        r = kiln(tmp_path, "up", "--detach", "--config", str(d.config))     # options may differ: refused
+        assert r.returncode == 1 and "already running" in r.stderr
+        r = kiln(tmp_path, "up", "--detach")                                # plain: its goal holds, exit 0
+        assert r.returncode == 0, r.stderr
+        assert f"already up (pid {d.proc.pid}); http://127.0.0.1:" in r.stdout
+        assert d.proc.poll() is None
     r = kiln(tmp_path, "status")
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0 and "kiln is not running" in r.stderr
