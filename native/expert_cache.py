@@ -67,7 +67,8 @@ class ExpertCache(ReadAhead, LayerRuns, WarmStart):
     def _geometry(self, g: GGUFFile, store: ExpertStore) -> None:
         self.map = expert_map(g)
         if not self.map:
-            raise ValueError(f"{g.path} has no expert tensors to stream")
+            raise ValueError(f"{g.path} has no expert tensors to stream: it is not a mixture-of-experts "
+                             f"model; serve it without streaming (kind = \"inference\", or no --stream)")
         page = mmap.PAGESIZE
         # the aligned span of any slice is at most ceil(n / align) + 1 alignment units
         self.part_bytes = {p: max((-(-s.nbytes // store.align) + 1) * store.align

@@ -157,6 +157,12 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     own = {"weights": weights} if weights is not None else {}
     if stream and expert_cache.strip().lower() == "auto":
         expert_cache = _tuned_expert_cache(paths.home, model)
+    elif stream:
+        from .segments import parse_size
+        try:
+            parse_size(expert_cache, 1)
+        except ValueError as e:
+            fail(f"--expert-cache: {e}", 2)
     workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache, **own}}}
                if stream else {"default": {"kind": "inference", "model": model, "settings": own},
                                "trainer": {"kind": "trainer", "model": model},
@@ -168,7 +174,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
             _already_up(paths, running)       # as `systemctl start`: the command's goal holds already
             return
         fail(f"kiln is already running (pid {running}); `kiln down` stops it")
-    _preflight(cfg)
+    _preflight(cfg, paths.home)
     if detach:
         paths.ensure()
         args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
@@ -229,13 +235,21 @@ def _log_to_file(paths) -> None:
         logging.getLogger().addHandler(h)
 
 
-def _preflight(cfg) -> None:
+def _preflight(cfg, home) -> None:
     """Refuse a model that cannot run here, with the plan's numbers, before starting anything;
-    route an MoE model whose experts do not fit (verdict `streams`) to a moe-stream worker."""
+    route an MoE model whose experts do not fit (verdict `streams`) to a moe-stream worker.
+    `kiln up --model M --stream`: M must be an MoE model whose expert cache can be sized."""
     from kiln.native.gguf_file import GGUFError
     from kiln.native.models.library import ModelNotFound, resolve_model
     from kiln.native.models.plan import plan
     for name, spec in cfg.workers.items():
+        if spec["kind"] == "moe-stream" and cfg.workers_source == "cli":
+            from .segments import size_cache
+            try:
+                size_cache(home, name, spec, lambda *a: None)
+            except (ModelNotFound, GGUFError, ValueError, OSError) as e:
+                fail(f"cannot stream {spec['model']}: {e}")
+            continue
         if spec["kind"] != "inference" or not spec.get("enabled", True):
             continue
         try:

@@ -61,6 +61,39 @@ def create(home: Path, worker: str, size: int) -> Path:
     return path
 
 
+def size_cache(home: Path, name: str, spec: dict, record) -> tuple[int, int]:
+    """(slots, bytes) of a moe-stream worker's expert cache, from its model and `expert_cache`
+    (`auto`: the size `kiln models plan M --stream` measured, or 25 % when it never was).
+    Raises ModelNotFound, GGUFError, ValueError (not a size; not an MoE model) or OSError."""
+    import psutil
+
+    from kiln.native.expert_cache import segment_bytes
+    from kiln.native.expert_store import ExpertStore
+    from kiln.native.gguf_file import read_gguf
+    from kiln.native.models.library import resolve_model
+    from kiln.native.models.tune import load_tuned
+
+    path = resolve_model(spec["model"])
+    size_text = (spec.get("settings") or {}).get("expert_cache", "25%")
+    if str(size_text).strip().lower() == "auto":
+        tuned = load_tuned(home, path)
+        if tuned is None:
+            size_text = "25%"
+            record("expert_cache_untuned", name,
+                   f"expert_cache = auto but {path.name} was never measured here: using 25% of RAM; "
+                   f"`kiln models plan {path} --stream` measures it")
+        else:
+            size_text = f"{tuned['suggested_bytes']}B"
+            record("expert_cache_tuned", name, f"expert_cache = auto: {tuned['suggested_bytes'] / 2**20:.0f} "
+                   f"MiB ({tuned['rule']}, measured {tuned['measured_at']})")
+    budget = parse_size(size_text, psutil.virtual_memory().total)
+    store = ExpertStore(path)
+    try:
+        return segment_bytes(read_gguf(path, skip_arrays=True), store, budget)
+    finally:
+        store.close()
+
+
 def make_for_workers(home: Path, table, record) -> list[Path]:
     """Expert caches for the moe-stream workers, sized from their model and budget (settings
     `cache_slots`, `cache_bytes`), and a segment for each whose cache lives in shared memory
@@ -68,14 +101,9 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
     worker's `cache_memory` (native/expert_memory.place): a worker whose cache will be private
     gets no segment — it would never be touched. A worker whose cache cannot be sized or whose
     segment cannot be made gets none and then fails at boot with a clear reason."""
-    import psutil
-
-    from kiln.native.expert_cache import segment_bytes
     from kiln.native.expert_memory import place
-    from kiln.native.expert_store import ExpertStore
-    from kiln.native.gguf_file import GGUFError, read_gguf
-    from kiln.native.models.library import ModelNotFound, resolve_model
-    from kiln.native.models.tune import load_tuned
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.models.library import ModelNotFound
 
     stale = remove_stale(home)
     if stale:
@@ -85,23 +113,7 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
         if w.kind != "moe-stream":
             continue
         try:
-            path = resolve_model(w.spec["model"])
-            size_text = w.spec["settings"].get("expert_cache", "25%")
-            if str(size_text).strip().lower() == "auto":
-                tuned = load_tuned(home, path)
-                if tuned is None:
-                    size_text = "25%"
-                    record("expert_cache_untuned", w.name,
-                           f"expert_cache = auto but {path.name} was never measured here: using 25% of RAM; "
-                           f"`kiln models plan {path} --stream` measures it")
-                else:
-                    size_text = f"{tuned['suggested_bytes']}B"
-                    record("expert_cache_tuned", w.name, f"expert_cache = auto: {tuned['suggested_bytes'] / 2**20:.0f} MiB "
-                           f"({tuned['rule']}, measured {tuned['measured_at']})")
-            budget = parse_size(size_text, psutil.virtual_memory().total)
-            store = ExpertStore(path)
-            slots, size = segment_bytes(read_gguf(path, skip_arrays=True), store, budget)
-            store.close()
+            slots, size = size_cache(home, w.name, w.spec, record)
         except (ModelNotFound, GGUFError, ValueError, OSError) as e:
             record("segment_failed", w.name, str(e))
             continue

@@ -191,6 +191,16 @@ def test_a_dense_model_is_refused_by_the_stream_worker(default_model_path, tmp_p
         assert "not a mixture-of-experts model" in w["reason"]
 
 
+def test_kiln_up_stream_refuses_a_dense_model_and_a_bad_cache_size_before_starting(default_model_path, tmp_path):
+    from daemon_harness import kiln
+    r = kiln(tmp_path, "up", "--model", str(default_model_path), "--stream")
+    assert r.returncode == 1 and "not a mixture-of-experts model" in r.stderr and "without streaming" in r.stderr
+    r = kiln(tmp_path, "up", "--model", str(default_model_path), "--stream", "--expert-cache", "5x")
+    assert r.returncode == 2 and "'5x' is not a size" in r.stderr
+    r = kiln(tmp_path, "status")                         # nothing was started
+    assert r.returncode == 1 and "not running" in r.stderr
+
+
 def test_kiln_up_streams_an_moe_model_whose_experts_do_not_fit(e8k2_path, tmp_path):
     from kiln.native.models.plan import plan
     p = plan(e8k2_path, ctx=2048)
