@@ -212,14 +212,18 @@ def score_prompt(model: Model, prompt: list[int], top: int = 0, chunk: int = PRE
     return {"token_logprobs": token_lp, "top_logprobs": tops}
 
 
-def embed(model: Model, prompt: list[int], chunk: int = PREFILL_CHUNK, adapter=None) -> np.ndarray:
+def embed(model: Model, prompt: list[int], chunk: int = PREFILL_CHUNK, adapter=None,
+          normalize: bool = True) -> np.ndarray:
     """The prompt's embedding: the mean of its final hidden states, L2-normalised — llama-server's
-    `--pooling mean` with its default normalisation. float32, (n_embd,)."""
+    `--pooling mean` with its default normalisation (`normalize=False`: the mean itself, as
+    Ollama's legacy /api/embeddings returns). float32, (n_embd,)."""
     cache = model.new_cache(len(prompt))
     total = np.zeros(model.config.n_embd, np.float64)
     for start in range(0, len(prompt), chunk):
         total += model.hidden(prompt[start:start + chunk], cache, adapter=adapter).sum(axis=0, dtype=np.float64)
     mean = total / len(prompt)
+    if not normalize:
+        return mean.astype(np.float32)
     norm = np.linalg.norm(mean)
     return (mean / norm if norm > 0 else mean).astype(np.float32)
 

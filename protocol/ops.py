@@ -32,7 +32,7 @@ SCHEMAS: dict[str, Schema] = {
                  "tools": (list, False), "tool_choice": ((str, dict), False), "parallel_tool_calls": (bool, False),
                  "response_format": (dict, False), "chat_template_kwargs": (dict, False),
                  "reasoning_effort": (str, False)},
-    "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False)},
+    "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
               "adapter": (str, False)},

@@ -1,4 +1,5 @@
-"""Ollama's API on Kiln's port: /api/version, tags, show, ps, chat, generate, embed, pull.
+"""Ollama's API on Kiln's port: /api/version, ps, chat, generate, embed, embeddings (the legacy
+one) here; tags, show, pull, delete, copy in supervisor/ollama_library.py.
 
 Each route translates an Ollama body into the work the OpenAI routes send (the same validation,
 the same router op) and the answer back into Ollama's shapes: NDJSON streaming by default
@@ -9,14 +10,15 @@ itself (HARDWARE_OPTIONS), which change where Ollama computes, never what.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from datetime import datetime, timezone
 
 import falcon
 
+from . import ollama_library
 from .http_common import JSONError, bus, routed
+from .ollama_library import details, file_digest, file_of, ndjson, ollama_name
 from .openai_api import WorkerGone, _Stream
 from .openai_validate import bad, messages as check_messages, sampling_params, tools as check_tools
 
@@ -38,10 +40,6 @@ def _now() -> str:
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
-
-
-def _name(stem: str) -> str:
-    return stem if ":" in stem else f"{stem}:latest"
 
 
 class Ollama:
@@ -170,17 +168,17 @@ class Ollama:
                         if msg.type == "chunk":
                             b = msg.body
                             if b.get("text") or b.get("reasoning") or b.get("tool_calls"):
-                                yield _line({"model": model, "created_at": _now(), **part(
+                                yield ndjson({"model": model, "created_at": _now(), **part(
                                     b.get("text", ""), b.get("reasoning", ""), b.get("tool_calls", ())), "done": False})
                         else:
                             f = msg.body
                             if f.get("text") or f.get("reasoning") or f.get("tool_calls"):
-                                yield _line({"model": model, "created_at": _now(), **part(
+                                yield ndjson({"model": model, "created_at": _now(), **part(
                                     f.get("text", ""), f.get("reasoning", ""), f.get("tool_calls", ())), "done": False})
-                            yield _line(closing(f))
+                            yield ndjson(closing(f))
                 except WorkerGone as e:
                     from .http_common import error_from
-                    yield _line({"error": error_from(e.msg).kiln_body["error"]["message"]})
+                    yield ndjson({"error": error_from(e.msg).kiln_body["error"]["message"]})
             resp.content_type = "application/x-ndjson"
             resp.stream = _Stream(lines(), answer)
             return
@@ -209,52 +207,16 @@ class Ollama:
     def on_get_version(self, req, resp):
         resp.media = {"version": VERSION}
 
-    def on_get_tags(self, req, resp):
-        out = []
-        for m in bus(self.sup, "library")["models"]:
-            out.append({"name": _name(m["name"]), "model": _name(m["name"]),
-                        "modified_at": datetime.fromtimestamp(m["modified"], timezone.utc).isoformat(),
-                        "size": m["size_bytes"], "digest": _digest(m["path"], m["size_bytes"], m["modified"]),
-                        "details": _details(m["path"])})
-        resp.media = {"models": out}
-
-    def on_post_show(self, req, resp):
-        body = self.api.read_json(req)
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad("model", "model is required")
-        from kiln.native.gguf_file import GGUFError, read_gguf
-        from kiln.native.models.library import ModelNotFound, resolve_model
-        from .placer import _stem
-        try:
-            try:
-                path = resolve_model(name)
-            except ModelNotFound:
-                path = resolve_model(_stem(name))
-            g = read_gguf(path, skip_arrays=True)
-        except ModelNotFound as e:
-            raise JSONError(404, "model_not_found", str(e)) from None
-        except GGUFError as e:
-            raise JSONError(400, "model_invalid", str(e)) from None
-        meta = {k: v for k, v in g.metadata.items() if not isinstance(v, (list, bytes)) and k != "tokenizer.chat_template"}
-        template = g.metadata.get("tokenizer.chat_template") or ""
-        # tools with any chat template: one that knows none gets them described (native/tool_calls.py)
-        caps = ["completion"] + (["tools"] if template else []) + \
-            (["thinking"] if "<think>" in template else [])
-        resp.media = {"modelfile": f"FROM {path}\n", "parameters": "", "template": template,
-                      "details": _details(str(path)), "model_info": meta, "capabilities": caps,
-                      "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()}
-
     def on_get_ps(self, req, resp):
         out = []
         for m in bus(self.sup, "ps")["models"]:
             exp = m.get("expires_at")
-            path = _file_of(m.get("path") or str(m["model"]))
+            path = file_of(m.get("path") or str(m["model"]))
             st = path.stat() if path else None
-            out.append({"name": _name(str(m["model"])), "model": _name(str(m["model"])),
+            out.append({"name": ollama_name(str(m["model"])), "model": ollama_name(str(m["model"])),
                         "size": m.get("rss_bytes") or m.get("planned_bytes") or 0, "size_vram": 0,
-                        "digest": _digest(str(path), st.st_size, st.st_mtime) if st else "",
-                        "details": _details(str(path) if path else ""),
+                        "digest": file_digest(str(path), st.st_size, st.st_mtime) if st else "",
+                        "details": details(str(path) if path else ""),
                         "expires_at": datetime.fromtimestamp(exp, timezone.utc).isoformat() if exp else
                         "9999-12-31T23:59:59Z", "context_length": m.get("n_ctx") or 0})
         resp.media = {"models": out}
@@ -303,6 +265,31 @@ class Ollama:
             work = {"messages": check_messages(oa), **check_tools(oa)}
         self._run(req, resp, body, work, "generate")
 
+    def _embed_options(self, body: dict, route: dict) -> None:
+        """Embeddings take no sampling: an option that would change a generation is refused by
+        name; num_ctx is checked against the worker's context, hardware ones are Kiln's to decide."""
+        opts = body.get("options") or {}
+        if not isinstance(opts, dict):
+            raise bad("options", "options must be an object", "invalid_type")
+        for k in opts:
+            if k not in HARDWARE_OPTIONS and k != "num_ctx":
+                raise bad(f"options.{k}", f"option {k!r} has no effect on embeddings (supported: num_ctx)")
+        self._check_ctx(body, route)
+
+    def _embed(self, req, body: dict, items: list[str], normalize: bool) -> tuple[list[list[float]], int]:
+        route = self._route(req, body)
+        self._embed_options(body, route)
+        work = {"inputs": items, "worker": route["worker"], "normalize": normalize}
+        if body.get("dimensions") is not None:
+            work["dimensions"] = body["dimensions"]
+        if body.get("keep_alive") is not None:
+            from .openai_validate import keep_alive
+            work.update(keep_alive(body))
+        import numpy as np
+        out = routed(self.sup, "embed", work, 600, "input")
+        req.context.usage = {"prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": 0}
+        return [np.frombuffer(v, "<f4").tolist() for v in out["embeddings"]], out["usage"]["prompt_tokens"]
+
     def on_post_embed(self, req, resp):
         body = self._body(req, {"model", "input", "truncate", "options", "keep_alive", "dimensions"})
         inp = body.get("input")
@@ -313,68 +300,23 @@ class Ollama:
             raise bad("truncate", "truncate is not supported: Kiln refuses an input longer than the context "
                       "instead of cutting it; set truncate: false")
         t0 = time.perf_counter()
-        route = self._route(req, body)
-        work = {"inputs": items, "worker": route["worker"]}
-        if body.get("dimensions") is not None:
-            work["dimensions"] = body["dimensions"]
-        if body.get("keep_alive") is not None:
-            from .openai_validate import keep_alive
-            work.update(keep_alive(body))
-        import numpy as np
-        out = routed(self.sup, "embed", work, 600)
-        resp.media = {"model": body["model"], "embeddings": [np.frombuffer(v, "<f4").tolist() for v in out["embeddings"]],
-                      "total_duration": _ns(time.perf_counter() - t0), "load_duration": 0,
-                      "prompt_eval_count": out["usage"]["prompt_tokens"]}
-        req.context.usage = {"prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": 0}
+        vectors, n = self._embed(req, body, items, normalize=True)
+        resp.media = {"model": body["model"], "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
+                      "load_duration": 0, "prompt_eval_count": n}
 
-    def on_post_pull(self, req, resp):
-        body = self.api.read_json(req)
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad("model", "model is required")
-        from kiln.native.models.library import ModelNotFound, PullError, pull_default, resolve_model
-        stream = body.get("stream", True)
-
-        def run(progress):
-            try:
-                return resolve_model(name)                  # already here
-            except ModelNotFound:
-                pass
-            if name in ("default", "default:latest"):
-                return pull_default(progress=lambda m: progress({"status": m}))
-            if name.startswith("hf:"):
-                from kiln.native.models.hub import pull_hf
-
-                def bar(done, total=None, *_):
-                    progress({"status": "downloading", "completed": done, "total": total})
-                return pull_hf(name, bar)
-            raise PullError(f"cannot pull {name!r}: Kiln pulls 'default' or hf:ORG/REPO[/FILE.gguf][@REV] "
-                            f"(there is no Ollama registry here)")
-
-        if not stream:
-            try:
-                run(lambda _: None)
-            except PullError as e:
-                raise JSONError(400, "bad_model", str(e)) from None
-            resp.media = {"status": "success"}
+    def on_post_embeddings(self, req, resp):
+        """The legacy route: one prompt, its embedding not normalised (as Ollama's); an empty
+        prompt loads the model and answers an empty embedding."""
+        body = self._body(req, {"model", "prompt", "options", "keep_alive"})
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt", "prompt must be a string", "invalid_type")
+        if not prompt:
+            self._embed_options(body, self._route(req, body))
+            resp.media = {"embedding": []}
             return
-
-        def lines():
-            events = []
-            try:
-                yield _line({"status": "pulling manifest"})
-                run(events.append)
-                for e in events:
-                    yield _line(e)
-                yield _line({"status": "success"})
-            except PullError as e:
-                yield _line({"error": str(e)})
-        resp.content_type = "application/x-ndjson"
-        resp.stream = lines()
-
-
-def _line(obj: dict) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+        vectors, _ = self._embed(req, body, [prompt], normalize=False)
+        resp.media = {"embedding": vectors[0]}
 
 
 def _args(arguments: str):
@@ -384,44 +326,8 @@ def _args(arguments: str):
         return arguments
 
 
-def _file_of(model: str):
-    """The file a loaded model runs from ('default', a library name or a path), or None."""
-    from kiln.native.models.library import ModelNotFound, resolve_model
-    try:
-        path = resolve_model(model)
-        return path if path.is_file() else None
-    except (ModelNotFound, OSError, ValueError):
-        return None
-
-
-def _digest(path: str, size: int, mtime: float) -> str:
-    """A stable id for a file version without hashing gigabytes on every list."""
-    return hashlib.sha256(f"{path}:{size}:{mtime}".encode()).hexdigest()
-
-
-def _details(path: str) -> dict:
-    from kiln.native.gguf_file import GGUFError, read_gguf
-    try:
-        g = read_gguf(path, skip_arrays=True)
-    except (GGUFError, OSError, ValueError):
-        return {"format": "gguf", "family": "", "families": [], "parameter_size": "", "quantization_level": ""}
-    arch = str(g.metadata.get("general.architecture", ""))
-    n = sum(t.n_elements for t in g.tensors.values())
-    types = {}
-    for t in g.tensors.values():
-        types[t.type.name] = types.get(t.type.name, 0) + t.n_elements
-    quant = max(types, key=types.get) if types else ""
-    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-    return {"format": "gguf", "family": arch, "families": [arch], "parameter_size": size, "quantization_level": quant}
-
-
 def install(app: falcon.App, sup, api) -> None:
     o = Ollama(sup, api)
-    app.add_route("/api/version", o, suffix="version")
-    app.add_route("/api/tags", o, suffix="tags")
-    app.add_route("/api/show", o, suffix="show")
-    app.add_route("/api/ps", o, suffix="ps")
-    app.add_route("/api/chat", o, suffix="chat")
-    app.add_route("/api/generate", o, suffix="generate")
-    app.add_route("/api/embed", o, suffix="embed")
-    app.add_route("/api/pull", o, suffix="pull")
+    for route in ("version", "ps", "chat", "generate", "embed", "embeddings"):
+        app.add_route(f"/api/{route}", o, suffix=route)
+    ollama_library.install(app, sup, api)

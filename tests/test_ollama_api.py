@@ -1,6 +1,7 @@
 """Ollama's API through a real daemon with the official `ollama` client: list, show, ps, chat
-(stream and not: the same text at temperature 0), generate, embed, format with a schema, tools,
-pull of a model already here, and errors in Ollama's shape."""
+(stream and not: the same text at temperature 0), generate, embed and the legacy embeddings,
+format with a schema, tools, pull of a model already here, copy and delete, and errors in
+Ollama's shape."""
 
 import json
 import urllib.error
@@ -68,6 +69,52 @@ def test_generate_and_embed(client):
     assert r.done and r.response.strip()
     e = client.embed(model="smol", input=["The cat sat.", "Markets fell."])
     assert len(e.embeddings) == 2 and len(e.embeddings[0]) == 576
+
+
+def test_legacy_embeddings_are_the_unnormalised_mean_of_embeds_direction(client):
+    import numpy as np
+    old = np.array(client.embeddings(model="smol", prompt="The cat sat.").embedding)
+    new = np.array(client.embed(model="smol", input="The cat sat.").embeddings[0])
+    assert old.shape == (576,) and abs(np.linalg.norm(new) - 1) < 1e-5
+    assert abs(np.linalg.norm(old) - 1) > 0.01                    # not normalised, as Ollama's legacy route
+    assert np.allclose(old / np.linalg.norm(old), new, atol=1e-5)
+    assert client.embeddings(model="smol", prompt="").embedding == []       # loads the model
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="smol", input="x", options={"temperature": 0.5})
+    assert e.value.status_code == 400 and "temperature" in e.value.error and "no effect" in e.value.error
+    client.embed(model="smol", input="x", options={"num_thread": 2, "num_ctx": 512})   # Kiln's to decide; fits
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embeddings(model="smol", prompt="x", options={"num_ctx": 10 ** 6})
+    assert e.value.status_code == 400 and "num_ctx" in e.value.error
+
+
+def test_copy_then_delete_and_what_is_refused(client, served):
+    import os
+    models = served.home / "models"
+    client.copy("smol", "smol-copy")
+    assert os.path.samefile(models / "smol-copy.gguf", models / "smol.gguf")      # a link, not a second copy
+    assert "smol-copy:latest" in [m.model for m in client.list().models]
+    r = client.generate(model="smol-copy", prompt="Say hello.", options={"temperature": 0, "num_predict": 4})
+    assert r.done
+    with pytest.raises(ollama.ResponseError) as e:
+        client.copy("smol", "smol-copy")
+    assert e.value.status_code == 400 and "exists" in e.value.error
+    # smol-copy now has a worker (the request above loaded it): deleting it is refused until unloaded
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("smol-copy")
+    assert e.value.status_code == 409 and "in use" in e.value.error
+    served.command("unload", {"model": "smol-copy"})
+    served.wait(lambda st: not any(w["name"] != "default" and w["pid"] for w in st["workers"]
+                                   if w["kind"] == "inference"), timeout=60, what="smol-copy unloaded")
+    client.delete("smol-copy")
+    assert not (models / "smol-copy.gguf").exists() and (models / "smol.gguf").exists()
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("smol-copy")
+    assert e.value.status_code == 404
+    for call in (lambda: client.create(model="x", from_="smol"), lambda: client.push("smol")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 501 and "Kiln" in e.value.error
 
 
 def test_format_schema_and_json(client):

@@ -245,9 +245,11 @@ class InferenceWorker(Worker):
 
     @op("embed")
     def embed(self, req):
-        """Embeddings of several inputs (texts or token ids): mean-pooled, normalised, float32
-        bytes each. One op for the whole batch; the model is taken between decode steps."""
+        """Embeddings of several inputs (texts or token ids): mean-pooled, normalised unless
+        `normalize` is false, float32 bytes each. One op for the whole batch; the model is taken
+        between decode steps."""
         n_embd = self.model.config.n_embd
+        normalize = req.body.get("normalize", True)            # a bool: protocol/ops.py checks it
         dims = req.body.get("dimensions")
         if dims is not None and dims != n_embd:
             raise OpError("bad_request", f"dimensions = {dims}: {self.model.path.stem} gives {n_embd}-dimensional "
@@ -267,7 +269,7 @@ class InferenceWorker(Worker):
             if req.cancelled():
                 raise OpError("cancelled", "the request was cancelled")
             with self.scheduler.model_lock:
-                vectors.append(embed(self.model, ids, adapter=adapter).tobytes())
+                vectors.append(embed(self.model, ids, adapter=adapter, normalize=normalize).tobytes())
         return {"embeddings": vectors, "dim": n_embd, "usage": {"prompt_tokens": sum(map(len, prompts))}}
 
     @op("tokenize")
