@@ -18,7 +18,7 @@ _COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "specul
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "response_format", "chat_template_kwargs", "reasoning_effort"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs"}
-EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "keep_alive"}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "keep_alive", "adapter"}
 # accepted and ignored: they change nothing a local server computes
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # OpenAI fields Kiln does not implement, and what to do instead

@@ -147,6 +147,14 @@ def test_adapters_load_unload_and_delete_refused_while_active(daemon, zorb):
     assert status == 404 and body["error"]["code"] == "adapter_not_found"
     status, body = http(daemon, "GET", "/v1/adapters")
     assert status == 200 and body["active"] is None and "zorb" in [a["name"] for a in body["data"]]
+    # embeddings take a request's adapter too: the LoRA moves the hidden states they pool
+    vec = {a: http(daemon, "POST", "/v1/embeddings", {"input": QUESTION, **({"adapter": a} if a is not None else {})})
+           for a in (None, "", "zorb")}
+    assert all(s == 200 for s, _ in vec.values()), vec
+    base, none, tuned = (np.array(b["data"][0]["embedding"]) for _, b in vec.values())
+    assert np.array_equal(base, none) and not np.allclose(base, tuned, atol=1e-3)
+    status, body = http(daemon, "POST", "/v1/embeddings", {"input": QUESTION, "adapter": "nope"})
+    assert status == 404 and body["error"]["code"] == "adapter_not_found"
 
 
 def test_a_graceful_restart_then_kill_9_in_one_job_resume_to_a_bit_identical_adapter(daemon, zorb):
