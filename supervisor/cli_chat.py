@@ -81,7 +81,24 @@ def _params(temperature, max_tokens, seed) -> dict:
     return p
 
 
-def run(prompt: str = typer.Argument(..., help="what to ask"),
+def piped_prompt(prompt: Optional[str], stdin=None, grace: float = 0.5) -> str:
+    """The question `kiln run` asks: text piped in on stdin first, then the argument — as
+    `cat notes.txt | ollama run M "Summarize"` does. With an argument, stdin is read only when
+    something arrives (or it ends) within `grace` seconds, so a script whose stdin is a pipe
+    nobody writes to does not hang; without one, stdin is the whole question."""
+    import select
+    stdin = sys.stdin if stdin is None else stdin
+    piped = ""
+    if stdin is not None and not stdin.closed and not stdin.isatty():
+        if prompt is None or select.select([stdin], [], [], grace)[0]:
+            piped = stdin.read().strip()
+    text = " ".join(t for t in (piped, (prompt or "").strip()) if t)
+    if not text:
+        fail("nothing to ask: give the question as an argument or pipe it in (`echo QUESTION | kiln run`)", 2)
+    return text
+
+
+def run(prompt: Optional[str] = typer.Argument(None, help="what to ask (text piped in on stdin comes before it)"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
         temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="sampling temperature (0: greedy; default: the server's)"),
         max_tokens: int = typer.Option(512, "--max-tokens", help="longest answer, in tokens"),
@@ -89,6 +106,7 @@ def run(prompt: str = typer.Argument(..., help="what to ask"),
         adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
                                                                        "default: the active one)")):
     """Ask one question and stream the answer (starts the daemon if needed)."""
+    prompt = piped_prompt(prompt)
     with _ensure_daemon(model) as client:
         worker = _pick_worker(client, model)
         try:

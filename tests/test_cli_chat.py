@@ -1,9 +1,57 @@
 """`kiln chat`'s slash commands on their own (fast tier): /help, /reset, /model, /adapter,
-/save, /exit, and an unknown command that is answered instead of sent to the model."""
+/save, /exit, and an unknown command that is answered instead of sent to the model; and the
+question `kiln run` asks when text is piped in, on real pipes and a pseudo-terminal."""
 
 import json
+import os
+import pty
 
-from kiln.supervisor.cli_chat import CHAT_HELP, ChatState
+import pytest
+import typer
+
+from kiln.supervisor.cli_chat import CHAT_HELP, ChatState, piped_prompt
+
+
+def _pipe(data: bytes | None):
+    """The read end of a pipe as a text file: `data` written and the pipe closed, or (None) a
+    pipe whose writer stays open and silent."""
+    r, w = os.pipe()
+    if data is not None:
+        os.write(w, data)
+        os.close(w)
+    return os.fdopen(r, "r"), w
+
+
+def test_piped_text_comes_before_the_argument_as_ollama_run_does():
+    stdin, _ = _pipe(b"The sky is blue.\n")
+    assert piped_prompt("Summarize.", stdin) == "The sky is blue. Summarize."
+    stdin, _ = _pipe(b"What is 2+2?\n")
+    assert piped_prompt(None, stdin) == "What is 2+2?"
+    stdin, _ = _pipe(b"")                                   # /dev/null-like: ended, nothing in it
+    assert piped_prompt("hi", stdin) == "hi"
+
+
+def test_a_silent_open_pipe_or_a_terminal_is_not_read_when_there_is_an_argument():
+    stdin, w = _pipe(None)
+    try:
+        assert piped_prompt("hi", stdin, grace=0.05) == "hi"
+    finally:
+        os.close(w)
+    leader, follower = pty.openpty()
+    tty = os.fdopen(follower, "r")
+    try:
+        os.write(leader, b"typed ahead\n")
+        assert piped_prompt("hi", tty) == "hi"
+    finally:
+        tty.close()
+        os.close(leader)
+
+
+def test_nothing_to_ask_is_a_usage_error():
+    stdin, _ = _pipe(b"  \n")
+    with pytest.raises(typer.Exit) as e:
+        piped_prompt(None, stdin)
+    assert e.value.exit_code == 2
 
 
 def test_help_reset_and_exit():
