@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import queue
+import os
 import time
 import uuid
 from typing import Iterator
@@ -201,19 +202,21 @@ class OpenAI:
     # -- routes --
 
     def on_get_models(self, req, resp):
-        data = []
-        for w in bus(self.sup, "status")["workers"]:
+        data, workers = [], bus(self.sup, "status")["workers"]
+        for w in workers:
             if w["kind"] not in ("inference", "moe-stream"):
                 continue
             data.append({"id": w["name"], "object": "model", "created": int(time.time()), "owned_by": "kiln",
                          "meta": {"model": (w["stats"] or {}).get("model") or w["model"], "state": w["state"],
                                   "worker_state": w["worker_state"], "n_ctx": (w["stats"] or {}).get("n_ctx"),
                                   "loaded": True}})
-        # the library: a request naming any of these loads it
+        # the library: a request naming any of these loads it (a file a worker serves, or is
+        # still loading, is listed once: as its worker)
         served = {d["id"] for d in data} | {str(d["meta"]["model"] or "").rsplit("/", 1)[-1].removesuffix(".gguf")
                                             for d in data}
+        files = {f for f in map(_served_file, workers) if f}
         for m in bus(self.sup, "library")["models"]:
-            if m["name"] not in served:
+            if m["name"] not in served and _real(m["path"]) not in files:
                 data.append({"id": m["name"], "object": "model", "created": int(m["modified"]), "owned_by": "kiln",
                              "meta": {"model": m["path"], "loaded": False, "size_bytes": m["size_bytes"]}})
         resp.media = {"object": "list", "data": data}
@@ -403,6 +406,26 @@ class OpenAI:
         w = self.route({"model": req.get_param("model")} if req.get_param("model") else {})
         info = self._one("info", {"worker": w["worker"]})
         resp.media = {k: info[k] for k in ("bos_token", "eos_token", "chat_template", "vocab_size", "n_ctx")}
+
+
+def _real(path: str) -> str:
+    """A path compared as the placer compares it: absolute, links not followed (two library
+    names linked to one file are two models, as their owner named them)."""
+    return os.path.abspath(path)
+
+
+def _served_file(w: dict) -> str | None:
+    """The file a model worker serves: from its stats once loaded, its spec's model before."""
+    if w["kind"] not in ("inference", "moe-stream"):
+        return None
+    path = (w["stats"] or {}).get("path")
+    if path:
+        return _real(path)
+    from kiln.native.models.library import ModelNotFound, resolve_model
+    try:
+        return _real(str(resolve_model(str(w["model"]))))
+    except (ModelNotFound, OSError, ValueError):
+        return None
 
 
 def _param(work: dict) -> str:

@@ -73,6 +73,7 @@ class Loaded:
     last_used: float                # monotonic
     expires_at: float | None = None  # monotonic; None: never
     unloading: str | None = None    # why, once it is being stopped
+    file: str | None = None         # the resolved file: a configured `model = "default"` is it too
 
 
 class Placer:
@@ -90,7 +91,7 @@ class Placer:
         for w in table:
             if w.kind in MODEL_KINDS:
                 self.loaded[w.name] = Loaded(w.name, Path(str(w.spec.get("model"))).stem, str(w.spec.get("model")),
-                                             0, True, None, now)
+                                             0, True, None, now, file=self._file(str(w.spec.get("model"))))
         self.active = self._read_active()
 
     # -- the default model ---------------------------------------------------------------------
@@ -121,10 +122,18 @@ class Placer:
             if l.unloading or name not in self.table:
                 continue
             w = self.table[name]
-            if model in (name, l.path, l.model) or want in (l.model.lower(), name.lower()) or \
+            if model in (name, l.path, l.model, l.file) or want in (l.model.lower(), name.lower()) or \
                     model == w.status.get("model"):
                 return w
         return None
+
+    def _file(self, model: str) -> str | None:
+        """A configured worker's file, resolved once: while it boots its status names no model,
+        and a request naming the file by stem or path must still find it, not start a twin."""
+        try:
+            return str(self.resolve_path(model))
+        except Exception:  # noqa: BLE001 - a bad path: the worker's own boot reports it
+            return None
 
     def _resolve(self, model: str) -> Path:
         from kiln.native.models.library import ModelNotFound
@@ -214,7 +223,8 @@ class Placer:
                 "settings": settings}
         w = self.table.add(name, spec)
         ka = self.keep_alive if keep_alive == "default" else keep_alive
-        self.loaded[name] = Loaded(name, path.stem, str(path), need, False, ka, self.table.clock.monotonic())
+        self.loaded[name] = Loaded(name, path.stem, str(path), need, False, ka, self.table.clock.monotonic(),
+                                   file=str(path))
         self.record("model_loading", name, f"{path.stem}{' (experts streamed)' if kind == 'moe-stream' else ''}: "
                                            f"planned {need / GiB:.2f} GiB; "
                                            f"{self.used_bytes() / GiB:.2f} of {self.budget / GiB:.2f} GiB in use")

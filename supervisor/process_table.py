@@ -53,7 +53,9 @@ class WorkerProcess:
 
     @property
     def worker_state(self) -> str | None:
-        return self.status.get("state")
+        """What the process last said it was doing; None once there is no process (its last
+        stats stay in `status`, its last state would be a lie: `stopped/loading`)."""
+        return self.status.get("state") if self.proc is not None else None
 
     def can_serve(self) -> bool:
         """Hello received and not loading: a request sent now is answered by this process."""

@@ -103,6 +103,21 @@ def test_a_second_model_loads_beside_a_running_stream_then_unloads(default_model
         assert "model_unloaded" in events
 
 
+def test_a_configured_worker_named_by_alias_lists_its_file_once_and_is_what_its_stem_routes_to(
+        default_model_path, tmp_path):
+    """`model = "default"` names the library's SmolLM2 file: /v1/models lists that file once (as
+    the worker) even before the worker has loaded it, and a request naming the file by its stem
+    goes to that worker (stopped here: the error says so) instead of loading a twin."""
+    library(tmp_path, default_model_path, default_model_path.stem)
+    with Daemon(tmp_path, {"default": {"kind": "inference", "model": "default", "enabled": False}}) as d:
+        models = json.loads(urllib.request.urlopen(d.http + "/v1/models", timeout=30).read())["data"]
+        assert [m["id"] for m in models] == ["default"], models
+        status, r = post(d, "/v1/chat/completions", {"model": default_model_path.stem, "messages": ASK,
+                                                      "max_tokens": 2})
+        assert status == 503 and "worker default is stopped" in r["error"]["message"], r
+        assert [w["name"] for w in d.status()["workers"]] == ["default"]        # no twin was placed
+
+
 @pytest.fixture
 def budget_daemon(default_model_path, tmp_path):
     """No model configured; a budget for one model at a time."""

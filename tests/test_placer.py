@@ -49,6 +49,9 @@ class Rig:
 
     @staticmethod
     def _resolve(model: str) -> Path:
+        model = {"default": "small"}.get(model, model)               # as `model = "default"` names a file
+        if model.startswith("/models/"):
+            model = Path(model).stem
         if model not in LIBRARY:
             raise ModelNotFound(f"model {model!r} not found")
         return Path(f"/models/{model}.gguf")
@@ -92,6 +95,17 @@ def test_a_request_naming_a_library_model_loads_it_and_is_served():
     assert r.got["c1"][-1].type == "reply"
     r.ask("c2", "small")                                             # the same worker again
     assert len(r.spawner.spawned) == 1
+
+
+def test_a_request_naming_a_booting_configured_workers_file_waits_for_it_instead_of_loading_a_twin():
+    r = Rig(workers={"default": {"kind": "inference", "model": "default"}})
+    r.table.apply(r.table["default"], policy.Start(manual=False))     # spawned; no hello, no status yet
+    for cid, name in (("c1", "small"), ("c2", "/models/small.gguf"), ("c3", "small:latest")):
+        r.ask(cid, name)
+    assert len(r.spawner.spawned) == 1 and r.loaded() == ["default"]
+    r.hello_all()
+    r.tick()
+    assert sorted(w for w, m in r.sent if m.type == "request") == ["default"] * 3
 
 
 def test_an_unknown_model_is_404_with_the_reason():

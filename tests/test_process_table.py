@@ -108,6 +108,12 @@ def test_heartbeats_keep_it_alive_and_their_state_makes_it_ready():
     assert r.w.ps.state == "running" and not r.w.can_serve()
     r.table.on_heartbeat(r.w, {"state": "ready"})
     assert r.ready == ["w"] and r.w.can_serve()
+    r.table.on_heartbeat(r.w, {"state": "loading", "model": "m"})
+    r.table.apply(r.w, policy.Stop())
+    r.tick(0.0)
+    assert r.w.ps.state == "stopped"
+    d = r.w.describe(r.clock.time())          # no process: no state of its own, its last stats kept
+    assert d["worker_state"] is None and d["stats"] == {"model": "m"}
 
 
 def test_stop_sends_shutdown_then_sigterm_and_sigkill_after_graceful_timeout():
