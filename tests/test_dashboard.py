@@ -64,6 +64,15 @@ def shot(page, panel: str):
     page.locator(f"#{panel}").screenshot(path=str(SHOTS / f"{panel}.png"))
 
 
+def assert_no_panel_scrolls(page):
+    """Every panel's content fits its width at 1400 px: a table wider than its panel hides its
+    last columns (the models table's Actions were cut off once)."""
+    over = page.evaluate("""() => [...document.querySelectorAll('main > section')]
+        .filter((s) => !s.hidden && s.scrollWidth > s.clientWidth + 1)
+        .map((s) => `${s.id}: ${s.scrollWidth} > ${s.clientWidth}`)""")
+    assert not over, over
+
+
 def test_the_page_lists_the_workers_running_without_errors(served, page):
     page.goto(served.http + "/")                     # / redirects to /ui
     assert page.url.endswith("/ui")
@@ -74,6 +83,7 @@ def test_the_page_lists_the_workers_running_without_errors(served, page):
     expect(page.locator("#conn")).to_have_text("live", timeout=15000)
     expect(page.locator('td[data-plan="smol"]')).to_contain_text("fits", timeout=15000)   # the plan verdict
     expect(page.locator('td[data-weights="mapped"]').first).to_have_text("mapped", timeout=15000)
+    assert_no_panel_scrolls(page)
     SHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SHOTS / "dashboard.png"), full_page=True)
     for panel in ("workers-panel", "models-panel", "expert-panel", "train-panel", "eval-panel"):
@@ -156,6 +166,7 @@ def test_the_expert_cache_panel_shows_a_streaming_workers_cache(e8k2_path, tmp_p
         expect(cells.nth(2)).to_contain_text("%", timeout=15000)             # a hit rate, not "–"
         assert cache["read_queue_depth"] >= 1                               # the disk's queue while reading
         expect(cells.nth(6)).to_have_attribute("title", re.compile(r"^\d+(\.\d+)? reads in flight on average while reading$"))
+        assert_no_panel_scrolls(pg)
         SHOTS.mkdir(exist_ok=True)
         pg.locator("#expert-panel").screenshot(path=str(SHOTS / "expert-panel-streaming.png"))
         pg.close()
