@@ -5,6 +5,8 @@ function call and its output sent back, a JSON schema, max_output_tokens as `inc
 every refused field named."""
 
 import json
+import os
+import signal
 
 import jsonschema
 import openai
@@ -30,6 +32,7 @@ def served(default_model_path, tmp_path_factory):
 
 @pytest.fixture
 def client(served):
+    served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=90, what="model ready")
     return openai.OpenAI(base_url=served.http + "/v1", api_key="unused", timeout=120)
 
 
@@ -132,3 +135,17 @@ def test_refused_fields_are_named(served, body, param, words):
     status, err = http_json(served, "POST", "/v1/responses", {"model": "default", **body})
     assert status == 400, err
     assert err["error"]["param"] == param and words in err["error"]["message"], err
+
+
+def test_a_worker_killed_mid_stream_ends_it_with_response_failed(client, served):
+    pid = served.worker("default")["pid"]
+    events = []
+    for e in client.responses.create(model="default", input="Write a long story.", max_output_tokens=400,
+                                     temperature=0, stream=True):
+        events.append(e)
+        if len(events) == 8:
+            os.kill(pid, signal.SIGKILL)
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed", [e.type for e in events[-3:]]
+    assert last.response.error.code and last.response.error.message
+    assert not any(e.type == "response.completed" for e in events)
