@@ -40,6 +40,7 @@ class Finish:
     index: int = 0
     drafted: int = 0                            # speculative draft tokens checked
     accepted: int = 0                           # … and kept
+    stop_string: str | None = None              # the stop string that ended it, if one did
 
 
 class ContextLengthError(ValueError):
@@ -82,6 +83,7 @@ class Generation:
         self.pending = ""          # decoded text not yet released (may start a stop string)
         self.n_out = 0
         self.reason: str | None = None
+        self.stop_string: str | None = None
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
         self.drafted = self.accepted = 0        # speculative decoding (native/speculate.py)
@@ -114,7 +116,7 @@ class Generation:
         self.pending += self.decoder.feed(tid)
         hit = min(((self.pending.find(s), s) for s in p.stop if s in self.pending), default=None)
         if hit is not None:
-            text, self.pending, self.reason = self.pending[:hit[0]], "", "stop"
+            text, self.pending, self.reason, self.stop_string = self.pending[:hit[0]], "", "stop", hit[1]
             return Token(tid, text, lp, top, self.index)
         release = len(self.pending) - _stop_hold(self.pending, p.stop)
         text, self.pending = self.pending[:release], self.pending[release:]
@@ -131,7 +133,7 @@ class Generation:
         now = time.perf_counter()
         first = self.t_first or now
         return Finish(self.reason, self.n_prompt, self.n_out, self.cached, tail, first - self.t_start, now - first,
-                      self.index, self.drafted, self.accepted)
+                      self.index, self.drafted, self.accepted, self.stop_string)
 
 
 class Sequence:

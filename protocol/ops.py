@@ -46,7 +46,10 @@ SCHEMAS: dict[str, Schema] = {
                      "model": (str, False)},
     "job_cancel": {"id": (str, True)},
     "detokenize": {"tokens": (list, True)},
-    "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False)},
+    # with tools (or template kwargs) the prompt is the one generate would run: chat_plan's
+    "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False), "tools": (list, False),
+                       "tool_choice": ((str, dict), False), "parallel_tool_calls": (bool, False),
+                       "chat_template_kwargs": (dict, False), "reasoning_effort": (str, False)},
     "info": {},
 }
 

@@ -13,7 +13,7 @@ import threading
 import falcon
 import waitress
 
-from . import eval_api, observe, ollama_api, openai_api, openai_responses, train_api, ui_app
+from . import anthropic_api, eval_api, observe, ollama_api, openai_api, openai_responses, train_api, ui_app
 from .http_common import JSONError, bus, error_body
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
@@ -29,6 +29,8 @@ def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
         body = error_body(status, code, message)
     if req.path.startswith("/api/"):             # Ollama's routes answer in Ollama's shape
         body = {"error": body["error"]["message"]}
+    elif req.path.startswith("/v1/messages"):    # Anthropic's, in Anthropic's
+        body = anthropic_api.error_shape(exc.status_code, body["error"]["message"])
     resp.content_type = falcon.MEDIA_JSON
     resp.text = json.dumps(body)
 
@@ -47,9 +49,10 @@ class Auth:
                 or req.method == "OPTIONS":           # a CORS preflight carries no credentials
             return
         got = req.get_header("Authorization") or ""
-        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):
-            raise JSONError(401, "invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                            headers={"WWW-Authenticate": "Bearer"})
+        key = got[7:].strip() if got.startswith("Bearer ") else req.get_header("x-api-key")   # Anthropic's clients
+        if not (key and hmac.compare_digest(key.encode(), self.key.encode())):
+            raise JSONError(401, "invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                            "(or 'x-api-key: <key>')", headers={"WWW-Authenticate": "Bearer"})
 
 
 class Health:
@@ -129,6 +132,7 @@ def make_app(sup) -> falcon.App:
     api = openai_api.install(app, sup, metrics)
     ollama_api.install(app, sup, api)
     openai_responses.install(app, sup, api)
+    anthropic_api.install(app, sup, api)
     ui_app.install(app, sup)
     train_api.install(app, sup, api.read_json)
     eval_api.install(app, sup, api.read_json)

@@ -1,5 +1,6 @@
-"""OpenAI-style bodies checked on their own (fast tier): the chat validators name the field at
-fault, and a Responses API request becomes the chat body /v1/chat/completions would take."""
+"""Request bodies checked on their own (fast tier): the chat validators name the field at fault,
+and a Responses API or an Anthropic Messages request becomes the chat body
+/v1/chat/completions would take."""
 
 import pytest
 
@@ -51,3 +52,38 @@ def test_responses_input_items_become_chat_messages():
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
                                                                              "strict": None}}
     assert chat_body({"input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_anthropic_blocks_become_chat_messages():
+    from kiln.supervisor import anthropic_api
+    body = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "be brief",
+                                                       "cache_control": {"type": "ephemeral"}}],
+            "stop_sequences": ["END"], "thinking": {"type": "enabled", "budget_tokens": 100},
+            "output_config": {"effort": "max"}, "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+            "metadata": {"user_id": "u"}, "messages": [
+                {"role": "user", "content": "call f"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                                  {"type": "text", "text": "Calling."},
+                                                  {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom",
+                                              "is_error": True},
+                                             {"type": "text", "text": "and now?"}]}]}
+    chat = anthropic_api.chat_body(body)
+    assert chat["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": "Calling.", "tool_calls": [                  # thinking dropped
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"},             # the result, then the text
+        {"role": "user", "content": "and now?"}]
+    assert messages(chat) == chat["messages"]
+    assert chat["max_tokens"] == 9 and chat["stop"] == ["END"] and chat["reasoning_effort"] == "high"
+    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chat["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
+                                                               "description": "d"}}]
+    only_results = anthropic_api.chat_body({"max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": [{"type": "text",
+                                                                                            "text": "ok"}]}]}]})
+    assert only_results["messages"] == [{"role": "tool", "tool_call_id": "x", "content": "ok"}]   # no empty user turn

@@ -219,6 +219,8 @@ class InferenceWorker(Worker):
                            "cached_tokens": ev.cached_tokens, "draft_tokens": ev.drafted,
                            "accepted_tokens": ev.accepted},
                  "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
+        if ev.stop_string is not None:
+            final["stop_string"] = ev.stop_string
         if output is not None:
             final.update(_wire(output.finish(ev.text)))
             final.setdefault("text", "")
@@ -289,6 +291,9 @@ class InferenceWorker(Worker):
     def apply_template(self, req):
         if self.template is None:
             raise OpError("bad_request", f"model {self.model.path.name} has no chat template")
+        if any(k in req.body for k in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_effort")):
+            ids = self._plan(req.body).prompt             # exactly the prompt generate would run
+            return {"prompt": self.model.tokenizer.decode(ids), "tokens": ids}
         try:
             text, ids = render_and_tokenize(self.template, self.model.tokenizer, req.body["messages"],
                                             req.body.get("add_generation_prompt", True))
