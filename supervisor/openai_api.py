@@ -202,6 +202,17 @@ class OpenAI:
     # -- routes --
 
     def on_get_models(self, req, resp):
+        resp.media = {"object": "list", "data": self._models()}
+
+    def on_get_model(self, req, resp, model):
+        """One model of the list (`client.models.retrieve`): a served model or a library one."""
+        found = next((m for m in self._models() if m["id"] == model), None)
+        if found is None:
+            raise JSONError(404, "model_not_found", f"model {model!r} is neither served nor in the library "
+                            f"(GET /v1/models lists them)")
+        resp.media = found
+
+    def _models(self) -> list[dict]:
         data, workers = [], bus(self.sup, "status")["workers"]
         for w in workers:
             if w["kind"] not in ("inference", "moe-stream"):
@@ -219,7 +230,7 @@ class OpenAI:
             if m["name"] not in served and _real(m["path"]) not in files:
                 data.append({"id": m["name"], "object": "model", "created": int(m["modified"]), "owned_by": "kiln",
                              "meta": {"model": m["path"], "loaded": False, "size_bytes": m["size_bytes"]}})
-        resp.media = {"object": "list", "data": data}
+        return data
 
     def on_post_chat(self, req, resp):
         body = self.read_json(req)
@@ -436,6 +447,7 @@ def _param(work: dict) -> str:
 def install(app: falcon.App, sup, metrics=None) -> "OpenAI":
     api = OpenAI(sup, metrics)
     app.add_route("/v1/models", api, suffix="models")
+    app.add_route("/v1/models/{model}", api, suffix="model")
     app.add_route("/v1/chat/completions", api, suffix="chat")
     app.add_route("/v1/completions", api, suffix="completions")
     app.add_route("/v1/embeddings", api, suffix="embeddings")

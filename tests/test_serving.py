@@ -303,6 +303,12 @@ def test_eight_concurrent_clients_match_their_solo_runs(client):
 def test_models_and_health_routes(served, client):
     ids = [m.id for m in client.models.list().data]
     assert ids == ["default"]
+    one = client.models.retrieve("default")
+    assert one.id == "default" and one.model_dump() == client.models.list().data[0].model_dump() | {
+        "created": one.created}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert "GET /v1/models" in str(e.value)
     status, body, _ = post(served.http + "/v1/chat/completions", {"model": "default", "messages": QUESTION,
                                                                   "max_tokens": 1})
     assert status == 200
