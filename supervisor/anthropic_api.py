@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from .http_common import JSONError, error_from, routed
 from .openai_api import Answer, WorkerGone, _Stream
-from .openai_validate import adapter, bad, keep_alive, known_fields, messages, sampling_params, tools as check_tools
+from .openai_validate import adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
           "tools", "tool_choice", "thinking", "output_config", "speed", "adapter", "keep_alive"}
@@ -180,17 +180,10 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
-def _checked_tools(chat: dict) -> dict:
-    try:
-        return check_tools(chat)
-    except JSONError as e:        # name the Messages API field, not the chat one it became
-        err = e.kiln_body["error"]
-        param, message = str(err.get("param") or ""), err["message"]
-        for chat_name, name in ((".function.parameters", ".input_schema"), (".function.", "."),
-                                ("response_format.json_schema.schema", "output_config.format.schema"),
-                                ("reasoning_effort", "output_config.effort")):
-            param, message = param.replace(chat_name, name), message.replace(chat_name, name)
-        raise bad(param, message, err.get("code") or "invalid_value") from None
+# a chat field's name -> the Messages API field it came from, for the errors users read
+_RENAMES = ((".function.parameters", ".input_schema"), (".function.", "."),
+            ("response_format.json_schema.schema", "output_config.format.schema"),
+            ("reasoning_effort", "output_config.effort"))
 
 
 def _stop_reason(final: dict) -> tuple[str, str | None]:
@@ -225,7 +218,7 @@ class Messages:
 
     def _work(self, req, body: dict) -> tuple[dict, dict]:
         chat = chat_body(body)
-        work = {"messages": messages(chat), **_checked_tools(chat), **adapter(chat), **keep_alive(chat)}
+        work = {"messages": messages(chat), **tools_named(chat, _RENAMES), **adapter(chat), **keep_alive(chat)}
         return chat, work
 
     def on_post(self, req, resp):

@@ -16,8 +16,7 @@ from typing import Any, Iterator
 
 from .http_common import JSONError, error_from
 from .openai_api import Answer, WorkerGone, _Stream
-from .openai_validate import (IGNORED, adapter, bad, keep_alive, known_fields, messages, sampling_params,
-                              tools as check_tools)
+from .openai_validate import IGNORED, adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "stream", "temperature",
           "top_p", "max_output_tokens", "text", "reasoning", "store", "truncation", "adapter", "keep_alive"} | IGNORED
@@ -162,7 +161,7 @@ class Responses:
         body = self.api.read_json(req)
         chat = chat_body(body)
         msgs = messages(chat)
-        work = {"messages": msgs, **_checked_tools(chat), **adapter(chat), **keep_alive(chat)}
+        work = {"messages": msgs, **tools_named(chat, _RENAMES), **adapter(chat), **keep_alive(chat)}
         params = sampling_params(chat)
         stream = chat.get("stream", False)
         if not isinstance(stream, bool):
@@ -212,19 +211,8 @@ class Responses:
 
 
 # a chat field's name -> the Responses field it came from, for the errors users read
-_FIELD_NAMES = ((".function.", "."), ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-                ("reasoning_effort", "reasoning.effort"))
-
-
-def _checked_tools(chat: dict) -> dict:
-    try:
-        return check_tools(chat)
-    except JSONError as e:
-        err = e.kiln_body["error"]
-        param, message = str(err.get("param") or ""), err["message"]
-        for chat_name, name in _FIELD_NAMES:
-            param, message = param.replace(chat_name, name), message.replace(chat_name, name)
-        raise bad(param, message, err.get("code") or "invalid_value") from None
+_RENAMES = ((".function.", "."), ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+            ("reasoning_effort", "reasoning.effort"))
 
 
 class Output:

@@ -195,6 +195,19 @@ def tools(body: dict) -> dict:
     return out
 
 
+def tools_named(body: dict, renames: tuple[tuple[str, str], ...]) -> dict:
+    """`tools(body)` for a chat body translated from another API: a refusal names that API's
+    field (`renames`: chat name -> its name, in the param and the message)."""
+    try:
+        return tools(body)
+    except JSONError as e:
+        err = e.kiln_body["error"]
+        param, message = str(err.get("param") or ""), err["message"]
+        for chat_name, name in renames:
+            param, message = param.replace(chat_name, name), message.replace(chat_name, name)
+        raise bad(param, message, err.get("code") or "invalid_value") from None
+
+
 def logprobs(body: dict, chat: bool) -> int | None:
     if chat:
         lp = body.get("logprobs")
