@@ -272,14 +272,21 @@ def _preflight(cfg, home) -> None:
 
 
 @app.command()
-def down(timeout: float = typer.Option(30.0, "--timeout", help="seconds to wait for the daemon to exit")):
-    """Stop the daemon gracefully (workers: shutdown → SIGTERM → SIGKILL)."""
+def down(timeout: float = typer.Option(30.0, "--timeout", help="seconds to wait for the daemon to exit "
+                                                                  "(after the requests in flight finished)"),
+         now: bool = typer.Option(False, "--now", help="cut the requests in flight instead of letting them "
+                                                        "finish (supervisor.drain_timeout)")):
+    """Stop the daemon gracefully: new requests are refused, the ones in flight finish (up to
+    supervisor.drain_timeout), then the workers stop (shutdown → SIGTERM → SIGKILL)."""
     from .client import daemon_pid
     paths = _paths()
     pid = daemon_pid(paths)
-    res = _command("shutdown", {"reason": "kiln down"})
+    res = _command("shutdown", {"reason": "kiln down", **({"drain": 0} if now else {})})
     pid = res.get("pid", pid)
-    deadline = time.monotonic() + timeout
+    if res.get("draining"):
+        typer.echo(f"kiln: waiting up to {res['drain_s']:g} s for {res['draining']} request(s) in flight to finish "
+                   f"(`kiln down --now` cuts them)", err=True)
+    deadline = time.monotonic() + timeout + res.get("drain_s", 0)
     while time.monotonic() < deadline:
         if daemon_pid(paths) is None:
             typer.echo(f"kiln stopped (pid {pid})")

@@ -173,14 +173,34 @@ def config(sup, args):
 
 @command("shutdown")
 def shutdown(sup, args):
-    """Stop every worker (shutdown → SIGTERM → SIGKILL) and exit."""
+    """Refuse new requests, let the ones in flight finish (up to `drain` seconds, default
+    supervisor.drain_timeout), then stop every worker (shutdown → SIGTERM → SIGKILL) and exit."""
+    if sup.shutting_down and sup.drain_until is not None and args.get("drain") == 0:
+        sup.record("shutdown", None, f"{args.get('reason', 'requested')}: cutting the requests in flight now")
+        stop_everything(sup)
     if not sup.shutting_down:
         sup.shutting_down = True
         sup.record("shutdown", None, args.get("reason", "requested"))
-        sup.router.fail_all("shutting_down", "kiln is shutting down")
-        for w in sup.workers.values():
-            sup.apply(w, policy.Stop())
-    return {"ok": True, "pid": os.getpid()}
+        drain = args.get("drain")
+        drain = sup.cfg["supervisor"]["drain_timeout"] if drain is None else float(drain)
+        sup.router.close()
+        if drain > 0 and sup.router.pending:
+            sup.drain_until = time.monotonic() + drain
+            sup.record("draining", None, f"{len(sup.router.pending)} request(s) in flight: waiting up to {drain:g} s "
+                                         f"for them to finish; new ones are refused")
+        else:
+            stop_everything(sup)
+    left = max(0.0, sup.drain_until - time.monotonic()) if sup.drain_until is not None else 0.0
+    return {"ok": True, "pid": os.getpid(), "draining": len(sup.router.pending) if left else 0,
+            "drain_s": round(left, 1)}
+
+
+def stop_everything(sup) -> None:
+    """The end of a shutdown: what is still in flight is cut, every worker stopped."""
+    sup.drain_until = None
+    sup.router.fail_all("shutting_down", "kiln is shutting down")
+    for w in sup.workers.values():
+        sup.apply(w, policy.Stop())
 
 
 @command("ping")

@@ -57,6 +57,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "heartbeat_interval": Field(float, 1.0, "seconds between worker heartbeats", 0.05, 60),
         "liveness": Field(int, 3, "missed heartbeats before a worker is declared dead", 1, 100),
         "graceful_timeout": Field(float, 5.0, "seconds between SIGTERM and SIGKILL", 0.1, 600),
+        "drain_timeout": Field(float, 30.0, "on shutdown, seconds the requests in flight may take to finish "
+                               "before they are cut (new ones are refused at once; 0: cut at once)", 0, 3600),
         "start_secs": Field(float, 1.0, "seconds a worker must stay up after hello to be running", 0, 600),
         "max_restarts": Field(int, 5, "failed starts in a row (within restart_window) before fatal", 1, 1000),
         "restart_window": Field(float, 60.0, "seconds over which failed starts are counted", 1, None),

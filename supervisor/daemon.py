@@ -113,6 +113,7 @@ class Supervisor:
         self.inbox: queue.Queue = queue.Queue()
         self.offloop = ThreadPoolExecutor(4, thread_name_prefix="kiln-cmd")
         self.shutting_down = False
+        self.drain_until: float | None = None    # a shutdown waiting for requests in flight
         self._signals: list[int] = []            # appended by signal handlers, drained by the loop
         self.started_at = time.time()
         self.http = None
@@ -225,6 +226,8 @@ class Supervisor:
                 self.record("sighup", None, "ignored (no reload yet)")
             elif self.shutting_down:
                 self.record("signal", None, f"{name} again while stopping: killing the workers now")
+                if self.drain_until is not None:
+                    commands.stop_everything(self)
                 self.table.kill_all()
             else:
                 commands.run(self, "shutdown", {"reason": name})
@@ -269,7 +272,12 @@ class Supervisor:
                 if self.placer is not None:
                     self.placer.tick()
                 self.router.pump()
-            if self.shutting_down and not self.table.any_alive():
+            if self.drain_until is not None and (not self.router.pending or now >= self.drain_until):
+                left = len(self.router.pending)
+                self.record("drained", None, "every request in flight finished" if not left else
+                            f"{left} request(s) still in flight after drain_timeout: cut")
+                commands.stop_everything(self)
+            if self.shutting_down and self.drain_until is None and not self.table.any_alive():
                 return
             ready = dict(poller.poll(100))
             if self._wake_r in ready:

@@ -332,6 +332,10 @@ class Router:
             if w.identity:
                 self.send(w, make("cancel", id=p.id))
 
+    def close(self) -> None:
+        """Admit nothing more; the requests in flight go on (a draining shutdown)."""
+        self.closed = True
+
     def fail_all(self, code: str, message: str) -> None:
         self.closed = True
         for p in list(self.pending.values()):

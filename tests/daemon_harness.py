@@ -33,7 +33,7 @@ def _toml_value(v) -> str:
 def write_config(home: Path, workers: dict, supervisor: dict | None = None, server: dict | None = None) -> Path:
     sv = {"heartbeat_interval": 0.2, "liveness": 3, "graceful_timeout": 2.0, "start_secs": 0.3,
           "backoff_initial": 0.2, "backoff_max": 1.0, "max_restarts": 5, "restart_window": 30.0,
-          **(supervisor or {})}
+          "drain_timeout": 2.0, **(supervisor or {})}
     srv = {"port": 0, **(server or {})}
     lines = ["[server]"] + [f"{k} = {_toml_value(v)}" for k, v in srv.items()]
     lines += ["[supervisor]"] + [f"{k} = {_toml_value(v)}" for k, v in sv.items()]

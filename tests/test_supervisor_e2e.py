@@ -116,6 +116,72 @@ def test_a_second_sigterm_while_stopping_kills_the_workers_at_once(tmp_path):
         d.stop()
 
 
+def _call_in_thread(d, op: str, body: dict, out: dict):
+    import threading
+    from kiln.protocol.client import CommandFailed
+
+    def run():
+        try:
+            with d.client(60) as c:
+                out["reply"] = list(c.call("a", op, body))[-1].body
+        except CommandFailed as e:
+            out["error"] = e.code
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_shutdown_lets_a_request_in_flight_finish_and_refuses_new_ones(tmp_path):
+    from kiln.protocol.client import CommandFailed
+    d = Daemon(tmp_path, {"a": spec()}, supervisor={"drain_timeout": 30.0}).start()
+    try:
+        d.wait_state("a", "running")
+        out = {}
+        t = _call_in_thread(d, "sleep", {"seconds": 2}, out)
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
+        r = kiln(tmp_path, "down", timeout=60)
+        t.join(10)
+        assert r.returncode == 0, r.stderr
+        assert "waiting up to" in r.stderr and "1 request(s) in flight" in r.stderr
+        assert out == {"reply": {"slept": 2}}, out                   # finished, not cut
+        assert "draining" in d.output() and "every request in flight finished" in d.output()
+    finally:
+        d.stop()
+    # while it drains, a new request is refused at once
+    d = Daemon(tmp_path, {"a": spec()}, supervisor={"drain_timeout": 30.0}).start()
+    try:
+        d.wait_state("a", "running")
+        out = {}
+        t = _call_in_thread(d, "sleep", {"seconds": 3}, out)
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
+        d.proc.send_signal(signal.SIGTERM)
+        d.wait(lambda st: st["daemon"]["shutting_down"], timeout=10, what="shutting down")
+        with pytest.raises(CommandFailed) as e, d.client(10) as c:
+            list(c.call("a", "echo", {"value": 1}))
+        assert e.value.code == "shutting_down"
+        t.join(10)
+        assert out == {"reply": {"slept": 3}} and d.proc.wait(20) == 0
+    finally:
+        d.stop()
+
+
+def test_a_request_longer_than_drain_timeout_is_cut_and_down_now_cuts_at_once(tmp_path):
+    for args, drain, most in ((("down",), 1.0, 8.0), (("down", "--now"), 30.0, 8.0)):
+        d = Daemon(tmp_path, {"a": spec()}, supervisor={"drain_timeout": drain}).start()
+        try:
+            d.wait_state("a", "running")
+            out = {}
+            t = _call_in_thread(d, "sleep", {"seconds": 30}, out)
+            d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
+            t0 = time.monotonic()
+            r = kiln(tmp_path, *args, timeout=60)
+            t.join(10)
+            assert r.returncode == 0 and time.monotonic() - t0 < most, (args, r.stderr)
+            assert out == {"error": "shutting_down"}, (args, out)
+        finally:
+            d.stop()
+
+
 def test_sigusr1_dumps_the_daemons_threads_to_its_log_and_it_keeps_serving(tmp_path):
     with Daemon(tmp_path, {"a": spec()}) as d:
         pid = d.wait_state("a", "running")["pid"]
