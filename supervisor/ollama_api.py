@@ -30,6 +30,7 @@ _OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "m
             "num_predict": "max_tokens"}
 HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "num_batch", "low_vram",
                     "numa", "f16_kv", "vocab_only"}
+_EMPTY_OK = {"images", "context", "suffix", "template"}
 _CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive"}
 _GENERATE_FIELDS = {"model", "prompt", "system", "stream", "format", "options", "think", "keep_alive", "raw"}
 
@@ -50,6 +51,8 @@ class Ollama:
 
     def _body(self, req, allowed: set[str]) -> dict:
         body = self.api.read_json(req)
+        # an empty images/context/suffix/template says nothing (clients send them so): not refused
+        body = {k: v for k, v in body.items() if not (k in _EMPTY_OK and v in ([], "", None))}
         for k in body:
             if k not in allowed:
                 raise bad(k, f"unsupported field {k!r} for {req.path} (supported: {', '.join(sorted(allowed))})",

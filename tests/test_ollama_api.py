@@ -157,6 +157,17 @@ def test_errors_are_in_ollamas_shape(client, served):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="smol", messages=ASK, options={"mirostat": 2})
     assert e.value.status_code == 400 and "mirostat" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="smol", prompt="hi", images=["aGk="])
+    assert e.value.status_code == 400 and "images" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="smol", prompt="hi", context=[1, 2, 3])
+    assert e.value.status_code == 400 and "context" in e.value.error
+    # empty ones say nothing: accepted, as clients send them
+    req = urllib.request.Request(served.http + "/api/generate", method="POST", data=json.dumps(
+        {"model": "smol", "prompt": "hi", "images": [], "context": [], "stream": False,
+         "options": {"num_predict": 2}}).encode())
+    assert json.loads(urllib.request.urlopen(req, timeout=60).read())["done"]
     req = urllib.request.Request(served.http + "/api/chat", data=b"{nope", method="POST")
     with pytest.raises(urllib.error.HTTPError) as he:
         urllib.request.urlopen(req, timeout=30)
