@@ -31,7 +31,9 @@ SCHEMAS: dict[str, Schema] = {
                  # model's template by the worker)
                  "tools": (list, False), "tool_choice": ((str, dict), False), "parallel_tool_calls": (bool, False),
                  "response_format": (dict, False), "chat_template_kwargs": (dict, False),
-                 "reasoning_effort": (str, False)},
+                 "reasoning_effort": (str, False),
+                 # max_tokens as an upper bound: past the context's end the answer stops (length)
+                 "clip_max_tokens": (bool, False)},
     "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),

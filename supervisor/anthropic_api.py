@@ -229,7 +229,9 @@ class Messages:
         if not isinstance(stream, bool):
             raise bad("stream", "stream must be a boolean", "invalid_type")
         name = self.api.route(chat, req)["worker"]
-        work = dict(work, params=params, worker=name)
+        # max_tokens is an upper bound here, as Anthropic's clients use it (Claude Code asks for
+        # 32000 whatever the model): past the context's end the answer stops with max_tokens
+        work = dict(work, params=params, worker=name, clip_max_tokens=True)
         meta = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
                 "model": body.get("model") or name}
         answer = self.api.answer(req, "generate", work, whole=not stream)

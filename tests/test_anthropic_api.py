@@ -86,6 +86,13 @@ def test_a_tool_use_and_its_result_sent_back(client, served):
     assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
+def test_max_tokens_is_an_upper_bound_as_claude_code_uses_it(client):
+    """Claude Code asks for 32000 tokens whatever the model: the answer runs to its end (or the
+    context's), not refused for a context of 8192."""
+    m = client.messages.create(model="default", max_tokens=32000, messages=[{"role": "user", "content": HI}], **T0)
+    assert m.stop_reason == "end_turn" and m.content[0].text
+
+
 def test_stop_sequences_and_structured_output(client):
     m = client.messages.create(model="default", max_tokens=50, stop_sequences=["Paris"], **T0,
                                messages=[{"role": "user", "content": "The capital of France is which city?"}])
@@ -115,7 +122,7 @@ def test_stop_sequences_and_structured_output(client):
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
       "output_config": {"effort": "extreme"}}, "effort must be"),
     ({"max_tokens": 5, "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
-    ({"max_tokens": 10 ** 8, "messages": [{"role": "user", "content": "hi"}]}, "context holds"),
+    ({"max_tokens": 32000, "messages": [{"role": "user", "content": "hi " * 9000}]}, "context holds"),
 ])
 def test_errors_are_in_anthropics_shape(served, body, words):
     status, err = http_json(served, "POST", "/v1/messages", {"model": "default", **body})

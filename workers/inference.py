@@ -170,6 +170,8 @@ class InferenceWorker(Worker):
             raw["grammar"] = plan.grammar
         if raw.get("max_tokens") == -1:        # to the end of the context
             raw["max_tokens"] = max(1, self.n_ctx - len(prompt))
+        elif req.body.get("clip_max_tokens") and isinstance(raw.get("max_tokens"), int):
+            raw["max_tokens"] = max(1, min(raw["max_tokens"], self.n_ctx - len(prompt)))
         try:
             params = SamplingParams.from_dict(raw)
         except (SamplingError, TypeError) as e:
