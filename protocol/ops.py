@@ -33,7 +33,9 @@ SCHEMAS: dict[str, Schema] = {
                  "response_format": (dict, False), "chat_template_kwargs": (dict, False),
                  "reasoning_effort": (str, False),
                  # max_tokens as an upper bound: past the context's end the answer stops (length)
-                 "clip_max_tokens": (bool, False)},
+                 "clip_max_tokens": (bool, False),
+                 # template variables applied only where the template uses them (enable_thinking, …)
+                 "template_hints": (dict, False)},
     "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
@@ -51,7 +53,8 @@ SCHEMAS: dict[str, Schema] = {
     # with tools (or template kwargs) the prompt is the one generate would run: chat_plan's
     "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False), "tools": (list, False),
                        "tool_choice": ((str, dict), False), "parallel_tool_calls": (bool, False),
-                       "chat_template_kwargs": (dict, False), "reasoning_effort": (str, False)},
+                       "chat_template_kwargs": (dict, False), "reasoning_effort": (str, False),
+                       "template_hints": (dict, False)},
     "info": {},
 }
 

@@ -16,11 +16,11 @@ import uuid
 from typing import Any, Iterator
 
 from .http_common import JSONError, error_from, routed
-from .openai_api import Answer, WorkerGone, _Stream
+from .openai_api import IDLE, Answer, WorkerGone, _Stream
 from .openai_validate import adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice", "thinking", "output_config", "speed", "adapter", "keep_alive"}
+          "tools", "tool_choice", "thinking", "output_config", "speed", "context_management", "adapter", "keep_alive"}
 # accepted, changing nothing a local server computes: accounting and placement, and prompt caching
 # (Kiln reuses every cached prompt prefix on its own); no diagnostics are returned
 IGNORED = {"metadata", "service_tier", "inference_geo", "user_profile_id", "workspace_id", "diagnostics",
@@ -82,8 +82,12 @@ def chat_messages(body: dict) -> list[dict]:
                   "invalid_value" if isinstance(msgs, list) else "invalid_type")
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad(f"{where}.role", "each message is {\"role\": \"user\" | \"assistant\", \"content\": …}")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad(f"{where}.role", "each message is {\"role\": \"user\" | \"assistant\" | \"system\", "
+                                       "\"content\": …}")
+        if m["role"] == "system":                 # mid-conversation system text (Claude Code sends it)
+            out.append({"role": "system", "content": _text(m.get("content"), f"{where}.content")})
+            continue
         texts, calls = [], []
         for j, b in enumerate(_blocks(m.get("content"), f"{where}.content")):
             at = f"{where}.content[{j}]"
@@ -162,8 +166,21 @@ def chat_body(body: dict) -> dict:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "disabled", "adaptive"):
             raise bad("thinking", 'thinking is {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
-        # budget_tokens: max_tokens caps thinking and answer together here (README)
-        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+        # budget_tokens: max_tokens caps thinking and answer together here (README); adaptive:
+        # the model's own default. A hint: a model with no thinking switch answers as it does.
+        if kind != "adaptive":
+            chat.setdefault("template_hints", {})["enable_thinking"] = kind == "enabled"
+    cm = body.get("context_management")
+    if cm is not None:
+        edits = cm.get("edits") if isinstance(cm, dict) else None
+        if not isinstance(edits, list) or set(cm) - {"edits"}:
+            raise bad("context_management", 'context_management is {"edits": […]}')
+        for i, e in enumerate(edits):
+            # earlier turns' thinking is always dropped here (the templates drop it): a
+            # clear_thinking edit asks for no more; clearing tool results is not done
+            if not (isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking_")):
+                raise bad(f"context_management.edits[{i}]", "only clear_thinking edits are supported: Kiln does not "
+                                                            "clear earlier tool results (the prompt is sent whole)")
     oc = body.get("output_config")
     if oc is not None:
         if not isinstance(oc, dict) or set(oc) - {"effort", "format"}:
@@ -171,7 +188,7 @@ def chat_body(body: dict) -> dict:
         if oc.get("effort") is not None:
             if oc["effort"] not in EFFORT:
                 raise bad("output_config.effort", f"effort must be one of {', '.join(EFFORT)}")
-            chat["reasoning_effort"] = EFFORT[oc["effort"]]
+            chat.setdefault("template_hints", {})["reasoning_effort"] = EFFORT[oc["effort"]]
         fmt = oc.get("format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
@@ -219,6 +236,8 @@ class Messages:
     def _work(self, req, body: dict) -> tuple[dict, dict]:
         chat = chat_body(body)
         work = {"messages": messages(chat), **tools_named(chat, _RENAMES), **adapter(chat), **keep_alive(chat)}
+        if chat.get("template_hints"):
+            work["template_hints"] = chat["template_hints"]
         return chat, work
 
     def on_post(self, req, resp):
@@ -238,7 +257,7 @@ class Messages:
         if stream:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
-            resp.stream = _Stream(_events(answer, meta), answer)
+            resp.stream = _Stream(_events(answer, meta, self.api.keepalive), answer)
             return
         thinking, text, calls, final = [], [], [], None
         try:
@@ -271,7 +290,7 @@ class Messages:
         resp.media = {"input_tokens": len(out["tokens"])}
 
 
-def _events(answer: Answer, meta: dict) -> Iterator[bytes]:
+def _events(answer: Answer, meta: dict, keepalive: float) -> Iterator[bytes]:
     """message_start, then each content block (start, deltas, stop), message_delta with the stop
     reason and usage, message_stop; a worker lost mid-answer ends it with an error event."""
     def ev(kind: str, **data) -> bytes:
@@ -287,16 +306,15 @@ def _events(answer: Answer, meta: dict) -> Iterator[bytes]:
         open_kind = kind
         yield ev("content_block_start", index=index, content_block=block)
 
-    first = True
+    # at once, as Anthropic's API does: the prompt's tokens are counted in message_delta's usage
+    yield ev("message_start", message={**meta, "content": [], "stop_reason": None, "stop_sequence": None,
+                                       "usage": {"input_tokens": 0, "output_tokens": 0}})
     try:
-        for msg in answer:
+        for msg in answer.stream(keepalive):
+            if msg is IDLE:                                     # a long prefill: keep the client
+                yield ev("ping")
+                continue
             b = msg.body
-            if first:
-                u = (b.get("usage") or {})
-                yield ev("message_start", message={**meta, "content": [], "stop_reason": None, "stop_sequence": None,
-                                                   "usage": {"input_tokens": u.get("prompt_tokens", 0),
-                                                             "output_tokens": 0}})
-                first = False
             if b.get("reasoning"):
                 if open_kind != "thinking":
                     yield from switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})

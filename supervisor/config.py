@@ -52,6 +52,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
                               "(e.g. http://localhost:3000 for Open WebUI; empty: none; * : any)"),
         "wait_for_worker": Field(float, 60.0, "longest a request waits for its worker to start or restart "
                                  "before 503, seconds", 0, None),
+        "stream_keepalive": Field(float, 10.0, "seconds of silence in a stream (a long prompt's prefill) before a "
+                                  "keep-alive is sent, so that clients with an idle timeout wait", 0.1, 3600),
     },
     "supervisor": {
         "heartbeat_interval": Field(float, 1.0, "seconds between worker heartbeats", 0.05, 60),

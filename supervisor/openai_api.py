@@ -39,11 +39,19 @@ class WorkerGone(Exception):
         self.msg = msg
 
 
+IDLE = object()      # Answer.stream(idle=…): nothing came for that long (time for a keep-alive)
+FIRST_WAIT = 2.0     # a stream starts after this long without its first message (a long prefill)
+
+
 class Answer:
     """The messages of one routed request, read by an HTTP thread. The first one is awaited
-    before the response starts, so that a refusal (queue full, worker gone) is an HTTP status."""
+    before the response starts, so that a refusal (queue full, worker gone, a bad request) is an
+    HTTP status — for a stream, up to `first_wait` seconds: refusals come within milliseconds,
+    while a long prompt's prefill may take minutes, and a client that hears nothing for that
+    long gives up (Claude Code after 300 s). A later error is the stream's error event."""
 
-    def __init__(self, sup, op: str, body: dict, disconnected, seen=lambda msg: None, whole: bool = False):
+    def __init__(self, sup, op: str, body: dict, disconnected, seen=lambda msg: None, whole: bool = False,
+                 first_wait: float | None = None):
         # whole: the caller answers only once it has everything (not streamed), so the router may
         # rerun the request when its worker dies after output — what came before is dropped
         self.call = sup.request(op, body, replayable=whole)
@@ -51,9 +59,11 @@ class Answer:
         self.disconnected = disconnected
         self.seen = seen                       # timing and usage, for the request log and metrics
         self.finished = False
-        self.first = self._next()
+        self.first = self._next(first_wait)
 
-    def _next(self) -> Message | None:
+    def _next(self, idle: float | None = None):
+        """The next message; None once the client is gone; IDLE after `idle` seconds of nothing."""
+        until = time.monotonic() + idle if idle is not None else None
         while True:
             try:
                 msg = self.call.events.get(timeout=0.05)
@@ -61,6 +71,8 @@ class Answer:
                 if self.disconnected():
                     self.close()
                     return None
+                if until is not None and time.monotonic() >= until:
+                    return IDLE
                 continue
             if msg.type not in ("chunk", "restart"):
                 self.finished = True
@@ -70,15 +82,23 @@ class Answer:
         if self.whole:
             yield from self._kept()
             return
+        yield from (m for m in self.stream() if m is not IDLE)
+
+    def stream(self, idle: float | None = None) -> Iterator:
+        """The messages as they come — and IDLE after each `idle` seconds of silence."""
         msg = self.first
         while msg is not None:
+            if msg is IDLE:
+                yield IDLE
+                msg = self._next(idle)
+                continue
             if msg.type == "error":
                 raise WorkerGone(msg)
             self.seen(msg)
             yield msg
             if msg.type == "reply" or self.disconnected():
                 return
-            msg = self._next()
+            msg = self._next(idle)
 
     def _kept(self) -> list[Message]:
         """Every message of the last run, once the reply came: a "restart" (the worker died after
@@ -127,6 +147,7 @@ class OpenAI:
         self.sup = sup
         self.metrics = metrics
         self.max_body = sup.cfg["server"]["max_body_bytes"]
+        self.keepalive = sup.cfg["server"]["stream_keepalive"]     # seconds of silence before a keep-alive
 
     # -- plumbing --
 
@@ -183,11 +204,13 @@ class OpenAI:
         return seen
 
     def answer(self, req, op: str, body: dict, whole: bool = False) -> Answer:
-        """`whole`: the response is sent once the answer is complete (not streamed)."""
-        a = Answer(self.sup, op, body, self._disconnected(req), self._observer(req), whole)
+        """`whole`: the response is sent once the answer is complete (not streamed); a stream
+        starts after FIRST_WAIT seconds without its first message (Answer)."""
+        a = Answer(self.sup, op, body, self._disconnected(req), self._observer(req), whole,
+                   None if whole else min(FIRST_WAIT, self.keepalive))
         if a.first is None:
             raise JSONError(499, "client_closed", "the client closed the connection")
-        if a.first.type == "error":
+        if a.first is not IDLE and a.first.type == "error":
             raise error_from(a.first, _param(body))
         return a
 
@@ -335,8 +358,8 @@ class OpenAI:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = _Stream(self._sse(answer, shapes.StreamShapes(meta, chat, lp is not None, n), include_usage),
-                                  answer)
+            resp.stream = _Stream(self._sse(answer, shapes.StreamShapes(meta, chat, lp is not None, n), include_usage,
+                                            self.keepalive), answer)
             return
         choices = [shapes.Choice(i) for i in range(n)]
         try:
@@ -357,10 +380,13 @@ class OpenAI:
         resp.media = shapes.whole(meta, chat, choices, final, lp is not None)
 
     @staticmethod
-    def _sse(answer: Answer, s: shapes.StreamShapes, include_usage: bool) -> Iterator[bytes]:
+    def _sse(answer: Answer, s: shapes.StreamShapes, include_usage: bool, keepalive: float) -> Iterator[bytes]:
         try:
             yield from s.opening()
-            for msg in answer:
+            for msg in answer.stream(keepalive):
+                if msg is IDLE:
+                    yield b": keep-alive\n\n"           # an SSE comment: clients skip it
+                    continue
                 if msg.type == "chunk":
                     yield from s.part(msg.body)
                 else:

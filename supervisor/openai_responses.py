@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Iterator
 
 from .http_common import JSONError, error_from
-from .openai_api import Answer, WorkerGone, _Stream
+from .openai_api import IDLE, Answer, WorkerGone, _Stream
 from .openai_validate import IGNORED, adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "stream", "temperature",
@@ -190,7 +190,7 @@ class Responses:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = _Stream(_events(answer, shell), answer)
+            resp.stream = _Stream(_events(answer, shell, self.api.keepalive), answer)
             return
         out = Output()
         try:
@@ -268,7 +268,7 @@ def _finished(shell: dict, items: list[dict], final: dict) -> dict:
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None}
 
 
-def _events(answer: Answer, shell: dict) -> Iterator[bytes]:
+def _events(answer: Answer, shell: dict, keepalive: float) -> Iterator[bytes]:
     """The Responses stream: created, in_progress, each output item added → its deltas → done,
     then completed (or incomplete); a worker lost mid-answer ends it with response.failed."""
     seq = [0]
@@ -350,7 +350,10 @@ def _events(answer: Answer, shell: dict) -> Iterator[bytes]:
             yield ev("response.output_item.done", output_index=index, item=item)
 
     try:
-        for msg in answer:
+        for msg in answer.stream(keepalive):
+            if msg is IDLE:                       # a long prefill: an SSE comment keeps the client
+                yield b": keep-alive\n\n"
+                continue
             yield from part(msg.body)
             if msg.type != "chunk":
                 if not done_items and open_kind is None:          # nothing said: an empty message

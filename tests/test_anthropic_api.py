@@ -154,3 +154,53 @@ def test_an_api_key_is_taken_as_x_api_key(default_model_path, tmp_path):
         ok = anthropic.Anthropic(base_url=d.http, api_key="sekrit", max_retries=0).messages.create(
             model="default", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert ok.usage.output_tokens >= 1
+
+
+def _streamed_text(path: str, lines: list[str]) -> str:
+    out = []
+    for ln in lines:
+        if not ln.startswith("data: {"):
+            continue
+        ev = json.loads(ln[6:])
+        if path == "/v1/messages" and ev.get("type") == "content_block_delta":
+            out.append(ev["delta"].get("text", ""))
+        elif path == "/v1/responses" and ev.get("type") == "response.output_text.delta":
+            out.append(ev["delta"])
+        elif path == "/v1/chat/completions" and ev.get("choices"):
+            out.append(ev["choices"][0]["delta"].get("content") or "")
+    return "".join(out)
+
+
+def test_a_long_prefill_keeps_each_stream_alive(default_model_path, tmp_path):
+    """A prompt whose prefill takes seconds: each stream starts at once and sends keep-alives
+    (an SSE comment; Anthropic's ping) before its first token — and the answer is the same."""
+    import http.client
+    import time
+    long = " ".join(f"item{i}" for i in range(300))          # ~1200 tokens: seconds of prefill here
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "A: " + long}], "max_tokens": 4},
+              "/v1/messages": {"messages": [{"role": "user", "content": "B: " + long}], "max_tokens": 4},
+              "/v1/responses": {"input": "C: " + long, "max_output_tokens": 4}}   # no shared prefix: no cache
+    whole_text = {"/v1/chat/completions": lambda w: w["choices"][0]["message"]["content"],
+                  "/v1/messages": lambda w: w["content"][0]["text"],
+                  "/v1/responses": lambda w: w["output"][0]["content"][0]["text"]}
+    with Daemon(tmp_path, {"default": {"kind": "inference", "model": str(default_model_path)}},
+                server={"stream_keepalive": 0.2}) as d:
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=90, what="model ready")
+        host, port = d.http.removeprefix("http://").split(":")
+        for path, body in bodies.items():
+            body = {"model": "default", "stream": True, "temperature": 0, **body}
+            conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            t0 = time.monotonic()
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            started = time.monotonic() - t0
+            lines = [ln.decode().rstrip("\n") for ln in r]
+            took = time.monotonic() - t0
+            conn.close()
+            assert r.status == 200 and started < took / 2, (path, started, took)      # not after the prefill
+            alive = [i for i, ln in enumerate(lines) if ln in (": keep-alive", "event: ping")]
+            tokens = [i for i, ln in enumerate(lines) if '"text_delta"' in ln or "output_text.delta" in ln
+                      or ('"delta": {"content": "' in ln and '"content": ""' not in ln)]
+            assert alive and tokens and alive[0] < tokens[0], (path, lines[:12])
+            whole = http_json(d, "POST", path, {**body, "stream": False})[1]
+            assert _streamed_text(path, lines) == whole_text[path](whole), path

@@ -78,9 +78,12 @@ def test_anthropic_blocks_become_chat_messages():
         {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"},             # the result, then the text
         {"role": "user", "content": "and now?"}]
     assert messages(chat) == chat["messages"]
-    assert chat["max_tokens"] == 9 and chat["stop"] == ["END"] and chat["reasoning_effort"] == "high"
+    assert chat["max_tokens"] == 9 and chat["stop"] == ["END"]
     assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
-    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    # thinking and effort are hints: applied where the template has the switch (workers/chat_plan.py)
+    assert chat["template_hints"] == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert "template_hints" not in anthropic_api.chat_body({**body, "thinking": {"type": "adaptive"},
+                                                            "output_config": {}})
     assert chat["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
                                                                "description": "d"}}]
     only_results = anthropic_api.chat_body({"max_tokens": 1, "messages": [

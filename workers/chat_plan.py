@@ -56,6 +56,11 @@ def _template_vars(body: dict, source: str) -> dict:
             raise PlanError("reasoning_effort: this model's chat template has no reasoning budget; "
                             "leave the field out")
         extra["reasoning_effort"] = effort
+    # hints (the Anthropic route's thinking and effort, sent by Claude Code on every request):
+    # applied where the template has the switch; a model without it answers as it always does
+    for k, v in (body.get("template_hints") or {}).items():
+        if k in source and k not in extra:
+            extra[k] = v
     return extra
 
 

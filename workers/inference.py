@@ -293,7 +293,8 @@ class InferenceWorker(Worker):
     def apply_template(self, req):
         if self.template is None:
             raise OpError("bad_request", f"model {self.model.path.name} has no chat template")
-        if any(k in req.body for k in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_effort")):
+        if any(k in req.body for k in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_effort",
+                                       "template_hints")):
             ids = self._plan(req.body).prompt             # exactly the prompt generate would run
             return {"prompt": self.model.tokenizer.decode(ids), "tokens": ids}
         try:
