@@ -90,3 +90,16 @@ def test_anthropic_blocks_become_chat_messages():
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": [{"type": "text",
                                                                                             "text": "ok"}]}]}]})
     assert only_results["messages"] == [{"role": "tool", "tool_call_id": "x", "content": "ok"}]   # no empty user turn
+
+
+def test_template_hints_apply_only_where_the_template_has_the_switch():
+    from kiln.workers.chat_plan import PlanError, _template_vars
+    thinking = "{% if enable_thinking %}<think>{% endif %}{{ messages }}"
+    plain = "{{ messages }}"
+    hints = {"template_hints": {"enable_thinking": False, "reasoning_effort": "high"}}
+    assert _template_vars(hints, thinking) == {"enable_thinking": False}
+    assert _template_vars(hints, plain) == {}                       # the model answers as it always does
+    with pytest.raises(PlanError):                                  # asked outright, it is refused there
+        _template_vars({"chat_template_kwargs": {"enable_thinking": False}}, plain)
+    both = {"chat_template_kwargs": {"enable_thinking": True}, **hints}
+    assert _template_vars(both, thinking) == {"enable_thinking": True}   # what was asked outright wins
