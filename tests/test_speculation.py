@@ -243,3 +243,18 @@ def test_a_fault_in_the_scheduler_ends_the_requests_under_way_and_it_goes_on(def
     del s._speculate
     want = _collect(Scheduler(default_model, 2048, 1).submit(prompt, params, lambda: False))[0]
     assert _collect(s.submit(prompt, params, lambda: False))[0] == want
+
+
+def test_a_retry_of_a_cancelled_prefill_reuses_what_was_computed(default_model):
+    """A client that gives up during a long prefill (an idle timeout) and retries: the retry
+    continues from the chunks already in the slot's cache, and answers as a fresh run does."""
+    prompt = _chat(default_model, "Summarise: " + CODE * 12)
+    assert len(prompt) > 600                                    # several 256-token chunks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    s = Scheduler(default_model, 2048, 1, speculative=False)
+    gave_up = _collect(s.submit(prompt, params, lambda: s.seqs[0].cache.n >= 256))[1]
+    assert gave_up.reason == "cancelled" and gave_up.completion_tokens == 0
+    ids, fin = _collect(s.submit(prompt, params, lambda: False))
+    assert fin.cached_tokens >= 256 and fin.reason == "length"
+    assert ids == _collect(Scheduler(default_model, 2048, 1, speculative=False).submit(prompt, params,
+                                                                                       lambda: False))[0]
