@@ -131,14 +131,24 @@ def _call_in_thread(d, op: str, body: dict, out: dict):
     return t
 
 
-def test_shutdown_lets_a_request_in_flight_finish_and_refuses_new_ones(tmp_path):
-    from kiln.protocol.client import CommandFailed
-    d = Daemon(tmp_path, {"a": spec()}, supervisor={"drain_timeout": 30.0}).start()
+def _busy_daemon(tmp_path, drain: float, seconds: float, out: dict):
+    """A daemon whose worker is busy with a `seconds`-long op (its answer goes to `out`)."""
+    d = Daemon(tmp_path, {"a": spec()}, supervisor={"drain_timeout": drain}).start()
     try:
         d.wait_state("a", "running")
-        out = {}
-        t = _call_in_thread(d, "sleep", {"seconds": 2}, out)
+        t = _call_in_thread(d, "sleep", {"seconds": seconds}, out)
         d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
+    except BaseException:
+        d.stop()
+        raise
+    return d, t
+
+
+def test_shutdown_lets_a_request_in_flight_finish_and_refuses_new_ones(tmp_path):
+    from kiln.protocol.client import CommandFailed
+    out = {}
+    d, t = _busy_daemon(tmp_path, 30.0, 2, out)
+    try:
         r = kiln(tmp_path, "down", timeout=60)
         t.join(10)
         assert r.returncode == 0, r.stderr
@@ -148,12 +158,9 @@ def test_shutdown_lets_a_request_in_flight_finish_and_refuses_new_ones(tmp_path)
     finally:
         d.stop()
     # while it drains, a new request is refused at once
-    d = Daemon(tmp_path, {"a": spec()}, supervisor={"drain_timeout": 30.0}).start()
+    out = {}
+    d, t = _busy_daemon(tmp_path, 30.0, 3, out)
     try:
-        d.wait_state("a", "running")
-        out = {}
-        t = _call_in_thread(d, "sleep", {"seconds": 3}, out)
-        d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
         d.proc.send_signal(signal.SIGTERM)
         d.wait(lambda st: st["daemon"]["shutting_down"], timeout=10, what="shutting down")
         with pytest.raises(CommandFailed) as e, d.client(10) as c:
@@ -167,12 +174,9 @@ def test_shutdown_lets_a_request_in_flight_finish_and_refuses_new_ones(tmp_path)
 
 def test_a_request_longer_than_drain_timeout_is_cut_and_down_now_cuts_at_once(tmp_path):
     for args, drain, most in ((("down",), 1.0, 8.0), (("down", "--now"), 30.0, 8.0)):
-        d = Daemon(tmp_path, {"a": spec()}, supervisor={"drain_timeout": drain}).start()
+        out = {}
+        d, t = _busy_daemon(tmp_path, drain, 30, out)
         try:
-            d.wait_state("a", "running")
-            out = {}
-            t = _call_in_thread(d, "sleep", {"seconds": 30}, out)
-            d.wait(lambda st: st["workers"][0]["worker_state"] == "busy", timeout=10, what="a busy")
             t0 = time.monotonic()
             r = kiln(tmp_path, *args, timeout=60)
             t.join(10)
