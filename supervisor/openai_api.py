@@ -243,7 +243,7 @@ class OpenAI:
             data.append({"id": w["name"], "object": "model", "created": int(time.time()), "owned_by": "kiln",
                          "meta": {"model": (w["stats"] or {}).get("model") or w["model"], "state": w["state"],
                                   "worker_state": w["worker_state"], "n_ctx": (w["stats"] or {}).get("n_ctx"),
-                                  "loaded": True}})
+                                  "loaded": w["pid"] is not None}})          # a stopped worker holds none
         # the library: a request naming any of these loads it (a file a worker serves, or is
         # still loading, is listed once: as its worker)
         served = {d["id"] for d in data} | {str(d["meta"]["model"] or "").rsplit("/", 1)[-1].removesuffix(".gguf")

@@ -112,6 +112,7 @@ def test_a_configured_worker_named_by_alias_lists_its_file_once_and_is_what_its_
     with Daemon(tmp_path, {"default": {"kind": "inference", "model": "default", "enabled": False}}) as d:
         models = json.loads(urllib.request.urlopen(d.http + "/v1/models", timeout=30).read())["data"]
         assert [m["id"] for m in models] == ["default"], models
+        assert models[0]["meta"]["loaded"] is False and models[0]["meta"]["state"] == "stopped"   # not enabled
         status, r = post(d, "/v1/chat/completions", {"model": default_model_path.stem, "messages": ASK,
                                                       "max_tokens": 2})
         assert status == 503 and "worker default is stopped" in r["error"]["message"], r

@@ -133,7 +133,7 @@ async function refreshModels() {
   });
   $("#models tbody").replaceChildren(...rows);
   const pick = $("#model"), keep = pick.value;
-  pick.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id + (m.meta && m.meta.loaded === false ? " (loads on use)" : ""))));
+  pick.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id + (!m.meta || m.meta.loaded !== false ? "" : m.meta.state ? ` (${m.meta.state})` : " (loads on use)"))));
   if (keep) pick.value = keep;
 }
 
