@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Iterator
 
 from .http_common import JSONError, error_from, routed
-from .openai_api import IDLE, Answer, WorkerGone, _Stream
+from .openai_api import IDLE, Answer, WorkerGone
 from .openai_validate import adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
@@ -244,9 +244,7 @@ class Messages:
         body = self.api.read_json(req)
         chat, work = self._work(req, body)
         params = sampling_params(chat)
-        stream = chat.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad("stream", "stream must be a boolean", "invalid_type")
+        stream = self.api.stream_flag(chat)
         name = self.api.route(chat, req)["worker"]
         # max_tokens is an upper bound here, as Anthropic's clients use it (Claude Code asks for
         # 32000 whatever the model): past the context's end the answer stops with max_tokens
@@ -255,10 +253,7 @@ class Messages:
                 "model": body.get("model") or name}
         answer = self.api.answer(req, "generate", work, whole=not stream)
         if stream:
-            resp.content_type = "text/event-stream"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.stream = _Stream(_events(answer, meta, self.api.keepalive), answer)
-            return
+            return self.api.send_sse(resp, _events(answer, meta, self.api.keepalive), answer)
         thinking, text, calls, final = [], [], [], None
         try:
             for msg in answer:

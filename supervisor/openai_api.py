@@ -214,6 +214,21 @@ class OpenAI:
             raise error_from(a.first, _param(body))
         return a
 
+    @staticmethod
+    def stream_flag(body: dict) -> bool:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad("stream", "stream must be a boolean", "invalid_type")
+        return stream
+
+    @staticmethod
+    def send_sse(resp, events: Iterator[bytes], answer: Answer) -> None:
+        """Answer with a server-sent event stream (unbuffered by proxies; closing it cancels)."""
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.set_header("X-Accel-Buffering", "no")
+        resp.stream = _Stream(events, answer)
+
     def _one(self, op: str, body: dict) -> dict:
         return routed(self.sup, op, body, 60)
 
@@ -340,9 +355,7 @@ class OpenAI:
         lp = logprobs(body, chat)
         if lp is not None:
             params["logprobs"] = lp
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad("stream", "stream must be a boolean", "invalid_type")
+        stream = self.stream_flag(body)
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise bad("stream_options", "stream_options must be an object", "invalid_type")
@@ -355,12 +368,8 @@ class OpenAI:
         meta = {"id": rid, "created": int(time.time()), "model": body.get("model") or name}
         answer = self.answer(req, "generate", work, whole=not stream)
         if stream:
-            resp.content_type = "text/event-stream"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = _Stream(self._sse(answer, shapes.StreamShapes(meta, chat, lp is not None, n), include_usage,
-                                            self.keepalive), answer)
-            return
+            return self.send_sse(resp, self._sse(answer, shapes.StreamShapes(meta, chat, lp is not None, n),
+                                                 include_usage, self.keepalive), answer)
         choices = [shapes.Choice(i) for i in range(n)]
         try:
             final = None

@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Iterator
 
 from .http_common import JSONError, error_from
-from .openai_api import IDLE, Answer, WorkerGone, _Stream
+from .openai_api import IDLE, Answer, WorkerGone
 from .openai_validate import IGNORED, adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "stream", "temperature",
@@ -163,9 +163,7 @@ class Responses:
         msgs = messages(chat)
         work = {"messages": msgs, **tools_named(chat, _RENAMES), **adapter(chat), **keep_alive(chat)}
         params = sampling_params(chat)
-        stream = chat.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad("stream", "stream must be a boolean", "invalid_type")
+        stream = self.api.stream_flag(chat)
         name = self.api.route(chat, req)["worker"]
         params.setdefault("max_tokens", -1)
         work = dict(work, params=params, worker=name)
@@ -187,11 +185,7 @@ class Responses:
                 err.update(param="input", message=err["message"].replace("max_tokens", "max_output_tokens"))
             raise
         if stream:
-            resp.content_type = "text/event-stream"
-            resp.set_header("Cache-Control", "no-cache")
-            resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = _Stream(_events(answer, shell, self.api.keepalive), answer)
-            return
+            return self.api.send_sse(resp, _events(answer, shell, self.api.keepalive), answer)
         out = Output()
         try:
             final = None
