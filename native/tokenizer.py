@@ -17,6 +17,7 @@ from functools import lru_cache
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .gguf_file import GGUFFile
+from .fim import find_fim_tokens
 
 # llama.cpp token types
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -96,6 +97,9 @@ class GGUFTokenizer:
         for i, t in enumerate(self.tokens):
             if t in _EOG_TEXTS:
                 self.token_types[i] = TOKEN_CONTROL
+        self.fim, fim_by_text = find_fim_tokens(meta, self._vocab)
+        for i in fim_by_text:
+            self.token_types[i] = TOKEN_CONTROL
         # llama.cpp's Phi-3 rule: special tokens swallow the whitespace after them.
         name = str(meta.get("general.name", "")).lower()
         self._rstrip_specials = "phi-3" in name or "phi3" in name
@@ -115,7 +119,7 @@ class GGUFTokenizer:
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eot = meta.get("tokenizer.ggml.eot_token_id")
         eom = meta.get("tokenizer.ggml.eom_token_id")
-        stops = {int(t) for t in (eos, eot, eom) if t is not None}
+        stops = {int(t) for t in (eos, eot, eom) if t is not None} | self.fim.ends
         # gpt-oss's harmony format: <|end|> closes each message (the analysis before the final
         # answer), so only <|return|> (the answer is done) and <|call|> (a tool call) end it
         self.harmony = all(t in self._vocab for t in HARMONY_MARKERS)

@@ -26,6 +26,8 @@ SCHEMAS: dict[str, Schema] = {
     "environ": {},
     # inference
     "generate": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "messages": (list, False),
+                 # fill-in-the-middle: prefix, suffix, middle, extra [[name, text]], repo_level
+                 "infill": (dict, False),
                  "params": (dict, False), "session": (str, False), "adapter": (str, False),
                  # chat: tools and constraints (checked for shape by the HTTP layer, against the
                  # model's template by the worker)

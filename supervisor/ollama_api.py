@@ -32,7 +32,7 @@ HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock"
                     "numa", "f16_kv", "vocab_only"}
 _EMPTY_OK = {"images", "context", "suffix", "template"}
 _CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive"}
-_GENERATE_FIELDS = {"model", "prompt", "system", "stream", "format", "options", "think", "keep_alive", "raw"}
+_GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "stream", "format", "options", "think", "keep_alive", "raw"}
 
 
 def _now() -> str:
@@ -252,6 +252,8 @@ class Ollama:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad("prompt", "prompt must be a string", "invalid_type")
+        if body.get("suffix") is not None:        # fill in the middle: prompt is the code before the gap
+            return self._run(req, resp, body, {"infill": self._infill(body)}, "generate")
         if not prompt:                            # Ollama: an empty prompt loads the model
             route = self._route(req, body)
             resp.media = {"model": body["model"], "created_at": _now(), "response": "", "done": True,
@@ -267,6 +269,17 @@ class Ollama:
             oa = {"messages": msgs, **self._format(body), **self._think(body)}
             work = {"messages": check_messages(oa), **check_tools(oa)}
         self._run(req, resp, body, work, "generate")
+
+    @staticmethod
+    def _infill(body: dict) -> dict:
+        """A code model's fill-in-the-middle prompt (native/fim.py), as Ollama's FIM templates
+        make it. What that prompt has no place for is refused rather than dropped."""
+        if not isinstance(body["suffix"], str):
+            raise bad("suffix", "suffix must be a string (the text after the gap)", "invalid_type")
+        for k in ("raw", "system", "format", "think"):
+            if body.get(k) not in (None, False, ""):
+                raise bad(k, f"{k} cannot be combined with suffix (a fill-in-the-middle prompt has no place for it)")
+        return {"prefix": body["prompt"], "suffix": body["suffix"]}
 
     def _embed_options(self, body: dict, route: dict) -> None:
         """Embeddings take no sampling: an option that would change a generation is refused by

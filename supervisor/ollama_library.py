@@ -81,7 +81,7 @@ class OllamaLibrary:
         template = g.metadata.get("tokenizer.chat_template") or ""
         # tools with any chat template: one that knows none gets them described (native/tool_calls.py)
         caps = ["completion"] + (["tools"] if template else []) + \
-            (["thinking"] if "<think>" in template else [])
+            (["thinking"] if "<think>" in template else []) + (["insert"] if _can_infill(path) else [])
         resp.media = {"modelfile": f"FROM {path}\n", "parameters": "", "template": template,
                       "details": details(str(path)), "model_info": meta, "capabilities": caps,
                       "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()}
@@ -220,3 +220,12 @@ def install(app, sup, api) -> None:
     for route in ("tags", "show", "pull", "delete", "copy", "create", "push"):
         app.add_route(f"/api/{route}", lib, suffix=route)
     app.add_route("/api/blobs/{digest}", lib, suffix="blobs")
+
+
+def _can_infill(path) -> bool:
+    """Whether the model has fill-in-the-middle tokens (Ollama's `insert` capability: `suffix`)."""
+    from kiln.native.fim import find_fim_tokens
+    from kiln.native.gguf_file import read_gguf
+    meta = read_gguf(path).metadata
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    return find_fim_tokens(meta, {t: i for i, t in enumerate(tokens)})[0].can_infill

@@ -17,13 +17,13 @@ _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
 _COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "speculative"} | _SAMPLING
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "response_format", "chat_template_kwargs", "reasoning_effort"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "suffix"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "keep_alive", "adapter"}
 # accepted and ignored: they change nothing a local server computes
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # OpenAI fields Kiln does not implement, and what to do instead
 _REFUSED = {"functions": "use tools", "function_call": "use tool_choice", "best_of": "use n",
-            "suffix": "insertion is not supported", "audio": "Kiln serves text models",
+            "audio": "Kiln serves text models",
             "modalities": "Kiln serves text models", "prediction": "predicted outputs are not supported",
             "web_search_options": "Kiln has no web search"}
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -300,8 +300,17 @@ def _tool_calls(calls, where: str) -> list[dict]:
 
 
 def prompts(body: dict) -> list[dict]:
-    """A completions prompt — a string, token ids, or a batch of either — as work items."""
-    prompt = body.get("prompt")
+    """A completions prompt — a string, token ids, or a batch of either — as work items; with a
+    `suffix`, one fill-in-the-middle item (the prompt is the code before the gap)."""
+    prompt, suffix = body.get("prompt"), body.get("suffix")
+    if suffix not in (None, ""):
+        if not isinstance(suffix, str):
+            raise bad("suffix", "suffix must be a string (the text after the gap to fill)", "invalid_type")
+        if not isinstance(prompt, str):
+            raise bad("prompt", "with a suffix, prompt must be one string: the text before the gap", "invalid_type")
+        if body.get("echo"):
+            raise bad("echo", "echo cannot be combined with suffix")
+        return [{"infill": {"prefix": prompt, "suffix": suffix}}]
     is_ids = lambda p: isinstance(p, list) and bool(p) and all(  # noqa: E731
         isinstance(t, int) and not isinstance(t, bool) for t in p)
     batch = prompt if isinstance(prompt, list) and prompt and all(

@@ -17,6 +17,7 @@ from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistr
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
 from kiln.native.lora import AdapterError, load_adapter
 
+from kiln.native.fim import InfillError, infill_prompt
 from kiln.native.generate import ContextLengthError, Finish, Token, embed, score_prompt
 from kiln.native.draft_model import DraftModel, DraftModelError
 from kiln.native.scheduler import DEFAULT_PARALLEL, Scheduler
@@ -111,12 +112,29 @@ class InferenceWorker(Worker):
                 return render_and_tokenize(self.template, tok, body["messages"])[1]
             except TemplateError as e:
                 raise OpError("bad_request", str(e)) from None
+        if "infill" in body:
+            return self._infill(body["infill"], (body.get("params") or {}).get("max_tokens"))
         if "text" in body:
             ids = tok.encode(body["text"], special=bool(body.get("special", False)))
             if not ids:
                 raise OpError("bad_request", "the prompt is empty")
             return ids
-        raise OpError("bad_request", "generate needs one of prompt (token ids), text, or messages")
+        raise OpError("bad_request", "generate needs one of prompt (token ids), text, messages or infill")
+
+    def _infill(self, f: dict, max_tokens) -> list[int]:
+        """A fill-in-the-middle prompt (native/fim.py): prefix, suffix, the start of the middle,
+        other files (name, text), and whether to lay it out as llama-server's /infill does."""
+        texts = {k: f.get(k, "") for k in ("prefix", "suffix", "middle")}
+        extra = f.get("extra", [])
+        if not all(isinstance(v, str) for v in texts.values()) or not isinstance(extra, list) or not all(
+                isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in extra):
+            raise OpError("bad_request", "infill takes prefix, suffix and middle strings and extra [[name, text], …]")
+        try:
+            return infill_prompt(self.model.tokenizer, texts["prefix"], texts["suffix"], middle=texts["middle"],
+                                 extra=[tuple(e) for e in extra], repo_level=bool(f.get("repo_level")),
+                                 n_ctx=self.n_ctx, n_predict=max_tokens if isinstance(max_tokens, int) else 0)
+        except InfillError as e:
+            raise OpError("bad_request", f"model {self.model.path.name}: {e}") from None
 
     def _adapter(self, body: dict):
         """The LoRA a request names (loaded once, reloaded when its file changes), or None."""

@@ -1,0 +1,87 @@
+"""Fill-in-the-middle without a daemon: the markers found as llama.cpp finds them (and the ones
+that end generation), and the prompt laid out as Ollama's templates and llama-server's /infill
+lay it out, tokens exactly."""
+
+import pytest
+
+from conftest import tiny_path
+from fim_model import build_fim_model
+from kiln.native.fim import InfillError, find_fim_tokens, infill_prompt
+from kiln.native.gguf_file import read_gguf
+from kiln.native.tokenizer import GGUFTokenizer
+
+PRE, SUF, MID, PAD, REP, SEP = range(269, 275)
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    return GGUFTokenizer(read_gguf(build_fim_model(tiny_path("qwen2"), tmp_path_factory.mktemp("fim") / "c.gguf")))
+
+
+def test_the_markers_are_found_by_their_text_and_the_separators_end_generation(coder):
+    f = coder.fim
+    assert (f.pre, f.suf, f.mid, f.pad, f.rep, f.sep) == (PRE, SUF, MID, PAD, REP, SEP) and f.can_infill
+    # llama.cpp makes the pad, repo and file separators end-of-generation: a code model writes
+    # them when it would go on to another file
+    assert {PAD, REP, SEP} <= coder.special.stop_ids and not {PRE, SUF, MID} & coder.special.stop_ids
+    assert all(coder.is_control(t) for t in range(PRE, SEP + 1))
+    plain = GGUFTokenizer(read_gguf(tiny_path("qwen2")))
+    assert not plain.fim.can_infill and plain.special.stop_ids == coder.special.stop_ids - {PAD, REP, SEP}
+
+
+def test_the_default_model_cannot_infill_but_stops_at_its_repo_marker(default_model_path):
+    tok = GGUFTokenizer(read_gguf(default_model_path))
+    # SmolLM2 has StarCoder's <reponame> (llama.cpp's FIM_REP, an end of generation) and no FIM markers
+    assert tok.tokens[4] == "<reponame>" and tok.fim.rep == 4 and not tok.fim.can_infill
+    assert 4 in tok.special.stop_ids
+    with pytest.raises(InfillError, match="no fill-in-the-middle tokens"):
+        infill_prompt(tok, "a", "b", n_ctx=2048)
+
+
+def test_metadata_ids_win_over_the_text():
+    vocab = {"<|fim_prefix|>": 0, "<PRE>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3}
+    f, by_text = find_fim_tokens({"tokenizer.ggml.fim_pre_token_id": 1}, vocab)
+    assert (f.pre, f.suf, f.mid, f.pad) == (1, 2, 3, None) and by_text == {2, 3}
+
+
+def test_the_plain_layout_is_ollamas_template(coder):
+    enc = lambda s: coder.encode(s, special=False, add_bos=False)  # noqa: E731
+    prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))  # <|fim_middle|>\n"
+    ids = infill_prompt(coder, prefix, suffix, n_ctx=2048)
+    assert ids == [PRE] + enc(prefix) + [SUF] + enc(suffix) + [MID]
+    assert ids.count(MID) == 1              # a marker typed in the code stays text
+
+
+def test_the_repo_level_layout_is_llama_servers(coder):
+    enc = lambda s: coder.encode(s, special=False, add_bos=False)  # noqa: E731
+    ids = infill_prompt(coder, "x = ", "\nprint(x)\n", middle="compute", repo_level=True, n_ctx=8192, n_predict=64,
+                        extra=[("util.py", "def compute():\n    return 1\n"), ("b.py", "B = 2\n")])
+    assert ids == ([REP] + enc("myproject\n") + [SEP] + enc("util.py\n") + enc("def compute():\n    return 1\n")
+                   + [SEP] + enc("b.py\n") + enc("B = 2\n") + [SEP] + enc("filename\n")
+                   + [PRE] + enc("x = ") + enc("compute") + [SUF] + enc("\nprint(x)\n") + [MID])
+
+
+def test_the_repo_level_layout_cuts_as_llama_server_does(coder):
+    """Prefix: its last 3/4 of a 2048-token window; suffix: its first 1/4 less the middle and the
+    two markers; other files: the most recent of what the context leaves after 2 × n_predict."""
+    enc = lambda s: coder.encode(s, special=False, add_bos=False)  # noqa: E731
+    prefix, suffix, other = "a b " * 2000, "c d " * 1000, "e f " * 5000
+    p, s, o = enc(prefix), enc(suffix), enc(other)
+    assert len(p) > 1536 and len(s) > 512 and len(o) > 8192
+    ids = infill_prompt(coder, prefix, suffix, middle="g", repo_level=True, n_ctx=8192, n_predict=128,
+                        extra=[("o.py", other)])
+    tail = [PRE] + p[-1536:] + enc("g") + [SUF] + s[:512 - 2 - len(enc("g"))] + [MID]
+    assert ids[-len(tail):] == tail
+    extra = ([REP] + enc("myproject\n") + [SEP] + enc("o.py\n") + o + [SEP] + enc("filename\n"))
+    assert ids[:-len(tail)] == extra[-(8192 - 2048 - 256):]
+    # a small context keeps room for the answer
+    small = infill_prompt(coder, prefix, suffix, repo_level=True, n_ctx=512, n_predict=64, extra=[("o.py", other)])
+    assert len(small) + 64 <= 512 and small[-1] == MID
+
+
+def test_without_a_file_separator_other_files_are_set_apart_as_snippets(tmp_path):
+    tok = GGUFTokenizer(read_gguf(build_fim_model(tiny_path("qwen2"), tmp_path / "c3.gguf",
+                                                  ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"])))
+    enc = lambda s: tok.encode(s, special=False, add_bos=False)  # noqa: E731
+    ids = infill_prompt(tok, "p", "s", repo_level=True, n_ctx=4096, extra=[("x.py", "X")])
+    assert ids == enc("\n\n--- snippet ---\n\n") + enc("X") + [PRE] + enc("p") + [SUF] + enc("s") + [MID]

@@ -1,0 +1,135 @@
+"""Code infilling through a real daemon: OpenAI's `suffix` (official client), Ollama's `suffix`
+and llama-server's `/infill` each run exactly the prompt their product lays out (the same answer
+as a raw completion of those tokens), whole and streamed; a model without FIM markers, and
+every field with no place in an infill, are refused by name."""
+
+import json
+import shutil
+import urllib.request
+
+import openai
+import pytest
+
+from conftest import tiny_path
+from daemon_harness import Daemon, http_json
+from fim_model import build_fim_model
+
+pytestmark = pytest.mark.timeout(300)
+PRE, SUF, MID, REP, SEP = 269, 270, 271, 273, 274
+PREFIX, SUFFIX = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
+
+
+@pytest.fixture(scope="module")
+def served(default_model_path, tmp_path_factory):
+    home = tmp_path_factory.mktemp("infill")
+    (home / "models").mkdir()
+    coder = build_fim_model(tiny_path("qwen2"), home / "models" / "tiny-coder.gguf")
+    shutil.copy(default_model_path, home / "models" / "smol.gguf")
+    with Daemon(home, {"default": {"kind": "inference", "model": str(home / "models" / "smol.gguf")},
+                       # a context past llama-server's 2048-token window leaves room for other files
+                       "coder": {"kind": "inference", "model": str(coder), "settings": {"ctx": 4096}}}) as d:
+        d.wait(lambda st: all(w["worker_state"] == "ready" for w in st["workers"]), timeout=90, what="models loaded")
+        yield d
+
+
+def enc(d, text: str) -> list[int]:
+    status, out = http_json(d, "POST", "/tokenize", {"model": "coder", "content": text})
+    assert status == 200, out
+    return out["tokens"]
+
+
+def raw(d, ids: list[int], n: int = 12) -> str:
+    """The answer to exactly these prompt tokens."""
+    status, out = http_json(d, "POST", "/v1/completions", {"model": "coder", "prompt": ids, "max_tokens": n,
+                                                         "temperature": 0})
+    assert status == 200, out
+    return out["choices"][0]["text"]
+
+
+def test_openai_suffix_runs_the_plain_fim_prompt(served):
+    expected = raw(served, [PRE] + enc(served, PREFIX) + [SUF] + enc(served, SUFFIX) + [MID])
+    client = openai.OpenAI(base_url=served.http + "/v1", api_key="unused", timeout=60)
+    r = client.completions.create(model="coder", prompt=PREFIX, suffix=SUFFIX, max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected and expected
+    assert r.usage.prompt_tokens == 3 + len(enc(served, PREFIX)) + len(enc(served, SUFFIX))
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="coder", prompt=PREFIX, suffix=SUFFIX, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == expected
+    # an empty suffix is no suffix: a plain completion, as OpenAI and Ollama take it
+    r = client.completions.create(model="coder", prompt=PREFIX, suffix="", max_tokens=12, temperature=0)
+    assert r.choices[0].text == raw(served, enc(served, PREFIX))
+
+
+def test_ollama_suffix_runs_the_same_prompt(served):
+    expected = raw(served, [PRE] + enc(served, PREFIX) + [SUF] + enc(served, SUFFIX) + [MID])
+    status, out = http_json(served, "POST", "/api/generate", {"model": "coder", "prompt": PREFIX, "suffix": SUFFIX,
+                                                             "stream": False, "options": {"temperature": 0,
+                                                                                          "num_predict": 12}})
+    assert status == 200 and out["response"] == expected, out
+    # at the top of a file the prefix is empty: still an infill, not a model load
+    expected = raw(served, [PRE, SUF] + enc(served, SUFFIX) + [MID])
+    status, out = http_json(served, "POST", "/api/generate", {"model": "coder", "prompt": "", "suffix": SUFFIX,
+                                                             "stream": False, "options": {"temperature": 0,
+                                                                                          "num_predict": 12}})
+    assert status == 200 and out["response"] == expected and out["done_reason"] in ("stop", "length"), out
+    status, show = http_json(served, "POST", "/api/show", {"model": "tiny-coder"})
+    assert status == 200 and "insert" in show["capabilities"], show
+    status, show = http_json(served, "POST", "/api/show", {"model": "smol"})
+    assert status == 200 and "insert" not in show["capabilities"], show
+
+
+def test_infill_runs_llama_servers_repo_level_prompt(served):
+    extra = [{"filename": "util.py", "text": "def helper():\n    return 42\n"}]
+    ids = ([REP] + enc(served, "myproject\n") + [SEP] + enc(served, "util.py\n") + enc(served, extra[0]["text"])
+           + [SEP] + enc(served, "filename\n") + [PRE] + enc(served, PREFIX) + enc(served, " a")
+           + [SUF] + enc(served, SUFFIX) + [MID])
+    expected = raw(served, ids)
+    body = {"model": "coder", "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": extra, "prompt": " a",
+            "n_predict": 12, "temperature": 0, "cache_prompt": True}
+    status, out = http_json(served, "POST", "/infill", body)
+    assert status == 200, out
+    assert out["content"] == expected and out["stop"] is True and out["tokens_evaluated"] == len(ids)
+    assert out["tokens_predicted"] == len(out["tokens"]) and out["stop_type"] in ("eos", "limit")
+    assert out["timings"]["predicted_n"] == out["tokens_predicted"]
+    # streamed: llama-server's native events, no [DONE]
+    req = urllib.request.Request(served.http + "/infill", data=json.dumps(dict(body, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == expected
+    assert events[-1]["tokens_predicted"] == out["tokens_predicted"]
+
+
+def test_a_model_without_fim_markers_is_refused_by_name(served):
+    status, out = http_json(served, "POST", "/v1/completions", {"model": "default", "prompt": "a", "suffix": "b"})
+    assert status == 400 and "fill-in-the-middle" in out["error"]["message"] and "smol" in out["error"]["message"]
+    status, out = http_json(served, "POST", "/infill", {"model": "default", "input_prefix": "a", "input_suffix": "b"})
+    assert status == 400 and "fill-in-the-middle" in out["error"]["message"]
+    status, out = http_json(served, "POST", "/api/generate", {"model": "smol", "prompt": "a", "suffix": "b",
+                                                             "stream": False})
+    assert status == 400 and "fill-in-the-middle" in out["error"], out       # Ollama's error shape
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/infill", {"input_prefix": "a", "samplers": ["top_k", "top_p", "infill"]}, "samplers"),
+    ("/infill", {"input_prefix": "a", "n_indent": 4}, "n_indent"),
+    ("/infill", {"input_prefix": "a", "t_max_predict_ms": 500}, "t_max_predict_ms"),
+    ("/infill", {"input_prefix": "a", "input_extra": [{"name": "x", "text": "y"}]}, "input_extra[0]"),
+    ("/infill", {"input_prefix": 3}, "input_prefix"),
+    ("/infill", {}, "input_prefix"),
+    ("/infill", {"input_prefix": "a", "n_predict": 0}, "n_predict"),
+    ("/v1/completions", {"prompt": ["a", "b"], "suffix": "c"}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "suffix": "c", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "suffix": 3}, "suffix"),
+    ("/api/generate", {"prompt": "a", "suffix": "b", "system": "be brief"}, "system"),
+    ("/api/generate", {"prompt": "a", "suffix": "b", "raw": True}, "raw"),
+    ("/api/generate", {"prompt": "a", "suffix": "b", "format": "json"}, "format"),
+])
+def test_what_an_infill_has_no_place_for_is_refused(served, path, body, field):
+    status, out = http_json(served, "POST", path, {"model": "coder", **body})
+    if path.startswith("/api/"):                       # Ollama's error shape: a message naming the field
+        assert status == 400 and out["error"].startswith(f"{field} "), out
+    else:
+        assert status == 400 and out["error"].get("param") == field, out
