@@ -74,7 +74,7 @@ class Generation:
         self.tok = model.tokenizer
         self.params = params
         self.index = index
-        self.sampler = Sampler(params, stream=index)
+        self.sampler = Sampler(params, stream=index, tok=self.tok)
         # a grammar the output must match: its mask is applied before sampling
         self.constraint = Constraint(params.grammar, self.tok) if params.grammar else None
         self.decoder = self.tok.stream_decoder(skip_control=True, keep=show)
@@ -87,6 +87,9 @@ class Generation:
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
         self.drafted = self.accepted = 0        # speculative decoding (native/speculate.py)
+        # code infilling's line rules (llama-server's n_indent, t_max_predict_ms): what was
+        # generated, where the line being checked starts, and whether a line has ended
+        self.text, self.line_at, self.had_newline, self.released = "", 0, False, 0
 
     @property
     def done(self) -> bool:
@@ -113,19 +116,59 @@ class Generation:
         if tid in self.tok.special.stop_ids and not p.ignore_eos:
             self.reason = "stop"
             return Token(tid, "", lp, top, self.index)
-        self.pending += self.decoder.feed(tid)
+        piece = self.decoder.feed(tid)
+        self.pending += piece
         hit = min(((self.pending.find(s), s) for s in p.stop if s in self.pending), default=None)
         if hit is not None:
             text, self.pending, self.reason, self.stop_string = self.pending[:hit[0]], "", "stop", hit[1]
             return Token(tid, text, lp, top, self.index)
-        release = len(self.pending) - _stop_hold(self.pending, p.stop)
+        if p.n_indent or p.t_max_predict_ms:
+            self._line_rules(piece)
+            if self.reason:
+                text, self.pending = self.pending, ""
+                self.released += len(text)
+                return Token(tid, text, lp, top, self.index)
+        release = len(self.pending) - max(_stop_hold(self.pending, p.stop), self._indent_hold())
         text, self.pending = self.pending[:release], self.pending[release:]
+        self.released += len(text)
         if self.constraint and self.constraint.done:
             self.reason = "stop"                 # the grammar is complete: nothing may follow
             text, self.pending = text + self.pending + self.decoder.flush(), ""
         elif self.n_out >= p.max_tokens:
             self.reason = "length"
         return Token(tid, text, lp, top, self.index)
+
+    def _line_rules(self, piece: str) -> None:
+        """llama-server's rules for code completion, checked after each token: a new line
+        indented less than `n_indent` ends the answer before its first non-blank character;
+        once a line has ended, the answer ends when `t_max_predict_ms` have passed."""
+        p = self.params
+        self.text += piece
+        if self.had_newline and p.n_indent and self.line_at > 0:
+            pos = self.line_at
+            while pos < len(self.text) and self.text[pos] in " \t":
+                pos += 1
+            if pos < len(self.text) and pos - self.line_at < p.n_indent:
+                self.reason = "length"
+                # cut at the line's first non-blank character (what was sent stays sent)
+                self.pending = self.text[self.released:max(pos, self.released)]
+                return
+        if p.n_indent:
+            nl = self.text.find("\n", self.line_at)
+            if nl >= 0:
+                self.line_at = nl + 1
+        if self.had_newline and p.t_max_predict_ms and \
+                (time.perf_counter() - self.t_first) * 1000 > p.t_max_predict_ms:
+            self.reason = "length"
+        if "\n" in piece:
+            self.had_newline = True
+
+    def _indent_hold(self) -> int:
+        """With n_indent, a line that is still only blanks is held back: it may yet be cut."""
+        if not self.params.n_indent:
+            return 0
+        nl = self.pending.rfind("\n")
+        return len(self.pending) - nl - 1 if nl >= 0 and not self.pending[nl + 1:].strip(" \t") else 0
 
     def finish(self, reason: str | None = None) -> Finish:
         self.reason = reason or self.reason or "length"

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 
+# the llama.cpp samplers a chain may name (common/sampling.cpp's names)
+SAMPLERS = ("penalties", "top_k", "typ_p", "top_p", "min_p", "temperature", "infill")
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message names it."""
 
@@ -37,6 +41,11 @@ class SamplingParams:
     logit_bias: dict = field(default_factory=dict)      # token id -> added to its logit
     grammar: str | None = None      # llguidance grammar the output must match (native/constrain.py)
     speculative: bool = True        # may check prompt-lookup drafts (never changes the text)
+    # llama-server's sampler chain, in its order (None: Kiln's fixed chain, above); a sampler
+    # not named does not run — with no "temperature" the draw is at temperature 1
+    samplers: list[str] | None = None
+    n_indent: int = 0               # stop at a new line indented less than this (code infilling)
+    t_max_predict_ms: float = 0.0   # once a line has ended, stop after this long generating (0: off)
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -55,6 +64,10 @@ class SamplingParams:
              "token ids mapped to values between -100 and 100"),
             ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
              "at most 16 non-empty strings"),
+            ("samplers", self.samplers is None or (isinstance(self.samplers, list) and all(
+                x in SAMPLERS for x in self.samplers)), f"a list of {', '.join(SAMPLERS)}"),
+            ("n_indent", self.n_indent >= 0, "≥ 0"),
+            ("t_max_predict_ms", self.t_max_predict_ms >= 0, "≥ 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -90,10 +103,11 @@ def top_ranked(logits: np.ndarray, k: int) -> np.ndarray:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, stream: int = 0):
+    def __init__(self, params: SamplingParams, stream: int = 0, tok=None):
         """`stream` numbers the sequences of one request (n > 1): each draws from its own
-        generator, all fixed by the seed."""
-        self.p = params
+        generator, all fixed by the seed. `tok`: the model's tokenizer, which the infill sampler
+        reads (which tokens end generation, each token's text)."""
+        self.p, self.tok = params, tok
         self.rng = np.random.default_rng(params.seed if stream == 0 or params.seed is None
                                          else [params.seed, stream])
 
@@ -127,6 +141,8 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: list[int]) -> int:
         p = self.p
+        if p.samplers is not None:
+            return self._chain(self.apply_bias(logits), history)
         logits = self.apply_penalties(self.apply_bias(logits), history)
         if p.temperature <= 0.0:
             return int(np.argmax(logits))
@@ -150,6 +166,44 @@ class Sampler:
         probs /= probs.sum()
         return int(order[self.rng.choice(len(order), p=probs)])
 
+    # -- llama-server's named chain --------------------------------------------------------------
+
+    def _chain(self, logits: np.ndarray, history: list[int]) -> int:
+        """The samplers `samplers` names, in its order, on candidates kept sorted by logit (as
+        llama.cpp's llama_token_data_array), then a draw from the softmax of what is left."""
+        p = self.p
+        if p.samplers[:1] == ["top_k"] and 0 < p.top_k < len(logits):
+            order = top_ranked(logits, p.top_k)         # the common case, without sorting it all
+        else:
+            order = np.argsort(-logits, kind="stable")
+        cand = logits[order].astype(np.float64)
+        for name in p.samplers:
+            if name == "penalties":
+                pen = self.apply_penalties(logits, history)
+                cand = pen[order].astype(np.float64)
+                by = np.argsort(-cand, kind="stable")
+                order, cand = order[by], cand[by]
+            elif name == "top_k" and 0 < p.top_k < len(order):
+                order, cand = order[:p.top_k], cand[:p.top_k]
+            elif name == "typ_p" and p.typical_p < 1.0:
+                order, cand, _ = _typical(order, cand, _softmax(cand), p.typical_p)
+            elif name == "top_p" and p.top_p < 1.0:
+                keep = int(np.searchsorted(np.cumsum(_softmax(cand)), p.top_p) + 1)
+                order, cand = order[:keep], cand[:keep]
+            elif name == "min_p" and p.min_p > 0.0:
+                keep = _softmax(cand) >= p.min_p * _softmax(cand)[0]
+                order, cand = order[keep], cand[keep]
+            elif name == "temperature":
+                if p.temperature <= 0.0:
+                    order, cand = order[:1], cand[:1]
+                else:
+                    cand = cand / p.temperature
+            elif name == "infill":
+                order, cand = infill_filter(order, cand, self.tok)
+        if len(order) == 1:
+            return int(order[0])
+        return int(order[self.rng.choice(len(order), p=_softmax(cand))])
+
 
 def _typical(order, cand, probs, mass: float):
     """Locally typical sampling (Meier et al. 2022, as llama.cpp): keep the tokens whose
@@ -163,3 +217,42 @@ def _typical(order, cand, probs, mass: float):
     sel = np.sort(by[:max(1, keep)])          # back in descending-probability order
     probs = probs[sel] / probs[sel].sum()
     return order[sel], cand[sel], probs
+
+def _softmax(cand: np.ndarray) -> np.ndarray:
+    e = np.exp(cand - cand.max())
+    return e / e.sum()
+
+
+def infill_filter(order: np.ndarray, cand: np.ndarray, tok) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's infill sampler (llama_sampler_infill_apply), for code completion: when the
+    tokens that end generation hold enough of the mass, only they are left; otherwise a token
+    whose text begins another's takes that one's probability, and only the tokens clearly ahead
+    (p ≥ 0.2, then ≥ 1/(n+1)) are left, the enders always; none left: end of text. It only
+    chooses the candidates: the draw that follows uses their logits, as llama.cpp's does."""
+    probs = _softmax(cand)
+    eog = np.array([int(t) in tok.special.stop_ids for t in order])
+    p_eog, p_txt = probs[eog].sum(), probs[~eog].sum()
+    if 3 * p_eog * len(order) > p_txt:
+        return order[eog], cand[eog]
+    text = [b"" if tok.is_control(int(t)) else tok.token_bytes(int(t)) for t in order]
+    probs, gone = probs.copy(), np.zeros(len(order), bool)
+    for i0 in range(len(order)):
+        for i1 in range(len(order)):
+            if gone[i0]:
+                break
+            if i0 == i1 or gone[i1]:
+                continue
+            if text[i0] and text[i1].startswith(text[i0]):      # i0's text begins i1's
+                dst, src = (i1, i0) if probs[i1] > probs[i0] else (i0, i1)
+                probs[dst] += probs[src]
+                probs[src], gone[src] = 0.0, True
+    keep = (probs >= 0.2) | eog
+    n_text = int((keep & ~eog).sum())
+    if n_text == 0:
+        sp = tok.special
+        end = sp.eot if sp.eot is not None else sp.eos
+        return np.array([end]), np.array([1.0])
+    probs = np.where(keep, probs, 0.0) / probs[keep].sum()
+    keep &= (probs >= 1.0 / (n_text + 1)) | eog
+    # merged-away tokens left as enders keep llama.cpp's -inf logit: never drawn
+    return order[keep], np.where(gone, -np.inf, cand)[keep]

@@ -7,8 +7,13 @@ answer is llama-server's native completion object (`content`, `stop`, `tokens_pr
 `tokens_evaluated`, `stop_type`, `timings`, …), streamed as `data: {…}` events with no
 `[DONE]`, as llama-server streams its native routes.
 
-llama-server's other knobs (`samplers` and its `infill` sampler, `n_indent`, `t_max_*_ms`,
-`id_slot`, `lora`, …) are refused by name: a field Kiln would have to ignore is an error.
+What llama.vim and llama.vscode send works: `samplers` (a chain of llama.cpp's samplers in
+order, its `infill` sampler included — native/sampling.py), `n_indent`, `t_max_predict_ms`
+(native/generate.py), `n_predict: 0` (the prompt is only cached: they send other files ahead of
+time), `response_fields`. Two fields are accepted that change nothing, because llama-server does
+nothing with them either: `t_max_prompt_ms` (its "TODO: implement") and an `input_extra` item's
+`time` (the plugin's own bookkeeping). llama-server's other knobs (`id_slot`, `lora`, `dry_*`,
+`xtc_*`, `mirostat`, …) are refused by name.
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ from .openai_validate import adapter, bad, keep_alive, known_fields, sampling_pa
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
 FIELDS = {"model", "input_prefix", "input_suffix", "input_extra", "prompt", "stream", "n_predict", "max_tokens",
-          "cache_prompt", "adapter", "keep_alive"} | _SAMPLING
+          "cache_prompt", "adapter", "keep_alive", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
+          "response_fields"} | _SAMPLING
+# llama.cpp's sampler names (and the short ones it also takes) -> Kiln's; the field each reads
+_SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "typ_p": "typ_p", "typical_p": "typ_p",
+                  "top_p": "top_p", "min_p": "min_p", "temperature": "temperature", "temp": "temperature",
+                  "infill": "infill"}
+_READS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typ_p",
+          "repeat_penalty": "penalties", "presence_penalty": "penalties", "frequency_penalty": "penalties"}
 
 
 def infill_work(body: dict) -> dict:
@@ -39,12 +51,11 @@ def infill_work(body: dict) -> dict:
         raise bad("input_extra", "input_extra must be a list of {\"filename\", \"text\"} objects", "invalid_type")
     files = []
     for i, chunk in enumerate(extra):
+        # "time": llama.vim's own bookkeeping, which llama-server ignores too
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str) or \
-                not isinstance(chunk.get("filename", "tmp"), str) or set(chunk) - {"filename", "text"}:
+                not isinstance(chunk.get("filename", "tmp"), str) or set(chunk) - {"filename", "text", "time"}:
             raise bad(f"input_extra[{i}]", "each input_extra item is {\"filename\": string, \"text\": string}")
         files.append([chunk.get("filename", "tmp"), chunk["text"]])
-    if not texts["prefix"] and not texts["suffix"] and not texts["middle"]:
-        raise bad("input_prefix", "nothing to infill: input_prefix, input_suffix and prompt are all empty")
     return {**texts, "extra": files, "repo_level": True}
 
 
@@ -53,11 +64,50 @@ def _params(body: dict) -> dict:
         raise bad("n_predict", "give n_predict or max_tokens, not both")
     n = body.get("n_predict", body.get("max_tokens"))
     which = "n_predict" if "n_predict" in body else "max_tokens"
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not (n == -1 or n >= 1)):
-        raise bad(which, f"{which} must be -1 (until the model stops or the context ends) or at least 1")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < -1):
+        raise bad(which, f"{which} must be -1 (until the model stops or the context ends), 0 (only cache "
+                         f"the prompt) or a number of tokens")
     params = sampling_params({k: v for k, v in body.items() if k in _SAMPLING})
     params["max_tokens"] = -1 if n is None else n
+    if body.get("samplers") is not None:
+        chain = body["samplers"]
+        if not isinstance(chain, list) or not all(isinstance(x, str) for x in chain):
+            raise bad("samplers", "samplers must be a list of sampler names", "invalid_type")
+        for x in chain:
+            if x not in _SAMPLER_NAMES:
+                raise bad("samplers", f"sampler {x!r} is not supported (supported: {', '.join(_SAMPLER_NAMES)})")
+        params["samplers"] = [_SAMPLER_NAMES[x] for x in chain]
+        if n != 0:                               # nothing is sampled with n_predict 0
+            for field, sampler in _READS.items():
+                if field in body and sampler not in params["samplers"]:
+                    raise bad(field, f"{field} has no effect: samplers does not name {sampler!r}")
+    for field, low in (("n_indent", 0), ("t_max_predict_ms", None), ("t_max_prompt_ms", None)):
+        v = body.get(field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or (field == "n_indent" and (not isinstance(v, int) or v < low))):
+            raise bad(field, f"{field} must be a {'non-negative integer' if field == 'n_indent' else 'number'}")
+    if body.get("n_indent"):
+        params["n_indent"] = body["n_indent"]
+    if (body.get("t_max_predict_ms") or 0) > 0:          # llama-server: ≤ 0 is no limit
+        params["t_max_predict_ms"] = float(body["t_max_predict_ms"])
     return params
+
+
+def _fields(out: dict, paths) -> dict:
+    """llama-server's response_fields: only these paths ("timings/prompt_n"), flat, by path."""
+    if not isinstance(paths, list) or not all(isinstance(x, str) for x in paths):
+        raise bad("response_fields", "response_fields must be a list of paths", "invalid_type")
+    picked = {}
+    for path in paths:
+        node = out
+        for key in path.split("/"):
+            node = node.get(key, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            picked[path] = node
+    return picked
+
+
+_MISSING = object()
 
 
 class Infill:
@@ -70,13 +120,16 @@ class Infill:
         if "cache_prompt" in body and not isinstance(body["cache_prompt"], bool):
             raise bad("cache_prompt", "cache_prompt must be a boolean", "invalid_type")
         work = {"infill": infill_work(body), "params": _params(body), **adapter(body), **keep_alive(body)}
+        if body.get("response_fields") is not None:
+            _fields({}, body["response_fields"])
         stream = self.api.stream_flag(body)
         route = self.api.route(body, req)
         model = body.get("model") or route["worker"]
         work["worker"] = route["worker"]
         answer = self.api.answer(req, "generate", work, whole=not stream)
         if stream:
-            return self.api.send_sse(resp, _events(answer, model, self.api.keepalive), answer)
+            return self.api.send_sse(resp, _events(answer, model, self.api.keepalive, body.get("response_fields")),
+                                     answer)
         content, tokens, final = [], [], None
         try:
             for msg in answer:
@@ -92,7 +145,8 @@ class Infill:
         if final is None:
             raise JSONError(499, "client_closed", "the client closed the connection")
         content.append(final.get("text", ""))
-        resp.media = _closing(final, model, "".join(content), tokens)
+        out = _closing(final, model, "".join(content), tokens)
+        resp.media = out if body.get("response_fields") is None else _fields(out, body["response_fields"])
 
 
 def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
@@ -107,13 +161,18 @@ def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
             "tokens_cached": u.get("cached_tokens", 0), "truncated": False, "stop_type": stop_type,
             "stopping_word": final.get("stop_string") or "", "has_new_line": "\n" in content,
             "timings": {"prompt_n": n_prompt, "prompt_ms": prefill_ms,
+                        "prompt_per_token_ms": prefill_ms / n_prompt if n_prompt else 0.0,
                         "prompt_per_second": n_prompt / (prefill_ms / 1000) if prefill_ms else 0.0,
                         "predicted_n": u["completion_tokens"], "predicted_ms": decode_ms,
+                        "predicted_per_token_ms": decode_ms / u["completion_tokens"] if u["completion_tokens"] else 0.0,
                         "predicted_per_second": u["completion_tokens"] / (decode_ms / 1000) if decode_ms else 0.0}}
 
 
-def _events(answer: Answer, model: str, keepalive: float) -> Iterator[bytes]:
-    data = lambda obj: b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"  # noqa: E731
+def _events(answer: Answer, model: str, keepalive: float, fields=None) -> Iterator[bytes]:
+    def data(obj: dict) -> bytes:
+        obj = obj if fields is None or "error" in obj else _fields(obj, fields)
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
     n = 0
     try:
         for msg in answer.stream(keepalive):

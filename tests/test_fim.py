@@ -85,3 +85,88 @@ def test_without_a_file_separator_other_files_are_set_apart_as_snippets(tmp_path
     enc = lambda s: tok.encode(s, special=False, add_bos=False)  # noqa: E731
     ids = infill_prompt(tok, "p", "s", repo_level=True, n_ctx=4096, extra=[("x.py", "X")])
     assert ids == enc("\n\n--- snippet ---\n\n") + enc("X") + [PRE] + enc("p") + [SUF] + enc("s") + [MID]
+
+
+# -- the sampler chain llama.vim and llama.vscode ask for, and the line rules -----------------
+
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from kiln.native.generate import Generation  # noqa: E402
+from kiln.native.sampling import Sampler, SamplingParams, infill_filter  # noqa: E402
+
+
+def _cands(coder, scores: dict[int, float]):
+    """Candidates sorted by logit, as the chain keeps them."""
+    order = np.array(sorted(scores, key=lambda t: -scores[t]))
+    return order, np.array([scores[t] for t in order], dtype=np.float64)
+
+
+def test_the_infill_sampler_keeps_only_the_enders_when_they_hold_enough(coder):
+    eos = coder.special.eos
+    a, b = (coder.encode(c, special=False, add_bos=False)[0] for c in "ab")
+    # p(eos) ≈ 0.13 of three candidates: 3 × 0.13 × 3 > 0.87 → the enders alone
+    order, cand = infill_filter(*_cands(coder, {a: 2.0, b: 1.5, eos: 0.6}), coder)
+    assert order.tolist() == [eos]
+    order, cand = infill_filter(*_cands(coder, {a: 2.0, b: 1.5, eos: 0.2}), coder)   # ≈ 0.09: not enough
+    assert eos in order.tolist() and a in order.tolist()
+
+
+def test_the_infill_sampler_merges_a_token_into_the_one_it_begins(coder):
+    """' t' begins ' the': the likelier of the two takes the other's probability, so two
+    spellings of one continuation do not split its mass; then only the clear leaders are left."""
+    ids = {t: coder.encode(t, special=False, add_bos=False) for t in (" t", " the", "x", "y")}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    t, the, x, y = (ids[k][0] for k in (" t", " the", "x", "y"))
+    eos = coder.special.eos
+    # p: the .39, t .35, x .24, y .02 → ' the' takes ' t' (.74); y is under 0.2; renormalised
+    # the .76, x .24 — and x is under 1/(2+1): ' the' is left, and the ender, always
+    order, cand = infill_filter(*_cands(coder, {the: 3.0, t: 2.9, x: 2.5, y: 0.0, eos: -8.0}), coder)
+    assert sorted(order.tolist()) == sorted([the, eos])
+    # nothing clearly ahead: the end of text
+    flat = {coder.encode(c, special=False, add_bos=False)[0]: 0.0 for c in "abcdefghijkl"}
+    order, cand = infill_filter(*_cands(coder, flat | {eos: -20.0}), coder)
+    assert order.tolist() == [eos]
+
+
+def test_a_named_chain_runs_only_its_samplers(coder):
+    logits = np.full(coder.vocab_size, -10.0, np.float32)
+    logits[[5, 6, 7]] = [3.0, 2.9, 2.8]
+    # no temperature in the chain: temperature 0 would be greedy, but it does not run
+    s = Sampler(SamplingParams(samplers=["top_k", "top_p"], top_k=2, top_p=1.0, temperature=0, seed=3), tok=coder)
+    assert {s.sample(logits, []) for _ in range(100)} == {5, 6}
+    s = Sampler(SamplingParams(samplers=["top_k", "temperature"], top_k=3, temperature=0), tok=coder)
+    assert {s.sample(logits, []) for _ in range(20)} == {5}
+
+
+def _forced(coder, params: SamplingParams, pieces: list[str]) -> tuple[str, str]:
+    """Run Generation over logits that force each piece's one token: (text released, reason)."""
+    gen = Generation(SimpleNamespace(tokenizer=coder), [1, 2, 3], params)
+    out = []
+    for piece in pieces:
+        [tid] = coder.encode(piece, special=False, add_bos=False)
+        logits = np.full(coder.vocab_size, -10.0, np.float32)
+        logits[tid] = 10.0
+        out.append(gen.step(logits).text)
+        if gen.done:
+            break
+    fin = gen.finish()
+    return "".join(out) + fin.text, fin.reason
+
+
+def test_n_indent_ends_the_answer_at_a_line_indented_less(coder):
+    greedy = dict(temperature=0, max_tokens=50)
+    pieces = ["x", "\n", " ", " ", "y", "\n", " ", "z", "\n", "w"]
+    # the second line (2 spaces) is deep enough for n_indent 2; the third (1 space) is not: cut
+    # before its first character, its indentation kept (llama-server's cut)
+    text, reason = _forced(coder, SamplingParams(n_indent=2, **greedy), pieces)
+    assert (text, reason) == ("x\n  y\n ", "length")
+    text, reason = _forced(coder, SamplingParams(**greedy), pieces)
+    assert (text, reason) == ("x\n  y\n z\nw", "length")
+
+
+def test_t_max_predict_ms_ends_the_answer_once_a_line_has_ended(coder):
+    text, reason = _forced(coder, SamplingParams(temperature=0, max_tokens=50, t_max_predict_ms=1e-6),
+                           ["x", "y", "\n", "z", "w"])
+    assert (text, reason) == ("xy\nz", "length")        # the token after the first line ends it

@@ -102,6 +102,37 @@ def test_infill_runs_llama_servers_repo_level_prompt(served):
     assert events[-1]["tokens_predicted"] == out["tokens_predicted"]
 
 
+# what llama.vim (autoload/llama.vim) sends: other files ahead of time, then each completion
+VIM_EXTRA = [{"text": "def helper():\n    return 42\n", "time": [1733, 2048], "filename": "util.py"},
+             {"text": "CONSTANT = 7\n", "time": [1733, 4096], "filename": "const.py"}]
+VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+              "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+              "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
+
+
+def test_llama_vims_requests_are_answered_as_llama_server_answers_them(served):
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": VIM_EXTRA, "prompt": "", "n_predict": 0,
+            "temperature": 0.0, "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1,
+            "t_max_predict_ms": 1, "response_fields": [""]}
+    status, out = http_json(served, "POST", "/infill", {"model": "coder", **warm})
+    assert status == 200 and out == {}, out           # nothing generated; no field asked for exists
+    fim = {"input_prefix": "import util\n\n", "input_suffix": "\n", "input_extra": VIM_EXTRA,
+           "prompt": "x = util.", "n_predict": 16, "n_indent": 0, "top_k": 40, "top_p": 0.99, "stream": False,
+           "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+           "t_max_predict_ms": 1500, "response_fields": VIM_FIELDS}
+    status, out = http_json(served, "POST", "/infill", {"model": "coder", **fim})
+    assert status == 200 and set(out) == set(VIM_FIELDS), out
+    # the other files were prefilled by the warm-up: only the cursor's part is new
+    extra_tokens = 2 + len(enc(served, "myproject\n")) + sum(
+        len(enc(served, c["filename"] + "\n")) + len(enc(served, c["text"])) + 1 for c in VIM_EXTRA)
+    assert out["tokens_cached"] >= extra_tokens - 1, (out, extra_tokens)
+    assert out["timings/predicted_n"] <= 16 and isinstance(out["content"], str)
+    # the chain draws at random: with a seed, the same answer again
+    seeded = dict(fim, seed=11, response_fields=["content", "tokens"])
+    first = http_json(served, "POST", "/infill", {"model": "coder", **seeded})[1]
+    assert http_json(served, "POST", "/infill", {"model": "coder", **seeded})[1] == first
+
+
 def test_a_model_without_fim_markers_is_refused_by_name(served):
     status, out = http_json(served, "POST", "/v1/completions", {"model": "default", "prompt": "a", "suffix": "b"})
     assert status == 400 and "fill-in-the-middle" in out["error"]["message"] and "smol" in out["error"]["message"]
@@ -113,13 +144,16 @@ def test_a_model_without_fim_markers_is_refused_by_name(served):
 
 
 @pytest.mark.parametrize("path,body,field", [
-    ("/infill", {"input_prefix": "a", "samplers": ["top_k", "top_p", "infill"]}, "samplers"),
-    ("/infill", {"input_prefix": "a", "n_indent": 4}, "n_indent"),
-    ("/infill", {"input_prefix": "a", "t_max_predict_ms": 500}, "t_max_predict_ms"),
+    ("/infill", {"input_prefix": "a", "samplers": ["top_k", "dry"]}, "samplers"),
+    ("/infill", {"input_prefix": "a", "samplers": "kpt"}, "samplers"),
+    ("/infill", {"input_prefix": "a", "samplers": ["top_k", "infill"], "temperature": 0.2}, "temperature"),
+    ("/infill", {"input_prefix": "a", "n_indent": -1}, "n_indent"),
+    ("/infill", {"input_prefix": "a", "t_max_predict_ms": "soon"}, "t_max_predict_ms"),
+    ("/infill", {"input_prefix": "a", "response_fields": "content"}, "response_fields"),
+    ("/infill", {"input_prefix": "a", "id_slot": 0}, "id_slot"),
     ("/infill", {"input_prefix": "a", "input_extra": [{"name": "x", "text": "y"}]}, "input_extra[0]"),
     ("/infill", {"input_prefix": 3}, "input_prefix"),
-    ("/infill", {}, "input_prefix"),
-    ("/infill", {"input_prefix": "a", "n_predict": 0}, "n_predict"),
+    ("/infill", {"input_prefix": "a", "n_predict": -2}, "n_predict"),
     ("/v1/completions", {"prompt": ["a", "b"], "suffix": "c"}, "prompt"),
     ("/v1/completions", {"prompt": "a", "suffix": "c", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "a", "suffix": 3}, "suffix"),
