@@ -13,7 +13,7 @@ import threading
 import falcon
 import waitress
 
-from . import anthropic_api, eval_api, infill_api, observe, ollama_api, openai_api, openai_responses, train_api, ui_app
+from . import anthropic_api, eval_api, llama_server_api, observe, ollama_api, openai_api, openai_responses, train_api, ui_app
 from .http_common import JSONError, bus, error_body
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
@@ -133,7 +133,7 @@ def make_app(sup) -> falcon.App:
     ollama_api.install(app, sup, api)
     openai_responses.install(app, sup, api)
     anthropic_api.install(app, sup, api)
-    infill_api.install(app, sup, api)
+    llama_server_api.install(app, sup, api)
     ui_app.install(app, sup)
     train_api.install(app, sup, api.read_json)
     eval_api.install(app, sup, api.read_json)

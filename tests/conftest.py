@@ -90,7 +90,7 @@ def _isolated_kiln_home(tmp_path_factory, monkeypatch):
 E2E_MODULES = {"test_evaluator_e2e", "test_http_foundation", "test_hub_pull", "test_model_library",
                "test_moe_stream_worker", "test_serving", "test_supervisor_e2e", "test_trainer_e2e",
                "test_router_e2e", "test_agent_api", "test_models_runtime", "test_ollama_api", "test_dashboard",
-               "test_private_weights_e2e", "test_openai_responses", "test_anthropic_api", "test_infill_api"}
+               "test_private_weights_e2e", "test_openai_responses", "test_anthropic_api", "test_llama_server_api"}
 E2E_TESTS = ("test_default_model_matches_llama_cpp[numpy]", "test_e8k2_variant_matches_llama_cpp[numpy]",
              "test_e8k8_variant_gives_the_dense_logits", "test_ten_thousand_random_frame_lists_raise_only_protocol_error",
              "test_llama_cpp_logits_with_our_adapter_meet_the_engine_bars", "test_tiny_model_matches_llama_cpp[numpy-llama3]",

@@ -1,19 +1,21 @@
-"""`POST /infill` — llama-server's code-infilling route, for editor plugins written against it.
+"""llama-server's native routes: `POST /completion` and `POST /infill` (code infilling).
 
-The body names the code before and after the cursor (`input_prefix`, `input_suffix`), other
+For tools and editor plugins written against llama-server rather than an OpenAI-style API. The
+answer is llama-server's native completion object (`content`, `tokens`, `stop`, `stop_type`,
+`tokens_predicted`, `tokens_evaluated`, `tokens_cached`, `timings`, …), streamed as `data: {…}`
+events with no `[DONE]`, as llama-server streams these routes.
+
+`/infill` names the code before and after the cursor (`input_prefix`, `input_suffix`), other
 files for context (`input_extra`: [{filename, text}]) and the start of the middle already typed
-(`prompt`); the worker lays them out as llama-server does (native/fim.py, repo-level). The
-answer is llama-server's native completion object (`content`, `stop`, `tokens_predicted`,
-`tokens_evaluated`, `stop_type`, `timings`, …), streamed as `data: {…}` events with no
-`[DONE]`, as llama-server streams its native routes.
+(`prompt`); the worker lays them out as llama-server does (native/fim.py, repo-level).
 
 What llama.vim and llama.vscode send works: `samplers` (a chain of llama.cpp's samplers in
 order, its `infill` sampler included — native/sampling.py), `n_indent`, `t_max_predict_ms`
 (native/generate.py), `n_predict: 0` (the prompt is only cached: they send other files ahead of
 time), `response_fields`. Two fields are accepted that change nothing, because llama-server does
 nothing with them either: `t_max_prompt_ms` (its "TODO: implement") and an `input_extra` item's
-`time` (the plugin's own bookkeeping). llama-server's other knobs (`id_slot`, `lora`, `dry_*`,
-`xtc_*`, `mirostat`, …) are refused by name.
+`time` (the plugin's own bookkeeping). llama-server's other knobs (`id_slot`, `lora`, `n_probs`,
+`dry_*`, `xtc_*`, `mirostat`, …) are refused by name.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from .openai_validate import adapter, bad, keep_alive, known_fields, sampling_pa
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
-FIELDS = {"model", "input_prefix", "input_suffix", "input_extra", "prompt", "stream", "n_predict", "max_tokens",
-          "cache_prompt", "adapter", "keep_alive", "samplers", "n_indent", "t_max_predict_ms", "t_max_prompt_ms",
-          "response_fields"} | _SAMPLING
+_COMMON = {"model", "stream", "n_predict", "max_tokens", "cache_prompt", "adapter", "keep_alive", "samplers",
+           "n_indent", "t_max_predict_ms", "t_max_prompt_ms", "response_fields"} | _SAMPLING
+FIELDS = _COMMON | {"input_prefix", "input_suffix", "input_extra", "prompt"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
 # llama.cpp's sampler names (and the short ones it also takes) -> Kiln's; the field each reads
 _SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "typ_p": "typ_p", "typical_p": "typ_p",
                   "top_p": "top_p", "min_p": "min_p", "temperature": "temperature", "temp": "temperature",
@@ -110,16 +113,35 @@ def _fields(out: dict, paths) -> dict:
 _MISSING = object()
 
 
-class Infill:
+def completion_work(body: dict) -> dict:
+    """/completion's prompt: a string (its special tokens parsed, as llama-server does) or token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return {"text": prompt, "special": True}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt": prompt}
+    raise bad("prompt", "prompt must be a non-empty string or a list of token ids (one prompt per request; "
+                        "/v1/completions takes several)", "invalid_type")
+
+
+class LlamaServer:
     def __init__(self, sup, api):
         self.sup, self.api = sup, api
 
-    def on_post(self, req, resp):
+    def on_post_infill(self, req, resp):
         body = self.api.read_json(req)
         known_fields(body, FIELDS)
+        self._answer(req, resp, body, {"infill": infill_work(body)})
+
+    def on_post_completion(self, req, resp):
+        body = self.api.read_json(req)
+        known_fields(body, COMPLETION_FIELDS)
+        self._answer(req, resp, body, completion_work(body))
+
+    def _answer(self, req, resp, body: dict, work: dict) -> None:
         if "cache_prompt" in body and not isinstance(body["cache_prompt"], bool):
             raise bad("cache_prompt", "cache_prompt must be a boolean", "invalid_type")
-        work = {"infill": infill_work(body), "params": _params(body), **adapter(body), **keep_alive(body)}
+        work = {**work, "params": _params(body), **adapter(body), **keep_alive(body)}
         if body.get("response_fields") is not None:
             _fields({}, body["response_fields"])
         stream = self.api.stream_flag(body)
@@ -139,7 +161,7 @@ class Infill:
                 else:
                     final = msg.body
         except WorkerGone as e:
-            raise error_from(e.msg, "input_prefix") from None
+            raise error_from(e.msg, "prompt") from None
         finally:
             answer.close()
         if final is None:
@@ -187,8 +209,11 @@ def _events(answer: Answer, model: str, keepalive: float, fields=None) -> Iterat
             else:
                 yield data(_closing(b, model, b.get("text", ""), []))
     except WorkerGone as e:
-        yield data(error_from(e.msg, "input_prefix").kiln_body)
+        yield data(error_from(e.msg, "prompt").kiln_body)
 
 
 def install(app, sup, api) -> None:
-    app.add_route("/infill", Infill(sup, api))
+    native = LlamaServer(sup, api)
+    app.add_route("/infill", native, suffix="infill")
+    app.add_route("/completion", native, suffix="completion")
+    app.add_route("/completions", native, suffix="completion")        # llama-server's alias

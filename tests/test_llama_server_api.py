@@ -1,7 +1,9 @@
-"""Code infilling through a real daemon: OpenAI's `suffix` (official client), Ollama's `suffix`
-and llama-server's `/infill` each run exactly the prompt their product lays out (the same answer
-as a raw completion of those tokens), whole and streamed; a model without FIM markers, and
-every field with no place in an infill, are refused by name."""
+"""llama-server's native routes and code infilling through a real daemon: `/completion` gives
+the answer /v1/completions gives, in llama-server's shape; OpenAI's `suffix` (official client),
+Ollama's `suffix` and llama-server's `/infill` each run exactly the prompt their product lays out
+(the same answer as a raw completion of those tokens), whole and streamed; llama.vim's own
+requests are answered; a model without FIM markers, and every field with no place, are refused
+by name."""
 
 import json
 import shutil
@@ -143,7 +145,43 @@ def test_a_model_without_fim_markers_is_refused_by_name(served):
     assert status == 400 and "fill-in-the-middle" in out["error"], out       # Ollama's error shape
 
 
+def test_completion_is_the_completions_answer_in_llama_servers_shape(served):
+    q = "The capital of France is"
+    status, ref = http_json(served, "POST", "/v1/completions", {"prompt": q, "max_tokens": 12, "temperature": 0})
+    assert status == 200, ref
+    status, out = http_json(served, "POST", "/completion", {"prompt": q, "n_predict": 12, "temperature": 0})
+    assert status == 200 and out["content"] == ref["choices"][0]["text"] and out["stop"] is True, out
+    assert out["tokens_evaluated"] == ref["usage"]["prompt_tokens"] and out["tokens_predicted"] == len(out["tokens"])
+    assert out["stop_type"] == ("limit" if ref["choices"][0]["finish_reason"] == "length" else "eos")
+    # token ids, and the stream: llama-server's events, no [DONE]
+    ids = enc_default(served, q)
+    assert http_json(served, "POST", "/completion", {"prompt": ids, "n_predict": 12,
+                                                     "temperature": 0})[1]["content"] == out["content"]
+    req = urllib.request.Request(served.http + "/completion", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": q, "n_predict": 12, "temperature": 0,
+                                                  "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == out["content"] and events[-1]["stop"] and "data: [DONE]" not in lines
+    # a stop string: stop_type "word", the word named, the text before it
+    word = out["content"].strip().split()[0]
+    status, cut = http_json(served, "POST", "/completion", {"prompt": q, "n_predict": 12, "temperature": 0,
+                                                            "stop": [word]})
+    assert cut["stop_type"] == "word" and cut["stopping_word"] == word and word not in cut["content"], cut
+
+
+def enc_default(d, text: str) -> list[int]:
+    status, out = http_json(d, "POST", "/tokenize", {"content": text, "add_special": True})
+    assert status == 200, out
+    return out["tokens"]
+
+
 @pytest.mark.parametrize("path,body,field", [
+    ("/completion", {"prompt": ["a", "b"]}, "prompt"),
+    ("/completion", {"prompt": "a", "n_probs": 3}, "n_probs"),
+    ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
+    ("/completion", {"prompt": "a", "input_prefix": "x"}, "input_prefix"),
     ("/infill", {"input_prefix": "a", "samplers": ["top_k", "dry"]}, "samplers"),
     ("/infill", {"input_prefix": "a", "samplers": "kpt"}, "samplers"),
     ("/infill", {"input_prefix": "a", "samplers": ["top_k", "infill"], "temperature": 0.2}, "temperature"),
