@@ -48,6 +48,15 @@ def lark_grammar(lark: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
+def gbnf_grammar(gbnf: str) -> str:
+    """llama.cpp's GBNF grammar (`root ::= …`), through llguidance's converter to Lark."""
+    _need()
+    try:
+        return lark_grammar(llguidance.grammar_from("gbnf", gbnf))
+    except ValueError as e:
+        raise GrammarError(str(e)) from None
+
+
 def json_rule(schema: dict) -> str:
     """A Lark right-hand side matching compact JSON text for `schema`."""
     return "%json " + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)

@@ -28,6 +28,9 @@ SCHEMAS: dict[str, Schema] = {
     "generate": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "messages": (list, False),
                  # fill-in-the-middle: prefix, suffix, middle, extra [[name, text]], repo_level
                  "infill": (dict, False),
+                 # a grammar named outright (llama-server's grammar / json_schema): {"gbnf": text}
+                 # or {"json_schema": schema}
+                 "grammar": (dict, False),
                  "params": (dict, False), "session": (str, False), "adapter": (str, False),
                  # chat: tools and constraints (checked for shape by the HTTP layer, against the
                  # model's template by the worker)

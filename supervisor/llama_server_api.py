@@ -25,12 +25,12 @@ from typing import Iterator
 
 from .http_common import JSONError, error_from
 from .openai_api import IDLE, Answer, WorkerGone
-from .openai_validate import adapter, bad, keep_alive, known_fields, sampling_params
+from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, sampling_params
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
 _COMMON = {"model", "stream", "n_predict", "max_tokens", "cache_prompt", "adapter", "keep_alive", "samplers",
-           "n_indent", "t_max_predict_ms", "t_max_prompt_ms", "response_fields"} | _SAMPLING
+           "n_indent", "t_max_predict_ms", "t_max_prompt_ms", "response_fields", "grammar", "json_schema"} | _SAMPLING
 FIELDS = _COMMON | {"input_prefix", "input_suffix", "input_extra", "prompt"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 # llama.cpp's sampler names (and the short ones it also takes) -> Kiln's; the field each reads
@@ -141,7 +141,7 @@ class LlamaServer:
     def _answer(self, req, resp, body: dict, work: dict) -> None:
         if "cache_prompt" in body and not isinstance(body["cache_prompt"], bool):
             raise bad("cache_prompt", "cache_prompt must be a boolean", "invalid_type")
-        work = {**work, "params": _params(body), **adapter(body), **keep_alive(body)}
+        work = {**work, "params": _params(body), **grammar(body), **adapter(body), **keep_alive(body)}
         if body.get("response_fields") is not None:
             _fields({}, body["response_fields"])
         stream = self.api.stream_flag(body)

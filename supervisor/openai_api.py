@@ -29,7 +29,7 @@ from kiln.protocol import vocab
 
 from . import openai_shapes as shapes
 from .http_common import JSONError, bus, error_from, routed
-from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, keep_alive, bad, known_fields, logprobs, messages,
+from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, grammar, keep_alive, bad, known_fields, logprobs, messages,
                               prompts, sampling_params, tools)
 
 
@@ -273,13 +273,13 @@ class OpenAI:
     def on_post_chat(self, req, resp):
         body = self.read_json(req)
         known_fields(body, CHAT_FIELDS)
-        self._generate(req, resp, body, {"messages": messages(body), **tools(body), **adapter(body),
+        self._generate(req, resp, body, {"messages": messages(body), **tools(body), **grammar(body), **adapter(body),
                                          **keep_alive(body)}, chat=True)
 
     def on_post_completions(self, req, resp):
         body = self.read_json(req)
         known_fields(body, COMPLETION_FIELDS)
-        works = [dict(w, **adapter(body), **keep_alive(body)) for w in prompts(body)]
+        works = [dict(w, **grammar(body), **adapter(body), **keep_alive(body)) for w in prompts(body)]
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise bad("echo", "echo must be a boolean", "invalid_type")

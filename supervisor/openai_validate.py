@@ -15,9 +15,10 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
              "seed", "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "n", "logit_bias", "typical_p"}
 _COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "speculative"} | _SAMPLING
+# grammar (GBNF) and json_schema: llama-server's, on its OpenAI-style routes too
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-                         "response_format", "chat_template_kwargs", "reasoning_effort"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "suffix"}
+                         "response_format", "chat_template_kwargs", "reasoning_effort", "grammar", "json_schema"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "suffix", "grammar", "json_schema"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "keep_alive", "adapter"}
 # accepted and ignored: they change nothing a local server computes
 IGNORED = {"user", "metadata", "store", "service_tier"}
@@ -206,6 +207,29 @@ def tools_named(body: dict, renames: tuple[tuple[str, str], ...]) -> dict:
         for chat_name, name in renames:
             param, message = param.replace(chat_name, name), message.replace(chat_name, name)
         raise bad(param, message, err.get("code") or "invalid_value") from None
+
+
+def grammar(body: dict) -> dict:
+    """llama-server's `grammar` (GBNF text) or `json_schema`, as the generate op's `grammar`; the
+    worker compiles it (a grammar that does not is a 400 saying why)."""
+    g, js = body.get("grammar"), body.get("json_schema")
+    if g is not None and js is not None:
+        raise bad("json_schema", "give grammar or json_schema, not both")
+    for other in ("response_format", "tool_choice"):
+        if (g is not None or js is not None) and body.get(other) not in (None, "auto", "none") and \
+                not (other == "response_format" and (body[other] or {}).get("type") == "text"):
+            raise bad("grammar" if g is not None else "json_schema",
+                      f"{'grammar' if g is not None else 'json_schema'} cannot be combined with {other}: "
+                      f"each constrains the answer; give one")
+    if g is not None:
+        if not isinstance(g, str) or not g.strip():
+            raise bad("grammar", "grammar must be a GBNF grammar (root ::= …)", "invalid_type")
+        return {"grammar": {"gbnf": g}}
+    if js is not None:
+        if not isinstance(js, dict):
+            raise bad("json_schema", "json_schema must be a JSON schema object", "invalid_type")
+        return {"grammar": {"json_schema": js}}
+    return {}
 
 
 def logprobs(body: dict, chat: bool) -> int | None:

@@ -171,6 +171,29 @@ def test_completion_is_the_completions_answer_in_llama_servers_shape(served):
     assert cut["stop_type"] == "word" and cut["stopping_word"] == word and word not in cut["content"], cut
 
 
+YES_NO = 'root ::= answer "."\nanswer ::= "yes" | "no"'
+
+
+def test_a_gbnf_grammar_or_a_json_schema_constrains_every_route(served):
+    q = "Is the sky green? Answer:"
+    status, out = http_json(served, "POST", "/completion", {"prompt": q, "n_predict": 8, "grammar": YES_NO})
+    assert status == 200 and out["content"] in ("yes.", "no.") and out["stop_type"] == "eos", out
+    status, out = http_json(served, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Is the sky green?"}], "max_tokens": 8, "grammar": YES_NO})
+    assert status == 200 and out["choices"][0]["message"]["content"] in ("yes.", "no."), out
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    status, out = http_json(served, "POST", "/v1/completions", {"prompt": "A number as JSON:", "max_tokens": 16,
+                                                              "temperature": 0, "json_schema": schema})
+    assert status == 200 and isinstance(json.loads(out["choices"][0]["text"])["n"], int), out
+    status, out = http_json(served, "POST", "/infill", {"model": "coder", "input_prefix": "x = ", "n_predict": 8,
+                                                        "grammar": 'root ::= [0-9]+'})
+    assert status == 200 and out["content"].isdigit(), out
+    # one that does not compile: a 400 with the reason
+    status, out = http_json(served, "POST", "/completion", {"prompt": q, "grammar": "root ::= missing"})
+    assert status == 400 and "grammar" in out["error"]["message"] and "missing" in out["error"]["message"], out
+
+
 def enc_default(d, text: str) -> list[int]:
     status, out = http_json(d, "POST", "/tokenize", {"content": text, "add_special": True})
     assert status == 200, out

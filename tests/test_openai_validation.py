@@ -6,7 +6,7 @@ import pytest
 
 from kiln.supervisor.http_common import JSONError
 from kiln.supervisor.openai_responses import chat_body
-from kiln.supervisor.openai_validate import messages, sampling_params, tools
+from kiln.supervisor.openai_validate import grammar, messages, sampling_params, tools
 
 
 @pytest.mark.parametrize("check,body,param", [
@@ -16,6 +16,11 @@ from kiln.supervisor.openai_validate import messages, sampling_params, tools
     (tools, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
      "tools[0].function.parameters"),
     (tools, {"tool_choice": "required"}, "tool_choice"),
+    (grammar, {"grammar": 'root ::= "a"', "json_schema": {}}, "json_schema"),
+    (grammar, {"grammar": ""}, "grammar"),
+    (grammar, {"json_schema": "{}"}, "json_schema"),
+    (grammar, {"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar"),
+    (grammar, {"json_schema": {}, "tool_choice": "required"}, "json_schema"),
 ])
 def test_a_bad_field_is_named(check, body, param):
     with pytest.raises(JSONError) as e:
@@ -103,3 +108,10 @@ def test_template_hints_apply_only_where_the_template_has_the_switch():
         _template_vars({"chat_template_kwargs": {"enable_thinking": False}}, plain)
     both = {"chat_template_kwargs": {"enable_thinking": True}, **hints}
     assert _template_vars(both, thinking) == {"enable_thinking": True}   # what was asked outright wins
+
+
+def test_a_grammar_named_outright_goes_to_the_worker_as_is():
+    assert grammar({"grammar": 'root ::= "a"'}) == {"grammar": {"gbnf": 'root ::= "a"'}}
+    assert grammar({"json_schema": {"type": "integer"}, "response_format": {"type": "text"}}) == \
+        {"grammar": {"json_schema": {"type": "integer"}}}
+    assert grammar({}) == {}

@@ -17,6 +17,7 @@ from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistr
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
 from kiln.native.lora import AdapterError, load_adapter
 
+from kiln.native.constrain import GrammarError, check, gbnf_grammar, json_schema_grammar
 from kiln.native.fim import InfillError, infill_prompt
 from kiln.native.generate import ContextLengthError, Finish, Token, embed, score_prompt
 from kiln.native.draft_model import DraftModel, DraftModelError
@@ -136,6 +137,23 @@ class InferenceWorker(Worker):
         except InfillError as e:
             raise OpError("bad_request", f"model {self.model.path.name}: {e}") from None
 
+    def _grammar(self, g: dict, plan: ChatPlan) -> str:
+        """A grammar the request names outright, llama-server's way: `{"gbnf": text}` (its
+        `grammar` field) or `{"json_schema": schema}`."""
+        if plan.grammar:
+            raise OpError("bad_request", "grammar cannot be combined with response_format or a forced tool call: "
+                                         "each constrains the answer; give one")
+        kind, value = next(iter(g.items()))
+        if len(g) != 1 or (kind, type(value)) not in (("gbnf", str), ("json_schema", dict)):
+            raise OpError("bad_request", 'grammar is {"gbnf": text} or {"json_schema": schema}')
+        try:
+            grammar = gbnf_grammar(value) if kind == "gbnf" else json_schema_grammar(value)
+            check(grammar, self.model.tokenizer)
+        except GrammarError as e:
+            field = "grammar" if kind == "gbnf" else "json_schema"
+            raise OpError("bad_request", f"{field}: {e}") from None
+        return grammar
+
     def _adapter(self, body: dict):
         """The LoRA a request names (loaded once, reloaded when its file changes), or None."""
         name = body.get("adapter")
@@ -186,6 +204,8 @@ class InferenceWorker(Worker):
         prompt = plan.prompt
         if plan.grammar:
             raw["grammar"] = plan.grammar
+        if req.body.get("grammar"):
+            raw["grammar"] = self._grammar(req.body["grammar"], plan)
         if raw.get("max_tokens") == -1:        # to the end of the context
             raw["max_tokens"] = max(1, self.n_ctx - len(prompt))
         elif req.body.get("clip_max_tokens") and isinstance(raw.get("max_tokens"), int):
