@@ -66,6 +66,10 @@ class SamplingParams:
              "at most 16 non-empty strings"),
             ("samplers", self.samplers is None or (isinstance(self.samplers, list) and all(
                 x in SAMPLERS for x in self.samplers)), f"a list of {', '.join(SAMPLERS)}"),
+            # the infill sampler compares every pair of candidates: top_k first keeps that small
+            ("samplers", not self.samplers or "infill" not in self.samplers or (
+                "top_k" in self.samplers[:self.samplers.index("infill")] and 0 < self.top_k <= 1000),
+             "a chain with 'infill' after 'top_k' (top_k 1 to 1000): infill compares every pair of candidates"),
             ("n_indent", self.n_indent >= 0, "≥ 0"),
             ("t_max_predict_ms", self.t_max_predict_ms >= 0, "≥ 0"),
         ]

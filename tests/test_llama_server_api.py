@@ -133,6 +133,14 @@ def test_llama_vims_requests_are_answered_as_llama_server_answers_them(served):
     seeded = dict(fim, seed=11, response_fields=["content", "tokens"])
     first = http_json(served, "POST", "/infill", {"model": "coder", **seeded})[1]
     assert http_json(served, "POST", "/infill", {"model": "coder", **seeded})[1] == first
+    # the infill sampler compares every pair of candidates: over a whole vocabulary it would
+    # never finish, so a chain without top_k before it is refused
+    status, out = http_json(served, "POST", "/infill", {"model": "coder", **dict(fim, samplers=["top_p", "infill"],
+                                                                                 top_k=None)})
+    assert status == 400, out
+    status, out = http_json(served, "POST", "/infill", {"model": "coder", "input_prefix": "x",
+                                                        "samplers": ["infill"]})
+    assert status == 400 and "top_k" in out["error"]["message"], out
 
 
 def test_a_model_without_fim_markers_is_refused_by_name(served):
