@@ -80,7 +80,8 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
         typer.echo(f"  context        {i['context_length']:,} tokens (trained)")
         t = i["tokenizer"]
         typer.echo(f"  tokenizer      {t['model']} / {t['pre']}, {t['tokens']:,} tokens; chat template: "
-                   f"{'yes' if i['chat_template'] else 'no'}")
+                   f"{'yes' if i['chat_template'] else 'no'}; fill-in-the-middle: "
+                   f"{'yes' if i['fill_in_the_middle'] else 'no'}")
         if i["moe"]:
             typer.echo(f"  experts        {i['moe']['experts_used']} of {i['moe']['experts']} "
                        f"({mib(i['moe']['expert_bytes'])} of expert weights)")

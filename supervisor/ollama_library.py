@@ -224,8 +224,6 @@ def install(app, sup, api) -> None:
 
 def _can_infill(path) -> bool:
     """Whether the model has fill-in-the-middle tokens (Ollama's `insert` capability: `suffix`)."""
-    from kiln.native.fim import find_fim_tokens
+    from kiln.native.models.inspect import can_infill as can
     from kiln.native.gguf_file import read_gguf
-    meta = read_gguf(path).metadata
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    return find_fim_tokens(meta, {t: i for i, t in enumerate(tokens)})[0].can_infill
+    return can(read_gguf(path))

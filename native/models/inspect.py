@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..arch import family
+from ..fim import find_fim_tokens
 from ..config import read_config
 from ..gguf_file import read_gguf
 from ..kernels import COMPILED_TYPES, SUPPORTED_TYPES, kernel_info
@@ -50,6 +51,8 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
                       "tokens": len(g.get("tokenizer.ggml.tokens", [])),
                       "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", False))},
         "chat_template": bool(g.get("tokenizer.chat_template")),
+        # code infilling (native/fim.py): the model has the prefix/suffix/middle markers
+        "fill_in_the_middle": can_infill(g),
         "kernel_path": kinfo["path"],
         "kernels": kinfo,
         "unsupported_tensor_types": unsupported,
@@ -67,3 +70,8 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
         info["tensors"] = [{"name": t.name, "type": t.type.name, "shape": list(t.shape),
                             "offset": t.offset, "bytes": t.n_bytes} for t in g.tensors.values()]
     return info
+
+
+def can_infill(g) -> bool:
+    tokens = g.get("tokenizer.ggml.tokens") or []
+    return find_fim_tokens(g.metadata, {t: i for i, t in enumerate(tokens)})[0].can_infill
