@@ -79,12 +79,31 @@ class OllamaLibrary:
             raise JSONError(400, "model_invalid", str(e)) from None
         meta = {k: v for k, v in g.metadata.items() if not isinstance(v, (list, bytes)) and k != "tokenizer.chat_template"}
         template = g.metadata.get("tokenizer.chat_template") or ""
+        fim = _fim_markers(path)
         # tools with any chat template: one that knows none gets them described (native/tool_calls.py)
         caps = ["completion"] + (["tools"] if template else []) + \
-            (["thinking"] if "<think>" in template else []) + (["insert"] if _can_infill(path) else [])
-        resp.media = {"modelfile": f"FROM {path}\n", "parameters": "", "template": template,
+            (["thinking"] if "<think>" in template else []) + (["insert"] if fim else [])
+        if fim:
+            # Ollama's FIM clause, with the layout Kiln gives a `suffix`: how Ollama's clients (Continue)
+            # tell that a model fills in the middle — around the model's own chat template
+            pre, suf, mid = fim
+            template = (f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}{mid}{{{{- else }}}}"
+                        f"{template}{{{{- end }}}}")
+        # the context a request gets (clients send it back as num_ctx, which Kiln refuses above it)
+        params = f"num_ctx {self._context(path, g)}"
+        resp.media = {"modelfile": f"FROM {path}\n", "parameters": params, "template": template,
                       "details": details(str(path)), "model_info": meta, "capabilities": caps,
                       "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()}
+
+    def _context(self, path: Path, g) -> int:
+        """The context the model is served with: its worker's when loaded, else what a load
+        would give it (`[models] ctx`, or its plan's: the trained context, at most 4096)."""
+        for m in bus(self.sup, "ps")["models"]:
+            f = file_of(m.get("path") or str(m["model"]))
+            if f is not None and f.resolve() == path.resolve() and m.get("n_ctx"):
+                return int(m["n_ctx"])
+        from kiln.native.config import read_config
+        return int(self.sup.cfg["models"]["ctx"] or min(read_config(g).n_ctx_train, 4096))
 
     def on_delete_delete(self, req, resp):
         """Delete a model file from a Kiln model folder (`kiln models rm`); refused while a
@@ -222,8 +241,12 @@ def install(app, sup, api) -> None:
     app.add_route("/api/blobs/{digest}", lib, suffix="blobs")
 
 
-def _can_infill(path) -> bool:
-    """Whether the model has fill-in-the-middle tokens (Ollama's `insert` capability: `suffix`)."""
-    from kiln.native.models.inspect import can_infill as can
+def _fim_markers(path) -> tuple[str, str, str] | None:
+    """The prefix, suffix and middle markers of a model that fills in the middle (Ollama's
+    `insert` capability: `suffix`), else None."""
+    from kiln.native.fim import find_fim_tokens
     from kiln.native.gguf_file import read_gguf
-    return can(read_gguf(path))
+    g = read_gguf(path)
+    tokens = g.get("tokenizer.ggml.tokens") or []
+    f = find_fim_tokens(g.metadata, {t: i for i, t in enumerate(tokens)})[0]
+    return (tokens[f.pre], tokens[f.suf], tokens[f.mid]) if f.can_infill else None

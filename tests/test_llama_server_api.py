@@ -76,8 +76,25 @@ def test_ollama_suffix_runs_the_same_prompt(served):
     assert status == 200 and out["response"] == expected and out["done_reason"] in ("stop", "length"), out
     status, show = http_json(served, "POST", "/api/show", {"model": "tiny-coder"})
     assert status == 200 and "insert" in show["capabilities"], show
-    status, show = http_json(served, "POST", "/api/show", {"model": "smol"})
-    assert status == 200 and "insert" not in show["capabilities"], show
+    status, smol = http_json(served, "POST", "/api/show", {"model": "smol"})
+    assert status == 200 and "insert" not in smol["capabilities"], smol
+
+
+def test_continue_finds_the_fim_model_and_its_context_as_it_does_with_ollama(served):
+    """Continue (core/llm/llms/Ollama.ts) takes a model for FIM when /api/show's template holds
+    `.Suffix`, and sends back the `num_ctx` of its parameters with every request."""
+    status, show = http_json(served, "POST", "/api/show", {"name": "tiny-coder"})
+    assert ".Suffix" in show["template"] and "<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>" in show["template"]
+    assert show["parameters"] == "num_ctx 4096"          # the coder worker's context
+    status, smol = http_json(served, "POST", "/api/show", {"name": "smol"})
+    ctx = {m["name"]: m["context_length"] for m in http_json(served, "GET", "/api/ps")[1]["models"]}
+    assert ".Suffix" not in smol["template"] and smol["parameters"] == f"num_ctx {ctx['smol:latest']}", (smol, ctx)
+    # Continue's FIM request, as it builds it
+    body = {"model": "tiny-coder", "prompt": PREFIX, "suffix": SUFFIX, "keep_alive": 1800, "stream": False,
+            "options": {"temperature": 0, "top_p": 0.95, "num_predict": 12, "stop": ["\n\n", "<|endoftext|>"],
+                        "num_ctx": 4096, "num_thread": 2, "use_mmap": True}}
+    status, out = http_json(served, "POST", "/api/generate", body)
+    assert status == 200 and out["done"] is True, out
 
 
 def test_infill_runs_llama_servers_repo_level_prompt(served):

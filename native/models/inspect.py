@@ -73,5 +73,6 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
 
 
 def can_infill(g) -> bool:
+    """Whether the model has fill-in-the-middle markers (native/fim.py)."""
     tokens = g.get("tokenizer.ggml.tokens") or []
     return find_fim_tokens(g.metadata, {t: i for i, t in enumerate(tokens)})[0].can_infill
