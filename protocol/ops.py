@@ -42,7 +42,7 @@ SCHEMAS: dict[str, Schema] = {
                  # template variables applied only where the template uses them (enable_thinking, …)
                  "template_hints": (dict, False)},
     "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False)},
-    "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False)},
+    "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False), "pieces": (bool, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
               "adapter": (str, False)},
     # evaluator

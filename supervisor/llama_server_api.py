@@ -1,4 +1,5 @@
-"""llama-server's native routes: `POST /completion` and `POST /infill` (code infilling).
+"""llama-server's native routes: `POST /completion`, `POST /infill` (code infilling), and its
+tokenizer routes (`/tokenize`, `/detokenize`, `/apply-template`, `GET /tokenizer_info`).
 
 For tools and editor plugins written against llama-server rather than an OpenAI-style API. The
 answer is llama-server's native completion object (`content`, `tokens`, `stop`, `stop_type`,
@@ -23,9 +24,9 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from .http_common import JSONError, error_from
+from .http_common import JSONError, error_from, routed
 from .openai_api import IDLE, Answer, WorkerGone
-from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, sampling_params
+from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, messages, sampling_params, tools
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
@@ -212,7 +213,79 @@ def _events(answer: Answer, model: str, keepalive: float, fields=None) -> Iterat
         yield data(error_from(e.msg, "prompt").kiln_body)
 
 
+class Tokenizer:
+    """llama-server's tokenizer routes, with its defaults: /tokenize parses special-token text
+    (`parse_special`, default true) and adds BOS only when asked (`add_special`) and the model
+    wants it; `with_pieces` gives each token's text (its bytes where they are not UTF-8)."""
+
+    def __init__(self, api):
+        self.api = api
+
+    def on_post_tokenize(self, req, resp):
+        body = self.api.read_json(req)
+        known_fields(body, {"model", "content", "prompt", "add_special", "parse_special", "with_pieces"})
+        text = body.get("content", body.get("prompt"))
+        if not isinstance(text, str):
+            raise bad("content", "content must be a string", "invalid_type")
+        flags = {}
+        for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+            flags[name] = body.get(name, default)
+            if not isinstance(flags[name], bool):
+                raise bad(name, f"{name} must be a boolean", "invalid_type")
+        w = self.api.route(body, req)
+        out = routed(self.api.sup, "tokenize", {"worker": w["worker"], "text": text, "special": flags["parse_special"],
+                                                 "pieces": flags["with_pieces"],
+                                                 # BOS only as the model's metadata asks, and only when asked
+                                                 **({} if flags["add_special"] else {"add_bos": False})}, 60)
+        if not flags["with_pieces"]:
+            resp.media = {"tokens": out["tokens"]}
+            return
+        pieces = []
+        for tid, raw in zip(out["tokens"], out["pieces"]):
+            try:
+                piece = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            pieces.append({"id": tid, "piece": piece})
+        resp.media = {"tokens": pieces}
+
+    def on_post_detokenize(self, req, resp):
+        body = self.api.read_json(req)
+        known_fields(body, {"model", "tokens"})
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise bad("tokens", "tokens must be a list of token ids", "invalid_type")
+        w = self.api.route(body, req)
+        text = routed(self.api.sup, "detokenize", {"worker": w["worker"], "tokens": toks}, 60)["text"]
+        resp.media = {"content": text, "prompt": text}
+
+    def on_post_template(self, req, resp):
+        """The prompt a chat request runs: with tools, template kwargs or an effort, exactly the
+        one generate would (the worker's chat plan)."""
+        body = self.api.read_json(req)
+        known_fields(body, {"model", "messages", "tools", "tool_choice", "parallel_tool_calls",
+                            "chat_template_kwargs", "reasoning_effort", "add_generation_prompt"})
+        work = {"messages": messages(body), **tools(body)}
+        if body.get("add_generation_prompt") is not None:
+            if not isinstance(body["add_generation_prompt"], bool):
+                raise bad("add_generation_prompt", "add_generation_prompt must be a boolean", "invalid_type")
+            work["add_generation_prompt"] = body["add_generation_prompt"]
+        w = self.api.route(body, req)
+        out = routed(self.api.sup, "apply_template", {"worker": w["worker"], **work}, 60)
+        resp.media = {"prompt": out["prompt"], "tokens": out["tokens"]}
+
+    def on_get_tokenizer_info(self, req, resp):
+        w = self.api.route({"model": req.get_param("model")} if req.get_param("model") else {})
+        info = routed(self.api.sup, "info", {"worker": w["worker"]}, 60)
+        resp.media = {k: info[k] for k in ("bos_token", "eos_token", "chat_template", "vocab_size", "n_ctx")}
+
+
 def install(app, sup, api) -> None:
+    tok = Tokenizer(api)
+    app.add_route("/tokenize", tok, suffix="tokenize")
+    app.add_route("/detokenize", tok, suffix="detokenize")
+    app.add_route("/apply-template", tok, suffix="template")
+    app.add_route("/tokenizer_info", tok, suffix="tokenizer_info")
     native = LlamaServer(sup, api)
     app.add_route("/infill", native, suffix="infill")
     app.add_route("/completion", native, suffix="completion")

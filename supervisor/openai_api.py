@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes (and llama-server's /tokenize, /detokenize, /apply-template).
+"""OpenAI-compatible routes.
 
 A route validates its body (supervisor/openai_validate.py: 400 naming the field), asks the
 router which worker serves the model (`route`: 400 for a model not served, 503 without
@@ -423,36 +423,6 @@ class OpenAI:
         resp.media = {"object": "list", "data": data, "model": body.get("model") or name,
                       "usage": {"prompt_tokens": n, "total_tokens": n}}
 
-    def on_post_tokenize(self, req, resp):
-        body = self.read_json(req)
-        text = body.get("content", body.get("prompt"))
-        if not isinstance(text, str):
-            raise bad("content", "content (or prompt) must be a string", "invalid_type")
-        w = self.route(body, req)
-        special = body.get("parse_special", body.get("add_special", False))
-        resp.media = {"tokens": self._one("tokenize", {"worker": w["worker"], "text": text,
-                                                       "special": bool(special)})["tokens"]}
-
-    def on_post_detokenize(self, req, resp):
-        body = self.read_json(req)
-        toks = body.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            raise bad("tokens", "tokens must be a list of token ids", "invalid_type")
-        w = self.route(body, req)
-        text = self._one("detokenize", {"worker": w["worker"], "tokens": toks})["text"]
-        resp.media = {"content": text, "prompt": text}
-
-    def on_post_template(self, req, resp):
-        body = self.read_json(req)
-        w = self.route(body, req)
-        out = self._one("apply_template", {"worker": w["worker"], "messages": messages(body)})
-        resp.media = {"prompt": out["prompt"], "tokens": out["tokens"]}
-
-    def on_get_tokenizer_info(self, req, resp):
-        w = self.route({"model": req.get_param("model")} if req.get_param("model") else {})
-        info = self._one("info", {"worker": w["worker"]})
-        resp.media = {k: info[k] for k in ("bos_token", "eos_token", "chat_template", "vocab_size", "n_ctx")}
-
 
 def _real(path: str) -> str:
     """A path compared as the placer compares it: absolute, links not followed (two library
@@ -486,8 +456,4 @@ def install(app: falcon.App, sup, metrics=None) -> "OpenAI":
     app.add_route("/v1/chat/completions", api, suffix="chat")
     app.add_route("/v1/completions", api, suffix="completions")
     app.add_route("/v1/embeddings", api, suffix="embeddings")
-    app.add_route("/tokenize", api, suffix="tokenize")
-    app.add_route("/detokenize", api, suffix="detokenize")
-    app.add_route("/apply-template", api, suffix="template")
-    app.add_route("/tokenizer_info", api, suffix="tokenizer_info")
     return api

@@ -219,6 +219,34 @@ def test_a_gbnf_grammar_or_a_json_schema_constrains_every_route(served):
     assert status == 400 and "grammar" in out["error"]["message"] and "missing" in out["error"]["message"], out
 
 
+def test_the_tokenizer_routes_take_llama_servers_fields_and_defaults(served):
+    text = "<|im_start|>user\nnaïve"
+    parsed = http_json(served, "POST", "/tokenize", {"content": text})[1]["tokens"]
+    plain = http_json(served, "POST", "/tokenize", {"content": text, "parse_special": False})[1]["tokens"]
+    assert parsed[0] == 1 and 1 not in plain            # special-token text parsed by default, as llama-server
+    # SmolLM2 asks for no BOS: add_special adds none
+    assert http_json(served, "POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"] == parsed
+    pieces = http_json(served, "POST", "/tokenize", {"content": text, "with_pieces": True})[1]["tokens"]
+    assert [p["id"] for p in pieces] == parsed and pieces[0] == {"id": 1, "piece": "<|im_start|>"}
+    joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert joined.decode() == text                       # a piece that is not UTF-8 alone comes as its bytes
+    assert http_json(served, "POST", "/detokenize", {"tokens": parsed})[1]["content"] == text
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    status, out = http_json(served, "POST", "/apply-template", {"messages": [{"role": "user", "content": "hi"}],
+                                                               "tools": [weather]})
+    assert status == 200 and "get_weather" in out["prompt"], out
+    status, out = http_json(served, "POST", "/apply-template", {"messages": [{"role": "user", "content": "hi"}],
+                                                               "add_generation_prompt": False})
+    assert status == 200 and not out["prompt"].rstrip().endswith("assistant"), out
+    for path, body, field in (("/tokenize", {"content": "a", "with_offsets": True}, "with_offsets"),
+                              ("/tokenize", {"content": "a", "parse_special": "yes"}, "parse_special"),
+                              ("/detokenize", {"tokens": [1], "skip_special": True}, "skip_special"),
+                              ("/apply-template", {"messages": [], "continue_final_message": True},
+                               "continue_final_message")):
+        status, out = http_json(served, "POST", path, body)
+        assert status == 400 and out["error"]["param"] == field, (path, out)
+
+
 def enc_default(d, text: str) -> list[int]:
     status, out = http_json(d, "POST", "/tokenize", {"content": text, "add_special": True})
     assert status == 200, out

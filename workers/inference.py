@@ -317,7 +317,10 @@ class InferenceWorker(Worker):
     @op("tokenize")
     def tokenize(self, req):
         b = req.body
-        ids = self.model.tokenizer.encode(b["text"], special=b.get("special", False), add_bos=b.get("add_bos"))
+        tok = self.model.tokenizer
+        ids = tok.encode(b["text"], special=b.get("special", False), add_bos=b.get("add_bos"))
+        if b.get("pieces"):
+            return {"tokens": ids, "pieces": [tok.token_bytes(i) for i in ids]}
         return {"tokens": ids}
 
     @op("detokenize")
