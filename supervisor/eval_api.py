@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import falcon
 
-from .http_common import JSONError, bus, routed
+from .http_common import JSONError, action_body, bus, routed
 
 FIELDS = ("suite", "file", "inline", "adapter", "adapters", "seed", "replay_of")
 
@@ -33,6 +33,7 @@ class Eval:
         resp.media = bus(self.sup, "eval.job", {"id": job_id})
 
     def on_delete_job(self, req, resp, job_id):
+        action_body(req)
         resp.media = routed(self.sup, "eval.cancel", {"id": job_id}, 60)
 
 

@@ -14,7 +14,7 @@ import falcon
 import waitress
 
 from . import anthropic_api, eval_api, llama_server_api, observe, ollama_api, openai_api, openai_responses, train_api, ui_app
-from .http_common import JSONError, bus, error_body
+from .http_common import JSONError, action_body, bus, error_body
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     body = getattr(exc, "kiln_body", None)
@@ -80,6 +80,7 @@ class Workers:
     def on_post_action(self, req, resp, name, action):
         if action not in ("restart", "stop", "start"):
             raise JSONError(404, "not_found", f"no action {action!r} (actions: restart, stop, start)")
+        action_body(req)
         bus(self.sup, action, {"name": name})
         resp.media = bus(self.sup, "worker", {"name": name}) if name != "all" else {"ok": True}
 

@@ -3,6 +3,7 @@ the supervisor — a bus command (`bus`) or a routed op (`routed`, `error_from`)
 
 from __future__ import annotations
 
+import json
 import queue
 
 import falcon
@@ -25,6 +26,25 @@ class JSONError(falcon.HTTPError):
     def __init__(self, status: int, code: str, message: str, headers: dict | None = None, **extra):
         super().__init__(falcon.code_to_http_status(status), headers=headers)
         self.kiln_body = error_body(status, code, message, **extra)
+
+
+def action_body(req, allowed: tuple[str, ...] = ()) -> dict:
+    """The body of an action route (restart, load, unload, cancel): none, `{}`, or only the
+    `allowed` fields — anything else is a 400 naming it, not a field quietly ignored."""
+    raw = req.bounded_stream.read(1 << 16)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise JSONError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise JSONError(400, "invalid_json", "the body must be a JSON object")
+    for k in body:
+        if k not in allowed:
+            takes = f"takes only {', '.join(allowed)}" if allowed else "takes no fields"
+            raise JSONError(400, "unsupported_field", f"{req.method} {req.path} {takes}; got {k!r}", param=k)
+    return body
 
 
 def bus(sup, name: str, args: dict | None = None):

@@ -47,8 +47,17 @@ class OllamaLibrary:
     def __init__(self, sup, api):
         self.sup, self.api = sup, api
 
+    @staticmethod
+    def _only(body: dict, allowed: set[str], path: str) -> dict:
+        """A 400 naming a field this route would otherwise ignore."""
+        for k in body:
+            if k not in allowed:
+                raise bad(k, f"unsupported field {k!r} for {path} (supported: {', '.join(sorted(allowed))})",
+                          "unsupported_field")
+        return body
+
     def _name_of(self, req, *fields: str) -> str:
-        body = self.api.read_json(req)
+        body = self._only(self.api.read_json(req), set(fields), req.path)
         for f in fields:
             v = body.get(f)
             if v is not None:
@@ -67,17 +76,25 @@ class OllamaLibrary:
         resp.media = {"models": out}
 
     def on_post_show(self, req, resp):
-        body = self.api.read_json(req)
+        body = self._only(self.api.read_json(req), {"model", "name", "verbose"}, req.path)
+        verbose = body.get("verbose", False)
+        if not isinstance(verbose, bool):
+            raise bad("verbose", "verbose must be a boolean", "invalid_type")
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or not name:
             raise bad("model", "model is required")
         from kiln.native.gguf_file import GGUFError, read_gguf
         path = _resolve(name)
         try:
-            g = read_gguf(path, skip_arrays=True)
+            g = read_gguf(path, skip_arrays=not verbose)
         except GGUFError as e:
             raise JSONError(400, "model_invalid", str(e)) from None
-        meta = {k: v for k, v in g.metadata.items() if not isinstance(v, (list, bytes)) and k != "tokenizer.chat_template"}
+        # verbose: the arrays too (the vocabulary, merges, …), as Ollama's
+        import numpy as np
+        meta = {k: (v.tolist() if isinstance(v, np.ndarray) else list(v) if isinstance(v, list) else v)
+                for k, v in g.metadata.items()
+                if (verbose or not isinstance(v, (list, np.ndarray))) and not isinstance(v, bytes)
+                and k != "tokenizer.chat_template"}
         template = g.metadata.get("tokenizer.chat_template") or ""
         fim = _fim_markers(path)
         # tools with any chat template: one that knows none gets them described (native/tool_calls.py)
@@ -121,7 +138,7 @@ class OllamaLibrary:
     def on_post_copy(self, req, resp):
         """`ollama cp SOURCE DEST`: DEST becomes another name for SOURCE's file — a hard link
         beside it (no second copy of the bytes), or a symbolic link where a hard link cannot be."""
-        body = self.api.read_json(req)
+        body = self._only(self.api.read_json(req), {"source", "destination"}, req.path)
         for f in ("source", "destination"):
             if not isinstance(body.get(f), str) or not body[f]:
                 raise bad(f, f"{f} is required (a model name)")
@@ -154,7 +171,9 @@ class OllamaLibrary:
     on_head_blobs = on_post_blobs
 
     def on_post_pull(self, req, resp):
-        body = self.api.read_json(req)
+        body = self._only(self.api.read_json(req), {"model", "name", "stream", "insecure"}, req.path)
+        if body.get("insecure"):
+            raise bad("insecure", "insecure has no meaning here: Kiln pulls over HTTPS from Hugging Face only")
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or not name:
             raise bad("model", "model is required")

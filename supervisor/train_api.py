@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import falcon
 
-from .http_common import JSONError, bus, routed
+from .http_common import JSONError, action_body, bus, routed
 
 OPTIONS = ("epochs", "lr", "rank", "alpha", "targets", "max_seq_len", "checkpoint_interval", "seed",
            "grad_accum", "warmup", "schedule", "weight_decay", "betas")
@@ -54,6 +54,7 @@ class Train:
         resp.media = bus(self.sup, "train.job", {"id": job_id, "since": req.get_param_as_int("since") or 0})
 
     def on_delete_job(self, req, resp, job_id):
+        action_body(req)
         resp.media = routed(self.sup, "train.cancel", {"id": job_id}, 60)
 
 
@@ -74,12 +75,15 @@ class Adapters:
     def on_post_action(self, req, resp, name, action):
         if action != "load":
             raise JSONError(404, "not_found", f"no action {action!r} (POST /v1/adapters/{{name}}/load)")
+        action_body(req)
         resp.media = bus(self.sup, "adapters.load", {"name": name})
 
     def on_post_unload(self, req, resp):
+        action_body(req)
         resp.media = bus(self.sup, "adapters.unload")
 
     def on_delete_one(self, req, resp, name):
+        action_body(req)
         resp.media = bus(self.sup, "adapters.delete", {"name": name})
 
 

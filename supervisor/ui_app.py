@@ -9,7 +9,7 @@ from pathlib import Path
 
 import falcon
 
-from .http_common import JSONError, bus
+from .http_common import JSONError, action_body, bus
 
 UI = Path(__file__).with_name("ui")
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -53,7 +53,11 @@ class Models:
     def on_post_action(self, req, resp, model, action):
         if action not in ("load", "unload"):
             raise JSONError(404, "not_found", f"no action {action!r} (POST /v1/models/MODEL/load or /unload)")
-        resp.media = bus(self.sup, action, {"model": model})
+        # unload {"force": true}: even while it serves requests (they are cut)
+        body = action_body(req, ("force",) if action == "unload" else ())
+        if not isinstance(body.get("force", False), bool):
+            raise JSONError(400, "invalid_type", "force must be a boolean", param="force")
+        resp.media = bus(self.sup, action, {"model": model, **body})
 
 
 class SessionsRoute:

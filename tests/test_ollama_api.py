@@ -11,7 +11,7 @@ import jsonschema
 import ollama
 import pytest
 
-from daemon_harness import Daemon
+from daemon_harness import Daemon, http_json
 
 pytestmark = pytest.mark.timeout(300)
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,14 +32,21 @@ def client(served):
     return ollama.Client(host=served.http, timeout=120)
 
 
-def test_list_show_and_ps(client):
+def test_list_show_and_ps(client, served):
     names = [m.model for m in client.list().models]
     assert "smol:latest" in names
     m = next(m for m in client.list().models if m.model == "smol:latest")
     assert m.details.family == "llama" and m.size > 50_000_000
     shown = client.show("smol")
     assert shown.details.family == "llama" and "im_start" in shown.template
-    assert "llama.context_length" in shown.modelinfo
+    assert "llama.context_length" in shown.modelinfo and "tokenizer.ggml.tokens" not in shown.modelinfo
+    # verbose: the vocabulary too, as Ollama's; a field /api/show does not know is refused
+    verbose = http_json(served, "POST", "/api/show", {"model": "smol", "verbose": True})[1]
+    assert verbose["model_info"]["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    status, out = http_json(served, "POST", "/api/show", {"model": "smol", "system": "x"})
+    assert status == 400 and "system" in out["error"], out
+    status, out = http_json(served, "POST", "/api/pull", {"model": "smol", "insecure": True})
+    assert status == 400 and "insecure" in out["error"], out
     loaded = {p.model: p for p in client.ps().models}
     assert "smol:latest" in loaded
     running = loaded["smol:latest"]                   # the same file's facts as the listing's

@@ -115,3 +115,18 @@ def test_a_grammar_named_outright_goes_to_the_worker_as_is():
     assert grammar({"json_schema": {"type": "integer"}, "response_format": {"type": "text"}}) == \
         {"grammar": {"json_schema": {"type": "integer"}}}
     assert grammar({}) == {}
+
+
+def test_an_action_route_refuses_fields_it_would_ignore():
+    import io
+    from types import SimpleNamespace
+    from kiln.supervisor.http_common import action_body
+    req = lambda raw: SimpleNamespace(bounded_stream=io.BytesIO(raw), method="POST",  # noqa: E731
+                                      path="/v1/models/smol/unload")
+    assert action_body(req(b"")) == {} and action_body(req(b"{}")) == {}
+    assert action_body(req(b'{"force": true}'), ("force",)) == {"force": True}
+    with pytest.raises(JSONError) as e:
+        action_body(req(b'{"force": true}'))
+    assert e.value.kiln_body["error"]["param"] == "force" and "takes no fields" in e.value.kiln_body["error"]["message"]
+    with pytest.raises(JSONError):
+        action_body(req(b"[1]"))
