@@ -25,23 +25,16 @@ import json
 from typing import Iterator
 
 from .http_common import JSONError, error_from, routed
+from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
 from .openai_api import IDLE, Answer, WorkerGone
 from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, messages, sampling_params, tools
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
-_COMMON = {"model", "stream", "n_predict", "max_tokens", "cache_prompt", "adapter", "keep_alive", "samplers",
-           "n_indent", "t_max_predict_ms", "t_max_prompt_ms", "response_fields", "grammar", "json_schema"} | _SAMPLING
+_COMMON = {"model", "stream", "n_predict", "max_tokens", "adapter", "keep_alive", "n_indent", "t_max_predict_ms",
+           "t_max_prompt_ms", "response_fields", "grammar", "json_schema"} | _SAMPLING | LLAMA_FIELDS
 FIELDS = _COMMON | {"input_prefix", "input_suffix", "input_extra", "prompt"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-# llama.cpp's sampler names (and the short ones it also takes) -> Kiln's; the field each reads
-_SAMPLER_NAMES = {"penalties": "penalties", "top_k": "top_k", "typ_p": "typ_p", "typical_p": "typ_p",
-                  "top_p": "top_p", "min_p": "min_p", "temperature": "temperature", "temp": "temperature",
-                  "infill": "infill"}
-_READS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typ_p",
-          "repeat_penalty": "penalties", "presence_penalty": "penalties", "frequency_penalty": "penalties"}
-
-
 def infill_work(body: dict) -> dict:
     """The generate op's `infill` field from an /infill body (400 naming a bad field)."""
     texts = {}
@@ -73,18 +66,7 @@ def _params(body: dict) -> dict:
                          f"the prompt) or a number of tokens")
     params = sampling_params({k: v for k, v in body.items() if k in _SAMPLING})
     params["max_tokens"] = -1 if n is None else n
-    if body.get("samplers") is not None:
-        chain = body["samplers"]
-        if not isinstance(chain, list) or not all(isinstance(x, str) for x in chain):
-            raise bad("samplers", "samplers must be a list of sampler names", "invalid_type")
-        for x in chain:
-            if x not in _SAMPLER_NAMES:
-                raise bad("samplers", f"sampler {x!r} is not supported (supported: {', '.join(_SAMPLER_NAMES)})")
-        params["samplers"] = [_SAMPLER_NAMES[x] for x in chain]
-        if n != 0:                               # nothing is sampled with n_predict 0
-            for field, sampler in _READS.items():
-                if field in body and sampler not in params["samplers"]:
-                    raise bad(field, f"{field} has no effect: samplers does not name {sampler!r}")
+    params.update(llama_params(body, sampling=n != 0))        # nothing is sampled with n_predict 0
     for field, low in (("n_indent", 0), ("t_max_predict_ms", None), ("t_max_prompt_ms", None)):
         v = body.get(field)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
@@ -140,8 +122,6 @@ class LlamaServer:
         self._answer(req, resp, body, completion_work(body))
 
     def _answer(self, req, resp, body: dict, work: dict) -> None:
-        if "cache_prompt" in body and not isinstance(body["cache_prompt"], bool):
-            raise bad("cache_prompt", "cache_prompt must be a boolean", "invalid_type")
         work = {**work, "params": _params(body), **grammar(body), **adapter(body), **keep_alive(body)}
         if body.get("response_fields") is not None:
             _fields({}, body["response_fields"])

@@ -18,6 +18,7 @@ import falcon
 
 from . import ollama_library
 from .http_common import JSONError, bus, routed
+from .llama_fields import llama_params
 from .ollama_library import details, file_digest, file_of, ndjson, ollama_name
 from .openai_api import WorkerGone, _Stream
 from .openai_validate import bad, messages as check_messages, sampling_params, tools as check_tools
@@ -72,13 +73,18 @@ class Ollama:
                 continue
             if k == "num_ctx":
                 continue                          # checked against the worker's context below
+            if k in ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta"):
+                continue                          # llama.cpp's own fields: below
             if k not in _OPTIONS:
                 raise bad(f"options.{k}", f"option {k!r} is not supported (supported: "
-                          f"{', '.join(sorted(set(_OPTIONS) | {'num_ctx'}))})")
+                          f"{', '.join(sorted(set(_OPTIONS) | {'num_ctx', 'repeat_last_n', 'mirostat'}))})")
             if k == "num_predict" and isinstance(v, int) and v < 0:
                 continue                          # -1: until the context ends (Kiln's default)
             out[_OPTIONS[k]] = v
         p = sampling_params(out)
+        # repeat_last_n, and mirostat at 0 (off): llama.cpp's, as Ollama passes them on
+        p.update(llama_params({k: opts[k] for k in ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
+                               if k in opts}))
         return p
 
     def _check_ctx(self, body: dict, route: dict) -> None:

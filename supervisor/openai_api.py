@@ -29,6 +29,7 @@ from kiln.protocol import vocab
 
 from . import openai_shapes as shapes
 from .http_common import JSONError, bus, error_from, routed
+from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
 from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, grammar, keep_alive, bad, known_fields, logprobs, messages,
                               prompts, sampling_params, tools)
 
@@ -272,13 +273,13 @@ class OpenAI:
 
     def on_post_chat(self, req, resp):
         body = self.read_json(req)
-        known_fields(body, CHAT_FIELDS)
+        known_fields(body, CHAT_FIELDS | LLAMA_FIELDS)
         self._generate(req, resp, body, {"messages": messages(body), **tools(body), **grammar(body), **adapter(body),
                                          **keep_alive(body)}, chat=True)
 
     def on_post_completions(self, req, resp):
         body = self.read_json(req)
-        known_fields(body, COMPLETION_FIELDS)
+        known_fields(body, COMPLETION_FIELDS | LLAMA_FIELDS)
         works = [dict(w, **grammar(body), **adapter(body), **keep_alive(body)) for w in prompts(body)]
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
@@ -294,7 +295,7 @@ class OpenAI:
     def _batch(self, req, resp, body: dict, works: list[dict], echo: bool) -> None:
         """Non-stream completions for several prompts, optionally echoing each prompt with the
         log-probabilities of its tokens (as evaluation harnesses ask)."""
-        params = sampling_params(body, min_tokens=0 if echo else 1)
+        params = {**sampling_params(body, min_tokens=0 if echo else 1), **llama_params(body)}
         lp = logprobs(body, chat=False)
         if lp is not None:
             params["logprobs"] = lp
@@ -351,7 +352,7 @@ class OpenAI:
                                 "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]}}}
 
     def _generate(self, req, resp, body: dict, work: dict, chat: bool) -> None:
-        params = sampling_params(body)
+        params = {**sampling_params(body, unbounded=True), **llama_params(body)}
         lp = logprobs(body, chat)
         if lp is not None:
             params["logprobs"] = lp

@@ -59,7 +59,9 @@ def _number(body: dict, name: str, low: float, high: float, kind=(int, float)):
     return v
 
 
-def sampling_params(body: dict, min_tokens: int = 1) -> dict:
+def sampling_params(body: dict, min_tokens: int = 1, unbounded: bool = False) -> dict:
+    """`unbounded`: max_tokens -1 (llama-server's "until the model stops or the context ends")
+    is accepted — what leaving it out means on the routes that say so."""
     p: dict[str, Any] = {}
     for name, low, high, kind in (("temperature", 0, 2, (int, float)), ("top_p", 0, 1, (int, float)),
                                   ("top_k", 0, 1 << 20, int), ("min_p", 0, 1, (int, float)),
@@ -72,7 +74,9 @@ def sampling_params(body: dict, min_tokens: int = 1) -> dict:
     if p.get("top_p") == 0:
         raise bad("top_p", "top_p must be greater than 0")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    if mt is not None:
+    if mt == -1 and unbounded and not isinstance(mt, bool):
+        p["max_tokens"] = -1
+    elif mt is not None:
         which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         _number({which: mt}, which, min_tokens, 1 << 30, int)
         p["max_tokens"] = mt

@@ -247,6 +247,32 @@ def test_the_tokenizer_routes_take_llama_servers_fields_and_defaults(served):
         assert status == 400 and out["error"]["param"] == field, (path, out)
 
 
+# what llama.vscode's chat edit (and the llama.cpp web UI) send to /v1/chat/completions: the
+# whole parameter set, mostly at the values that turn a feature off
+WEB_UI = {"stream": False, "cache_prompt": True, "samplers": "edkypmxt", "temperature": 0.8, "dynatemp_range": 0,
+          "dynatemp_exponent": 1, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1, "xtc_probability": 0,
+          "xtc_threshold": 0.1, "repeat_last_n": 64, "repeat_penalty": 1, "presence_penalty": 0,
+          "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2,
+          "dry_penalty_last_n": -1, "max_tokens": -1, "timings_per_token": False}
+
+
+def test_llama_servers_full_parameter_set_is_the_plain_request(served):
+    """Its samplers are llama.cpp's default order, which is Kiln's chain; DRY, XTC and dynamic
+    temperature are off: the same seeded answer as the request with the standard fields alone."""
+    ask = {"messages": [{"role": "user", "content": "Name a fruit."}], "seed": 5}
+    status, full = http_json(served, "POST", "/v1/chat/completions", {**ask, **WEB_UI, "max_tokens": 16})
+    assert status == 200, full
+    plain = {k: WEB_UI[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")}
+    status, ref = http_json(served, "POST", "/v1/chat/completions", {**ask, **plain, "max_tokens": 16})
+    assert full["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    # max_tokens -1: until the model stops (or the context ends), as llama-server
+    status, out = http_json(served, "POST", "/v1/chat/completions", {**ask, **WEB_UI, "temperature": 0})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
+    # a chain that leaves out a sampler whose field is given: that field would do nothing
+    status, out = http_json(served, "POST", "/v1/chat/completions", {**ask, **WEB_UI, "samplers": "kt"})
+    assert status == 400 and out["error"]["param"] in ("top_p", "min_p", "typical_p", "repeat_penalty"), out
+
+
 def enc_default(d, text: str) -> list[int]:
     status, out = http_json(d, "POST", "/tokenize", {"content": text, "add_special": True})
     assert status == 200, out
@@ -258,8 +284,15 @@ def enc_default(d, text: str) -> list[int]:
     ("/completion", {"prompt": "a", "n_probs": 3}, "n_probs"),
     ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
     ("/completion", {"prompt": "a", "input_prefix": "x"}, "input_prefix"),
-    ("/infill", {"input_prefix": "a", "samplers": ["top_k", "dry"]}, "samplers"),
-    ("/infill", {"input_prefix": "a", "samplers": "kpt"}, "samplers"),
+    ("/infill", {"input_prefix": "a", "samplers": ["top_k", "mystery"]}, "samplers"),
+    ("/infill", {"input_prefix": "a", "samplers": "kqz"}, "samplers"),
+    ("/infill", {"input_prefix": "a", "dry_multiplier": 0.8}, "dry_multiplier"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "xtc_probability": 0.5},
+     "xtc_probability"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "timings_per_token": True},
+     "timings_per_token"),
+    ("/v1/completions", {"prompt": "a", "mirostat": 2}, "mirostat"),
+    ("/v1/completions", {"prompt": "a", "repeat_last_n": -5}, "repeat_last_n"),
     ("/infill", {"input_prefix": "a", "samplers": ["top_k", "infill"], "temperature": 0.2}, "temperature"),
     ("/infill", {"input_prefix": "a", "n_indent": -1}, "n_indent"),
     ("/infill", {"input_prefix": "a", "t_max_predict_ms": "soon"}, "t_max_predict_ms"),

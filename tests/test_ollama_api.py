@@ -164,6 +164,9 @@ def test_errors_are_in_ollamas_shape(client, served):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="smol", messages=ASK, options={"mirostat": 2})
     assert e.value.status_code == 400 and "mirostat" in e.value.error
+    # mirostat 0 is off (what Kiln does); repeat_last_n is llama.cpp's window of the penalties
+    r = client.chat(model="smol", messages=ASK, options={"mirostat": 0, "repeat_last_n": 32, "num_predict": 4})
+    assert r.done
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="smol", prompt="hi", images=["aGk="])
     assert e.value.status_code == 400 and "images" in e.value.error
