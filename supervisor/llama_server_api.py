@@ -193,8 +193,8 @@ def _events(answer: Answer, model: str, keepalive: float, fields=None) -> Iterat
         yield data(error_from(e.msg, "prompt").kiln_body)
 
 
-class Tokenizer:
-    """llama-server's tokenizer routes, with its defaults: /tokenize parses special-token text
+class Utility:
+    """llama-server's GET /props, and its tokenizer routes with its defaults: /tokenize parses special-token text
     (`parse_special`, default true) and adds BOS only when asked (`add_special`) and the model
     wants it; `with_pieces` gives each token's text (its bytes where they are not UTF-8)."""
 
@@ -254,6 +254,26 @@ class Tokenizer:
         out = routed(self.api.sup, "apply_template", {"worker": w["worker"], **work}, 60)
         resp.media = {"prompt": out["prompt"], "tokens": out["tokens"]}
 
+    def on_get_props(self, req, resp):
+        """llama-server's GET /props (its web UI and plugins read the context and template from
+        it): the default model's — or `?model=`'s — facts, and the defaults a request gets."""
+        w = self.api.route({"model": req.get_param("model")} if req.get_param("model") else {})
+        info = routed(self.api.sup, "info", {"worker": w["worker"]}, 60)
+        from kiln.native.sampling import SamplingParams
+        d = SamplingParams()
+        resp.media = {
+            "default_generation_settings": {
+                "n_ctx": info["n_ctx"], "model": info["path"],
+                "params": {"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+                           "typical_p": d.typical_p, "repeat_last_n": d.repeat_last_n,
+                           "repeat_penalty": d.repeat_penalty, "presence_penalty": d.presence_penalty,
+                           "frequency_penalty": d.frequency_penalty, "n_predict": -1,
+                           "samplers": ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]}},
+            "total_slots": info["slots"], "model_path": info["path"], "chat_template": info["chat_template"] or "",
+            "bos_token": info["bos_token"], "eos_token": info["eos_token"],
+            "modalities": {"vision": False, "audio": False}, "infill": info["fill_in_the_middle"],
+            "build_info": f"kiln {_version()}"}
+
     def on_get_tokenizer_info(self, req, resp):
         w = self.api.route({"model": req.get_param("model")} if req.get_param("model") else {})
         info = routed(self.api.sup, "info", {"worker": w["worker"]}, 60)
@@ -261,12 +281,21 @@ class Tokenizer:
 
 
 def install(app, sup, api) -> None:
-    tok = Tokenizer(api)
+    tok = Utility(api)
     app.add_route("/tokenize", tok, suffix="tokenize")
     app.add_route("/detokenize", tok, suffix="detokenize")
     app.add_route("/apply-template", tok, suffix="template")
     app.add_route("/tokenizer_info", tok, suffix="tokenizer_info")
+    app.add_route("/props", tok, suffix="props")
     native = LlamaServer(sup, api)
     app.add_route("/infill", native, suffix="infill")
     app.add_route("/completion", native, suffix="completion")
     app.add_route("/completions", native, suffix="completion")        # llama-server's alias
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kiln")
+    except PackageNotFoundError:
+        return "unknown"

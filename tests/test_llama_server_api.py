@@ -273,6 +273,15 @@ def test_llama_servers_full_parameter_set_is_the_plain_request(served):
     assert status == 400 and out["error"]["param"] in ("top_p", "min_p", "typical_p", "repeat_penalty"), out
 
 
+def test_props_tells_the_context_slots_template_and_whether_it_infills(served):
+    status, props = http_json(served, "GET", "/props")
+    assert status == 200 and props["total_slots"] == 4 and props["infill"] is False, props
+    ctx = {m["name"]: m["context_length"] for m in http_json(served, "GET", "/api/ps")[1]["models"]}
+    assert props["default_generation_settings"]["n_ctx"] == ctx["smol:latest"] and "im_start" in props["chat_template"]
+    status, coder = http_json(served, "GET", "/props?model=coder")
+    assert coder["infill"] is True and coder["default_generation_settings"]["n_ctx"] == 4096, coder
+
+
 def enc_default(d, text: str) -> list[int]:
     status, out = http_json(d, "POST", "/tokenize", {"content": text, "add_special": True})
     assert status == 200, out

@@ -354,7 +354,8 @@ class InferenceWorker(Worker):
                 "bos_token": tok.tokens[sp.bos] if sp.bos is not None else None,
                 "eos_token": tok.tokens[sp.eos] if sp.eos is not None else None,
                 "chat_template": self.template.source if self.template else None,
-                "created": int(os.path.getmtime(m.path))}
+                "created": int(os.path.getmtime(m.path)), "slots": len(self.scheduler.seqs),
+                "fill_in_the_middle": tok.fim.can_infill}
 
 
 def _wire(delta: dict) -> dict:
