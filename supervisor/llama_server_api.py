@@ -1,5 +1,6 @@
 """llama-server's native routes: `POST /completion`, `POST /infill` (code infilling), and its
-tokenizer routes (`/tokenize`, `/detokenize`, `/apply-template`, `GET /tokenizer_info`).
+tokenizer and info routes (`/tokenize`, `/detokenize`, `/apply-template`, `GET /tokenizer_info`,
+`GET /props`).
 
 For tools and editor plugins written against llama-server rather than an OpenAI-style API. The
 answer is llama-server's native completion object (`content`, `tokens`, `stop`, `stop_type`,
@@ -15,8 +16,8 @@ order, its `infill` sampler included — native/sampling.py), `n_indent`, `t_max
 (native/generate.py), `n_predict: 0` (the prompt is only cached: they send other files ahead of
 time), `response_fields`. Two fields are accepted that change nothing, because llama-server does
 nothing with them either: `t_max_prompt_ms` (its "TODO: implement") and an `input_extra` item's
-`time` (the plugin's own bookkeeping). llama-server's other knobs (`id_slot`, `lora`, `n_probs`,
-`dry_*`, `xtc_*`, `mirostat`, …) are refused by name.
+`time` (the plugin's own bookkeeping). Its sampling knobs are llama_fields.py's (off values
+accepted, others refused); `id_slot`, `lora` and the rest are refused by name.
 """
 
 from __future__ import annotations
