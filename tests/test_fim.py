@@ -170,3 +170,20 @@ def test_t_max_predict_ms_ends_the_answer_once_a_line_has_ended(coder):
     text, reason = _forced(coder, SamplingParams(temperature=0, max_tokens=50, t_max_predict_ms=1e-6),
                            ["x", "y", "\n", "z", "w"])
     assert (text, reason) == ("xy\nz", "length")        # the token after the first line ends it
+
+
+def test_the_markers_and_enders_are_llama_cpps(coder, default_model_path, tmp_path):
+    """Where llama-cpp-python is installed (not a test dependency: a session tool, as for the
+    references), its vocabulary's FIM ids and end-of-generation set equal Kiln's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from llama_cpp import llama_cpp as L
+    coder_path = build_fim_model(tiny_path("qwen2"), tmp_path / "c.gguf")
+    for path in (coder_path, default_model_path):
+        llm = llama_cpp.Llama(str(path), n_ctx=64, verbose=False)
+        v = L.llama_model_get_vocab(llm.model)
+        theirs = [getattr(L, f"llama_vocab_fim_{r}")(v) for r in ("pre", "suf", "mid", "pad", "rep", "sep")]
+        eog = {i for i in range(L.llama_vocab_n_tokens(v)) if L.llama_vocab_is_eog(v, i)}
+        tok = GGUFTokenizer(read_gguf(path))
+        f = tok.fim
+        assert [-1 if x is None else x for x in (f.pre, f.suf, f.mid, f.pad, f.rep, f.sep)] == theirs
+        assert tok.special.stop_ids == eog
