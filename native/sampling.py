@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from .tokenizer import TOKEN_CONTROL, TOKEN_UNUSED
+
 
 # the llama.cpp samplers a chain may name (common/sampling.cpp's names)
 SAMPLERS = ("penalties", "top_k", "typ_p", "top_p", "min_p", "temperature", "infill")
@@ -238,7 +240,10 @@ def infill_filter(order: np.ndarray, cand: np.ndarray, tok) -> tuple[np.ndarray,
     p_eog, p_txt = probs[eog].sum(), probs[~eog].sum()
     if 3 * p_eog * len(order) > p_txt:
         return order[eog], cand[eog]
-    text = [b"" if tok.is_control(int(t)) else tok.token_bytes(int(t)) for t in order]
+    # a token's text as llama.cpp renders it here (no special tokens): control and unused
+    # tokens have none, so they never merge
+    text = [b"" if tok.token_types[int(t)] in (TOKEN_CONTROL, TOKEN_UNUSED) else tok.token_bytes(int(t))
+            for t in order]
     probs, gone = probs.copy(), np.zeros(len(order), bool)
     for i0 in range(len(order)):
         for i1 in range(len(order)):

@@ -187,3 +187,52 @@ def test_the_markers_and_enders_are_llama_cpps(coder, default_model_path, tmp_pa
         f = tok.fim
         assert [-1 if x is None else x for x in (f.pre, f.suf, f.mid, f.pad, f.rep, f.sep)] == theirs
         assert tok.special.stop_ids == eog
+
+
+@pytest.mark.parametrize("which", ["coder", "default"])
+def test_the_infill_sampler_keeps_what_llama_cpps_keeps(which, default_model_path, tmp_path):
+    """600 candidate sets — sizes 2–40, some led by an ender, many holding tokens whose texts
+    begin one another (so that they merge), logits at four spreads — through llama.cpp's infill
+    sampler and Kiln's: the same tokens kept, and the same ones at -inf. Where nothing clearly
+    leads, both end the text (llama.cpp with the EOT it found by its text, Kiln with one of the
+    same enders: the answer ends the same)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import ctypes
+    from llama_cpp import llama_cpp as L
+    path = build_fim_model(tiny_path("qwen2"), tmp_path / "c.gguf") if which == "coder" else default_model_path
+    llm = llama_cpp.Llama(str(path), n_ctx=64, verbose=False)
+    smpl = L.llama_sampler_init_infill(L.llama_model_get_vocab(llm.model))
+    tok = GGUFTokenizer(read_gguf(path))
+
+    def theirs(ids, logits):
+        arr = (L.llama_token_data * len(ids))()
+        for i, (t, lg) in enumerate(zip(ids, logits)):
+            arr[i].id, arr[i].logit, arr[i].p = int(t), float(lg), 0.0
+        cur = L.llama_token_data_array(data=arr, size=len(ids), selected=-1, sorted=False)
+        L.llama_sampler_apply(smpl, ctypes.byref(cur))
+        return {arr[i].id: bool(np.isfinite(arr[i].logit)) for i in range(cur.size)}
+
+    by_start = {}
+    for i in range(tok.vocab_size):
+        b = tok.token_bytes(i)
+        if len(b) >= 2 and not tok.is_control(i):
+            by_start.setdefault(b[:2], []).append(i)
+    groups = [g for g in by_start.values() if len(g) >= 3]
+    rng, stops = np.random.default_rng(0), sorted(tok.special.stop_ids)
+    for _ in range(600):
+        ids = rng.choice(tok.vocab_size, size=int(rng.integers(2, 41)), replace=False)
+        if groups and rng.random() < 0.7:
+            g = groups[int(rng.integers(len(groups)))]
+            ids = np.concatenate([rng.choice(g, size=min(len(g), int(rng.integers(2, 8))), replace=False), ids])
+        if rng.random() < 0.5:
+            ids = np.concatenate([[rng.choice(stops)], ids])
+        ids = np.unique(ids)
+        logits = (rng.standard_normal(len(ids)) * rng.choice([0.3, 1, 3, 8])).astype(np.float32)
+        order = np.argsort(-logits, kind="stable")
+        o, c = ids[order], logits[order].astype(np.float64)
+        ref = theirs(o, c)
+        ko, kc = infill_filter(o, c, tok)
+        ours = {int(a): bool(np.isfinite(b)) for a, b in zip(ko, kc)}
+        if len(ref) == 1 and len(ours) == 1 and set(ref) | set(ours) <= tok.special.stop_ids:
+            continue
+        assert ours == ref
