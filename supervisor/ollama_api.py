@@ -223,7 +223,10 @@ class Ollama:
             path = file_of(m.get("path") or str(m["model"]))
             st = path.stat() if path else None
             out.append({"name": ollama_name(str(m["model"])), "model": ollama_name(str(m["model"])),
-                        "size": m.get("rss_bytes") or m.get("planned_bytes") or 0, "size_vram": 0,
+                        # Ollama's size is the memory the model is given (weights and its whole KV
+                        # cache, allocated up front): Kiln's plan of it, not the RSS of mapped pages
+                        # touched so far (which starts at a few hundred KB)
+                        "size": m.get("planned_bytes") or m.get("rss_bytes") or 0, "size_vram": 0,
                         "digest": file_digest(str(path), st.st_size, st.st_mtime) if st else "",
                         "details": details(str(path) if path else ""),
                         "expires_at": datetime.fromtimestamp(exp, timezone.utc).isoformat() if exp else

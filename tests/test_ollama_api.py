@@ -50,6 +50,7 @@ def test_list_show_and_ps(client, served):
     loaded = {p.model: p for p in client.ps().models}
     assert "smol:latest" in loaded
     running = loaded["smol:latest"]                   # the same file's facts as the listing's
+    assert running.size >= m.size                     # the memory it is given: weights and KV cache
     assert running.details.family == "llama" and running.details.quantization_level == m.details.quantization_level
     assert running.digest == m.digest
 
