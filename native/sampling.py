@@ -13,9 +13,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .tokenizer import TOKEN_CONTROL, TOKEN_UNUSED
 
-
+# editor plugins send a model family's whole list of markers and fences as stop strings (Continue:
+# a dozen and more); checking each costs microseconds a token
+MAX_STOPS = 64
 # the llama.cpp samplers a chain may name (common/sampling.cpp's names)
 SAMPLERS = ("penalties", "top_k", "typ_p", "top_p", "min_p", "temperature", "infill")
 
@@ -64,8 +65,8 @@ class SamplingParams:
             ("typical_p", 0.0 < self.typical_p <= 1.0, "in (0, 1]"),
             ("logit_bias", all(isinstance(k, int) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
              "token ids mapped to values between -100 and 100"),
-            ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
-             "at most 16 non-empty strings"),
+            ("stop", len(self.stop) <= MAX_STOPS and all(isinstance(s, str) and s for s in self.stop),
+             f"at most {MAX_STOPS} non-empty strings"),
             ("samplers", self.samplers is None or (isinstance(self.samplers, list) and all(
                 x in SAMPLERS for x in self.samplers)), f"a list of {', '.join(SAMPLERS)}"),
             # the infill sampler compares every pair of candidates: top_k first keeps that small
@@ -235,6 +236,7 @@ def infill_filter(order: np.ndarray, cand: np.ndarray, tok) -> tuple[np.ndarray,
     whose text begins another's takes that one's probability, and only the tokens clearly ahead
     (p ≥ 0.2, then ≥ 1/(n+1)) are left, the enders always; none left: end of text. It only
     chooses the candidates: the draw that follows uses their logits, as llama.cpp's does."""
+    from .tokenizer import TOKEN_CONTROL, TOKEN_UNUSED
     probs = _softmax(cand)
     eog = np.array([int(t) in tok.special.stop_ids for t in order])
     p_eog, p_txt = probs[eog].sum(), probs[~eog].sum()

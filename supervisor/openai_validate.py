@@ -27,6 +27,7 @@ _REFUSED = {"functions": "use tools", "function_call": "use tool_choice", "best_
             "audio": "Kiln serves text models",
             "modalities": "Kiln serves text models", "prediction": "predicted outputs are not supported",
             "web_search_options": "Kiln has no web search"}
+MAX_STOPS = 64                  # native/sampling.py's (tests/test_openai_validation.py holds them equal)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 EFFORTS = ("low", "medium", "high")
 
@@ -83,8 +84,8 @@ def sampling_params(body: dict, min_tokens: int = 1, unbounded: bool = False) ->
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-            raise bad("stop", "stop must be a non-empty string or a list of up to 16 non-empty strings")
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+            raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOPS} non-empty strings")
         p["stop"] = stops
     if body.get("speculative") is not None:      # Kiln's extension: prompt-lookup drafting on/off
         if not isinstance(body["speculative"], bool):

@@ -130,3 +130,12 @@ def test_an_action_route_refuses_fields_it_would_ignore():
     assert e.value.kiln_body["error"]["param"] == "force" and "takes no fields" in e.value.kiln_body["error"]["message"]
     with pytest.raises(JSONError):
         action_body(req(b"[1]"))
+
+
+def test_the_stop_string_limit_is_the_engines():
+    from kiln.native.sampling import MAX_STOPS
+    from kiln.supervisor import openai_validate
+    assert openai_validate.MAX_STOPS == MAX_STOPS == 64
+    assert sampling_params({"stop": [f"s{i}" for i in range(64)]})["stop"][-1] == "s63"
+    with pytest.raises(JSONError):
+        sampling_params({"stop": [f"s{i}" for i in range(65)]})
