@@ -33,7 +33,7 @@ from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, me
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
 _COMMON = {"model", "stream", "n_predict", "max_tokens", "adapter", "keep_alive", "n_indent", "t_max_predict_ms",
-           "t_max_prompt_ms", "response_fields", "grammar", "json_schema"} | _SAMPLING | LLAMA_FIELDS
+           "t_max_prompt_ms", "response_fields", "grammar", "json_schema", "return_tokens"} | _SAMPLING | LLAMA_FIELDS
 FIELDS = _COMMON | {"input_prefix", "input_suffix", "input_extra", "prompt"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 def infill_work(body: dict) -> dict:
@@ -123,6 +123,10 @@ class LlamaServer:
         self._answer(req, resp, body, completion_work(body))
 
     def _answer(self, req, resp, body: dict, work: dict) -> None:
+        # the token ids come only when asked (llama-server's return_tokens), else `tokens: []`
+        ids = body.get("return_tokens", False)
+        if not isinstance(ids, bool):
+            raise bad("return_tokens", "return_tokens must be a boolean", "invalid_type")
         work = {**work, "params": _params(body), **grammar(body), **adapter(body), **keep_alive(body)}
         if body.get("response_fields") is not None:
             _fields({}, body["response_fields"])
@@ -132,8 +136,8 @@ class LlamaServer:
         work["worker"] = route["worker"]
         answer = self.api.answer(req, "generate", work, whole=not stream)
         if stream:
-            return self.api.send_sse(resp, _events(answer, model, self.api.keepalive, body.get("response_fields")),
-                                     answer)
+            return self.api.send_sse(resp, _events(answer, model, self.api.keepalive, body.get("response_fields"),
+                                                   ids), answer)
         content, tokens, final = [], [], None
         try:
             for msg in answer:
@@ -149,7 +153,7 @@ class LlamaServer:
         if final is None:
             raise JSONError(499, "client_closed", "the client closed the connection")
         content.append(final.get("text", ""))
-        out = _closing(final, model, "".join(content), tokens)
+        out = _closing(final, model, "".join(content), tokens if ids else [])
         resp.media = out if body.get("response_fields") is None else _fields(out, body["response_fields"])
 
 
@@ -172,7 +176,7 @@ def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
                         "predicted_per_second": u["completion_tokens"] / (decode_ms / 1000) if decode_ms else 0.0}}
 
 
-def _events(answer: Answer, model: str, keepalive: float, fields=None) -> Iterator[bytes]:
+def _events(answer: Answer, model: str, keepalive: float, fields=None, ids: bool = False) -> Iterator[bytes]:
     def data(obj: dict) -> bytes:
         obj = obj if fields is None or "error" in obj else _fields(obj, fields)
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
@@ -186,7 +190,7 @@ def _events(answer: Answer, model: str, keepalive: float, fields=None) -> Iterat
             b = msg.body
             if msg.type == "chunk":
                 n += 1
-                yield data({"index": 0, "content": b.get("text", ""), "tokens": [b["token"]], "stop": False,
+                yield data({"index": 0, "content": b.get("text", ""), "tokens": [b["token"]] if ids else [], "stop": False,
                             "tokens_predicted": n})
             else:
                 yield data(_closing(b, model, b.get("text", ""), []))

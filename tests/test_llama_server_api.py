@@ -104,7 +104,7 @@ def test_infill_runs_llama_servers_repo_level_prompt(served):
            + [SUF] + enc(served, SUFFIX) + [MID])
     expected = raw(served, ids)
     body = {"model": "coder", "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": extra, "prompt": " a",
-            "n_predict": 12, "temperature": 0, "cache_prompt": True}
+            "n_predict": 12, "temperature": 0, "cache_prompt": True, "return_tokens": True}
     status, out = http_json(served, "POST", "/infill", body)
     assert status == 200, out
     assert out["content"] == expected and out["stop"] is True and out["tokens_evaluated"] == len(ids)
@@ -147,7 +147,7 @@ def test_llama_vims_requests_are_answered_as_llama_server_answers_them(served):
     assert out["tokens_cached"] >= extra_tokens - 1, (out, extra_tokens)
     assert out["timings/predicted_n"] <= 16 and isinstance(out["content"], str)
     # the chain draws at random: with a seed, the same answer again
-    seeded = dict(fim, seed=11, response_fields=["content", "tokens"])
+    seeded = dict(fim, seed=11, response_fields=["content", "tokens"], return_tokens=True)
     first = http_json(served, "POST", "/infill", {"model": "coder", **seeded})[1]
     assert http_json(served, "POST", "/infill", {"model": "coder", **seeded})[1] == first
     # the infill sampler compares every pair of candidates: over a whole vocabulary it would
@@ -174,8 +174,11 @@ def test_completion_is_the_completions_answer_in_llama_servers_shape(served):
     q = "The capital of France is"
     status, ref = http_json(served, "POST", "/v1/completions", {"prompt": q, "max_tokens": 12, "temperature": 0})
     assert status == 200, ref
-    status, out = http_json(served, "POST", "/completion", {"prompt": q, "n_predict": 12, "temperature": 0})
+    status, out = http_json(served, "POST", "/completion", {"prompt": q, "n_predict": 12, "temperature": 0,
+                                                            "return_tokens": True})
     assert status == 200 and out["content"] == ref["choices"][0]["text"] and out["stop"] is True, out
+    # without return_tokens, no ids (llama-server's default)
+    assert http_json(served, "POST", "/completion", {"prompt": q, "n_predict": 12, "temperature": 0})[1]["tokens"] == []
     assert out["tokens_evaluated"] == ref["usage"]["prompt_tokens"] and out["tokens_predicted"] == len(out["tokens"])
     assert out["stop_type"] == ("limit" if ref["choices"][0]["finish_reason"] == "length" else "eos")
     # token ids, and the stream: llama-server's events, no [DONE]
