@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from daemon_harness import Daemon  # noqa: E402
+from fim_model import rename_tokens  # noqa: E402
 
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")     # as the supervisor starts workers
 RENAME = {"<filename>": "<fim_prefix>", "<gh_stars>": "<fim_suffix>", "<issue_start>": "<fim_middle>",
@@ -34,16 +35,11 @@ RENAME = {"<filename>": "<fim_prefix>", "<gh_stars>": "<fim_suffix>", "<issue_st
 
 
 def fim_variant(src: Path, out: Path) -> Path:
-    if out.exists():
-        return out
-    import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-    reader = gguf.GGUFReader(src)
-    tokens = [RENAME.get(t, t) for t in reader.get_field("tokenizer.ggml.tokens").contents()]
-    writer = gguf.GGUFWriter(str(out) + ".tmp", arch=reader.get_field("general.architecture").contents())
-    copy_with_new_metadata(reader, writer, {"tokenizer.ggml.tokens": MetadataDetails(
-        gguf.GGUFValueType.ARRAY, tokens, sub_type=gguf.GGUFValueType.STRING)}, [])
-    os.replace(str(out) + ".tmp", out)
+    if not out.exists():
+        from gguf import GGUFReader
+        tokens = list(GGUFReader(src).get_field("tokenizer.ggml.tokens").contents())
+        rename_tokens(src, out.with_suffix(".tmp"), {tokens.index(old): new for old, new in RENAME.items()})
+        os.replace(out.with_suffix(".tmp"), out)
     return out
 
 

@@ -198,7 +198,8 @@ class Sampler:
                 keep = int(np.searchsorted(np.cumsum(_softmax(cand)), p.top_p) + 1)
                 order, cand = order[:keep], cand[:keep]
             elif name == "min_p" and p.min_p > 0.0:
-                keep = _softmax(cand) >= p.min_p * _softmax(cand)[0]
+                probs = _softmax(cand)
+                keep = probs >= p.min_p * probs[0]
                 order, cand = order[keep], cand[keep]
             elif name == "temperature":
                 if p.temperature <= 0.0:
@@ -224,6 +225,7 @@ def _typical(order, cand, probs, mass: float):
     sel = np.sort(by[:max(1, keep)])          # back in descending-probability order
     probs = probs[sel] / probs[sel].sum()
     return order[sel], cand[sel], probs
+
 
 def _softmax(cand: np.ndarray) -> np.ndarray:
     e = np.exp(cand - cand.max())

@@ -26,7 +26,7 @@ import json
 from typing import Iterator
 
 from .http_common import JSONError, error_from, routed
-from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
+from .llama_fields import FIELDS as LLAMA_FIELDS, KILN_ORDER, llama_params
 from .openai_api import IDLE, Answer, WorkerGone
 from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, messages, sampling_params, tools
 
@@ -273,7 +273,7 @@ class Utility:
                            "typical_p": d.typical_p, "repeat_last_n": d.repeat_last_n,
                            "repeat_penalty": d.repeat_penalty, "presence_penalty": d.presence_penalty,
                            "frequency_penalty": d.frequency_penalty, "n_predict": -1,
-                           "samplers": ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]}},
+                           "samplers": KILN_ORDER}},
             "total_slots": info["slots"], "model_path": info["path"], "chat_template": info["chat_template"] or "",
             "bos_token": info["bos_token"], "eos_token": info["eos_token"],
             "modalities": {"vision": False, "audio": False}, "infill": info["fill_in_the_middle"],

@@ -32,6 +32,8 @@ _OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "m
 HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "num_batch", "low_vram",
                     "numa", "f16_kv", "vocab_only"}
 _EMPTY_OK = {"images", "context", "suffix", "template"}
+# llama.cpp's own options, as Ollama passes them on (supervisor/llama_fields.py checks them)
+_LLAMA_OPTIONS = ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
 _CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive"}
 _GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "stream", "format", "options", "think", "keep_alive", "raw"}
 
@@ -73,8 +75,8 @@ class Ollama:
                 continue
             if k == "num_ctx":
                 continue                          # checked against the worker's context below
-            if k in ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta"):
-                continue                          # llama.cpp's own fields: below
+            if k in _LLAMA_OPTIONS:
+                continue                          # below
             if k not in _OPTIONS:
                 raise bad(f"options.{k}", f"option {k!r} is not supported (supported: "
                           f"{', '.join(sorted(set(_OPTIONS) | {'num_ctx', 'repeat_last_n', 'mirostat'}))})")
@@ -82,9 +84,8 @@ class Ollama:
                 continue                          # -1: until the context ends (Kiln's default)
             out[_OPTIONS[k]] = v
         p = sampling_params(out)
-        # repeat_last_n, and mirostat at 0 (off): llama.cpp's, as Ollama passes them on
-        p.update(llama_params({k: opts[k] for k in ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
-                               if k in opts}))
+        # repeat_last_n, and mirostat only at 0 (off)
+        p.update(llama_params({k: opts[k] for k in _LLAMA_OPTIONS if k in opts}))
         return p
 
     def _check_ctx(self, body: dict, route: dict) -> None:

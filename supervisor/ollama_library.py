@@ -84,9 +84,10 @@ class OllamaLibrary:
         if not isinstance(name, str) or not name:
             raise bad("model", "model is required")
         from kiln.native.gguf_file import GGUFError, read_gguf
+        from kiln.native.models.inspect import fim_markers
         path = _resolve(name)
         try:
-            g = read_gguf(path, skip_arrays=not verbose)
+            g = read_gguf(path)               # with the vocabulary: the FIM markers are found in it
         except GGUFError as e:
             raise JSONError(400, "model_invalid", str(e)) from None
         # verbose: the arrays too (the vocabulary, merges, …), as Ollama's
@@ -96,7 +97,7 @@ class OllamaLibrary:
                 if (verbose or not isinstance(v, (list, np.ndarray))) and not isinstance(v, bytes)
                 and k != "tokenizer.chat_template"}
         template = g.metadata.get("tokenizer.chat_template") or ""
-        fim = _fim_markers(path)
+        fim = fim_markers(g)
         # tools with any chat template: one that knows none gets them described (native/tool_calls.py)
         caps = ["completion"] + (["tools"] if template else []) + \
             (["thinking"] if "<think>" in template else []) + (["insert"] if fim else [])
@@ -259,13 +260,3 @@ def install(app, sup, api) -> None:
         app.add_route(f"/api/{route}", lib, suffix=route)
     app.add_route("/api/blobs/{digest}", lib, suffix="blobs")
 
-
-def _fim_markers(path) -> tuple[str, str, str] | None:
-    """The prefix, suffix and middle markers of a model that fills in the middle (Ollama's
-    `insert` capability: `suffix`), else None."""
-    from kiln.native.fim import find_fim_tokens
-    from kiln.native.gguf_file import read_gguf
-    g = read_gguf(path)
-    tokens = g.get("tokenizer.ggml.tokens") or []
-    f = find_fim_tokens(g.metadata, {t: i for i, t in enumerate(tokens)})[0]
-    return (tokens[f.pre], tokens[f.suf], tokens[f.mid]) if f.can_infill else None

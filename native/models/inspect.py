@@ -52,7 +52,7 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
                       "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", False))},
         "chat_template": bool(g.get("tokenizer.chat_template")),
         # code infilling (native/fim.py): the model has the prefix/suffix/middle markers
-        "fill_in_the_middle": can_infill(g),
+        "fill_in_the_middle": fim_markers(g) is not None,
         "kernel_path": kinfo["path"],
         "kernels": kinfo,
         "unsupported_tensor_types": unsupported,
@@ -72,7 +72,9 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
     return info
 
 
-def can_infill(g) -> bool:
-    """Whether the model has fill-in-the-middle markers (native/fim.py)."""
+def fim_markers(g) -> tuple[str, str, str] | None:
+    """The prefix, suffix and middle markers of a model that fills in the middle (native/fim.py),
+    else None. `g` read with its arrays (the vocabulary)."""
     tokens = g.get("tokenizer.ggml.tokens") or []
-    return find_fim_tokens(g.metadata, {t: i for i, t in enumerate(tokens)})[0].can_infill
+    f = find_fim_tokens(g.metadata, {t: i for i, t in enumerate(tokens)})[0]
+    return (tokens[f.pre], tokens[f.suf], tokens[f.mid]) if f.can_infill else None
