@@ -121,16 +121,36 @@ def test_a_worker_killed_from_outside_shows_its_restart(served, page):
 
 
 def test_with_an_api_key_the_page_asks_for_it(default_model_path, tmp_path, browser):
+    """The key form opens once, for the key the page holds: a request sent before the key was given
+    (here the first workers poll, held by the test until after the key is entered) that comes back
+    401 is sent again with the key — it must not re-open the form (issue 43). A wrong key re-opens
+    it, saying the key was refused."""
     with Daemon(tmp_path, {"default": {"kind": "inference", "model": str(default_model_path)}},
                 server={"api_key": "s3cret"}) as d:
         pg = browser.new_page()
+        held = []
+
+        def hold_the_first_keyless_poll(route):
+            if not held and "authorization" not in route.request.headers:
+                held.append(route)           # answered later: a 401 that arrives after the key
+            else:
+                route.continue_()
+        pg.route("**/v1/workers", hold_the_first_keyless_poll)
         pg.goto(d.http + "/ui")
         key = pg.get_by_label("API key")
         expect(key).to_be_visible(timeout=15000)
+        assert held, "the page's first workers request was not seen"
+        key.fill("wrong")
+        pg.get_by_role("button", name="Use key").click()
+        expect(pg.locator("#keyerror")).to_contain_text("refused", timeout=15000)
+        expect(key).to_be_visible()
         key.fill("s3cret")
         pg.get_by_role("button", name="Use key").click()
         expect(pg.locator('tr[data-worker="default"]')).to_be_visible(timeout=15000)
-        expect(pg.locator("#keyform")).to_be_hidden()
+        with pg.expect_response(lambda r: r.request is held[0].request and r.status == 401):
+            held[0].continue_()              # to the server without a key: 401, after the key was given
+        with pytest.raises(AssertionError):  # the form must stay closed (it re-opened in ms before)
+            expect(pg.locator("#keyform")).to_be_visible(timeout=2000)
         pg.close()
 
 

@@ -22,11 +22,18 @@ const mib = (n) => (n == null ? "–" : `${(n / 2 ** 20).toFixed(0)} MiB`);
 const secs = (s) => (s == null ? "–" : s < 90 ? `${s.toFixed(0)} s` : s < 5400 ? `${(s / 60).toFixed(0)} min` : `${(s / 3600).toFixed(1)} h`);
 
 async function api(path, opts = {}) {
+  const sentWith = apiKey;       // a 401 is about the key it was sent with, not the one we hold now
   const headers = Object.assign({}, opts.headers || {});
-  if (apiKey) headers["Authorization"] = `Bearer ${apiKey}`;
+  if (sentWith) headers["Authorization"] = `Bearer ${sentWith}`;
   if (opts.body && typeof opts.body !== "string") { headers["Content-Type"] = "application/json"; opts.body = JSON.stringify(opts.body); }
   const r = await fetch(path, Object.assign({}, opts, { headers }));
-  if (r.status === 401) { askKey(); throw new Error("this server needs its API key"); }
+  if (r.status === 401) {
+    // sent before the user gave the current key (the first refresh, a poll, the event stream):
+    // again with it — only a refusal of the key we hold asks for it again
+    if (apiKey && apiKey !== sentWith) return api(path, opts);
+    askKey(sentWith ? "The server refused this key." : "");
+    throw new Error("this server needs its API key");
+  }
   return r;
 }
 
@@ -37,8 +44,9 @@ async function json(path, opts) {
   return body;
 }
 
-function askKey() {
+function askKey(why) {
   const f = $("#keyform");
+  $("#keyerror").textContent = why || "";
   if (!f.hidden) return;
   f.hidden = false;
   $("#apikey").focus();
