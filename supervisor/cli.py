@@ -132,6 +132,9 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
        config: Optional[str] = typer.Option(None, "--config", "-c", help="kiln.toml to use"),
        host: Optional[str] = typer.Option(None, "--host", help="HTTP address (server.host)"),
        port: Optional[int] = typer.Option(None, "--port", help="HTTP port (server.port)"),
+       insecure_no_key: bool = typer.Option(False, "--insecure-no-key", help="serve beyond loopback (--host) "
+                                            "without server.api_key: anyone who reaches the port can use and stop "
+                                            "Kiln (server.insecure_no_key)"),
        model: Optional[str] = typer.Option(None, "--model", "-m",
                                            help="serve this model (path, name or 'default') instead of the configured workers"),
        stream: bool = typer.Option(False, "--stream", help="stream the model's MoE experts from disk (moe-stream worker)"),
@@ -146,7 +149,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     from .daemon import Supervisor
     from .run_files import AlreadyRunning
     paths = _paths()
-    cli = {"server.host": host, "server.port": port}
+    cli = {"server.host": host, "server.port": port, "server.insecure_no_key": insecure_no_key or None}
     if stream and not model:
         fail("--stream needs --model", 2)
     if weights is not None and not model:
@@ -170,10 +173,14 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:
-        if detach and not any((config, host, port, model, stream, weights)):
+        if detach and not any((config, host, port, model, stream, weights, insecure_no_key)):
             _already_up(paths, running)       # as `systemctl start`: the command's goal holds already
             return
         fail(f"kiln is already running (pid {running}); `kiln down` stops it")
+    from .http_guard import check_bind
+    unsafe = check_bind(cfg["server"])
+    if unsafe:
+        fail(unsafe, 2)
     _preflight(cfg, paths.home)
     if detach:
         paths.ensure()
@@ -184,6 +191,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
                 args += [flag, str(val)]
         if stream:
             args.append("--stream")
+        if insecure_no_key:
+            args.append("--insecure-no-key")
         with open(paths.daemon_log, "ab") as logf:
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=os.getcwd())

@@ -50,6 +50,12 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "request_timeout": Field(float, 600.0, "longest a request may take, seconds", 1, None),
         "cors_origins": Field(str, "", "browser origins allowed to call the API from other pages, comma-separated "
                               "(e.g. http://localhost:3000 for Open WebUI; empty: none; * : any)"),
+        "allowed_hosts": Field(str, "", "names this server is reached by besides loopback ones, comma-separated: "
+                               "a request whose Host is another name is refused (DNS rebinding; * : any). "
+                               "A bind beyond loopback adds its own addresses"),
+        "insecure_no_key": Field(bool, False, "serve beyond loopback without an api_key (anyone who reaches the "
+                                 "port can run, change and stop Kiln): only behind a firewall or a proxy that "
+                                 "decides who gets in"),
         "wait_for_worker": Field(float, 60.0, "longest a request waits for its worker to start or restart "
                                  "before 503, seconds", 0, None),
         "stream_keepalive": Field(float, 10.0, "seconds of silence in a stream (a long prompt's prefill) before a "

@@ -15,6 +15,7 @@ import waitress
 
 from . import anthropic_api, eval_api, llama_server_api, observe, ollama_api, openai_api, openai_responses, train_api, ui_app
 from .http_common import JSONError, action_body, bus, error_body
+from .http_guard import OriginGuard, check_bind
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     body = getattr(exc, "kiln_body", None)
@@ -114,7 +115,7 @@ class Events:
 
 def make_app(sup) -> falcon.App:
     metrics = observe.Metrics(sup)
-    middleware = [observe.RequestLog(metrics)]
+    middleware = [observe.RequestLog(metrics), OriginGuard(sup.cfg["server"])]
     origins = [o.strip() for o in sup.cfg["server"]["cors_origins"].split(",") if o.strip()]
     if origins:      # off by default: a page elsewhere may not read this API unless named here
         middleware.append(falcon.CORSMiddleware(allow_origins="*" if origins == ["*"] else origins,
@@ -144,6 +145,9 @@ def make_app(sup) -> falcon.App:
 def serve_http(sup):
     """Start waitress in a thread; return (server, (host, port))."""
     s = sup.cfg["server"]
+    unsafe = check_bind(s)
+    if unsafe:
+        raise ValueError(unsafe)
     server = waitress.create_server(make_app(sup), host=s["host"], port=s["port"], threads=s["threads"],
                                     send_bytes=1, channel_request_lookahead=5, ident="kiln",
                                     # above our own limit, so that the app answers a JSON 413
