@@ -76,8 +76,15 @@ def new_id() -> str:
     return f"{_prefix}-{next(_counter):x}"
 
 
+MAX_MESSAGE_CHARS = 8 * 1024   # an error's message rides in the header: one that quotes a huge input
+                               # must still fit MAX_HEADER_BYTES, or the answer would be dropped unseen
+
+
 def make(type_: str, *, id: str | None = None, body: Any = None,
          buffers: list[bytes] | None = None, **fields: Any) -> Message:
+    msg = fields.get("message")
+    if isinstance(msg, str) and len(msg) > MAX_MESSAGE_CHARS:
+        fields["message"] = f"{msg[:MAX_MESSAGE_CHARS]}… ({len(msg) - MAX_MESSAGE_CHARS} characters cut)"
     header = {"type": type_, "id": id or new_id(), "ts": time.time(), **fields}
     return Message(type_, header["id"], header, body, list(buffers or []))
 

@@ -48,6 +48,8 @@ def _version(value: bool) -> None:
 def _root(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                             help="print Kiln's version and exit")):
     """Kiln: a local LLM runtime that keeps crash-isolated workers alive."""
+    # what Kiln writes (sessions, training data, results, logs) is the user's alone
+    os.umask(0o077)
 
 
 app.command("run")(cli_chat.run)

@@ -82,6 +82,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "keep_alive": Field(str, "5m", "how long an on-demand model stays loaded after its last request "
                             "(300, \"5m\", \"1h\"; 0: unload after each answer; -1: keep)"),
         "max_loaded": Field(int, 3, "most models loaded at once, configured ones included (0: no limit)", 0, 1000),
+        "allow_paths": Field(bool, False, "let HTTP requests name a model by any file path this user can read "
+                             "(off: only library models and configured workers' models; the CLI may always)"),
         "memory_budget": Field(str, "auto", "memory the loaded models may plan to use: a size (8GiB, 500MB), "
                                "a share of RAM (60%), or auto: the RAM available at start minus min_available"),
         "min_available": Field(str, "512MiB", "below this much available RAM, idle on-demand models are "

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgpack
 import zmq
 
 from kiln.protocol.store.adapter_registry import AdapterRegistry
@@ -165,9 +166,12 @@ class Supervisor:
 
     def call(self, worker: str, op: str, body: Any = None, timeout: float | None = None) -> LocalCall:
         """An op of one named worker, through the router (it waits for that worker, too)."""
+        if not self._sendable(body, client):
+            return c
         c = LocalCall(self)
         client = Client(c.id, c.events.put, "http")
-        self.submit(lambda: self.router.submit(op, body, client, Target(worker=worker), timeout))
+        if self._sendable(body, client):
+            self.submit(lambda: self.router.submit(op, body, client, Target(worker=worker), timeout))
         return c
 
     def _wake(self) -> None:
@@ -175,6 +179,19 @@ class Supervisor:
             os.write(self._wake_w, b"!")
         except BlockingIOError:
             pass
+    @staticmethod
+    def _sendable(body: Any, client: Client) -> bool:
+        """Whether `body` can cross the wire; if not, the caller is answered at once. A body that
+        cannot be packed would otherwise fail on the loop thread, after the caller began waiting."""
+        try:
+            msgpack.packb(body, use_bin_type=True)
+            return True
+        except (TypeError, ValueError, OverflowError) as e:   # UnicodeEncodeError is a ValueError
+            client.deliver(make("error", id=client.id, code="bad_request", retryable=False,
+                                message=f"the request holds a value that cannot be sent to a worker "
+                                        f"({type(e).__name__}: {str(e)[:200]})"))
+            return False
+
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -184,7 +201,14 @@ class Supervisor:
         if self.placer is not None:
             self.placer.plan_pinned()                # after the segments: a moe-stream cache is sized
         ctx = zmq.Context.instance()
+        # private by default: what the daemon and its workers write (training data, eval results,
+        # sessions, logs) is the user's alone; what an earlier Kiln left readable is fixed once
+        os.umask(0o077)
         self.worker_sock = ctx.socket(zmq.ROUTER)
+        fixed = self.paths.make_private()
+        if fixed:
+            self.record("made_private", None, f"{len(fixed)} files and folders under {self.paths.home} were readable "
+                        f"by others; now 0600/0700 (e.g. {fixed[0]})")
         self.worker_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.worker_sock.setsockopt(zmq.LINGER, 0)
         self.control = ctx.socket(zmq.ROUTER)

@@ -1,6 +1,7 @@
 """HTTP routes for evaluation (translations of the bus commands and the evaluator's ops):
 
     POST /v1/eval/run        {"suite" | "file" | "inline", "adapter"?, "adapters"?, "seed"?} → the queued job
+                             (file: a file in KILN_HOME/data; inline: the suite itself)
     GET  /v1/eval/jobs       every job;   GET /v1/eval/jobs/{id}: one, with per-example results
     DELETE /v1/eval/jobs/{id}  cancel it
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import falcon
 
 from .http_common import JSONError, action_body, bus, routed
+from .request_paths import check_data_file
 
 FIELDS = ("suite", "file", "inline", "adapter", "adapters", "seed", "replay_of")
 
@@ -23,6 +25,8 @@ class Eval:
         unknown = set(body) - set(FIELDS)
         if unknown:
             raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; known: {', '.join(FIELDS)}")
+        if "file" in body:
+            body["file"] = check_data_file(self.sup, body["file"])
         resp.media = routed(self.sup, "eval.submit", body)
         resp.status = falcon.HTTP_201
 

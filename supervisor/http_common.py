@@ -28,18 +28,66 @@ class JSONError(falcon.HTTPError):
         self.kiln_body = error_body(status, code, message, **extra)
 
 
+MAX_DEPTH = 64       # no API body nests deeper (tools' JSON schemas reach ~20)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object, or a 400 that says what is wrong with it: not JSON, not an
+    object, nested deeper than MAX_DEPTH, or a string that is not text (a lone UTF-16 surrogate,
+    which JSON's \\u escapes can spell but nothing downstream can encode)."""
+    try:
+        body = json.loads(raw or b"null", parse_constant=_no_constant)
+    except RecursionError:
+        raise JSONError(400, "invalid_json", f"the body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise JSONError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise JSONError(400, "invalid_json", "the body must be a JSON object")
+    stack = [(body, "", 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise JSONError(400, "invalid_json", f"the body nests deeper than {MAX_DEPTH} levels "
+                            f"(at {where.lstrip('.')[:120]}…)")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            # a key may itself be the bad string: the path is kept printable
+            at = f"{where}.{_printable(k)}" if isinstance(k, str) else f"{where}[{k}]"
+            for s in ((k, v) if isinstance(k, str) else (v,)):
+                if isinstance(s, str) and not _is_text(s):
+                    raise JSONError(400, "invalid_text", f"{at.lstrip('.')} holds a lone UTF-16 surrogate "
+                                    f"(\\ud800-\\udfff without its pair): not text", param=at.lstrip("."))
+            if type(v) is int and not -2**63 <= v < 2**64:     # past what any field means (and msgpack carries)
+                raise JSONError(400, "invalid_value", f"{at.lstrip('.')} = {str(v)[:40]}… is out of range",
+                                param=at.lstrip("."))
+            if isinstance(v, (dict, list)):
+                stack.append((v, at, depth + 1))
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+
+
+def _printable(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def action_body(req, allowed: tuple[str, ...] = ()) -> dict:
     """The body of an action route (restart, load, unload, cancel): none, `{}`, or only the
     `allowed` fields — anything else is a 400 naming it, not a field quietly ignored."""
     raw = req.bounded_stream.read(1 << 16)
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise JSONError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise JSONError(400, "invalid_json", "the body must be a JSON object")
+    body = parse_json(raw)
     for k in body:
         if k not in allowed:
             takes = f"takes only {', '.join(allowed)}" if allowed else "takes no fields"

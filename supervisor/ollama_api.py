@@ -131,9 +131,9 @@ class Ollama:
 
     def _run(self, req, resp, body: dict, work: dict, kind: str) -> None:
         """Generate and answer in Ollama's shape: NDJSON chunks, or one object."""
+        params = self._options(body)              # first: it checks that options is an object
         route = self._route(req, body)
         self._check_ctx(body, route)
-        params = self._options(body)
         params.setdefault("max_tokens", -1)
         work = dict(work, params=params, worker=route["worker"])
         if body.get("keep_alive") is not None:

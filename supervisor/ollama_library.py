@@ -8,21 +8,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .http_common import JSONError, bus
+from .request_paths import check_model_ref, library_entry
 from .openai_validate import bad
+
+
+_FILE_STEM = re.compile(r"\w[\w.+-]{0,199}")     # a model's file name in a folder, without .gguf
 
 
 def ollama_name(stem: str) -> str:
     return stem if ":" in stem else f"{stem}:latest"
 
 
-def _resolve(name: str) -> Path:
-    """The file an Ollama name (`smol`, `smol:latest`, a path) stands for, or a 404."""
+def _resolve(sup, name: str) -> Path:
+    """The file an Ollama name (`smol`, `smol:latest`, a path in the library) stands for, or a 404."""
     from kiln.native.models.library import ModelNotFound, resolve_model
     from .placer import _stem
+    check_model_ref(sup, name)
     try:
         try:
             return resolve_model(name)
@@ -30,17 +36,6 @@ def _resolve(name: str) -> Path:
             return resolve_model(_stem(name))
     except ModelNotFound as e:
         raise JSONError(404, "model_not_found", str(e)) from None
-
-
-def _in_library(path: Path) -> Path:
-    """`path` resolved, if it is in one of Kiln's model folders (the only files Kiln deletes)."""
-    from kiln.native.models.library import model_dirs
-    real = path.resolve()
-    folders = [d for d in model_dirs() if d.exists()]
-    if not any(d.resolve() in path.absolute().parents or d.resolve() in real.parents for d in folders):
-        raise JSONError(400, "not_in_library", f"{path} is not in a Kiln model folder "
-                        f"({', '.join(map(str, folders))}); Kiln only changes the files there")
-    return path.absolute()
 
 
 class OllamaLibrary:
@@ -85,7 +80,7 @@ class OllamaLibrary:
             raise bad("model", "model is required")
         from kiln.native.gguf_file import GGUFError, read_gguf
         from kiln.native.models.inspect import fim_markers
-        path = _resolve(name)
+        path = _resolve(self.sup, name)
         try:
             g = read_gguf(path)               # with the vocabulary: the FIM markers are found in it
         except GGUFError as e:
@@ -126,7 +121,7 @@ class OllamaLibrary:
     def on_delete_delete(self, req, resp):
         """Delete a model file from a Kiln model folder (`kiln models rm`); refused while a
         running worker uses it."""
-        path = _in_library(_resolve(self._name_of(req, "model", "name")))
+        path = library_entry(_resolve(self.sup, self._name_of(req, "model", "name")))
         users = [w["name"] for w in bus(self.sup, "status")["workers"]
                  if w["pid"] and (w.get("stats") or {}).get("path")
                  and Path(w["stats"]["path"]).resolve() == path.resolve()]
@@ -143,12 +138,12 @@ class OllamaLibrary:
         for f in ("source", "destination"):
             if not isinstance(body.get(f), str) or not body[f]:
                 raise bad(f, f"{f} is required (a model name)")
-        src = _resolve(body["source"])
+        src = _resolve(self.sup, body["source"])
         from .placer import _stem
         dest_name = _stem(body["destination"])
-        if not dest_name or "/" in dest_name or dest_name.startswith("."):
+        if not _FILE_STEM.fullmatch(dest_name):
             raise bad("destination", f"destination {body['destination']!r} must be a plain model name")
-        dest = _in_library(src).parent / f"{dest_name}.gguf"
+        dest = library_entry(src).parent / f"{dest_name}.gguf"
         if dest.exists() or dest.is_symlink():
             raise JSONError(400, "model_exists", f"{dest} exists already; delete it first (DELETE /api/delete)")
         try:
@@ -178,6 +173,7 @@ class OllamaLibrary:
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or not name:
             raise bad("model", "model is required")
+        check_model_ref(self.sup, name)
         from kiln.native.models.library import ModelNotFound, PullError, pull_default, resolve_model
         stream = body.get("stream", True)
 

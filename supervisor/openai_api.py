@@ -13,7 +13,6 @@ disconnects cancels its request.
 from __future__ import annotations
 
 import base64
-import json
 import queue
 import os
 import time
@@ -28,7 +27,8 @@ from kiln.protocol import Message
 from kiln.protocol import vocab
 
 from . import openai_shapes as shapes
-from .http_common import JSONError, bus, error_from, routed
+from .http_common import JSONError, bus, error_from, parse_json, routed
+from .request_paths import check_model_ref
 from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
 from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, grammar, keep_alive, bad, known_fields, logprobs, messages,
                               prompts, sampling_params, tools)
@@ -159,19 +159,14 @@ class OpenAI:
         raw = req.bounded_stream.read(self.max_body + 1)
         if len(raw) > self.max_body:
             raise JSONError(413, "body_too_large", f"request body exceeds server.max_body_bytes = {self.max_body}")
-        try:
-            body = json.loads(raw or b"null")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise JSONError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise JSONError(400, "invalid_json", "the body must be a JSON object")
-        return body
+        return parse_json(raw)
 
     def route(self, body: dict, req=None) -> dict:
         """The worker that serves body["model"] (the default model when absent), from the router."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise bad("model", "model must be a string", "invalid_type")
+        check_model_ref(self.sup, model)
         try:
             r = self.sup.command("route", {"model": model} if model else {})
         except Exception as e:  # noqa: BLE001 - a CommandError, shaped below

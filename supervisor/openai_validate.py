@@ -148,7 +148,7 @@ def tools(body: dict) -> dict:
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
                 raise bad(where, f'{where} must be {{"type": "function", "function": {{"name": …}}}}')
             f = t["function"]
-            if not isinstance(f.get("name"), str) or not _NAME.match(f["name"]):
+            if not isinstance(f.get("name"), str) or not _NAME.fullmatch(f["name"]):
                 raise bad(f"{where}.function.name", "a function name is 1-64 letters, digits, _ . or -")
             if f["name"] in names:
                 raise bad(f"{where}.function.name", f"two tools are named {f['name']!r}")

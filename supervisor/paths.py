@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,28 @@ class Paths:
 
     def worker_log(self, name: str) -> Path:
         return self.logs / f"worker-{name}.log"
+
+    def make_private(self) -> list[str]:
+        """Everything under KILN_HOME that others could read (training data, eval results, chat
+        sessions, logs) made 0600/0700 — model files and links aside (a model folder may be shared
+        on purpose; a link's mode is its target's). Returns what was changed, for the log."""
+        changed = []
+        for root, dirs, files in os.walk(self.home):
+            dirs[:] = [d for d in dirs if not (root == str(self.home) and d == "models")]
+            for name, private in [(d, 0o700) for d in dirs] + [(f, 0o600) for f in files]:
+                p = os.path.join(root, name)
+                try:
+                    st = os.lstat(p)
+                    if stat.S_ISLNK(st.st_mode) or name.endswith(".gguf") or not st.st_mode & 0o077:
+                        continue
+                    os.chmod(p, stat.S_IMODE(st.st_mode) & private)
+                    changed.append(p)
+                except OSError:
+                    continue                     # gone meanwhile, or another user's: left as it is
+        if self.home.exists() and stat.S_IMODE(self.home.stat().st_mode) & 0o077:
+            os.chmod(self.home, 0o700)
+            changed.append(str(self.home))
+        return changed
 
     def ensure(self) -> None:
         for d in (self.home, self.logs):

@@ -20,7 +20,7 @@ _UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_size(text: str, total_ram: int) -> int:
     """'512MiB', '2GB', '25%' (of RAM) -> bytes."""
-    m = _SIZE.match(str(text))
+    m = _SIZE.fullmatch(str(text))
     if not m:
         raise ValueError(f"expert cache size {text!r} is not a size: use e.g. 512MiB, 2GiB or 25%")
     value, unit = float(m.group(1)), (m.group(2) or "").lower() or None

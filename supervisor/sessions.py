@@ -22,7 +22,7 @@ class Sessions:
         self.dir = Path(home) / "sessions"
 
     def path(self, name: str) -> Path:
-        if not _NAME.match(name or ""):
+        if not _NAME.fullmatch(name or ""):
             raise SessionError(f"session name {name!r}: use 1-64 letters, digits, '.', '_' or '-'")
         return self.dir / f"{name}.json"
 

@@ -1,6 +1,7 @@
 """HTTP routes for training jobs and adapters (translations of the bus commands):
 
-    POST   /v1/train/sft             {"file", "adapter", options…, "model"?} → the queued job
+    POST   /v1/train/sft             {"data" | "file", "adapter", options…, "model"?} → the queued job
+                                     (data: JSONL text; file: a file in KILN_HOME/data)
     POST   /v1/train/grpo            the same for GRPO (scored groups; options beta, clip too)
     GET    /v1/train/jobs            every job
     GET    /v1/train/jobs/{id}       one job with its loss history (?since=STEP)
@@ -13,9 +14,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 import falcon
 
 from .http_common import JSONError, action_body, bus, routed
+from .request_paths import check_data_file, check_model_ref, data_dir
 
 OPTIONS = ("epochs", "lr", "rank", "alpha", "targets", "max_seq_len", "checkpoint_interval", "seed",
            "grad_accum", "warmup", "schedule", "weight_decay", "betas")
@@ -34,18 +39,40 @@ class Train:
 
     def _submit(self, req, resp, method: str, names: tuple):
         body = self.read_json(req)
-        for key in ("file", "adapter"):
-            if not isinstance(body.get(key), str) or not body[key]:
-                raise JSONError(400, "invalid_value", f"{key} is required (a string)", param=key)
-        unknown = set(body) - set(names) - {"file", "adapter", "model", "options"}
+        if not isinstance(body.get("adapter"), str) or not body["adapter"]:
+            raise JSONError(400, "invalid_value", "adapter is required (a string)", param="adapter")
+        unknown = set(body) - set(names) - {"file", "data", "adapter", "model", "options"}
         if unknown:
             raise JSONError(400, "invalid_value", f"unknown field(s) {sorted(unknown)}; options: {', '.join(names)}")
+        if ("file" in body) == ("data" in body):
+            raise JSONError(400, "invalid_value", "give the training data as data (JSONL text, one example a line) "
+                            f"or file (a file in {data_dir(self.sup)})", param="data")
+        if not isinstance(body.get("options", {}), dict):
+            raise JSONError(400, "invalid_type", "options must be an object", param="options")
+        file = check_data_file(self.sup, body["file"]) if "file" in body else self._upload(body["data"])
         options = dict(body.get("options") or {}, **{k: body[k] for k in names if k in body})
-        work = {"file": body["file"], "adapter": body["adapter"], "options": options, "method": method}
+        work = {"file": file, "adapter": body["adapter"], "options": options, "method": method}
         if body.get("model"):
-            work["model"] = body["model"]
+            work["model"] = check_model_ref(self.sup, body["model"])
         resp.media = routed(self.sup, "train.submit", work)
         resp.status = falcon.HTTP_201
+
+    def _upload(self, data) -> str:
+        """JSONL sent in the request, kept as a private file in KILN_HOME/data/uploads (named by its
+        hash: the same data sent twice is one file), which the trainer reads as any data file."""
+        if not isinstance(data, str) or not data.strip():
+            raise JSONError(400, "invalid_value", "data must be JSONL text (one example a line)", param="data")
+        raw = data.encode("utf-8", "strict")
+        folder = data_dir(self.sup) / "uploads"
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"{hashlib.sha256(raw).hexdigest()[:32]}.jsonl"
+        if not path.exists():
+            tmp = path.with_suffix(".part")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+            os.replace(tmp, path)
+        return str(path)
 
     def on_get_jobs(self, req, resp):
         resp.media = {"object": "list", "data": bus(self.sup, "train.jobs")["jobs"]}

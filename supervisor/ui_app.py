@@ -10,6 +10,7 @@ from pathlib import Path
 import falcon
 
 from .http_common import JSONError, action_body, bus
+from .request_paths import check_model_ref
 
 UI = Path(__file__).with_name("ui")
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -48,6 +49,7 @@ class Models:
     def on_get_action(self, req, resp, model, action):
         if action != "plan":
             raise JSONError(404, "not_found", f"no GET /v1/models/MODEL/{action} (GET …/plan; POST …/load, …/unload)")
+        check_model_ref(self.sup, model)
         resp.media = bus(self.sup, "plan", {"model": model})
 
     def on_post_action(self, req, resp, model, action):
@@ -57,6 +59,7 @@ class Models:
         body = action_body(req, ("force",) if action == "unload" else ())
         if not isinstance(body.get("force", False), bool):
             raise JSONError(400, "invalid_type", "force must be a boolean", param="force")
+        check_model_ref(self.sup, model)
         resp.media = bus(self.sup, action, {"model": model, **body})
 
 

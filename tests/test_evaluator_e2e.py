@@ -27,6 +27,8 @@ def daemon(default_model_path, tmp_path_factory):
         d.wait(lambda st: all(w["state"] == "running" and w["worker_state"] == "ready" for w in st["workers"]),
                timeout=90, what="workers ready")
         d.model = model
+        (home / "data").mkdir()                   # over HTTP, data files come from KILN_HOME/data
+        shutil.copyfile(DATA / "arith20.json", home / "data" / "arith20.json")
         yield d
 
 
@@ -81,7 +83,7 @@ def test_arithmetic_suite_runs_end_to_end_and_replays_byte_identically(daemon, a
 
 
 def test_killing_the_evaluator_mid_run_fails_the_job_with_a_reason_and_the_next_run_works(daemon):
-    status, job = http(daemon, "POST", "/v1/eval/run", {"file": str(DATA / "arith20.json"), "seed": 3})
+    status, job = http(daemon, "POST", "/v1/eval/run", {"file": "arith20.json", "seed": 3})
     assert status == 201, job
     deadline = time.monotonic() + 120
     while daemon.command("eval.job", {"id": job["id"]})["done"] < 3:
@@ -91,8 +93,10 @@ def test_killing_the_evaluator_mid_run_fails_the_job_with_a_reason_and_the_next_
     os.kill(ev["pid"], signal.SIGKILL)
     failed = wait_job(daemon, job["id"], 60)
     assert failed["state"] == "failed" and "stopped during the run" in failed["error"], failed
-    status, again = http(daemon, "POST", "/v1/eval/run", {"file": str(DATA / "arith20.json"), "seed": 3})
-    assert status == 201 and wait_job(daemon, again["id"])["state"] == "completed"
+    status, again = http(daemon, "POST", "/v1/eval/run", {"file": "arith20.json", "seed": 3})
+    assert status == 201
+    done = wait_job(daemon, again["id"])
+    assert done["state"] == "completed", done
     status, listed = http(daemon, "GET", "/v1/eval/jobs")
     assert again["id"] in [j["id"] for j in listed["data"]]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -76,10 +77,15 @@ def test_bad_data_is_refused_with_line_numbers_and_nothing_is_queued(daemon, tmp
                       (6, "longer than max_seq_len 512")]:
         assert f"line {line}: " in r.stderr and why in r.stderr, r.stderr
     assert "line 1:" not in r.stderr and "nothing was queued" in r.stderr
-    status, body = http(daemon, "POST", "/v1/train/sft", {"file": str(bad), "adapter": "bad"})
+    # over HTTP the data comes in the body, or from a file in KILN_HOME/data
+    status, body = http(daemon, "POST", "/v1/train/sft", {"data": bad.read_text(), "adapter": "bad"})
     assert status == 400 and body["error"]["code"] == "bad_data" and "line 3:" in body["error"]["message"]
-    status, body = http(daemon, "POST", "/v1/train/sft", {"file": str(bad), "adapter": "bad", "epochs": 0})
+    (daemon.home / "data").mkdir(exist_ok=True)
+    shutil.copyfile(bad, daemon.home / "data" / "bad.jsonl")
+    status, body = http(daemon, "POST", "/v1/train/sft", {"file": "bad.jsonl", "adapter": "bad", "epochs": 0})
     assert status == 400 and "epochs" in body["error"]["message"]
+    status, body = http(daemon, "POST", "/v1/train/sft", {"file": "bad.jsonl", "adapter": "bad"})
+    assert status == 400 and body["error"]["code"] == "bad_data" and "line 3:" in body["error"]["message"]
     assert not [j for j in daemon.command("train.jobs")["jobs"] if j["adapter"] == "bad"]
 
 

@@ -28,7 +28,7 @@ from kiln.protocol.store.job_store import JobNotFound, JobStore, write_json_atom
 from .eval_metrics import compare, first_difference, metrics
 from .jobs import cancel_job
 from .runtime import OpError, Worker, main, op, state_dir
-from .scoring import Suite, SuiteError, load_suite, read_suite_file, score
+from .scoring import SUITE_NAME, Suite, SuiteError, load_suite, read_suite_file, score
 
 
 
@@ -66,8 +66,9 @@ class EvaluatorWorker(Worker):
         try:
             if body.get("suite"):
                 name = body["suite"]
+                named = isinstance(name, str) and SUITE_NAME.fullmatch(name)    # a name, never a path
                 path = self.suites / f"{name}.json"
-                if "/" in name or not path.is_file():
+                if not named or not path.is_file():
                     known = sorted(p.stem for p in self.suites.glob("*.json")) if self.suites.is_dir() else []
                     raise OpError("suite_not_found", f"no registered suite {name!r}"
                                   + (f" (suites: {', '.join(known)})" if known else " (`kiln eval register FILE` adds one)"))

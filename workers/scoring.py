@@ -33,6 +33,7 @@ class Outcome:
     detail: str = ""
 
 
+SUITE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -182,8 +183,8 @@ def load_suite(data: Any) -> Suite:
     """Validate a suite (a parsed JSON object); raise SuiteError naming the bad field."""
     if not isinstance(data, dict):
         raise SuiteError("$", "a suite is a JSON object")
-    if not isinstance(data.get("name"), str) or not data["name"]:
-        raise SuiteError("name", "required, a non-empty string")
+    if not isinstance(data.get("name"), str) or not SUITE_NAME.fullmatch(data["name"]):
+        raise SuiteError("name", "required: letters, digits, '.', '_' or '-' (at most 64; it names the suite's file)")
     default = _check_scorer(data.get("default_scorer", "exact_match"), "default_scorer")
     gen = dict(_GEN)
     for k, v in (data.get("generation") or {}).items():
@@ -230,15 +231,19 @@ def read_suite_file(path) -> Suite:
     """A suite from a JSON file, or a header JSON whose examples are in `examples.jsonl` beside
     it (one example per line). Errors name the file and the bad field or line."""
     from pathlib import Path
+    from kiln.native.data_file import DataFileError, read_data_file
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise SuiteError(str(path), f"cannot read: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
+        data = json.loads(read_data_file(path))
+    except DataFileError as e:
+        raise SuiteError(str(path), str(e).removeprefix(f"{path}: ")) from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SuiteError(str(path), f"not valid JSON: {e}") from None
     if isinstance(data, dict) and "examples" not in data and (path.parent / "examples.jsonl").is_file():
-        lines = (path.parent / "examples.jsonl").read_text().splitlines()
+        try:
+            lines = read_data_file(path.parent / "examples.jsonl").decode("utf-8").splitlines()
+        except (DataFileError, UnicodeDecodeError) as e:
+            raise SuiteError(str(path.parent / "examples.jsonl"), str(e)) from None
         examples = []
         for n, line in enumerate(lines, 1):
             if line.strip():

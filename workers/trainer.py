@@ -28,7 +28,7 @@ def _limit_threads() -> None:
 
 _limit_threads()
 
-import shutil  # noqa: E402
+import hashlib  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -40,7 +40,8 @@ from kiln.native.gguf_file import GGUFError  # noqa: E402
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model  # noqa: E402
 from kiln.native.lora import TRAINABLE_ARCHS, file_sha256  # noqa: E402
 from kiln.native.model import load_model  # noqa: E402
-from kiln.native.training.sft_data import DataError, data_hash, load_grpo_file, load_sft_file  # noqa: E402
+from kiln.native.data_file import DataFileError, read_data_file  # noqa: E402
+from kiln.native.training.sft_data import DataError, load_grpo_file, load_sft_file  # noqa: E402
 
 LOADERS = {"sft": load_sft_file, "grpo": load_grpo_file}
 from kiln.native.training.sft_trainer import GRPORun, SFTRun, TrainSpec  # noqa: E402
@@ -139,18 +140,19 @@ class TrainerWorker(Worker):
                                                f"models; {path.name} is {m.config.arch}"
                                                f"{' (MoE)' if m.config.is_moe else ''}")
         file = Path(b["file"])
-        try:
-            examples = LOADERS[method](file, template, m.tokenizer, spec.max_seq_len)
-        except DataError as e:
+        try:       # read once: what is checked, hashed and kept is the same bytes
+            raw = read_data_file(file)
+            examples = LOADERS[method](file, template, m.tokenizer, spec.max_seq_len, raw)
+        except (DataFileError, DataError) as e:
             raise OpError("bad_data", str(e)) from None
         flat = [c for g in examples for c in g.completions] if method == "grpo" else examples
         job = self.store.create({"adapter": name, "model": str(path), "file": str(file), "method": method,
-                                 "data_sha256": data_hash(file), "options": spec.as_dict(),
+                                 "data_sha256": hashlib.sha256(raw).hexdigest(), "options": spec.as_dict(),
                                  "examples": len(examples), "tokens": sum(len(e.tokens) for e in flat),
                                  "target_tokens": sum(len(e.targets) for e in flat)},
                                 adapter=name, step=0, total_steps=None, epoch=0, loss=None, tokens_per_s=None,
                                 eta_s=None)
-        shutil.copyfile(file, self.store.path(job["id"], "data.jsonl"))
+        self.store.path(job["id"], "data.jsonl").write_bytes(raw)
         self.wake.set()
         return job
 

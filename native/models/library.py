@@ -67,9 +67,14 @@ def resolve_model(spec: str, *, pull: bool = False,
                   progress: Callable[[str], None] | None = None) -> Path:
     """Turn a model argument into the path of a .gguf file (see module doc)."""
     spec = str(spec)
+    if len(spec) > 4096 or "\x00" in spec:
+        raise ModelNotFound(f"{spec[:80]!r}…: not a model name or path (too long, or a NUL in it)")
     p = Path(spec).expanduser()
-    if p.is_file():
-        return p
+    try:
+        if p.is_file():
+            return p
+    except OSError:                 # a name longer than a file name may be, a folder we may not enter
+        pass
     if spec == "default":
         for d in model_dirs():
             if (d / DEFAULT.file).is_file():

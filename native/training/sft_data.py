@@ -12,12 +12,12 @@ after the end-of-turn token (a newline).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..chat_template import ChatTemplate, TemplateError, render_and_tokenize
+from ..data_file import DataFileError, read_data_file
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_ERRORS = 20
@@ -85,16 +85,16 @@ class _Bad(ValueError):
     """One line's problem (reported with its line number)."""
 
 
-def _load_jsonl(path: str | Path, template: ChatTemplate | None, parse, what: str) -> list:
+def _load_jsonl(path: str | Path, template: ChatTemplate | None, parse, what: str, raw: bytes | None = None) -> list:
     """Validate and parse the whole file with `parse(obj, line)`; raise DataError listing every
     bad line (a line's problem is a _Bad)."""
     path = Path(path)
     if template is None:
         raise DataError(path, ["the model has no chat template, so conversations cannot be rendered"], 1)
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(path, [f"cannot read the file: {e.strerror or e}"], 1) from None
+        raw = read_data_file(path) if raw is None else raw
+    except DataFileError as e:
+        raise DataError(path, [str(e)], 1) from None
     problems, total, items = [], 0, []
     for n, line in enumerate(raw.split(b"\n"), 1):
         if not line.strip():
@@ -128,14 +128,15 @@ def _example(template, tokenizer, messages: list[dict], max_seq_len: int, line: 
     return Example(line, tokens, targets)
 
 
-def load_sft_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int) -> list[Example]:
+def load_sft_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int,
+                  raw: bytes | None = None) -> list[Example]:
     """Validate and tokenize the whole file; raise DataError listing every bad line."""
     def parse(obj, n):
         why = _check_messages(obj)
         if why:
             raise _Bad(why)
         return _example(template, tokenizer, obj["messages"], max_seq_len, n)
-    return _load_jsonl(path, template, parse, "conversations")
+    return _load_jsonl(path, template, parse, "conversations", raw)
 
 
 @dataclass
@@ -146,7 +147,8 @@ class Group:
     rewards: list[float]
 
 
-def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int) -> list[Group]:
+def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int,
+                   raw: bytes | None = None) -> list[Group]:
     """One group per line: {"prompt": [messages], "completions": [{"text", "reward"}, …]} with at
     least two completions; validated whole, bad lines reported by number."""
     import math
@@ -173,8 +175,5 @@ def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, m
                                      max_seq_len, n))
             rewards.append(float(r))
         return Group(n, examples, rewards)
-    return _load_jsonl(path, template, parse, "groups")
+    return _load_jsonl(path, template, parse, "groups", raw)
 
-
-def data_hash(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -30,8 +30,8 @@ class AdapterNotFound(KeyError):
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name) or name.endswith(".gguf"):
-        raise ValueError(f"adapter name {name!r} is not valid: use 1-64 letters, digits, '_', '-', '.', "
+    if not isinstance(name, str) or not NAME.fullmatch(name) or name.endswith(".gguf"):
+        raise ValueError(f"adapter name {str(name)[:80]!r} is not valid: use 1-64 letters, digits, '_', '-', '.', "
                          f"starting with a letter or digit")
     return name
 
