@@ -363,7 +363,8 @@ def _watch(st: dict, as_json: bool) -> None:
 
 @app.command()
 def health(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-    """ok, or why not; protocol error counts; system memory, CPU, load and disk."""
+    """ok, degraded or unavailable, and why; protocol error counts; system memory, CPU, load and
+    disk. Exits 1 unless ok."""
     h = _command("health")
     if as_json:
         typer.echo(json.dumps(h))

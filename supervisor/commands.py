@@ -119,9 +119,16 @@ def system_info(sup) -> dict:
 
 @command("health", off_loop=True)
 def health(sup, args):
-    """ok when every enabled worker is running and ready; otherwise the reasons."""
+    """The daemon's own readiness, with every worker's state and what is wrong:
+    ok — every enabled worker runs; degraded — some do not, but the daemon serves (200 either way,
+    as a load balancer must keep sending to a daemon that answers); unavailable (503) — shutting
+    down, or no configured worker running (models loaded on demand do not count: one that went
+    fatal leaves the daemon serving the rest)."""
     reasons = []
     workers = {}
+    placed = set(sup.placer.loaded) if sup.placer is not None else set()
+    configured = [w for w in sup.workers.values() if w.name not in placed and w.spec.get("enabled", True)]
+    serving = not configured or any(w.ps.state == "running" for w in configured)
     for w in sup.workers.values():
         ws = w.status.get("state")
         workers[w.name] = {"state": w.ps.state, "worker_state": ws, "pid": w.pid, "rss_bytes": w.rss}
@@ -135,7 +142,10 @@ def health(sup, args):
             reasons.append(f"worker {w.name}: loading model")
     if sup.shutting_down:
         reasons.insert(0, "shutting down")
-    return {"status": "ok" if not reasons else "unavailable", "reasons": reasons, "workers": workers,
+    elif not serving:
+        reasons.insert(0, "no configured worker is running")
+    status = "ok" if not reasons else "unavailable" if sup.shutting_down or not serving else "degraded"
+    return {"status": status, "reasons": reasons, "workers": workers,
             "protocol": {"bad_frames": dict(sup.bad_frames), "bad_frames_total": sum(sup.bad_frames.values())},
             "pending_requests": len(sup.pending), "system": system_info(sup)}
 

@@ -45,7 +45,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "port": Field(int, 8420, "HTTP port", 0, 65535),
         "api_key": Field(str, "", "bearer key required on every route but /health (empty: none)"),
         "max_body_bytes": Field(int, 4 * 2**20, "largest request body accepted", 1024, None),
-        "threads": Field(int, 16, "HTTP threads (each open stream holds one)", 1, 512),
+        "threads": Field(int, 32, "HTTP threads: each running request or open stream holds one; 4 are kept for "
+                         "health, reads and control, so at most threads - 4 requests stream at once (more: 503)", 5, 512),
+        "max_event_streams": Field(int, 8, "open /v1/events streams (dashboards, `kiln status --watch`) at once; "
+                                   "more: 503", 1, 256),
         "max_queue": Field(int, 64, "requests waiting for a worker before 503 'server busy'", 1, 100000),
         "request_timeout": Field(float, 600.0, "longest a request may take, seconds", 1, None),
         "cors_origins": Field(str, "", "browser origins allowed to call the API from other pages, comma-separated "

@@ -9,12 +9,14 @@ from __future__ import annotations
 import hmac
 import json
 import threading
+import time
 
 import falcon
 import waitress
 
 from . import anthropic_api, eval_api, llama_server_api, observe, ollama_api, openai_api, openai_responses, train_api, ui_app
 from .http_common import JSONError, action_body, bus, error_body
+from .http_admission import Admission
 from .http_guard import OriginGuard, check_bind
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
@@ -63,7 +65,7 @@ class Health:
     def on_get(self, req, resp):
         h = bus(self.sup, "health")
         resp.media = h
-        if h["status"] != "ok":
+        if h["status"] == "unavailable":
             resp.status = falcon.HTTP_503
             resp.set_header("Retry-After", "1")
 
@@ -100,14 +102,18 @@ class Events:
 
         def stream():
             nonlocal after
-            while not disconnected():
-                got = log.wait(after, 15.0)
+            quiet_since = time.monotonic()
+            while not disconnected():          # checked each second: a gone client frees its thread
+                got = log.wait(after, 1.0)
                 if not got:
-                    yield b": keep-alive\n\n"
+                    if time.monotonic() - quiet_since >= 15:
+                        yield b": keep-alive\n\n"
+                        quiet_since = time.monotonic()
                     continue
                 for e in got:
                     yield f"id: {e['seq']}\nevent: {e['event']}\ndata: {json.dumps(e)}\n\n".encode()
                     after = e["seq"]
+                quiet_since = time.monotonic()
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.stream = stream()
@@ -120,7 +126,9 @@ def make_app(sup) -> falcon.App:
     if origins:      # off by default: a page elsewhere may not read this API unless named here
         middleware.append(falcon.CORSMiddleware(allow_origins="*" if origins == ["*"] else origins,
                                                 expose_headers=["Retry-After"]))
-    app = falcon.App(middleware=middleware + [Auth(sup.cfg["server"]["api_key"])])
+    srv = sup.cfg["server"]
+    app = falcon.App(middleware=middleware + [Auth(srv["api_key"]),
+                                              Admission(srv["threads"], srv["max_event_streams"])])
     app.req_options.strip_url_path_trailing_slash = True
     app.set_error_serializer(_serialize_error)
     app.add_error_handler(Exception, _unexpected)

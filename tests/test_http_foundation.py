@@ -30,15 +30,21 @@ def daemon(tmp_path):
         yield d
 
 
-def test_health_is_ok_then_503_with_reasons_when_a_worker_is_down(daemon):
+def test_health_is_the_daemons_readiness_with_each_workers_state(daemon):
+    """ok; degraded (still 200: the daemon serves) when one worker is down; 503 when none runs."""
     status, body, _ = request(daemon.http + "/health")
     assert status == 200 and body["status"] == "ok"
     assert body["system"]["cpu_count"] >= 1 and body["system"]["ram_total_bytes"] > 0
     request(daemon.http + "/v1/workers/b/stop", "POST")
     daemon.wait_state("b", "stopped")
     status, body, headers = request(daemon.http + "/health")
-    assert status == 503 and any("worker b is stopped" in r for r in body["reasons"])
-    assert "Retry-After" in headers
+    assert status == 200 and body["status"] == "degraded" and any("worker b is stopped" in r for r in body["reasons"])
+    assert body["workers"]["b"]["state"] == "stopped" and body["workers"]["a"]["state"] == "running"
+    request(daemon.http + "/v1/workers/a/stop", "POST")
+    daemon.wait_state("a", "stopped")
+    status, body, headers = request(daemon.http + "/health")
+    assert status == 503 and body["status"] == "unavailable" and "Retry-After" in headers
+    assert body["reasons"][0] == "no configured worker is running"
 
 
 def test_workers_routes(daemon):
