@@ -74,6 +74,7 @@ def make_placer(table, m: dict, busy, record, state_file):
     from kiln.native.models.plan import plan
 
     from .placer import Placer, parse_duration
+    from .plan_cache import PlanCache
     from .segments import parse_size
     vm = psutil.virtual_memory()
     pressure = parse_size(m["min_available"], vm.total)
@@ -82,8 +83,8 @@ def make_placer(table, m: dict, busy, record, state_file):
         return None
     return Placer(table, budget=budget, max_loaded=m["max_loaded"], keep_alive=parse_duration(m["keep_alive"]),
                   pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
-                  plan=lambda path, ctx, parallel=None, draft=None: plan(path, ctx, available=budget, parallel=parallel,
-                                                                  draft=draft),
+                  plan=PlanCache(lambda path, ctx, parallel=None, draft=None: plan(
+                      path, ctx, available=budget, parallel=parallel, draft=draft)),
                   available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file,
                   weights=m["weights"])
 
@@ -152,6 +153,8 @@ class Supervisor:
         """Run a bus command and wait for its result (from a thread that is not the loop)."""
         if name in commands.OFF_LOOP:
             return commands.run(self, name, args or {})
+        if name == "load" and self.placer is not None and isinstance((args or {}).get("model"), str):
+            self.placer.prepare(args["model"])
         return self.submit(lambda: commands.run(self, name, args or {})).result(timeout)
 
     def request(self, op: str, body: Any = None, timeout: float | None = None, replayable: bool = False) -> LocalCall:
@@ -161,24 +164,21 @@ class Supervisor:
         c = LocalCall(self)
         worker_op, body, target = routed_target(op, body)
         client = Client(c.id, c.events.put, "http", replayable)
+        if not self._sendable(body, client):
+            return c
+        if target.model and self.placer is not None:
+            self.placer.prepare(target.model)          # here, on the caller's thread: not on the loop
         self.submit(lambda: self.router.submit(worker_op, body, client, target, timeout))
         return c
 
     def call(self, worker: str, op: str, body: Any = None, timeout: float | None = None) -> LocalCall:
         """An op of one named worker, through the router (it waits for that worker, too)."""
-        if not self._sendable(body, client):
-            return c
         c = LocalCall(self)
         client = Client(c.id, c.events.put, "http")
         if self._sendable(body, client):
             self.submit(lambda: self.router.submit(op, body, client, Target(worker=worker), timeout))
         return c
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"!")
-        except BlockingIOError:
-            pass
     @staticmethod
     def _sendable(body: Any, client: Client) -> bool:
         """Whether `body` can cross the wire; if not, the caller is answered at once. A body that
@@ -192,23 +192,28 @@ class Supervisor:
                                         f"({type(e).__name__}: {str(e)[:200]})"))
             return False
 
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def serve(self, on_ready: Callable[[], None] | None = None) -> int:
-        self.files.acquire()
-        self.segments = segments.make_for_workers(self.paths.home, self.table, self.record)
-        if self.placer is not None:
-            self.placer.plan_pinned()                # after the segments: a moe-stream cache is sized
-        ctx = zmq.Context.instance()
         # private by default: what the daemon and its workers write (training data, eval results,
         # sessions, logs) is the user's alone; what an earlier Kiln left readable is fixed once
         os.umask(0o077)
-        self.worker_sock = ctx.socket(zmq.ROUTER)
+        self.files.acquire()
         fixed = self.paths.make_private()
         if fixed:
             self.record("made_private", None, f"{len(fixed)} files and folders under {self.paths.home} were readable "
                         f"by others; now 0600/0700 (e.g. {fixed[0]})")
+        self.segments = segments.make_for_workers(self.paths.home, self.table, self.record)
+        if self.placer is not None:
+            self.placer.plan_pinned()                # after the segments: a moe-stream cache is sized
+        ctx = zmq.Context.instance()
+        self.worker_sock = ctx.socket(zmq.ROUTER)
         self.worker_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.worker_sock.setsockopt(zmq.LINGER, 0)
         self.control = ctx.socket(zmq.ROUTER)
@@ -402,17 +407,30 @@ class Supervisor:
         if op in MODEL_OPS or op in KIND_OPS:
             timeout = body.get("timeout") if op in MODEL_OPS else None
             worker_op, wbody, target = routed_target(op, {k: v for k, v in body.items() if k != "timeout"})
-            return self.router.submit(worker_op, wbody, client, target,
-                                      float(timeout) if isinstance(timeout, (int, float)) else None)
+            submit = lambda: self.router.submit(worker_op, wbody, client, target,  # noqa: E731
+                                                float(timeout) if isinstance(timeout, (int, float)) else None)
+            return self._prepared(target.model, submit)
+        if op == "load" and isinstance(body.get("model"), str):
+            return self._prepared(body["model"], lambda: self._run_command(client, msg.id, op, body))
         if op in commands.OFF_LOOP:
             fut = self.offloop.submit(commands.run, self, op, body)
             fut.add_done_callback(lambda f: self.submit(lambda: self._command_done(client, f)))
             return
+        self._run_command(client, msg.id, op, body)
+
+    def _run_command(self, client: Client, msg_id: str, op: str, body: dict) -> None:
         try:
             result = commands.run(self, op, body)
         except commands.CommandError as e:
-            return client.deliver(make("error", id=msg.id, code=e.code, message=e.message))
-        client.deliver(make("reply", id=msg.id, body=result))
+            return client.deliver(make("error", id=msg_id, code=e.code, message=e.message))
+        client.deliver(make("reply", id=msg_id, body=result))
+
+    def _prepared(self, model: str | None, then: Callable[[], None]) -> None:
+        """`then` on the loop, once `model` is planned off it (when it names one to place)."""
+        if not model or self.placer is None:
+            return then()
+        fut = self.offloop.submit(self.placer.prepare, model)
+        fut.add_done_callback(lambda f: self.submit(then))
 
     @staticmethod
     def _command_done(client: Client, fut: Future) -> None:

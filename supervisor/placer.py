@@ -135,6 +135,17 @@ class Placer:
         except Exception:  # noqa: BLE001 - a bad path: the worker's own boot reports it
             return None
 
+    def prepare(self, model: str) -> None:
+        """Resolve and plan `model` now, on the calling thread (an HTTP thread, the off-loop pool),
+        so that `place` on the loop finds its plan — or the file's error — in the plan cache:
+        parsing a model file never holds the loop. Errors are left for `place` to report."""
+        try:
+            if self.find(model) is not None:
+                return
+            self.plan(self._resolve(model), self.ctx)
+        except Exception:  # noqa: BLE001 - PlaceError, a bad file, the loop changing `loaded` meanwhile
+            pass
+
     def _resolve(self, model: str) -> Path:
         from kiln.native.models.library import ModelNotFound
         try:

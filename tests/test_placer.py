@@ -318,3 +318,36 @@ def test_keep_alive_durations(text, seconds):
 def test_bad_keep_alive_durations(bad):
     with pytest.raises(ValueError):
         parse_duration(bad)
+
+
+def test_a_plan_is_made_once_per_file_version_off_the_loop_and_errors_are_remembered(tmp_path):
+    """PlanCache: `prepare` (on an HTTP thread) plans; the loop's `place` finds the plan, or the
+    file's error, without parsing again; a changed file is planned anew."""
+    import os
+    from kiln.native.gguf_file import GGUFError
+    from kiln.supervisor.plan_cache import PlanCache
+    calls = []
+
+    def plan(path, ctx, parallel=None, draft=None):
+        calls.append(Path(path).name)
+        if Path(path).read_bytes() == b"bad":
+            raise GGUFError(f"{path}: block_count 4294967294 is more than the file's 2 blk.N tensors")
+        return {"total_bytes": GiB, "weights_bytes": GiB // 2, "kv_cache_bytes": GiB // 4,
+                "runtime_bytes": GiB // 4, "context": 4096}
+    good, bad = tmp_path / "good.gguf", tmp_path / "bad.gguf"
+    good.write_bytes(b"good")
+    bad.write_bytes(b"bad")
+    cache = PlanCache(plan)
+    rig = Rig(budget=8 * GiB)
+    rig.placer.plan, rig.placer.resolve_path = cache, lambda m: tmp_path / f"{m}.gguf"
+    rig.placer.prepare("good")
+    rig.placer.prepare("bad")
+    assert calls == ["good.gguf", "bad.gguf"]
+    rig.ask("c1", "good")
+    rig.ask("c2", "bad")
+    assert calls == ["good.gguf", "bad.gguf"], "the loop parsed a file again"
+    assert rig.got["c2"][-1].get("code") == "model_invalid" and "block_count" in rig.got["c2"][-1].get("message")
+    bad.write_bytes(b"now good")                        # a new version of the file: planned again
+    os.utime(bad, ns=(1, 1))
+    cache(bad, None)
+    assert calls[-1] == "bad.gguf" and len(calls) == 3
