@@ -91,6 +91,7 @@ def route(sup, args):
     except RouteError as e:
         raise CommandError(e.code, e.message, status=http_status(e.code)) from None
     return {"worker": w.name, "state": w.ps.state, "worker_state": w.worker_state, "reason": w.ps.reason,
+            "bad_model_file": sup.router.bad_model_file(w),
             "model": w.status.get("model") or w.spec.get("model"), "n_ctx": w.status.get("n_ctx")}
 
 

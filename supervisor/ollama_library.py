@@ -116,7 +116,11 @@ class OllamaLibrary:
             if f is not None and f.resolve() == path.resolve() and m.get("n_ctx"):
                 return int(m["n_ctx"])
         from kiln.native.config import read_config
-        return int(self.sup.cfg["models"]["ctx"] or min(read_config(g).n_ctx_train, 4096))
+        from kiln.native.gguf_file import GGUFError
+        try:
+            return int(self.sup.cfg["models"]["ctx"] or min(read_config(g).n_ctx_train, 4096))
+        except GGUFError as e:                # its header reads, but its numbers cannot be a model
+            raise JSONError(400, "model_invalid", str(e)) from None
 
     def on_delete_delete(self, req, resp):
         """Delete a model file from a Kiln model folder (`kiln models rm`); refused while a

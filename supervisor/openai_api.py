@@ -176,6 +176,8 @@ class OpenAI:
             raise JSONError(getattr(e, "status", 500), code, getattr(e, "message", str(e))) from None
         if req is not None:
             req.context.model = r["worker"]
+        if r["bad_model_file"]:
+            raise bad("model", f"model {r['worker']} cannot be loaded: {r['reason']}", "model_invalid")
         if r["state"] == vocab.FATAL:
             raise JSONError(503, "worker_fatal", f"worker {r['worker']} is fatal: {r['reason']}; fix its "
                             f"configuration, then `kiln restart {r['worker']}`")

@@ -162,6 +162,12 @@ class Router:
         raise RouteError("model_not_found", f"model {target.model!r} is not served here (models: "
                          f"{', '.join(w.name for w in ws)}; GET /v1/models)")
 
+    def bad_model_file(self, w: WorkerProcess) -> bool:
+        """A model loaded on demand whose worker refused its file at boot (exit 3): the request
+        named a file that cannot run — the client's 400, not the server's 503."""
+        return (w.ps.state == FATAL and self.placer is not None and w.name in self.placer.loaded
+                and (w.ps.last_exit or {}).get("code") == 3)
+
     def _unloading(self, w: WorkerProcess) -> bool:
         l = self.placer.loaded.get(w.name) if self.placer is not None else None
         return bool(l and l.unloading)
@@ -222,6 +228,9 @@ class Router:
             return True
         if self.table.gone_for_good(w):
             why = w.ps.reason or w.ps.state
+            if self.bad_model_file(w):
+                self._finish(p, "model_invalid", f"model {w.name} cannot be loaded: {why}")
+                return False
             fix = f"`kiln restart {w.name}`" + (" after fixing its configuration" if w.ps.state == FATAL else "")
             self._finish(p, "worker_fatal" if w.ps.state == FATAL else "worker_unavailable",
                          f"worker {w.name} is {w.ps.state}: {why}; {fix}")
