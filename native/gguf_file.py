@@ -4,11 +4,14 @@
 this parser reads the same metadata and tensor table with `struct.unpack_from` in a fraction of
 that, and maps tensor data with `np.memmap` (nothing is read until a tensor is used).
 
-Every failure is a `GGUFError` that names the file and what is wrong with it.
+The file may be hostile: every count, length, dimension and offset in it is checked against the
+file's size before anything is allocated or looped over, and every failure is a `GGUFError`
+that names the file, the field (a key or a tensor), the byte offset and what is wrong.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import threading
@@ -64,7 +67,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+        return math.prod(self.shape)
 
 
 @dataclass
@@ -113,31 +116,55 @@ class GGUFFile:
 
 
 _U64 = struct.Struct("<Q")
+MAX_DIMS = 4                      # ggml's GGML_MAX_DIMS: a tensor has at most 4 dimensions
+MAX_NAME = 63                     # ggml's GGML_MAX_NAME (64) less its NUL: a tensor name's bytes
+MAX_KEY = 1024                    # a metadata key's bytes (real ones are under 100)
+_MAX_NESTING = 2                  # arrays of arrays: llama.cpp reads none; deeper is corrupt
+_SKIP_OVER = 4096                 # skip_arrays leaves longer arrays unread (vocabularies), not per-layer ones
+# the fewest bytes one entry can take, to bound a count by the bytes left before looping
+_MIN_KV = 8 + 4 + 1               # key length, value type, a 1-byte value
+_MIN_TENSOR = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dimension, type, offset
+_MIN_ARRAY = 4 + 8                # element type, count
 
 
 class _Cursor:
-    """Sequential little-endian reads over a buffer, with bounds errors that say where."""
+    """Sequential little-endian reads over a buffer. Every count and length read from the file
+    is checked against the bytes left (`bound`) before anything is allocated or looped over, and
+    every error names the file, the field being read (`self.field`) and the byte offset."""
 
     def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
+        self.buf, self.pos, self.path, self.field = buf, 0, path, "header"
+
+    def error(self, problem: str, at: int | None = None) -> GGUFError:
+        return GGUFError(f"{self.path}: {self.field} (byte {self.pos if at is None else at}): {problem}")
+
+    def bound(self, count: int, item_bytes: int, what: str, at: int | None = None) -> int:
+        """`count` items of at least `item_bytes` each must fit in what is left of the file."""
+        left = len(self.buf) - self.pos
+        if count * item_bytes > left:
+            raise self.error(f"{what} ({count:,} x {item_bytes} bytes) run past the end of the file, "
+                             f"{left:,} bytes on; the file is truncated or corrupt (re-download it)", at)
+        return count
 
     def unpack(self, fmt: str):
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
-            raise GGUFError(f"{self.path}: truncated header (needed {size} bytes at offset "
-                            f"{self.pos}, file has {len(self.buf)}); re-download the file")
+            raise self.error(f"truncated header (needed {size} bytes, file has {len(self.buf)}); "
+                             f"re-download the file")
         value = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return value[0] if len(value) == 1 else value
 
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        if n > len(self.buf) - self.pos:
-            raise GGUFError(f"{self.path}: string of {n} bytes at offset {self.pos} runs past the "
-                            f"end of the file; the file is truncated or corrupt")
-        raw = bytes(self.buf[self.pos: self.pos + n])
+    def string(self, limit: int | None = None) -> str:
+        """A length-prefixed UTF-8 string; `limit`: the most bytes a name may have (a garbage
+        length would otherwise decode megabytes of tensor data into an error message)."""
+        at = self.pos
+        n = self.bound(self.unpack("<Q"), 1, "a string")
+        if limit is not None and n > limit:
+            raise self.error(f"a name of {n:,} bytes (at most {limit}); the file is corrupt", at)
+        text = str(self.buf[self.pos: self.pos + n], "utf-8", "replace")       # no copy of the bytes first
         self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        return text
 
     def _skip_strings(self, count: int) -> None:
         """Step over `count` strings (a vocabulary: ~100k of them) without decoding them — the
@@ -151,35 +178,38 @@ class _Cursor:
             if pos <= end:
                 self.pos = pos
                 return
-        raise GGUFError(f"{self.path}: an array of {count} strings at offset {self.pos} runs past the "
-                        f"end of the file; the file is truncated or corrupt")
+        raise self.error(f"an array of {count} strings runs past the end of the file; the file is "
+                         f"truncated or corrupt")
 
-    def value(self, vtype: int, skip_arrays: bool):
+    def value(self, vtype: int, skip_arrays: bool, depth: int = 0):
         if vtype in _SCALAR_TYPES:
             return self.unpack(_SCALAR_TYPES[vtype][0])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            at = self.pos
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            skip = skip_arrays and count > _SKIP_OVER
             if etype in _SCALAR_TYPES:
                 dtype = np.dtype(_SCALAR_TYPES[etype][1])
-                nbytes = count * dtype.itemsize
-                if self.pos + nbytes > len(self.buf):
-                    raise GGUFError(f"{self.path}: array of {count} values at offset {self.pos} "
-                                    f"runs past the end of the file; the file is truncated")
-                arr = None if skip_arrays else np.frombuffer(self.buf, dtype, count, self.pos).copy()
+                nbytes = self.bound(count, dtype.itemsize, "an array") * dtype.itemsize
+                arr = None if skip else np.frombuffer(self.buf, dtype, count, self.pos).copy()
                 self.pos += nbytes
                 return arr if arr is not None else _Skipped(count)
             if etype == _STRING:
-                if skip_arrays:
+                self.bound(count, 8, "an array of strings")
+                if skip:
                     self._skip_strings(count)
                     return _Skipped(count)
                 return [self.string() for _ in range(count)]
             if etype == _ARRAY:
-                return [self.value(_ARRAY, skip_arrays) for _ in range(count)]
-            raise GGUFError(f"{self.path}: unknown array element type {etype} at offset {self.pos}")
-        raise GGUFError(f"{self.path}: unknown metadata value type {vtype} at offset {self.pos}; "
-                        f"the file is corrupt or from a newer GGUF version")
+                if depth >= _MAX_NESTING:
+                    raise self.error(f"arrays nested more than {_MAX_NESTING} deep; the file is corrupt", at)
+                self.bound(count, _MIN_ARRAY, "an array of arrays")
+                return [self.value(_ARRAY, skip_arrays, depth + 1) for _ in range(count)]
+            raise self.error(f"unknown array element type {etype}; the file is corrupt", at)
+        raise self.error(f"unknown metadata value type {vtype}; the file is corrupt or from a newer "
+                         f"GGUF version", self.pos - 4)
 
 
 class _Skipped(list):
@@ -199,8 +229,8 @@ class _Skipped(list):
 def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile:
     """Parse the header and tensor table of a GGUF file.
 
-    skip_arrays=True leaves large arrays (vocabulary, merges) unread: enough for listing and
-    planning, and several times faster.
+    skip_arrays=True leaves large arrays (over 4096 values: vocabulary, merges) unread: enough
+    for listing and planning (which read per-layer arrays), and several times faster.
     """
     path = Path(path)
     if not path.exists():
@@ -220,42 +250,71 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
     if version not in (2, 3):
         raise GGUFError(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
     n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-    if n_tensors > 1_000_000 or n_kv > 1_000_000:
-        raise GGUFError(f"{path}: implausible header ({n_tensors} tensors, {n_kv} keys); corrupt")
+    cur.field = "header's metadata key count"
+    cur.bound(n_kv, _MIN_KV, "the metadata keys", 16)
+    cur.field = "header's tensor count"
+    cur.bound(n_tensors, _MIN_TENSOR, "the tensors", 8)      # after the keys: checked again there
 
     metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
+    for i in range(n_kv):
+        cur.field = f"metadata key #{i}"
+        at = cur.pos
+        key = cur.string(MAX_KEY)
+        cur.field = f"metadata key {key!r}"
+        if key in metadata:
+            raise cur.error("the key appears twice; the file is corrupt", at)
         metadata[key] = cur.value(cur.unpack("<I"), skip_arrays)
 
+    cur.field = "header's tensor count"
+    cur.bound(n_tensors, _MIN_TENSOR, "the tensors", 8)
     infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
+    for i in range(n_tensors):
+        cur.field = f"tensor #{i}"
+        at = cur.pos
+        name = cur.string(MAX_NAME)
+        cur.field = f"tensor {name!r}"
         n_dims = cur.unpack("<I")
-        if n_dims > 8:
-            raise GGUFError(f"{path}: tensor {name!r} has {n_dims} dimensions; corrupt")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise cur.error(f"{n_dims} dimensions (a tensor has 1 to {MAX_DIMS}); the file is corrupt", cur.pos - 4)
         ne = [cur.unpack("<Q") for _ in range(n_dims)]
         ttype, offset = cur.unpack("<I"), cur.unpack("<Q")
-        infos.append((name, ne, ttype, offset))
+        infos.append((name, ne, ttype, offset, at))
 
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    cur.field = "metadata key 'general.alignment'"
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not (isinstance(alignment, int) and alignment > 0 and alignment & (alignment - 1) == 0):
+        raise cur.error(f"alignment {alignment!r} is not a power of two; the file is corrupt")
     data_offset = -(-cur.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
-    for name, ne, ttype, offset in infos:
-        try:
-            qtype = GGMLQuantizationType(ttype)
-        except ValueError:
-            raise GGUFError(f"{path}: tensor {name!r} has unknown type id {ttype}") from None
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        n_el = int(np.prod(ne)) if ne else 1
-        if ne and ne[0] % block:
-            raise GGUFError(f"{path}: tensor {name!r} row of {ne[0]} is not a multiple of the "
-                            f"{qtype.name} block size {block}; corrupt")
-        n_bytes = n_el // block * type_size
-        start = data_offset + offset
-        if start + n_bytes > size:
-            raise GGUFError(f"{path}: tensor {name!r} ends at byte {start + n_bytes} but the file "
-                            f"has {size} bytes; the file is truncated (an interrupted download?)")
-        tensors[name] = TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), start, n_bytes)
+    for name, ne, ttype, offset, at in infos:
+        cur.field = f"tensor {name!r}"
+        tensors[name] = _tensor_info(cur, name, ne, ttype, offset, at, data_offset, alignment, tensors)
     del mv
     return GGUFFile(path, version, metadata, tensors, data_offset, size)
+
+
+def _tensor_info(cur: _Cursor, name: str, ne: list[int], ttype: int, offset: int, at: int, data_offset: int,
+                 alignment: int, seen: dict) -> TensorInfo:
+    """One tensor table entry checked against the file: a new name, a known type, dimensions
+    whose product (exact: Python integers, not numpy's wrapping int64) fits from an aligned
+    offset inside the data section."""
+    size = len(cur.buf)
+    if name in seen:
+        raise cur.error("a second tensor of this name; the file is corrupt", at)
+    try:
+        qtype = GGMLQuantizationType(ttype)
+    except ValueError:
+        raise cur.error(f"unknown tensor type id {ttype}; the file is corrupt or needs a newer Kiln", at) from None
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if min(ne) < 1:
+        raise cur.error(f"dimensions {ne} include {min(ne)} (each must be at least 1); the file is corrupt", at)
+    if ne[0] % block:
+        raise cur.error(f"row of {ne[0]} is not a multiple of the {qtype.name} block size {block}; corrupt", at)
+    if offset % alignment:
+        raise cur.error(f"data offset {offset} is not a multiple of the alignment {alignment}; corrupt", at)
+    start = data_offset + offset
+    n_bytes = math.prod(ne) // block * type_size
+    if start + n_bytes > size:
+        raise cur.error(f"{n_bytes:,} bytes of {qtype.name} {ne} from byte {start:,} end past the file's "
+                        f"{size:,} bytes; the file is truncated (an interrupted download?) or corrupt", at)
+    return TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), start, n_bytes)

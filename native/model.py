@@ -19,7 +19,7 @@ import numpy as np
 from . import ggml_round, kernels, streamed_moe
 from .arch import family
 from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn, yarn_params
-from .config import ModelConfig, read_config
+from .config import ModelConfig, check_tensors, read_config
 from .gguf_file import GGUFError, GGUFFile, read_gguf
 from .kernels import Weight, matmul, matmul_many
 from .kv_cache import KV_DTYPE, KVCache
@@ -130,8 +130,7 @@ class Model:
         plan = [(fam.matrices(c, i), fam.vectors(c, i), fam.fused(c, i)) for i in range(c.n_layer)]
         for mats, vecs, fused in plan:
             names += list(mats.values()) + list(fused)
-        for n in names + [n for _, vecs, _ in plan for n in vecs.values()]:
-            g.tensor(n)              # fail fast, before any work, on a missing tensor (named)
+        check_tensors(g, c)          # fail fast, before any work, on a missing or misshapen tensor (named)
         weights = kernels.load_weights(g, names, threads)
         vec = lambda n: kernels.load_vector(g, n)  # noqa: E731
         self.token_embd = weights["token_embd.weight"]

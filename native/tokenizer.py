@@ -11,6 +11,8 @@ to `StreamDecoder`, which holds back a partial UTF-8 sequence until the next tok
 from __future__ import annotations
 
 import codecs
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -18,6 +20,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from .gguf_file import GGUFFile
 from .fim import find_fim_tokens
+from .vocabulary import SPM_SPLIT_BUDGET, TokenizerError, bad, building, check_vocabulary
 
 # llama.cpp token types
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -48,9 +51,19 @@ _EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", 
 
 _KEEP_SPACE = frozenset({"<unk>", "<s>", "<|endoftext|>"})   # Phi-3 specials that do not rstrip
 
+# Texts longer than this are tokenized with the GIL released (the library's `encode` holds it for
+# the whole call: 2.5 s for 3.5 MB, during which the worker's heartbeat thread cannot run).
+GIL_FREE_CHARS = 4096
 
-class TokenizerError(Exception):
-    """The tokenizer could not be built from this model's metadata."""
+
+class TooManyTokens(Exception):
+    """Texts were refused before tokenizing: their bytes alone prove more tokens than the budget."""
+
+    def __init__(self, at_least: int, budget: int, n_bytes: int, longest: int):
+        super().__init__(f"the prompt has at least {at_least:,} tokens ({n_bytes:,} bytes of text, and no token "
+                         f"of this model covers more than {longest} bytes), but the context holds {budget:,}; "
+                         f"shorten the prompt")
+        self.at_least, self.budget, self.n_bytes, self.longest = at_least, budget, n_bytes, longest
 
 
 @lru_cache(maxsize=1)
@@ -89,6 +102,7 @@ class GGUFTokenizer:
         if not tokens:
             raise TokenizerError(f"{gguf.path}: no tokenizer.ggml.tokens in the metadata; "
                                  f"this GGUF has no vocabulary")
+        check_vocabulary(gguf, tokens)
         self.tokens: list[str] = list(tokens)
         types = meta.get("tokenizer.ggml.token_type")
         self.token_types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
@@ -103,16 +117,19 @@ class GGUFTokenizer:
         # llama.cpp's Phi-3 rule: special tokens swallow the whitespace after them.
         name = str(meta.get("general.name", "")).lower()
         self._rstrip_specials = "phi-3" in name or "phi3" in name
-        if self.model_type == "gpt2":
-            self._tok = self._build_bpe(meta)
-            self._token_bytes = self._bpe_token_bytes()
-        elif self.model_type == "llama":
-            self._tok = self._build_spm(meta)
-            self._token_bytes = self._spm_token_bytes()
-        else:
+        if self.model_type not in ("gpt2", "llama"):
             raise TokenizerError(f"{gguf.path}: tokenizer model {self.model_type!r} is not supported "
                                  f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
-        self._add_specials()
+        with building(gguf, self.model_type):
+            if self.model_type == "gpt2":
+                self._tok = self._build_bpe(gguf)
+                self._token_bytes = self._bpe_token_bytes()
+            else:
+                self._tok = self._build_spm(gguf)
+                self._token_bytes = self._spm_token_bytes(gguf)
+            self._add_specials()
+        self.max_token_bytes = self._longest_cover()
+        self._budget = threading.local()
         # A second instance with special-token parsing off, for untrusted text.
         self._tok_plain = Tokenizer.from_str(self._tok.to_str())
         self._tok_plain.encode_special_tokens = True
@@ -149,22 +166,26 @@ class GGUFTokenizer:
             self._vocab_cache = {t: i for i, t in enumerate(self.tokens)}
         return self._vocab_cache
 
-    def _build_bpe(self, meta) -> Tokenizer:
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    def _build_bpe(self, gguf) -> Tokenizer:
+        merges = [tuple(m.split(" ", 1)) for m in gguf.metadata.get("tokenizer.ggml.merges", [])]
         tok = Tokenizer(models.BPE(self._vocab, merges, fuse_unk=False, ignore_merges=False))
         regexes = PRE_TOKENIZER_REGEXES.get(self.pre)
         if regexes is None:
-            raise TokenizerError(f"pre-tokenizer {self.pre!r} is not supported (supported: "
-                                 f"{', '.join(sorted(PRE_TOKENIZER_REGEXES))})")
+            raise bad(gguf, "tokenizer.ggml.pre", f"pre-tokenizer {self.pre!r} is not supported (supported: "
+                      f"{', '.join(sorted(PRE_TOKENIZER_REGEXES))})")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
         return tok
 
-    def _build_spm(self, meta) -> Tokenizer:
+    def _build_spm(self, gguf) -> Tokenizer:
+        meta = gguf.metadata
         scores = meta.get("tokenizer.ggml.scores")
         vocab = self._vocab
+        if sum(len(p) ** 2 for p in vocab) > SPM_SPLIT_BUDGET:
+            raise bad(gguf, "tokenizer.ggml.tokens", f"pieces of up to {max(map(len, vocab)):,} characters are "
+                       f"too long for a SentencePiece vocabulary")
         # llama.cpp's SPM session merges any two adjacent symbols whose text is a token — of any
         # type: a user-defined "▁▁" (score 0) beats every normal piece — highest score first.
         # As a BPE: every split of a piece into two pieces of the vocabulary, ranked by the
@@ -209,14 +230,58 @@ class GGUFTokenizer:
                 out.append(bytes(dec[c] for c in t))
         return out
 
-    def _spm_token_bytes(self) -> list[bytes]:
+    def _spm_token_bytes(self, gguf) -> list[bytes]:
         out = []
-        for t, ty in zip(self.tokens, self.token_types):
+        for i, (t, ty) in enumerate(zip(self.tokens, self.token_types)):
             if ty == TOKEN_BYTE and t.startswith("<0x") and t.endswith(">"):
-                out.append(bytes([int(t[3:-1], 16)]))
+                try:
+                    out.append(bytes([int(t[3:-1], 16)]))
+                except ValueError:
+                    raise bad(gguf, "tokenizer.ggml.tokens", f"byte token {i}, {t[:20]!r}, is not <0x00>..<0xFF>") \
+                        from None
             else:
                 out.append(t.replace("▁", " ").encode("utf-8"))
         return out
+
+    def _longest_cover(self) -> int | None:
+        """The most bytes of input text one token can stand for, or None when no such bound holds.
+        Sets `_vanishing`: bytes a byte-level BPE drops because its vocabulary lacks them (SmolLM2
+        has no token for 0x04): they count for nothing."""
+        self._vanishing = b""
+        if self._rstrip_specials:         # Phi-3's specials swallow any run of whitespace after them
+            return None
+        never = {0xC0, 0xC1, *range(0xF5, 0x100)}           # bytes UTF-8 text never holds
+        if self.model_type == "gpt2":
+            self._vanishing = bytes(b for c, b in sorted(_byte_decoder().items(), key=lambda cb: cb[1])
+                                    if c not in self._vocab and b not in never)
+        elif any(f"<0x{b:02X}>" not in self._vocab for b in range(256) if b not in never):
+            return None                   # unknown characters fuse into one <unk> of any length
+        # added tokens match the raw text (SentencePiece's "▁" is 3 bytes there, not a space)
+        return max(max(len(b), len(t.encode("utf-8")) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED) else 0)
+                   for b, t, ty in zip(self._token_bytes, self.tokens, self.token_types))
+
+    @contextmanager
+    def token_budget(self, limit: int):
+        """On this thread, within the block, `encode` raises TooManyTokens before tokenizing once
+        the texts it was given must hold more than `limit` tokens together: a text of B bytes has
+        at least B // max_token_bytes tokens. Huge prompts are refused at the cost of counting bytes."""
+        old = getattr(self._budget, "state", None)
+        self._budget.state = [limit, 0, 0]          # limit, tokens proven so far, bytes so far
+        try:
+            yield
+        finally:
+            self._budget.state = old
+
+    def _spend(self, text: str) -> None:
+        state = getattr(self._budget, "state", None)
+        if state is None or not self.max_token_bytes:
+            return
+        data = text.encode("utf-8", "surrogatepass")
+        n_bytes = len(data) - sum(data.count(b) for b in self._vanishing)
+        state[1] += n_bytes // self.max_token_bytes
+        state[2] += n_bytes
+        if state[1] > state[0]:
+            raise TooManyTokens(state[1], state[0], state[2], self.max_token_bytes)
 
     # -- use ----------------------------------------------------------------------------------
 
@@ -227,8 +292,12 @@ class GGUFTokenizer:
     def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None) -> list[int]:
         """Token ids for `text`. special=False tokenizes control-token markup as plain text
         (use it for anything a user typed). BOS is added when the model's metadata asks."""
+        self._spend(text)
         tok = self._tok if special else self._tok_plain
-        ids = tok.encode(text, add_special_tokens=False).ids
+        if len(text) > GIL_FREE_CHARS:     # the batch call releases the GIL while it works
+            ids = tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = tok.encode(text, add_special_tokens=False).ids
         if add_bos is None:
             add_bos = self.special.add_bos
         if add_bos and self.special.bos is not None:

@@ -67,6 +67,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "supervisor": {
         "heartbeat_interval": Field(float, 1.0, "seconds between worker heartbeats", 0.05, 60),
         "liveness": Field(int, 3, "missed heartbeats before a worker is declared dead", 1, 100),
+        "progress_timeout": Field(float, 30.0, "seconds a worker that misses heartbeats while its CPU time advances "
+                                  "(a long computation holding it) has before it is judged hung; a stopped "
+                                  "or idle silent worker still has `liveness` heartbeats", 0, 3600),
         "graceful_timeout": Field(float, 5.0, "seconds between SIGTERM and SIGKILL", 0.1, 600),
         "drain_timeout": Field(float, 30.0, "on shutdown, seconds the requests in flight may take to finish "
                                "before they are cut (new ones are refused at once; 0: cut at once)", 0, 3600),
@@ -82,11 +85,11 @@ SCHEMA: dict[str, dict[str, Field]] = {
     },
     "models": {
         "on_demand": Field(bool, True, "load a library model when a request names it"),
+        "allow_paths": Field(bool, False, "let HTTP requests name a model by any file path this user can read "
+                             "(off: only library models and configured workers' models; the CLI may always)"),
         "keep_alive": Field(str, "5m", "how long an on-demand model stays loaded after its last request "
                             "(300, \"5m\", \"1h\"; 0: unload after each answer; -1: keep)"),
         "max_loaded": Field(int, 3, "most models loaded at once, configured ones included (0: no limit)", 0, 1000),
-        "allow_paths": Field(bool, False, "let HTTP requests name a model by any file path this user can read "
-                             "(off: only library models and configured workers' models; the CLI may always)"),
         "memory_budget": Field(str, "auto", "memory the loaded models may plan to use: a size (8GiB, 500MB), "
                                "a share of RAM (60%), or auto: the RAM available at start minus min_available"),
         "min_available": Field(str, "512MiB", "below this much available RAM, idle on-demand models are "

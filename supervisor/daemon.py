@@ -41,6 +41,10 @@ from .router import KIND_OPS, MODEL_OPS, Client, Router, Target
 from .run_files import AlreadyRunning, RunFiles, read_pid  # noqa: F401  (re-exported for the CLI)
 
 HANDLED_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+LOOP_WAIT = 0.1          # the loop's longest wait for traffic, seconds
+# a loop on time ticks the table at least this often; a longer gap is the supervisor's own lateness
+# (not scheduled, or a blocking call), which the table does not count as the workers' silence
+MAX_TICK_GAP = 2.5 * LOOP_WAIT
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Supervisor:
                             sv["backoff_max"], sv["boot_timeout"], sv["stable_secs"]),
             ProcessSpawner(paths, sv["heartbeat_interval"]), clock,
             heartbeat_interval=sv["heartbeat_interval"], liveness=sv["liveness"],
+            progress_timeout=sv["progress_timeout"], max_tick_gap=MAX_TICK_GAP,
             graceful_timeout=sv["graceful_timeout"], record=self.record,
             send_shutdown=lambda w: w.identity and self._send(self.worker_sock, w.identity, make("shutdown")),
             on_exit=lambda w, how: self.router.on_worker_exit(w, how),
@@ -308,7 +313,7 @@ class Supervisor:
                 commands.stop_everything(self)
             if self.shutting_down and self.drain_until is None and not self.table.any_alive():
                 return
-            ready = dict(poller.poll(100))
+            ready = dict(poller.poll(LOOP_WAIT * 1000))
             if self._wake_r in ready:
                 try:
                     while os.read(self._wake_r, 4096):

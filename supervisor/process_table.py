@@ -4,14 +4,29 @@ It carries out the restart policy's decisions (spawn, terminate, kill) through a
 feeds back what happened (spawned, hello, exited, missed heartbeats). Every timer — heartbeat
 liveness, SIGTERM→SIGKILL, backoff, start_secs — runs on the injected clock's monotonic time, so
 the fast tests drive the whole table with a fake spawner and a fake clock, as supervisord's do.
+
+Liveness tells a busy machine from a hung worker:
+- Silence is counted on the table's *attention* clock, which advances by at most `max_tick_gap`
+  per tick: when the supervisor's own loop woke late (not scheduled, or blocked), that gap is its
+  lateness, not the workers' silence.
+- A silent worker whose CPU time advanced over the last `liveness` intervals (sampled with psutil
+  every interval) is working: it has `progress_timeout` before it is judged hung (a loop that
+  never yields still is).
+- A stopped process (SIGSTOP) or one silent with its CPU idle (a deadlock) is killed after
+  `liveness` heartbeats, as before (one that computed until it deadlocked, once that window
+  holds no more work).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import psutil
 
 from kiln.protocol.vocab import ALIVE, FATAL, RUNNING, STARTING, STOPPED, WORKER_LOADING, serving
 
@@ -20,6 +35,10 @@ from .processes import sample
 
 
 MAX_STOP_GRACE = 120.0          # the longest a worker may ask to wind down
+# CPU seconds per second, over the last `liveness` heartbeat intervals, above which a silent worker
+# counts as working: a hung one's idle threads (poll wake-ups) use well under 0.1 %, a computing
+# one ~20 % under load 9 on 2 cores — and none at all in some 0.2 s stretches, hence the window
+PROGRESS_SHARE = 0.02
 
 
 class SystemClock:
@@ -42,6 +61,12 @@ class WorkerProcess:
     boot_reason: str | None = None               # from an `error boot_failed` message
     rss: int | None = None                       # sampled by the table, not per request
     cpu: float | None = None
+    heard_at: float = 0.0                        # the table's attention clock at the last heartbeat
+    cpu_samples: deque = field(default_factory=deque)   # (monotonic time, CPU seconds used), recent
+    sampled_at: float | None = None              # monotonic time of the last progress sample
+    advancing: bool = False                      # the CPU time grew over the last liveness window
+    stopped: bool = False                        # the process is stopped (SIGSTOP), at the last sample
+    spared: bool = False                         # this silence was excused once (busy on CPU)
 
     @property
     def kind(self) -> str:
@@ -86,14 +111,24 @@ class ProcessTable:
                  record: Callable[[str, str | None, str], None] = lambda *a: None,
                  send_shutdown: Callable[[WorkerProcess], None] = lambda w: None,
                  on_exit: Callable[[WorkerProcess, str], None] = lambda w, how: None,
-                 on_ready: Callable[[WorkerProcess], None] = lambda w: None):
+                 on_ready: Callable[[WorkerProcess], None] = lambda w: None,
+                 progress_timeout: float = 30.0, max_tick_gap: float | None = None,
+                 probe: Callable[[int], tuple[float, bool] | None] | None = None):
+        """`max_tick_gap`: the longest the caller's loop sleeps between ticks when it runs on time
+        (None: every gap counts, as in the fast tests). `probe(pid)`: (CPU seconds, stopped) of a
+        worker process, or None when unknown; psutil's by default."""
         self.workers = {n: WorkerProcess(n, spec) for n, spec in workers.items()}
         self.settings, self.spawner, self.clock = settings, spawner, clock
         self.heartbeat_interval, self.liveness, self.graceful_timeout = heartbeat_interval, liveness, graceful_timeout
         self.record, self.send_shutdown, self.on_exit, self.on_ready = record, send_shutdown, on_exit, on_ready
+        self.progress_timeout, self.max_tick_gap = progress_timeout, max_tick_gap
+        self.probe = probe or self._psutil_probe
         self.by_identity: dict[bytes, str] = {}
         self._psutil: dict = {}
+        self._procs: dict[int, Any] = {}             # psutil handles of the progress probe, by pid
         self._sampled_at = -1e9
+        self.attended = 0.0                          # seconds the loop was there to hear workers
+        self._ticked_at = clock.monotonic()
 
     def __iter__(self):
         return iter(self.workers.values())
@@ -160,7 +195,9 @@ class ProcessTable:
             self.apply(w, policy.SpawnFailed(str(e)))
             return
         w.identity, w.hello, w.status, w.boot_reason, w.kill_at = None, None, {}, None, None
-        w.last_heartbeat = self.clock.monotonic()
+        w.cpu_samples, w.sampled_at = deque(), None
+        w.advancing = w.stopped = w.spared = False
+        self._heard(w)
         w.started_wall = self.clock.time()
         self.record("spawned", w.name, f"pid {w.pid}")
         self.apply(w, policy.Spawned())
@@ -182,7 +219,9 @@ class ProcessTable:
 
     def tick(self) -> None:
         now = self.clock.monotonic()
+        self._attend(now)
         self._reap(now)
+        self._sample_progress(now)
         self._check_liveness(now)
         for w in self.workers.values():
             self.apply(w, policy.Tick())
@@ -191,6 +230,67 @@ class ProcessTable:
             for w in self.workers.values():
                 if w.pid:
                     w.rss, w.cpu = sample(w.pid, self._psutil.setdefault(w.name, {}))
+
+    def _attend(self, now: float) -> None:
+        """Advance the attention clock by the time since the last tick, but by no more than the
+        loop's own period: a loop that woke late does not blame the workers for its lateness."""
+        gap = now - self._ticked_at
+        credit = self._credit(gap)
+        self._ticked_at, self.attended = now, self.attended + credit
+        if gap - credit >= self.heartbeat_interval:
+            self.record("supervisor_late", None,
+                        f"the supervisor's loop ran {gap:.1f} s between two checks (busy machine or a blocking "
+                        f"call); workers' silence over that time is not held against them")
+
+    def _credit(self, gap: float) -> float:
+        return max(0.0, gap if self.max_tick_gap is None else min(gap, self.max_tick_gap))
+
+    def _heard(self, w: WorkerProcess) -> None:
+        w.last_heartbeat = now = self.clock.monotonic()
+        w.heard_at = self.attended + self._credit(now - self._ticked_at)
+        w.spared = False
+
+    def _sample_progress(self, now: float) -> None:
+        """CPU time and stopped state of each live worker, every heartbeat interval (at most once a
+        second): a /proc read each, off no request's path. `advancing` judges the CPU time used
+        over the last `liveness` intervals: one short interval can hold no slice of a busy core."""
+        every = min(1.0, self.heartbeat_interval)
+        window = self.liveness * self.heartbeat_interval
+        for w in self.workers.values():
+            if not w.pid or (w.sampled_at is not None and now - w.sampled_at < every):
+                continue
+            got = self.probe(w.pid)
+            w.sampled_at = now
+            if got is None:
+                w.cpu_samples.clear()
+                w.advancing = w.stopped = False
+                continue
+            cpu, w.stopped = got
+            samples = w.cpu_samples
+            samples.append((now, cpu))
+            while len(samples) > 2 and samples[1][0] <= now - window:
+                samples.popleft()                 # the oldest kept one starts the window
+            (t0, cpu0), span = samples[0], now - samples[0][0]
+            w.advancing = span > 0 and cpu - cpu0 >= PROGRESS_SHARE * span
+        live = {w.pid for w in self.workers.values() if w.pid}
+        for pid in [p for p in self._procs if p not in live]:
+            del self._procs[pid]
+
+    def _psutil_probe(self, pid: int) -> tuple[float, bool] | None:
+        """(user + system CPU seconds, stopped) of a process this supervisor started; None for any
+        other pid (a test's fake one), or when it is gone."""
+        try:
+            p = self._procs.get(pid)
+            if p is None:
+                p = self._procs[pid] = psutil.Process(pid)
+            with p.oneshot():
+                if p.ppid() != os.getpid():
+                    return None
+                t = p.cpu_times()
+                return t.user + t.system, p.status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            self._procs.pop(pid, None)
+            return None
 
     def _reap(self, now: float) -> None:
         for w in self.workers.values():
@@ -228,11 +328,27 @@ class ProcessTable:
             # speak again; a served worker has `liveness` heartbeats.
             loading = w.worker_state in WORKER_LOADING
             limit = max(beats, self.settings.boot_timeout) if loading else beats
-            if now - w.last_heartbeat > limit:
-                why = (f"no heartbeat for {now - w.last_heartbeat:.1f} s while loading "
-                       f"(boot_timeout {self.settings.boot_timeout:g} s)") if loading else \
-                    f"missed {self.liveness} heartbeats (none for {now - w.last_heartbeat:.1f} s)"
-                self.apply(w, policy.Unresponsive(why))
+            silent, wall = self.attended - w.heard_at, now - w.last_heartbeat
+            if w.stopped and wall > limit:
+                # stopped makes no progress whoever is late: wall time is the measure
+                why = f"missed {self.liveness} heartbeats (none for {wall:.1f} s; the process is stopped)"
+            elif silent <= limit:
+                continue
+            elif w.advancing and silent <= max(limit, self.progress_timeout):
+                if not w.spared:
+                    w.spared = True
+                    self.record("busy_silent", w.name,
+                                f"no heartbeat for {silent:.1f} s, but its CPU time advances: it has until "
+                                f"progress_timeout ({self.progress_timeout:g} s) to speak")
+                continue
+            elif w.advancing:
+                why = (f"no heartbeat for {silent:.1f} s while its CPU time kept advancing "
+                       f"(progress_timeout {self.progress_timeout:g} s): it computes without ever answering")
+            elif loading:
+                why = f"no heartbeat for {silent:.1f} s while loading (boot_timeout {self.settings.boot_timeout:g} s)"
+            else:
+                why = f"missed {self.liveness} heartbeats (none for {silent:.1f} s)"
+            self.apply(w, policy.Unresponsive(why))
 
     # -- worker traffic -----------------------------------------------------------------------
 
@@ -243,7 +359,7 @@ class ProcessTable:
             return None
         w.identity = identity
         w.hello = hello
-        w.last_heartbeat = self.clock.monotonic()
+        self._heard(w)
         if isinstance(body, dict):
             w.status = body
         self.by_identity[identity] = name
@@ -254,7 +370,7 @@ class ProcessTable:
         return w
 
     def on_heartbeat(self, w: WorkerProcess, body: Any) -> None:
-        w.last_heartbeat = self.clock.monotonic()
+        self._heard(w)
         if isinstance(body, dict):
             was = w.can_serve()
             self._job_progress(w, w.status, body)

@@ -166,6 +166,7 @@ class Router:
         """A model loaded on demand whose worker refused its file at boot (exit 3): the request
         named a file that cannot run — the client's 400, not the server's 503."""
         return (w.ps.state == FATAL and self.placer is not None and w.name in self.placer.loaded
+                and not self.placer.loaded[w.name].pinned
                 and (w.ps.last_exit or {}).get("code") == 3)
 
     def _unloading(self, w: WorkerProcess) -> bool:

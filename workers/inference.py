@@ -27,7 +27,7 @@ from kiln.native.gguf_file import GGUFError
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model
 from kiln.native.model import WEIGHTS, load_model
 from kiln.native.sampling import SamplingError, SamplingParams
-from kiln.native.tokenizer import TokenizerError
+from kiln.native.tokenizer import TokenizerError, TooManyTokens
 
 from kiln.protocol import vocab
 
@@ -122,6 +122,15 @@ class InferenceWorker(Worker):
             return ids
         raise OpError("bad_request", "generate needs one of prompt (token ids), text, messages or infill")
 
+    def _bounded(self, fn, *args, what: str = "the prompt", **kwargs):
+        """fn(*args) with the texts it tokenizes counted first: a text whose bytes alone prove it
+        longer than the context is refused at once instead of being tokenized (3.5 MB: 2.5 s)."""
+        try:
+            with self.model.tokenizer.token_budget(self.n_ctx):
+                return fn(*args, **kwargs)
+        except TooManyTokens as e:
+            raise OpError("context_length_exceeded", str(e).replace("the prompt", what, 1)) from None
+
     def _infill(self, f: dict, max_tokens) -> list[int]:
         """A fill-in-the-middle prompt (native/fim.py): prefix, suffix, the start of the middle,
         other files (name, text), and whether to lay it out as llama-server's /infill does."""
@@ -200,7 +209,8 @@ class InferenceWorker(Worker):
         n > 1 the chunks carry the sequence's index and the reply holds one final per sequence."""
         raw = dict(req.body.get("params") or {})
         n = int(raw.pop("n", 1))
-        plan = self._plan(req.body)
+        # a repo-level infill keeps what fits of its files: no bound on the text it was given
+        plan = self._plan(req.body) if "infill" in req.body else self._bounded(self._plan, req.body)
         prompt = plan.prompt
         if plan.grammar:
             raw["grammar"] = plan.grammar
@@ -272,7 +282,7 @@ class InferenceWorker(Worker):
     @op("score")
     def score(self, req):
         """Log-probabilities of the prompt's own tokens (for echo + logprobs)."""
-        prompt = self._prompt(req.body)
+        prompt = self._bounded(self._prompt, req.body)
         if len(prompt) > self.n_ctx:
             raise OpError("context_length_exceeded", f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
         top = int(req.body.get("top") or 0)
@@ -299,7 +309,7 @@ class InferenceWorker(Worker):
         tok = self.model.tokenizer
         prompts = []
         for i, x in enumerate(req.body["inputs"]):
-            ids = tok.encode(x, special=False) if isinstance(x, str) else x
+            ids = self._bounded(tok.encode, x, special=False, what=f"input[{i}]") if isinstance(x, str) else x
             if not ids or not all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids):
                 raise OpError("bad_request", f"input[{i}] is empty or has token ids outside [0, {tok.vocab_size})")
             if len(ids) > self.n_ctx:

@@ -8,7 +8,9 @@ poll `req.cancelled()`.
 
 Threads: the main thread owns the ZeroMQ socket (heartbeats, incoming messages, cancel); one
 executor thread runs boot() and then the ops, one at a time, and hands its outgoing messages
-to the main thread through an inproc socket. So a long op never delays a heartbeat.
+to the main thread through an inproc socket. So a long op never delays a heartbeat — as long as
+it lets go of the GIL, as the compiled kernels and the tokenization of long texts do. An op that
+holds it anyway still shows in the process's CPU time, which the supervisor tells from a hang.
 
 Exit rules: `shutdown` or SIGTERM → finish or cancel the running op, exit 0; parent gone →
 exit; boot error → send `error` boot_failed, print the reason, exit 3.
@@ -191,7 +193,7 @@ class Runtime:
             now = time.monotonic()
             if now >= next_beat or self._beat_now:
                 self._beat_now = False
-                self.send(make("heartbeat", body={"state": self.worker.state, **self.worker.status()}))
+                self.send(make("heartbeat", body=self._beat_body()))
                 next_beat = now + self.interval
             if os.getppid() != self.parent:
                 print(f"kiln worker {self.worker.name}: supervisor gone; exiting", file=sys.stderr)
@@ -205,7 +207,9 @@ class Runtime:
                     return self.exit_code
             events = dict(poller.poll(max(0.0, min(next_beat - now, 0.25)) * 1000))
             if self.inbox in events:
-                while self.inbox.poll(0):
+                for _ in range(1000):         # bounded: a flood of chunks cannot put off the next beat
+                    if not self.inbox.poll(0):
+                        break
                     kind, payload = self.inbox.recv_pyobj()
                     if kind == "send":
                         self.send(payload)
@@ -222,6 +226,14 @@ class Runtime:
             if self.sock in events:
                 while self.sock.poll(0):
                     self._receive(self.sock.recv_multipart())
+
+    def _beat_body(self) -> dict:
+        """The heartbeat's body: the worker's state and stats. A failing stats call costs the
+        stats, never the heartbeat (the supervisor would kill a healthy worker)."""
+        try:
+            return {"state": self.worker.state, **self.worker.status()}
+        except Exception as e:  # noqa: BLE001
+            return {"state": self.worker.state, "status_error": f"{type(e).__name__}: {e}"[:300]}
 
     def _receive(self, frames: list[bytes]) -> None:
         try:

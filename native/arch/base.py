@@ -10,9 +10,22 @@ and is invisible here.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
+
+# Sane ranges of hyperparameters (native/config.py checks every one it reads): above every
+# released model, far below what would exhaust memory or time.
+MAX_WIDTH = 2**20                # embedding, FFN and head widths, head and expert counts
+MAX_LAYERS = 4096
+MAX_CONTEXT = 2**24              # positions: above the longest trained context (10M)
+
+
+def check_window(c, key) -> None:
+    """A sliding window longer than the context is corrupt (and would size the window's buffers)."""
+    if c.get("sliding_window") > c.n_ctx_train:
+        key.fail("attention.sliding_window", c.get("sliding_window"), f"longer than the context, {c.n_ctx_train}")
 
 
 class Family:
@@ -50,8 +63,42 @@ class Family:
         return {}
 
     def hparams(self, key: Callable[..., Any]) -> dict:
-        """Family-specific configuration read with key(name, default, required=False)."""
+        """Family-specific configuration read with key(name, default, required=False, kind=, lo=,
+        hi=) (native/config.py's Keys: each value checked as it is read)."""
         return {}
+
+    def check(self, c, key) -> None:
+        """Hyperparameters that must agree with each other, checked once the config is whole;
+        key.fail(name, value, problem) refuses the file."""
+        if self.moe and not c.n_expert:
+            key.fail("expert_count", c.n_expert, f"a {self.name} model has routed experts")
+
+    def field_shapes(self, c, i: int, stored: Callable[[str, int], int]) -> dict[str, tuple]:
+        """The shape (numpy order) each field of layer i is computed with. `stored(name, axis)` is
+        a tensor's stored width along an axis (0 if it has none), for the widths the metadata does
+        not fix: an FFN's, an expert's."""
+        E, d = c.n_embd, c.head_dim
+        q, kv = c.n_head * d, c.n_head_kv * d
+        per_head = getattr(self, "qk_norm", "head") == "head"
+        mats = self.matrices(c, i)
+        ff = stored(mats["gate"], 0) if "gate" in mats else c.n_ff
+        out = {"wq": (q, E), "wk": (kv, E), "wv": (kv, E), "wo": (E, q), "bq": (q,), "bk": (kv,), "bv": (kv,),
+               "bo": (E,), "gate": (ff, E), "up": (ff, E), "down": (E, ff), "attn_norm": (E,), "ffn_norm": (E,),
+               "post_attn_norm": (E,), "post_ffn_norm": (E,), "q_norm": (d,) if per_head else (q,),
+               "k_norm": (d,) if per_head else (kv,)}
+        if "gate_exps" in mats:
+            X, fe = c.n_expert, stored(mats["gate_exps"], 1)
+            out |= {"router": (X, E), "gate_exps": (X, fe, E), "up_exps": (X, fe, E), "down_exps": (X, E, fe)}
+        if "gate_shexp" in mats:
+            fs = stored(mats["gate_shexp"], 0)
+            out |= {"gate_shexp": (fs, E), "up_shexp": (fs, E), "down_shexp": (E, fs), "shared_gate": (E,)}
+        return out
+
+    def shapes(self, c, i: int, stored: Callable[[str, int], int]) -> dict[str, tuple | None]:
+        """Every tensor layer i needs -> the shape it must have (None: any)."""
+        fields = self.field_shapes(c, i, stored)
+        out = {n: fields.get(f) for f, n in (self.matrices(c, i) | self.vectors(c, i)).items()}
+        return out | {n: (sum(rows for _, rows in parts), c.n_embd) for n, parts in self.fused(c, i).items()}
 
     def model_tensors(self, g) -> dict[str, str]:
         """Whole-model vectors beyond the norms (e.g. rope_freqs), field -> name, if present."""
@@ -66,7 +113,8 @@ class Family:
         return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
 
     def kv_layers(self, c) -> list[int]:
-        """The layers whose keys and values grow with the context (not recurrent, not sliding)."""
+        """The layers whose keys and values grow with the context (not recurrent, not sliding).
+        c.n_layer is bounded: read_config requires it to be the layers the file holds."""
         rec = self.recurrent_state(c)
         return [i for i in range(c.n_layer) if i not in rec and not self.sliding(c, i)]
 
@@ -80,8 +128,7 @@ class Family:
 
     def recurrent_state_bytes(self, c) -> int:
         """Bytes of recurrent state one sequence holds (float32), whatever its length."""
-        import numpy as np
-        return sum(4 * int(np.prod(s)) for st in self.recurrent_state(c).values() for s in st.values())
+        return sum(4 * math.prod(s) for st in self.recurrent_state(c).values() for s in st.values())
 
     def recurrent_state(self, c) -> dict[int, dict[str, tuple]]:
         """Per-sequence state of recurrent layers: layer -> {name: shape} (none by default)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Family
+from .base import MAX_CONTEXT, MAX_LAYERS, Family, check_window
 
 F32 = np.float32
 
@@ -29,11 +29,20 @@ class Gemma3(Family):
 
     def hparams(self, key) -> dict:
         pattern = key("attention.sliding_window_pattern", 6, required=False)
-        if isinstance(pattern, list):             # newer files: one flag per layer (true: sliding)
+        if isinstance(pattern, (list, np.ndarray)):   # newer files: one flag per layer (true: sliding)
             pattern = tuple(bool(x) for x in pattern)
-        return {"sliding_window": int(key("attention.sliding_window", 0, required=False) or 0),
+        else:
+            pattern = key("attention.sliding_window_pattern", 6, required=False, kind=int, lo=0, hi=MAX_LAYERS)
+        return {"sliding_window": key("attention.sliding_window", 0, required=False, kind=int, lo=0, hi=MAX_CONTEXT),
                 "swa_pattern": pattern,
-                "rope_base_swa": float(key("rope.freq_base_swa", 10000.0, required=False))}
+                "rope_base_swa": key("rope.freq_base_swa", 10000.0, required=False, kind=float, lo=1.0, hi=1e15)}
+
+    def check(self, c, key) -> None:
+        super().check(c, key)
+        pattern = c.get("swa_pattern")
+        if isinstance(pattern, tuple) and len(pattern) != c.n_layer:
+            key.fail("attention.sliding_window_pattern", pattern, f"needs one flag for each of the {c.n_layer} layers")
+        check_window(c, key)
 
     def sliding(self, c, i: int) -> bool:
         pattern = c.get("swa_pattern")

@@ -12,7 +12,7 @@ import numpy as np
 from ..blocks import apply_rope
 from ..ggml_round import libm_expf
 from ..kernels import matmul, matmul_many
-from .base import Family
+from .base import MAX_CONTEXT, Family, check_window
 
 F32 = np.float32
 ALPHA, LIMIT = F32(1.702), F32(7.0)
@@ -38,7 +38,16 @@ class GptOss(Family):
              "softmax over the chosen logits and the swiglu-oai activation, MXFP4 expert weights")
 
     def hparams(self, key) -> dict:
-        return {"sliding_window": int(key("attention.sliding_window", 0, required=False) or 0)}
+        return {"sliding_window": key("attention.sliding_window", 0, required=False, kind=int, lo=0, hi=MAX_CONTEXT)}
+
+    def check(self, c, key) -> None:
+        super().check(c, key)
+        check_window(c, key)
+
+    def field_shapes(self, c, i, stored):
+        X, fe = c.n_expert, stored(f"blk.{i}.ffn_gate_exps.weight", 1)
+        return super().field_shapes(c, i, stored) | {
+            "sinks": (c.n_head,), "router_b": (X,), "gate_b": (X, fe), "up_b": (X, fe), "down_b": (X, c.n_embd)}
 
     def sliding(self, c, i: int) -> bool:
         return bool(c.get("sliding_window")) and i % 2 == 0

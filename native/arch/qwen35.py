@@ -22,7 +22,7 @@ import numpy as np
 
 from ..blocks import apply_rope, rms_norm
 from ..kernels import matmul, matmul_many
-from .base import Family
+from .base import MAX_LAYERS, MAX_WIDTH, Family
 
 F32 = np.float32
 CHUNK = 64
@@ -49,10 +49,28 @@ class Qwen35(Family):
              "interleaved with gated full attention (q|gate projection, q/k norms, partial rope)")
 
     def hparams(self, key) -> dict:
-        return {"full_attention_interval": int(key("full_attention_interval", 4, required=False)),
-                "ssm_conv": int(key("ssm.conv_kernel")), "ssm_inner": int(key("ssm.inner_size")),
-                "ssm_state": int(key("ssm.state_size")), "ssm_v_heads": int(key("ssm.time_step_rank")),
-                "ssm_k_heads": int(key("ssm.group_count"))}
+        width = dict(kind=int, lo=1, hi=MAX_WIDTH)
+        return {"full_attention_interval": key("full_attention_interval", 4, required=False, kind=int, lo=1,
+                                               hi=MAX_LAYERS),
+                "ssm_conv": key("ssm.conv_kernel", **width), "ssm_inner": key("ssm.inner_size", **width),
+                "ssm_state": key("ssm.state_size", **width), "ssm_v_heads": key("ssm.time_step_rank", **width),
+                "ssm_k_heads": key("ssm.group_count", **width)}
+
+    def check(self, c, key) -> None:
+        super().check(c, key)
+        if c.get("ssm_inner") % c.get("ssm_v_heads"):
+            key.fail("ssm.inner_size", c.get("ssm_inner"), f"must divide into ssm.time_step_rank, "
+                     f"{c.get('ssm_v_heads')} value heads")
+
+    def field_shapes(self, c, i, stored):
+        E, out = c.n_embd, super().field_shapes(c, i, stored)
+        if not self.recurrent(c, i):
+            return out | {"wq": (2 * c.n_head * c.head_dim, E)}              # per head: query rows, then gate rows
+        Hk, Hv, dk, inner = (c.get(k) for k in ("ssm_k_heads", "ssm_v_heads", "ssm_state", "ssm_inner"))
+        channels = 2 * Hk * dk + inner                                        # q | k | v into the conv
+        return out | {"wqkv": (channels, E), "wgate": (inner, E), "ssm_beta": (Hv, E), "ssm_alpha": (Hv, E),
+                      "ssm_out": (E, inner), "ssm_conv": (channels, c.get("ssm_conv")), "ssm_dt": (Hv,),
+                      "ssm_a": (Hv,), "ssm_norm": (inner // Hv,)}
 
     def recurrent(self, c, i: int) -> bool:
         return (i + 1) % c.get("full_attention_interval") != 0
@@ -172,7 +190,7 @@ def gated_delta_rule(q, k, v, g, beta, S) -> np.ndarray:
         kb = kc * bc[:, :, None]
         A = -(kb @ kc.transpose(0, 2, 1)) * decay * (~np.eye(C, dtype=bool))          # strictly lower
         # (I - A) W = I  ↔  the forward substitution of the chunked delta rule
-        W = np.linalg.solve(np.eye(C, dtype=F32) - A, np.broadcast_to(np.eye(C, dtype=F32), A.shape)).astype(F32)
+        W = _solve(np.eye(C, dtype=F32) - A, np.broadcast_to(np.eye(C, dtype=F32), A.shape))
         u = W @ (vc * bc[:, :, None])                                                 # (H, C, dv)
         w = W @ (kb * np.exp(gcum)[:, :, None])                                       # (H, C, dk)
         v_new = u - w @ S                                                             # (H, C, dv)
@@ -183,3 +201,12 @@ def gated_delta_rule(q, k, v, g, beta, S) -> np.ndarray:
         S *= np.exp(last)[:, None, None]
         S += (kc * np.exp(last[:, None] - gcum)[:, :, None]).transpose(0, 2, 1) @ v_new
     return out
+
+
+def _solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a⁻¹b for a unit lower-triangular `a`, never singular unless its entries are not finite
+    (weights of a corrupt file): then NaN, as the arithmetic would give, not an exception."""
+    try:
+        return np.linalg.solve(a, b).astype(F32)
+    except np.linalg.LinAlgError:
+        return np.full(b.shape, np.nan, F32)
