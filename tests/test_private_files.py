@@ -24,8 +24,8 @@ def test_the_daemon_makes_kiln_home_private_and_leaves_models_alone(tmp_path):
     for f in readable:
         f.write_text("private")
         os.chmod(f, 0o644)
-    for d in ("train", "train/jobs", "train/jobs/j1", "sessions", "eval"):
-        os.chmod(home / d, 0o755)
+    for d in ("train", "train/jobs", "train/jobs/j1", "sessions", "eval", "models"):
+        os.chmod(home / d, 0o755)          # whatever umask this process has (the CLI's tests set 077)
     model = home / "models" / "m.gguf"
     model.write_bytes(b"GGUF")
     os.chmod(model, 0o644)
