@@ -67,7 +67,9 @@ def find_fim_tokens(meta: dict, vocab: dict[str, int]) -> tuple[FimTokens, set[i
             tid = next((vocab[t] for t in texts if t in vocab), None)
             if tid is not None:
                 by_text.add(tid)
-        found[role] = int(tid) if tid is not None and 0 <= int(tid) < len(vocab) else None
+        # A hostile file may give any type here: only an id inside the vocabulary is a marker.
+        ok = isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < len(vocab)
+        found[role] = int(tid) if ok else None
     return FimTokens(**found), by_text
 
 

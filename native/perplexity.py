@@ -25,9 +25,13 @@ class PerplexityResult:
 
 
 def perplexity(model: Model, text: str, n_ctx: int = 512,
-               progress: Callable[[int, int, float], None] | None = None) -> PerplexityResult:
+               progress: Callable[[int, int, float], None] | None = None,
+               max_chunks: int | None = None) -> PerplexityResult:
+    """`max_chunks`: score only the first chunks (llama-perplexity's --chunks)."""
     ids = model.tokenizer.encode(text, special=False)
     n_chunks = len(ids) // n_ctx
+    if max_chunks is not None:
+        n_chunks = min(n_chunks, max_chunks)
     if n_chunks == 0:
         raise ValueError(f"the text has {len(ids)} tokens; perplexity needs at least n_ctx = {n_ctx}")
     first = n_ctx // 2

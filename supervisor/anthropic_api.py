@@ -15,9 +15,9 @@ import json
 import uuid
 from typing import Any, Iterator
 
-from .http_common import JSONError, error_from, routed
-from .openai_api import IDLE, Answer, WorkerGone
+from .http_pipeline import Pipeline, Shape, stream_flag
 from .openai_validate import adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
+from .work import Work, model_of
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
           "tools", "tool_choice", "thinking", "output_config", "speed", "context_management", "adapter", "keep_alive"}
@@ -230,113 +230,105 @@ def _tool_use(c: dict) -> dict:
 
 
 class Messages:
-    def __init__(self, sup, api):
-        self.sup, self.api = sup, api
-
-    def _work(self, req, body: dict) -> tuple[dict, dict]:
-        chat = chat_body(body)
-        work = {"messages": messages(chat), **tools_named(chat, _RENAMES), **adapter(chat), **keep_alive(chat)}
-        if chat.get("template_hints"):
-            work["template_hints"] = chat["template_hints"]
-        return chat, work
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
 
     def on_post(self, req, resp):
-        body = self.api.read_json(req)
-        chat, work = self._work(req, body)
-        params = sampling_params(chat)
-        stream = self.api.stream_flag(chat)
-        name = self.api.route(chat, req)["worker"]
+        body = self.pipe.read_json(req)
+        chat = chat_body(body)
         # max_tokens is an upper bound here, as Anthropic's clients use it (Claude Code asks for
         # 32000 whatever the model): past the context's end the answer stops with max_tokens
-        work = dict(work, params=params, worker=name, clip_max_tokens=True)
-        meta = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
-                "model": body.get("model") or name}
-        answer = self.api.answer(req, "generate", work, whole=not stream)
-        if stream:
-            return self.api.send_sse(resp, _events(answer, meta, self.api.keepalive), answer)
-        thinking, text, calls, final = [], [], [], None
-        try:
-            for msg in answer:
-                thinking.append(msg.body.get("reasoning", ""))
-                text.append(msg.body.get("text", ""))
-                calls += msg.body.get("tool_calls", [])
-                if msg.type != "chunk":
-                    final = msg.body
-            if final is None:
-                raise JSONError(499, "client_closed", "the client closed the connection")
-        except WorkerGone as e:
-            raise error_from(e.msg) from None
-        finally:
-            answer.close()
-        content = ([{"type": "thinking", "thinking": "".join(thinking), "signature": ""}] if "".join(thinking) else []) \
-            + ([{"type": "text", "text": "".join(text)}] if "".join(text) or not calls else []) \
-            + [_tool_use(c) for c in calls]
-        reason, seq = _stop_reason(final)
-        resp.media = {**meta, "content": content, "stop_reason": reason, "stop_sequence": seq, "usage": _usage(final)}
+        work = to_work(chat, params=sampling_params(chat), clip_max_tokens=True)
+        self.pipe.generate(req, resp, work, MessageShape(), stream_flag(chat))
 
     def on_post_count_tokens(self, req, resp):
         """The prompt's tokens as the model's template renders it (with the tools)."""
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         body = {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
-        chat, work = self._work(req, {**body, "max_tokens": 1})
-        work = {k: v for k, v in work.items() if k not in ("adapter", "keep_alive")}
-        work["worker"] = self.api.route(chat, req)["worker"]
-        out = routed(self.sup, "apply_template", work, 60)
+        chat = chat_body({**body, "max_tokens": 1})
+        work = to_work(chat).body()
+        ask = {k: work[k] for k in ("messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+                                    "chat_template_kwargs", "reasoning_effort", "template_hints", "model") if k in work}
+        ask.pop("response_format", None)              # apply_template renders; it does not constrain
+        out, _ = self.pipe.call(req, "apply_template", ask, 60, shape=MessageShape())
         resp.media = {"input_tokens": len(out["tokens"])}
 
 
-def _events(answer: Answer, meta: dict, keepalive: float) -> Iterator[bytes]:
-    """message_start, then each content block (start, deltas, stop), message_delta with the stop
-    reason and usage, message_stop; a worker lost mid-answer ends it with an error event."""
-    def ev(kind: str, **data) -> bytes:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
-
-    index, open_kind = -1, None
-
-    def switch(kind: str, block: dict) -> Iterator[bytes]:
-        nonlocal index, open_kind
-        if open_kind is not None:
-            yield ev("content_block_stop", index=index)
-        index += 1
-        open_kind = kind
-        yield ev("content_block_start", index=index, content_block=block)
-
-    # at once, as Anthropic's API does: the prompt's tokens are counted in message_delta's usage
-    yield ev("message_start", message={**meta, "content": [], "stop_reason": None, "stop_sequence": None,
-                                       "usage": {"input_tokens": 0, "output_tokens": 0}})
-    try:
-        for msg in answer.stream(keepalive):
-            if msg is IDLE:                                     # a long prefill: keep the client
-                yield ev("ping")
-                continue
-            b = msg.body
-            if b.get("reasoning"):
-                if open_kind != "thinking":
-                    yield from switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                yield ev("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": b["reasoning"]})
-            if b.get("text"):
-                if open_kind != "text":
-                    yield from switch("text", {"type": "text", "text": ""})
-                yield ev("content_block_delta", index=index, delta={"type": "text_delta", "text": b["text"]})
-            for c in b.get("tool_calls", []):
-                block = _tool_use(c)
-                yield from switch("tool_use", {**block, "input": {}})
-                yield ev("content_block_delta", index=index, delta={"type": "input_json_delta",
-                                                                    "partial_json": json.dumps(block["input"])})
-            if msg.type != "chunk":
-                if open_kind is None:                         # nothing said: one empty text block
-                    yield from switch("text", {"type": "text", "text": ""})
-                yield ev("content_block_stop", index=index)
-                reason, seq = _stop_reason(b)
-                yield ev("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=_usage(b))
-                yield ev("message_stop")
-    except WorkerGone as e:
-        err = error_from(e.msg).kiln_body["error"]
-        yield ev("error", error={"type": "overloaded_error" if err.get("code") == "worker_crashed" else "api_error",
-                                 "message": err["message"]})
+def to_work(chat: dict, **more) -> Work:
+    return Work(messages=messages(chat), model=model_of(chat), **tools_named(chat, _RENAMES), **adapter(chat),
+                **keep_alive(chat), template_hints=chat.get("template_hints") or None, **more)
 
 
-def install(app, sup, api) -> None:
-    m = Messages(sup, api)
+def _sse(kind: str, **data) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
+
+
+class MessageShape(Shape):
+    """A message: whole, or Anthropic's stream — message_start, each content block (start,
+    deltas, stop), message_delta with the stop reason and usage, message_stop; a worker lost
+    mid-answer ends it with an error event."""
+
+    keepalive = _sse("ping")                  # a long prefill: keep the client
+
+    def __init__(self):
+        self.index, self.open_kind = -1, None
+
+    def start(self, model: str) -> None:
+        self.meta = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model}
+
+    def opening(self):
+        # at once, as Anthropic's API does: the prompt's tokens are counted in message_delta's usage
+        yield _sse("message_start", message={**self.meta, "content": [], "stop_reason": None, "stop_sequence": None,
+                                             "usage": {"input_tokens": 0, "output_tokens": 0}})
+
+    def _switch(self, kind: str, block: dict) -> Iterator[bytes]:
+        if self.open_kind is not None:
+            yield _sse("content_block_stop", index=self.index)
+        self.index += 1
+        self.open_kind = kind
+        yield _sse("content_block_start", index=self.index, content_block=block)
+
+    def part(self, b: dict):
+        if b.get("reasoning"):
+            if self.open_kind != "thinking":
+                yield from self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            yield _sse("content_block_delta", index=self.index, delta={"type": "thinking_delta", "thinking": b["reasoning"]})
+        if b.get("text"):
+            if self.open_kind != "text":
+                yield from self._switch("text", {"type": "text", "text": ""})
+            yield _sse("content_block_delta", index=self.index, delta={"type": "text_delta", "text": b["text"]})
+        for c in b.get("tool_calls", []):
+            block = _tool_use(c)
+            yield from self._switch("tool_use", {**block, "input": {}})
+            yield _sse("content_block_delta", index=self.index, delta={"type": "input_json_delta",
+                                                                        "partial_json": json.dumps(block["input"])})
+
+    def closing(self, final: dict):
+        yield from self.part(final)
+        if self.open_kind is None:                         # nothing said: one empty text block
+            yield from self._switch("text", {"type": "text", "text": ""})
+        yield _sse("content_block_stop", index=self.index)
+        reason, seq = _stop_reason(final)
+        yield _sse("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=_usage(final))
+        yield _sse("message_stop")
+
+    def failed(self, err):
+        e = err.kiln_body["error"]
+        yield _sse("error", error={"type": "overloaded_error" if e.get("code") == "worker_crashed" else "api_error",
+                                   "message": e["message"]})
+
+    def whole(self, parts: list[dict], final: dict) -> dict:
+        every = parts + [final]
+        thinking = "".join(p.get("reasoning", "") for p in every)
+        text = "".join(p.get("text", "") for p in every)
+        calls = [c for p in every for c in p.get("tool_calls", [])]
+        content = ([{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []) \
+            + ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
+        reason, seq = _stop_reason(final)
+        return {**self.meta, "content": content, "stop_reason": reason, "stop_sequence": seq, "usage": _usage(final)}
+
+
+def install(app, sup, pipe: Pipeline) -> None:
+    m = Messages(pipe)
     app.add_route("/v1/messages", m)
     app.add_route("/v1/messages/count_tokens", m, suffix="count_tokens")

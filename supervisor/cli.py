@@ -163,7 +163,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     if stream and expert_cache.strip().lower() == "auto":
         expert_cache = _tuned_expert_cache(paths.home, model)
     elif stream:
-        from .segments import parse_size
+        from .units import parse_size
         try:
             parse_size(expert_cache, 1)
         except ValueError as e:

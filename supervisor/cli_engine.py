@@ -371,6 +371,8 @@ eval_app = typer.Typer(help="Evaluate: suites (run, compare, replay) in the eval
 def eval_perplexity(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
                     file: str = typer.Option(..., "--file", "-f", help="text file to score"),
                     ctx: int = typer.Option(512, "--ctx", help="chunk size in tokens"),
+                    chunks: int = typer.Option(0, "--chunks", min=0,
+                                               help="score only the first N chunks (0: all), as llama-perplexity's --chunks"),
                     as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Perplexity as llama-perplexity computes it: chunks of CTX tokens, second half scored."""
     from pathlib import Path
@@ -386,7 +388,7 @@ def eval_perplexity(model: str = typer.Argument(..., help="path, name in a model
         if not as_json:
             typer.echo(f"[{i}/{n}] {running:.4f}", err=True)
     try:
-        r = perplexity(m, text, ctx, show)
+        r = perplexity(m, text, ctx, show, max_chunks=chunks or None)
     except ValueError as e:
         fail(str(e))
     out = {"model": m.path.name, "file": file, "ctx": ctx, "chunks": r.n_chunks, "scored_tokens": r.n_scored,

@@ -231,8 +231,7 @@ def _worker(name: str, table: Any) -> dict:
 
 
 def _check_models(m: dict) -> None:
-    from .placer import parse_duration
-    from .segments import parse_size
+    from .units import parse_duration, parse_size
     try:
         parse_duration(m["keep_alive"])
     except ValueError as e:

@@ -77,9 +77,10 @@ def make_placer(table, m: dict, busy, record, state_file):
     from kiln.native.models.library import resolve_model
     from kiln.native.models.plan import plan
 
-    from .placer import Placer, parse_duration
+    from .placer import Placer
+    from .units import parse_duration
     from .plan_cache import PlanCache
-    from .segments import parse_size
+    from .units import parse_size
     vm = psutil.virtual_memory()
     pressure = parse_size(m["min_available"], vm.total)
     budget = max(0, vm.available - pressure) if m["memory_budget"] == "auto" else parse_size(m["memory_budget"], vm.total)
@@ -162,13 +163,15 @@ class Supervisor:
             self.placer.prepare(args["model"])
         return self.submit(lambda: commands.run(self, name, args or {})).result(timeout)
 
-    def request(self, op: str, body: Any = None, timeout: float | None = None, replayable: bool = False) -> LocalCall:
+    def request(self, op: str, body: Any = None, timeout: float | None = None, replayable: bool = False,
+                admission: bool = False) -> LocalCall:
         """A routed op (generate, score, tokenize, train.submit, …) for an in-process front end.
         `replayable`: the front end shows nothing before the reply, so a worker's death after
-        output reruns the request (a "restart" message first) instead of failing it."""
+        output reruns the request (a "restart" message first) instead of failing it.
+        `admission`: an "admitted" message (the worker that took it) comes first."""
         c = LocalCall(self)
         worker_op, body, target = routed_target(op, body)
-        client = Client(c.id, c.events.put, "http", replayable)
+        client = Client(c.id, c.events.put, "http", replayable, admission)
         if not self._sendable(body, client):
             return c
         if target.model and self.placer is not None:

@@ -18,6 +18,7 @@ from . import anthropic_api, eval_api, llama_server_api, observe, ollama_api, op
 from .http_common import JSONError, action_body, bus, error_body
 from .http_admission import Admission
 from .http_guard import OriginGuard, check_bind
+from .http_pipeline import Pipeline
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     body = getattr(exc, "kiln_body", None)
@@ -139,14 +140,12 @@ def make_app(sup) -> falcon.App:
     app.add_route("/v1/workers/{name}", workers, suffix="one")
     app.add_route("/v1/workers/{name}/{action}", workers, suffix="action")
     app.add_route("/metrics", observe.MetricsRoute(metrics))
-    api = openai_api.install(app, sup, metrics)
-    ollama_api.install(app, sup, api)
-    openai_responses.install(app, sup, api)
-    anthropic_api.install(app, sup, api)
-    llama_server_api.install(app, sup, api)
+    pipe = Pipeline(sup, metrics)
+    for dialect in (openai_api, ollama_api, openai_responses, anthropic_api, llama_server_api):
+        dialect.install(app, sup, pipe)
     ui_app.install(app, sup)
-    train_api.install(app, sup, api.read_json)
-    eval_api.install(app, sup, api.read_json)
+    train_api.install(app, sup, pipe.read_json)
+    eval_api.install(app, sup, pipe.read_json)
     return app
 
 

@@ -23,12 +23,11 @@ accepted, others refused); `id_slot`, `lora` and the rest are refused by name.
 from __future__ import annotations
 
 import json
-from typing import Iterator
 
-from .http_common import JSONError, error_from, routed
+from .http_pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, KILN_ORDER, llama_params
-from .openai_api import IDLE, Answer, WorkerGone
 from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, messages, sampling_params, tools
+from .work import Work, model_of
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
@@ -109,52 +108,29 @@ def completion_work(body: dict) -> dict:
 
 
 class LlamaServer:
-    def __init__(self, sup, api):
-        self.sup, self.api = sup, api
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
 
     def on_post_infill(self, req, resp):
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, FIELDS)
         self._answer(req, resp, body, {"infill": infill_work(body)})
 
     def on_post_completion(self, req, resp):
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, COMPLETION_FIELDS)
         self._answer(req, resp, body, completion_work(body))
 
-    def _answer(self, req, resp, body: dict, work: dict) -> None:
+    def _answer(self, req, resp, body: dict, given: dict) -> None:
         # the token ids come only when asked (llama-server's return_tokens), else `tokens: []`
         ids = body.get("return_tokens", False)
         if not isinstance(ids, bool):
             raise bad("return_tokens", "return_tokens must be a boolean", "invalid_type")
-        work = {**work, "params": _params(body), **grammar(body), **adapter(body), **keep_alive(body)}
+        work = Work(**given, model=model_of(body), params=_params(body), **grammar(body), **adapter(body),
+                    **keep_alive(body))
         if body.get("response_fields") is not None:
             _fields({}, body["response_fields"])
-        stream = self.api.stream_flag(body)
-        route = self.api.route(body, req)
-        model = body.get("model") or route["worker"]
-        work["worker"] = route["worker"]
-        answer = self.api.answer(req, "generate", work, whole=not stream)
-        if stream:
-            return self.api.send_sse(resp, _events(answer, model, self.api.keepalive, body.get("response_fields"),
-                                                   ids), answer)
-        content, tokens, final = [], [], None
-        try:
-            for msg in answer:
-                if msg.type == "chunk":
-                    content.append(msg.body.get("text", ""))
-                    tokens.append(msg.body["token"])
-                else:
-                    final = msg.body
-        except WorkerGone as e:
-            raise error_from(e.msg, "prompt") from None
-        finally:
-            answer.close()
-        if final is None:
-            raise JSONError(499, "client_closed", "the client closed the connection")
-        content.append(final.get("text", ""))
-        out = _closing(final, model, "".join(content), tokens if ids else [])
-        resp.media = out if body.get("response_fields") is None else _fields(out, body["response_fields"])
+        self.pipe.generate(req, resp, work, CompletionShape(body.get("response_fields"), ids), stream_flag(body))
 
 
 def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
@@ -176,26 +152,34 @@ def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
                         "predicted_per_second": u["completion_tokens"] / (decode_ms / 1000) if decode_ms else 0.0}}
 
 
-def _events(answer: Answer, model: str, keepalive: float, fields=None, ids: bool = False) -> Iterator[bytes]:
-    def data(obj: dict) -> bytes:
-        obj = obj if fields is None or "error" in obj else _fields(obj, fields)
+class CompletionShape(Shape):
+    """llama-server's completion object, whole or as `data:` events (no [DONE]); `fields`: its
+    response_fields, `ids`: its return_tokens."""
+
+    param = "prompt"
+
+    def __init__(self, fields, ids: bool):
+        self.fields, self.ids, self.n = fields, ids, 0
+
+    def _data(self, obj: dict) -> bytes:
+        obj = obj if self.fields is None or "error" in obj else _fields(obj, self.fields)
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
-    n = 0
-    try:
-        for msg in answer.stream(keepalive):
-            if msg is IDLE:
-                yield b": keep-alive\n\n"
-                continue
-            b = msg.body
-            if msg.type == "chunk":
-                n += 1
-                yield data({"index": 0, "content": b.get("text", ""), "tokens": [b["token"]] if ids else [], "stop": False,
-                            "tokens_predicted": n})
-            else:
-                yield data(_closing(b, model, b.get("text", ""), []))
-    except WorkerGone as e:
-        yield data(error_from(e.msg, "prompt").kiln_body)
+    def part(self, b: dict):
+        self.n += 1
+        yield self._data({"index": 0, "content": b.get("text", ""), "tokens": [b["token"]] if self.ids else [],
+                          "stop": False, "tokens_predicted": self.n})
+
+    def closing(self, final: dict):
+        yield self._data(_closing(final, self.model, final.get("text", ""), []))
+
+    def failed(self, err):
+        yield self._data(err.kiln_body)
+
+    def whole(self, parts: list[dict], final: dict) -> dict:
+        content = "".join(p.get("text", "") for p in parts) + final.get("text", "")
+        out = _closing(final, self.model, content, [p["token"] for p in parts] if self.ids else [])
+        return out if self.fields is None else _fields(out, self.fields)
 
 
 class Utility:
@@ -203,11 +187,11 @@ class Utility:
     (`parse_special`, default true) and adds BOS only when asked (`add_special`) and the model
     wants it; `with_pieces` gives each token's text (its bytes where they are not UTF-8)."""
 
-    def __init__(self, api):
-        self.api = api
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
 
     def on_post_tokenize(self, req, resp):
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, {"model", "content", "prompt", "add_special", "parse_special", "with_pieces"})
         text = body.get("content", body.get("prompt"))
         if not isinstance(text, str):
@@ -217,11 +201,10 @@ class Utility:
             flags[name] = body.get(name, default)
             if not isinstance(flags[name], bool):
                 raise bad(name, f"{name} must be a boolean", "invalid_type")
-        w = self.api.route(body, req)
-        out = routed(self.api.sup, "tokenize", {"worker": w["worker"], "text": text, "special": flags["parse_special"],
-                                                 "pieces": flags["with_pieces"],
-                                                 # BOS only as the model's metadata asks, and only when asked
-                                                 **({} if flags["add_special"] else {"add_bos": False})}, 60)
+        out, _ = self.pipe.call(req, "tokenize", {**_model(body), "text": text, "special": flags["parse_special"],
+                                                  "pieces": flags["with_pieces"],
+                                                  # BOS only as the model's metadata asks, and only when asked
+                                                  **({} if flags["add_special"] else {"add_bos": False})})
         if not flags["with_pieces"]:
             resp.media = {"tokens": out["tokens"]}
             return
@@ -235,19 +218,18 @@ class Utility:
         resp.media = {"tokens": pieces}
 
     def on_post_detokenize(self, req, resp):
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, {"model", "tokens"})
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise bad("tokens", "tokens must be a list of token ids", "invalid_type")
-        w = self.api.route(body, req)
-        text = routed(self.api.sup, "detokenize", {"worker": w["worker"], "tokens": toks}, 60)["text"]
+        text = self.pipe.call(req, "detokenize", {**_model(body), "tokens": toks})[0]["text"]
         resp.media = {"content": text, "prompt": text}
 
     def on_post_template(self, req, resp):
         """The prompt a chat request runs: with tools, template kwargs or an effort, exactly the
         one generate would (the worker's chat plan)."""
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, {"model", "messages", "tools", "tool_choice", "parallel_tool_calls",
                             "chat_template_kwargs", "reasoning_effort", "add_generation_prompt"})
         work = {"messages": messages(body), **tools(body)}
@@ -255,15 +237,13 @@ class Utility:
             if not isinstance(body["add_generation_prompt"], bool):
                 raise bad("add_generation_prompt", "add_generation_prompt must be a boolean", "invalid_type")
             work["add_generation_prompt"] = body["add_generation_prompt"]
-        w = self.api.route(body, req)
-        out = routed(self.api.sup, "apply_template", {"worker": w["worker"], **work}, 60)
+        out, _ = self.pipe.call(req, "apply_template", {**_model(body), **work})
         resp.media = {"prompt": out["prompt"], "tokens": out["tokens"]}
 
     def on_get_props(self, req, resp):
         """llama-server's GET /props (its web UI and plugins read the context and template from
         it): the default model's — or `?model=`'s — facts, and the defaults a request gets."""
-        w = self.api.route({"model": req.get_param("model")} if req.get_param("model") else {})
-        info = routed(self.api.sup, "info", {"worker": w["worker"]}, 60)
+        info, _ = self.pipe.call(req, "info", _model({"model": req.get_param("model")}))
         from kiln.native.sampling import SamplingParams
         d = SamplingParams()
         resp.media = {
@@ -280,19 +260,23 @@ class Utility:
             "build_info": f"kiln {_version()}"}
 
     def on_get_tokenizer_info(self, req, resp):
-        w = self.api.route({"model": req.get_param("model")} if req.get_param("model") else {})
-        info = routed(self.api.sup, "info", {"worker": w["worker"]}, 60)
+        info, _ = self.pipe.call(req, "info", _model({"model": req.get_param("model")}))
         resp.media = {k: info[k] for k in ("bos_token", "eos_token", "chat_template", "vocab_size", "n_ctx")}
 
 
-def install(app, sup, api) -> None:
-    tok = Utility(api)
+def _model(body: dict) -> dict:
+    model = model_of(body)
+    return {"model": model} if model else {}
+
+
+def install(app, sup, pipe: Pipeline) -> None:
+    tok = Utility(pipe)
     app.add_route("/tokenize", tok, suffix="tokenize")
     app.add_route("/detokenize", tok, suffix="detokenize")
     app.add_route("/apply-template", tok, suffix="template")
     app.add_route("/tokenizer_info", tok, suffix="tokenizer_info")
     app.add_route("/props", tok, suffix="props")
-    native = LlamaServer(sup, api)
+    native = LlamaServer(pipe)
     app.add_route("/infill", native, suffix="infill")
     app.add_route("/completion", native, suffix="completion")
     app.add_route("/completions", native, suffix="completion")        # llama-server's alias

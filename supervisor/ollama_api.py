@@ -17,11 +17,12 @@ from datetime import datetime, timezone
 import falcon
 
 from . import ollama_library
-from .http_common import JSONError, bus, routed
+from .http_common import JSONError, bus
+from .http_pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import llama_params
 from .ollama_library import details, file_digest, file_of, ndjson, ollama_name
-from .openai_api import WorkerGone, _Stream
-from .openai_validate import bad, messages as check_messages, sampling_params, tools as check_tools
+from .openai_validate import bad, keep_alive, messages as check_messages, sampling_params, tools as check_tools
+from .work import Work
 
 VERSION = "0.12.0"             # the Ollama API version these routes follow
 # Ollama option -> Kiln sampling field
@@ -47,13 +48,13 @@ def _ns(seconds: float) -> int:
 
 
 class Ollama:
-    def __init__(self, sup, api):
-        self.sup, self.api = sup, api            # api: the OpenAI routes (routing, answers)
+    def __init__(self, sup, pipe: Pipeline):
+        self.sup, self.pipe = sup, pipe
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _body(self, req, allowed: set[str]) -> dict:
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         # an empty images/context/suffix/template says nothing (clients send them so): not refused
         body = {k: v for k, v in body.items() if not (k in _EMPTY_OK and v in ([], "", None))}
         for k in body:
@@ -88,16 +89,15 @@ class Ollama:
         p.update(llama_params({k: opts[k] for k in _LLAMA_OPTIONS if k in opts}))
         return p
 
-    def _check_ctx(self, body: dict, route: dict) -> None:
+    @staticmethod
+    def _min_ctx(body: dict) -> dict:
+        """num_ctx: the context the client needs — a worker whose context is shorter refuses it."""
         want = (body.get("options") or {}).get("num_ctx")
         if want is None:
-            return
-        have = route.get("n_ctx")
+            return {}
         if not isinstance(want, int) or isinstance(want, bool) or want <= 0:
             raise bad("options.num_ctx", "num_ctx must be a positive integer")
-        if have and want > have:
-            raise bad("options.num_ctx", f"num_ctx = {want}, but {route['worker']} runs with a {have}-token context; "
-                      f"set [models] ctx (or the worker's settings.ctx) and reload it")
+        return {"min_ctx": want}
 
     @staticmethod
     def _format(body: dict) -> dict:
@@ -121,96 +121,11 @@ class Ollama:
             raise bad("think", 'think must be true, false, or "low" / "medium" / "high"')
         return {"chat_template_kwargs": {"enable_thinking": think}}
 
-    def _route(self, req, body: dict) -> dict:
-        try:
-            return self.api.route(body, req)
-        except JSONError as e:
-            if e.kiln_body["error"].get("code") == "model_not_found":
-                raise JSONError(404, "model_not_found", e.kiln_body["error"]["message"]) from None
-            raise
-
-    def _run(self, req, resp, body: dict, work: dict, kind: str) -> None:
+    def _run(self, req, resp, body: dict, given: dict, kind: str) -> None:
         """Generate and answer in Ollama's shape: NDJSON chunks, or one object."""
         params = self._options(body)              # first: it checks that options is an object
-        route = self._route(req, body)
-        self._check_ctx(body, route)
-        params.setdefault("max_tokens", -1)
-        work = dict(work, params=params, worker=route["worker"])
-        if body.get("keep_alive") is not None:
-            from .openai_validate import keep_alive
-            work.update(keep_alive(body))
-        stream = body.get("stream", True)
-        if not isinstance(stream, bool):
-            raise bad("stream", "stream must be a boolean", "invalid_type")
-        t0 = time.perf_counter()
-        answer = self.api.answer(req, "generate", work, whole=not stream)
-        model = body["model"]
-        field = "message" if kind == "chat" else "response"
-
-        def part(text="", reasoning="", calls=()):
-            if kind == "chat":
-                msg = {"role": "assistant", "content": text}
-                if reasoning:
-                    msg["thinking"] = reasoning
-                if calls:
-                    msg["tool_calls"] = [{"function": {"name": c["name"], "arguments": _args(c["arguments"])}}
-                                         for c in calls]
-                return {field: msg}
-            out = {field: text}
-            if reasoning:
-                out["thinking"] = reasoning
-            return out
-
-        def closing(final: dict) -> dict:
-            u, tm = final["usage"], final.get("timings") or {}
-            reason = final["finish_reason"]
-            return {"model": model, "created_at": _now(), **part(), "done": True,
-                    "done_reason": "length" if reason == "length" else "stop",
-                    "total_duration": _ns(time.perf_counter() - t0), "load_duration": 0,
-                    "prompt_eval_count": u["prompt_tokens"] - u.get("cached_tokens", 0),
-                    "prompt_eval_duration": _ns(tm.get("prefill_s", 0)),
-                    "eval_count": u["completion_tokens"], "eval_duration": _ns(tm.get("decode_s", 0))}
-
-        if stream:
-            def lines():
-                try:
-                    for msg in answer:
-                        if msg.type == "chunk":
-                            b = msg.body
-                            if b.get("text") or b.get("reasoning") or b.get("tool_calls"):
-                                yield ndjson({"model": model, "created_at": _now(), **part(
-                                    b.get("text", ""), b.get("reasoning", ""), b.get("tool_calls", ())), "done": False})
-                        else:
-                            f = msg.body
-                            if f.get("text") or f.get("reasoning") or f.get("tool_calls"):
-                                yield ndjson({"model": model, "created_at": _now(), **part(
-                                    f.get("text", ""), f.get("reasoning", ""), f.get("tool_calls", ())), "done": False})
-                            yield ndjson(closing(f))
-                except WorkerGone as e:
-                    from .http_common import error_from
-                    yield ndjson({"error": error_from(e.msg).kiln_body["error"]["message"]})
-            resp.content_type = "application/x-ndjson"
-            resp.stream = _Stream(lines(), answer)
-            return
-        text, reasoning, calls, final = [], [], [], None
-        try:
-            for msg in answer:
-                b = msg.body
-                text.append(b.get("text", ""))
-                reasoning.append(b.get("reasoning", ""))
-                calls += b.get("tool_calls", [])
-                if msg.type != "chunk":
-                    final = b
-        except WorkerGone as e:
-            from .http_common import error_from
-            raise error_from(e.msg) from None
-        finally:
-            answer.close()
-        if final is None:
-            raise JSONError(499, "client_closed", "the client closed the connection")
-        out = closing(final)
-        out.update(part("".join(text), "".join(reasoning), calls))
-        resp.media = out
+        work = Work(**given, model=body["model"], params=params, **self._min_ctx(body), **keep_alive(body))
+        self.pipe.generate(req, resp, work, OllamaShape(kind, body["model"]), stream_flag(body, default=True))
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -254,8 +169,8 @@ class Ollama:
                 m["name"] = m.pop("tool_name")
             conv.append(m)
         oa = {"messages": conv, "tools": body.get("tools"), **self._format(body), **self._think(body)}
-        work = {"messages": check_messages(oa), **check_tools({k: v for k, v in oa.items() if v is not None})}
-        self._run(req, resp, body, work, "chat")
+        given = {"messages": check_messages(oa), **check_tools({k: v for k, v in oa.items() if v is not None})}
+        self._run(req, resp, body, given, "chat")
 
     def on_post_generate(self, req, resp):
         body = self._body(req, _GENERATE_FIELDS)
@@ -265,20 +180,20 @@ class Ollama:
         if body.get("suffix") is not None:        # fill in the middle: prompt is the code before the gap
             return self._run(req, resp, body, {"infill": self._infill(body)}, "generate")
         if not prompt:                            # Ollama: an empty prompt loads the model
-            route = self._route(req, body)
+            _, worker = self.pipe.call(req, "info", {"model": body["model"]}, 600, shape=OllamaShape("generate", ""))
             resp.media = {"model": body["model"], "created_at": _now(), "response": "", "done": True,
-                          "done_reason": "load", "worker": route["worker"]}
+                          "done_reason": "load", "worker": worker}
             return
         if body.get("raw"):
             if body.get("system"):
                 raise bad("system", "system cannot be combined with raw")
-            work = {"text": prompt, "special": True}
+            given = {"text": prompt, "special": True}
         else:
             msgs = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + \
                 [{"role": "user", "content": prompt}]
             oa = {"messages": msgs, **self._format(body), **self._think(body)}
-            work = {"messages": check_messages(oa), **check_tools(oa)}
-        self._run(req, resp, body, work, "generate")
+            given = {"messages": check_messages(oa), **check_tools(oa)}
+        self._run(req, resp, body, given, "generate")
 
     @staticmethod
     def _infill(body: dict) -> dict:
@@ -291,7 +206,7 @@ class Ollama:
                 raise bad(k, f"{k} cannot be combined with suffix (a fill-in-the-middle prompt has no place for it)")
         return {"prefix": body["prompt"], "suffix": body["suffix"]}
 
-    def _embed_options(self, body: dict, route: dict) -> None:
+    def _embed_options(self, body: dict) -> dict:
         """Embeddings take no sampling: an option that would change a generation is refused by
         name; num_ctx is checked against the worker's context, hardware ones are Kiln's to decide."""
         opts = body.get("options") or {}
@@ -300,19 +215,15 @@ class Ollama:
         for k in opts:
             if k not in HARDWARE_OPTIONS and k != "num_ctx":
                 raise bad(f"options.{k}", f"option {k!r} has no effect on embeddings (supported: num_ctx)")
-        self._check_ctx(body, route)
+        return self._min_ctx(body)
 
     def _embed(self, req, body: dict, items: list[str], normalize: bool) -> tuple[list[list[float]], int]:
-        route = self._route(req, body)
-        self._embed_options(body, route)
-        work = {"inputs": items, "worker": route["worker"], "normalize": normalize}
+        work = {"inputs": items, "model": body["model"], "normalize": normalize, **self._embed_options(body),
+                **keep_alive(body)}
         if body.get("dimensions") is not None:
             work["dimensions"] = body["dimensions"]
-        if body.get("keep_alive") is not None:
-            from .openai_validate import keep_alive
-            work.update(keep_alive(body))
         import numpy as np
-        out = routed(self.sup, "embed", work, 600, "input")
+        out, _ = self.pipe.call(req, "embed", work, 600, "input", shape=OllamaShape("embed", ""))
         req.context.usage = {"prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": 0}
         return [np.frombuffer(v, "<f4").tolist() for v in out["embeddings"]], out["usage"]["prompt_tokens"]
 
@@ -337,8 +248,9 @@ class Ollama:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad("prompt", "prompt must be a string", "invalid_type")
-        if not prompt:
-            self._embed_options(body, self._route(req, body))
+        if not prompt:                            # loads the model
+            self.pipe.call(req, "info", {"model": body["model"], **self._embed_options(body)}, 600,
+                           shape=OllamaShape("embed", ""))
             resp.media = {"embedding": []}
             return
         vectors, _ = self._embed(req, body, [prompt], normalize=False)
@@ -352,8 +264,71 @@ def _args(arguments: str):
         return arguments
 
 
-def install(app: falcon.App, sup, api) -> None:
-    o = Ollama(sup, api)
+class OllamaShape(Shape):
+    """An Ollama answer: NDJSON objects (`done: false` parts, then the closing one with its counts
+    and durations in nanoseconds), or the closing object with everything in it."""
+
+    media = "application/x-ndjson"
+    keepalive = None                        # NDJSON has no comment to send in a silence
+
+    def __init__(self, kind: str, model: str):
+        self.kind, self.model, self.t0 = kind, model, time.perf_counter()
+        self.param = "messages" if kind == "chat" else "prompt"
+
+    def start(self, model: str) -> None:
+        pass                                # Ollama's answers name the model as the request did
+
+    def refused(self, err: JSONError) -> JSONError:
+        if err.kiln_body["error"].get("code") == "model_not_found":
+            return JSONError(404, "model_not_found", err.kiln_body["error"]["message"])
+        return err
+
+    def _said(self, text="", reasoning="", calls=()) -> dict:
+        if self.kind == "chat":
+            msg = {"role": "assistant", "content": text}
+            if reasoning:
+                msg["thinking"] = reasoning
+            if calls:
+                msg["tool_calls"] = [{"function": {"name": c["name"], "arguments": _args(c["arguments"])}}
+                                     for c in calls]
+            return {"message": msg}
+        out = {"response": text}
+        if reasoning:
+            out["thinking"] = reasoning
+        return out
+
+    def _closing(self, final: dict) -> dict:
+        u, tm = final["usage"], final.get("timings") or {}
+        reason = final["finish_reason"]
+        return {"model": self.model, "created_at": _now(), **self._said(), "done": True,
+                "done_reason": "length" if reason == "length" else "stop",
+                "total_duration": _ns(time.perf_counter() - self.t0), "load_duration": 0,
+                "prompt_eval_count": u["prompt_tokens"] - u.get("cached_tokens", 0),
+                "prompt_eval_duration": _ns(tm.get("prefill_s", 0)),
+                "eval_count": u["completion_tokens"], "eval_duration": _ns(tm.get("decode_s", 0))}
+
+    def part(self, b: dict):
+        if b.get("text") or b.get("reasoning") or b.get("tool_calls"):
+            yield ndjson({"model": self.model, "created_at": _now(), **self._said(
+                b.get("text", ""), b.get("reasoning", ""), b.get("tool_calls", ())), "done": False})
+
+    def closing(self, final: dict):
+        yield from self.part(final)
+        yield ndjson(self._closing(final))
+
+    def failed(self, err: JSONError):
+        yield ndjson({"error": err.kiln_body["error"]["message"]})
+
+    def whole(self, parts: list[dict], final: dict) -> dict:
+        every = parts + [final]
+        out = self._closing(final)
+        out.update(self._said("".join(p.get("text", "") for p in every), "".join(p.get("reasoning", "") for p in every),
+                              [c for p in every for c in p.get("tool_calls", [])]))
+        return out
+
+
+def install(app: falcon.App, sup, pipe: Pipeline) -> None:
+    o = Ollama(sup, pipe)
     for route in ("version", "ps", "chat", "generate", "embed", "embeddings"):
         app.add_route(f"/api/{route}", o, suffix=route)
-    ollama_library.install(app, sup, api)
+    ollama_library.install(app, sup, pipe)

@@ -1,9 +1,9 @@
 """OpenAI-compatible routes.
 
-A route validates its body (supervisor/openai_validate.py: 400 naming the field), asks the
-router which worker serves the model (`route`: 400 for a model not served, 503 without
-Retry-After for a fatal worker), then hands the work to the router as a routed op and translates
-its messages back (supervisor/openai_shapes.py). Admission, waiting through a worker's restart,
+A route validates its body (supervisor/openai_validate.py: 400 naming the field) into a Work and
+hands it to the pipeline (supervisor/http_pipeline.py), which routes it and answers in the shape
+of supervisor/openai_shapes.py. Admission, the model's worker (400 for a model not served, 503
+without Retry-After for a fatal worker), waiting through a worker's restart,
 retrying a request that produced nothing and deadlines are the router's: a 503 comes only when
 its queue is full or the worker did not come back within `server.wait_for_worker`. A stream
 already under way when its worker dies ends with an error event and `[DONE]`; a client that
@@ -13,227 +13,25 @@ disconnects cancels its request.
 from __future__ import annotations
 
 import base64
-import queue
 import os
 import time
 import uuid
-from typing import Iterator
 
 import falcon
 import numpy as np
 
-from kiln.protocol import Message
-
-from kiln.protocol import vocab
-
-from . import openai_shapes as shapes
-from .http_common import JSONError, bus, error_from, parse_json, routed
-from .request_paths import check_model_ref
+from .http_common import JSONError, bus
+from .http_pipeline import Pipeline, WorkerGone, refusal, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
-from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, embedding_inputs, grammar, keep_alive, bad, known_fields, logprobs, messages,
-                              prompts, sampling_params, tools)
-
-
-class WorkerGone(Exception):
-    def __init__(self, msg: Message):
-        super().__init__(msg.get("message"))
-        self.msg = msg
-
-
-IDLE = object()      # Answer.stream(idle=…): nothing came for that long (time for a keep-alive)
-FIRST_WAIT = 2.0     # a stream starts after this long without its first message (a long prefill)
-
-
-class Answer:
-    """The messages of one routed request, read by an HTTP thread. The first one is awaited
-    before the response starts, so that a refusal (queue full, worker gone, a bad request) is an
-    HTTP status — for a stream, up to `first_wait` seconds: refusals come within milliseconds,
-    while a long prompt's prefill may take minutes, and a client that hears nothing for that
-    long gives up (Claude Code after 300 s). A later error is the stream's error event."""
-
-    def __init__(self, sup, op: str, body: dict, disconnected, seen=lambda msg: None, whole: bool = False,
-                 first_wait: float | None = None):
-        # whole: the caller answers only once it has everything (not streamed), so the router may
-        # rerun the request when its worker dies after output — what came before is dropped
-        self.call = sup.request(op, body, replayable=whole)
-        self.whole = whole
-        self.disconnected = disconnected
-        self.seen = seen                       # timing and usage, for the request log and metrics
-        self.finished = False
-        self.first = self._next(first_wait)
-
-    def _next(self, idle: float | None = None):
-        """The next message; None once the client is gone; IDLE after `idle` seconds of nothing."""
-        until = time.monotonic() + idle if idle is not None else None
-        while True:
-            try:
-                msg = self.call.events.get(timeout=0.05)
-            except queue.Empty:
-                if self.disconnected():
-                    self.close()
-                    return None
-                if until is not None and time.monotonic() >= until:
-                    return IDLE
-                continue
-            if msg.type not in ("chunk", "restart"):
-                self.finished = True
-            return msg
-
-    def __iter__(self) -> Iterator[Message]:
-        if self.whole:
-            yield from self._kept()
-            return
-        yield from (m for m in self.stream() if m is not IDLE)
-
-    def stream(self, idle: float | None = None) -> Iterator:
-        """The messages as they come — and IDLE after each `idle` seconds of silence."""
-        msg = self.first
-        while msg is not None:
-            if msg is IDLE:
-                yield IDLE
-                msg = self._next(idle)
-                continue
-            if msg.type == "error":
-                raise WorkerGone(msg)
-            self.seen(msg)
-            yield msg
-            if msg.type == "reply" or self.disconnected():
-                return
-            msg = self._next(idle)
-
-    def _kept(self) -> list[Message]:
-        """Every message of the last run, once the reply came: a "restart" (the worker died after
-        output; the router runs the request again) drops what came before it."""
-        kept, msg = [], self.first
-        while msg is not None:
-            if msg.type == "error":
-                raise WorkerGone(msg)
-            if msg.type == "restart":
-                kept = []
-            else:
-                self.seen(msg)
-                kept.append(msg)
-                if msg.type == "reply":
-                    return kept
-            if self.disconnected():
-                return []
-            msg = self._next()
-        return []
-
-    def close(self) -> None:
-        if not self.finished:                  # client gone, or the stream was closed
-            self.finished = True
-            self.call.cancel()
-
-
-class _Stream:
-    """An SSE body whose close() always cancels the request — also when the server closes it
-    before the first event (a generator that never started runs no finally)."""
-
-    def __init__(self, gen: Iterator[bytes], answer: Answer):
-        self.gen, self.answer = gen, answer
-
-    def __iter__(self):
-        return self.gen
-
-    def close(self) -> None:
-        try:
-            self.gen.close()
-        finally:
-            self.answer.close()
+from .openai_shapes import Answer as AnswerShape
+from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, bad, embedding_inputs,
+                              grammar, keep_alive, known_fields, logprobs, messages, prompts, sampling_params, tools)
+from .work import Work, model_of
 
 
 class OpenAI:
-    def __init__(self, sup, metrics=None):
-        self.sup = sup
-        self.metrics = metrics
-        self.max_body = sup.cfg["server"]["max_body_bytes"]
-        self.keepalive = sup.cfg["server"]["stream_keepalive"]     # seconds of silence before a keep-alive
-
-    # -- plumbing --
-
-    def read_json(self, req) -> dict:
-        if req.content_length is not None and req.content_length > self.max_body:
-            raise JSONError(413, "body_too_large",
-                            f"request body of {req.content_length} bytes exceeds server.max_body_bytes = {self.max_body}")
-        raw = req.bounded_stream.read(self.max_body + 1)
-        if len(raw) > self.max_body:
-            raise JSONError(413, "body_too_large", f"request body exceeds server.max_body_bytes = {self.max_body}")
-        return parse_json(raw)
-
-    def route(self, body: dict, req=None) -> dict:
-        """The worker that serves body["model"] (the default model when absent), from the router."""
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise bad("model", "model must be a string", "invalid_type")
-        check_model_ref(self.sup, model)
-        try:
-            r = self.sup.command("route", {"model": model} if model else {})
-        except Exception as e:  # noqa: BLE001 - a CommandError, shaped below
-            code = getattr(e, "code", "internal_error")
-            if code == "model_not_found":
-                raise bad("model", e.message, "model_not_found") from None
-            raise JSONError(getattr(e, "status", 500), code, getattr(e, "message", str(e))) from None
-        if req is not None:
-            req.context.model = r["worker"]
-        if r["bad_model_file"]:
-            raise bad("model", f"model {r['worker']} cannot be loaded: {r['reason']}", "model_invalid")
-        if r["state"] == vocab.FATAL:
-            raise JSONError(503, "worker_fatal", f"worker {r['worker']} is fatal: {r['reason']}; fix its "
-                            f"configuration, then `kiln restart {r['worker']}`")
-        return r
-
-    def _observer(self, req):
-        """Records time to first token and inter-token gaps as chunks arrive, usage at the end."""
-        last = [None]
-
-        def seen(msg):
-            now = time.perf_counter()
-            if msg.type == "chunk" and "token" in msg.body:
-                if req.context.ttft is None:
-                    req.context.ttft = now - req.context.t0
-                elif last[0] is not None and self.metrics is not None:
-                    self.metrics.gap.observe(now - last[0])
-                last[0] = now
-            elif msg.type == "reply" and isinstance(msg.body.get("usage"), dict):
-                u, prev = msg.body["usage"], req.context.usage or {}
-                req.context.usage = {k: prev.get(k, 0) + u.get(k, 0) for k in ("prompt_tokens", "completion_tokens",
-                                                                               "draft_tokens", "accepted_tokens")}
-        return seen
-
-    def answer(self, req, op: str, body: dict, whole: bool = False) -> Answer:
-        """`whole`: the response is sent once the answer is complete (not streamed); a stream
-        starts after FIRST_WAIT seconds without its first message (Answer)."""
-        a = Answer(self.sup, op, body, self._disconnected(req), self._observer(req), whole,
-                   None if whole else min(FIRST_WAIT, self.keepalive))
-        if a.first is None:
-            raise JSONError(499, "client_closed", "the client closed the connection")
-        if a.first is not IDLE and a.first.type == "error":
-            raise error_from(a.first, _param(body))
-        return a
-
-    @staticmethod
-    def stream_flag(body: dict) -> bool:
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad("stream", "stream must be a boolean", "invalid_type")
-        return stream
-
-    @staticmethod
-    def send_sse(resp, events: Iterator[bytes], answer: Answer) -> None:
-        """Answer with a server-sent event stream (unbuffered by proxies; closing it cancels)."""
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = _Stream(events, answer)
-
-    def _one(self, op: str, body: dict) -> dict:
-        return routed(self.sup, op, body, 60)
-
-    @staticmethod
-    def _disconnected(req):
-        check = req.env.get("waitress.client_disconnected")
-        return check if callable(check) else (lambda: False)
+    def __init__(self, sup, pipe: Pipeline):
+        self.sup, self.pipe = sup, pipe
 
     # -- routes --
 
@@ -269,15 +67,17 @@ class OpenAI:
         return data
 
     def on_post_chat(self, req, resp):
-        body = self.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, CHAT_FIELDS | LLAMA_FIELDS)
-        self._generate(req, resp, body, {"messages": messages(body), **tools(body), **grammar(body), **adapter(body),
-                                         **keep_alive(body)}, chat=True)
+        work = Work(messages=messages(body), model=body.get("model"), **tools(body), **grammar(body),
+                    **adapter(body), **keep_alive(body))
+        self._generate(req, resp, body, work, chat=True)
 
     def on_post_completions(self, req, resp):
-        body = self.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, COMPLETION_FIELDS | LLAMA_FIELDS)
-        works = [dict(w, **grammar(body), **adapter(body), **keep_alive(body)) for w in prompts(body)]
+        works = [Work(model=body.get("model"), **w, **grammar(body), **adapter(body), **keep_alive(body))
+                 for w in prompts(body)]
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise bad("echo", "echo must be a boolean", "invalid_type")
@@ -289,31 +89,51 @@ class OpenAI:
             return self._batch(req, resp, body, works, echo)
         self._generate(req, resp, body, works[0], chat=False)
 
-    def _batch(self, req, resp, body: dict, works: list[dict], echo: bool) -> None:
+    def _generate(self, req, resp, body: dict, work: Work, chat: bool) -> None:
+        work.params = {**sampling_params(body, unbounded=True), **llama_params(body)}
+        lp = logprobs(body, chat)
+        if lp is not None:
+            work.params["logprobs"] = lp
+        stream = stream_flag(body)
+        so = body.get("stream_options") or {}
+        if not isinstance(so, dict):
+            raise bad("stream_options", "stream_options must be an object", "invalid_type")
+        shape = AnswerShape(chat, lp is not None, work.params.get("n", 1), bool(so.get("include_usage")))
+        self.pipe.generate(req, resp, work, shape, stream)
+
+    def _batch(self, req, resp, body: dict, works: list[Work], echo: bool) -> None:
         """Non-stream completions for several prompts, optionally echoing each prompt with the
-        log-probabilities of its tokens (as evaluation harnesses ask)."""
+        log-probabilities of its tokens (as evaluation harnesses ask). Every prompt goes to the
+        worker the first one went to."""
         params = {**sampling_params(body, min_tokens=0 if echo else 1), **llama_params(body)}
         lp = logprobs(body, chat=False)
         if lp is not None:
             params["logprobs"] = lp
-        n_gen = params.pop("max_tokens", 16)
-        name = self.route(body, req)["worker"]
+        n_gen = params.pop("max_tokens", 16)         # OpenAI's default for completions
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        name = None
+
+        def where(work: Work) -> dict:
+            return {"worker": name} if name else {"model": work.model} if work.model else {}
         try:
             for index, work in enumerate(works):
                 pieces, lps, tops, prefix = [], [], [], ""
+                given = {"text": work.text, "special": work.special} if work.text is not None else {"prompt": work.prompt}
                 if echo:
-                    scored = self._one("score", {**work, "top": lp or 0, "worker": name})
-                    prefix = work["text"] if "text" in work else self._one(
-                        "detokenize", {"tokens": work["prompt"], "worker": name})["text"]
+                    scored, name = self.pipe.call(req, "score", {**given, "top": lp or 0, **where(work),
+                                                                  **({"adapter": work.adapter} if work.adapter is not None else {})},
+                                                  param="prompt")
+                    prefix = work.text if work.text is not None else self.pipe.call(
+                        req, "detokenize", {"tokens": work.prompt, "worker": name}, param="prompt")[0]["text"]
                     pieces, lps = scored["pieces"], scored["token_logprobs"]
                     tops = [None if t is None else {p: v for _, v, p in t} for t in scored["top_logprobs"]]
                     usage["prompt_tokens"] += len(scored["tokens"])
                 text, reason = "", "length"
                 if n_gen > 0:
                     final = None
-                    answer = self.answer(req, "generate", dict(work, params=dict(params, max_tokens=n_gen),
-                                                               worker=name), whole=True)
+                    work.params = dict(params, max_tokens=n_gen)
+                    answer = self.pipe.answer(req, "generate", {**work.body(), "model": None, **where(work)}, whole=True)
+                    name = name or answer.worker
                     for msg in answer:
                         if msg.type == "chunk":
                             text += msg.body["text"]
@@ -341,77 +161,22 @@ class OpenAI:
                     lps_out = {"tokens": pieces, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
                 choices.append({"index": index, "text": prefix + text, "logprobs": lps_out, "finish_reason": reason})
         except WorkerGone as e:
-            raise error_from(e.msg, "prompt") from None
+            raise refusal(e.msg, "prompt") from None
         resp.media = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
                       "model": body.get("model") or name, "choices": choices, "system_fingerprint": "kiln",
                       "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
                                 "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
                                 "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]}}}
 
-    def _generate(self, req, resp, body: dict, work: dict, chat: bool) -> None:
-        params = {**sampling_params(body, unbounded=True), **llama_params(body)}
-        lp = logprobs(body, chat)
-        if lp is not None:
-            params["logprobs"] = lp
-        stream = self.stream_flag(body)
-        so = body.get("stream_options") or {}
-        if not isinstance(so, dict):
-            raise bad("stream_options", "stream_options must be an object", "invalid_type")
-        include_usage = bool(so.get("include_usage"))
-        n = params.get("n", 1)
-        name = self.route(body, req)["worker"]
-        params.setdefault("max_tokens", -1)        # -1: to the end of the context (the worker knows it)
-        work = dict(work, params=params, worker=name)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        meta = {"id": rid, "created": int(time.time()), "model": body.get("model") or name}
-        answer = self.answer(req, "generate", work, whole=not stream)
-        if stream:
-            return self.send_sse(resp, self._sse(answer, shapes.StreamShapes(meta, chat, lp is not None, n),
-                                                 include_usage, self.keepalive), answer)
-        choices = [shapes.Choice(i) for i in range(n)]
-        try:
-            final = None
-            for msg in answer:
-                if msg.type == "chunk":
-                    choices[msg.body.get("index", 0)].add(msg.body)
-                else:
-                    final = msg.body
-            if final is None:
-                raise JSONError(499, "client_closed", "the client closed the connection")
-        except WorkerGone as e:
-            raise error_from(e.msg, _param(work)) from None
-        finally:
-            answer.close()
-        for f in final.get("choices", [final]):
-            choices[f.get("index", 0)].close(f)
-        resp.media = shapes.whole(meta, chat, choices, final, lp is not None)
-
-    @staticmethod
-    def _sse(answer: Answer, s: shapes.StreamShapes, include_usage: bool, keepalive: float) -> Iterator[bytes]:
-        try:
-            yield from s.opening()
-            for msg in answer.stream(keepalive):
-                if msg is IDLE:
-                    yield b": keep-alive\n\n"           # an SSE comment: clients skip it
-                    continue
-                if msg.type == "chunk":
-                    yield from s.part(msg.body)
-                else:
-                    yield from s.closing(msg.body.get("choices", [msg.body]), msg.body, include_usage)
-            yield shapes.sse("[DONE]")
-        except WorkerGone as e:
-            yield shapes.sse(error_from(e.msg, "messages" if s.chat else "prompt").kiln_body)
-            yield shapes.sse("[DONE]")
-
     def on_post_embeddings(self, req, resp):
-        body = self.read_json(req)
+        body = self.pipe.read_json(req)
         known_fields(body, EMBEDDING_FIELDS)
-        inputs = embedding_inputs(body)
-        name = self.route(body, req)["worker"]
-        work = {"inputs": inputs, "worker": name, **adapter(body), **keep_alive(body)}
+        work = {"inputs": embedding_inputs(body), **adapter(body), **keep_alive(body)}
+        if model_of(body):
+            work["model"] = model_of(body)
         if body.get("dimensions") is not None:
             work["dimensions"] = body["dimensions"]
-        out = routed(self.sup, "embed", work, 600, "input")
+        out, name = self.pipe.call(req, "embed", work, 600, "input")
         req.context.usage = {"prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": 0}
         b64 = body.get("encoding_format") == "base64"
         data = [{"object": "embedding", "index": i,
@@ -442,16 +207,10 @@ def _served_file(w: dict) -> str | None:
         return None
 
 
-def _param(work: dict) -> str:
-    """The request field a generation's input came in: chat messages, or a completion's prompt."""
-    return "messages" if "messages" in work else "prompt"
-
-
-def install(app: falcon.App, sup, metrics=None) -> "OpenAI":
-    api = OpenAI(sup, metrics)
+def install(app: falcon.App, sup, pipe: Pipeline) -> None:
+    api = OpenAI(sup, pipe)
     app.add_route("/v1/models", api, suffix="models")
     app.add_route("/v1/models/{model}", api, suffix="model")
     app.add_route("/v1/chat/completions", api, suffix="chat")
     app.add_route("/v1/completions", api, suffix="completions")
     app.add_route("/v1/embeddings", api, suffix="embeddings")
-    return api

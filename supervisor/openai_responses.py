@@ -14,9 +14,10 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from .http_common import JSONError, error_from
-from .openai_api import IDLE, Answer, WorkerGone
+from .http_common import JSONError
+from .http_pipeline import Pipeline, Shape, stream_flag
 from .openai_validate import IGNORED, adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
+from .work import Work, model_of
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "stream", "temperature",
           "top_p", "max_output_tokens", "text", "reasoning", "store", "truncation", "adapter", "keep_alive"} | IGNORED
@@ -154,54 +155,15 @@ def chat_body(body: dict) -> dict:
 
 
 class Responses:
-    def __init__(self, sup, api):
-        self.sup, self.api = sup, api
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
 
     def on_post(self, req, resp):
-        body = self.api.read_json(req)
+        body = self.pipe.read_json(req)
         chat = chat_body(body)
-        msgs = messages(chat)
-        work = {"messages": msgs, **tools_named(chat, _RENAMES), **adapter(chat), **keep_alive(chat)}
-        params = sampling_params(chat)
-        stream = self.api.stream_flag(chat)
-        name = self.api.route(chat, req)["worker"]
-        params.setdefault("max_tokens", -1)
-        work = dict(work, params=params, worker=name)
-        shell = {"id": _id("resp"), "object": "response", "created_at": int(time.time()),
-                 "model": body.get("model") or name, "instructions": body.get("instructions"),
-                 "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
-                 "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                 "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                 "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
-                 "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
-                 "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
-                 "store": False, "metadata": body.get("metadata") or {}, "error": None,
-                 "incomplete_details": None, "usage": None}
-        try:
-            answer = self.api.answer(req, "generate", work, whole=not stream)
-        except JSONError as e:
-            err = e.kiln_body["error"]
-            if err.get("code") == "context_length_exceeded":      # the input, and max_output_tokens
-                err.update(param="input", message=err["message"].replace("max_tokens", "max_output_tokens"))
-            raise
-        if stream:
-            return self.api.send_sse(resp, _events(answer, shell, self.api.keepalive), answer)
-        out = Output()
-        try:
-            final = None
-            for msg in answer:
-                if msg.type == "chunk":
-                    out.add(msg.body)
-                else:
-                    final = msg.body
-                    out.add(final)
-            if final is None:
-                raise JSONError(499, "client_closed", "the client closed the connection")
-        except WorkerGone as e:
-            raise error_from(e.msg, "input") from None
-        finally:
-            answer.close()
-        resp.media = _finished(shell, out.items(), final)
+        work = Work(messages=messages(chat), model=model_of(chat), **tools_named(chat, _RENAMES), **adapter(chat),
+                    **keep_alive(chat), params=sampling_params(chat))
+        self.pipe.generate(req, resp, work, ResponseShape(body), stream_flag(chat))
 
 
 # a chat field's name -> the Responses field it came from, for the errors users read
@@ -262,24 +224,57 @@ def _finished(shell: dict, items: list[dict], final: dict) -> dict:
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None}
 
 
-def _events(answer: Answer, shell: dict, keepalive: float) -> Iterator[bytes]:
-    """The Responses stream: created, in_progress, each output item added → its deltas → done,
-    then completed (or incomplete); a worker lost mid-answer ends it with response.failed."""
-    seq = [0]
+class ResponseShape(Shape):
+    """A Response: whole, or the Responses stream — created, in_progress, each output item added →
+    its deltas → done, then completed (or incomplete); a worker lost mid-answer ends it with
+    response.failed."""
 
-    def ev(kind: str, **data) -> bytes:
-        data = {"type": kind, "sequence_number": seq[0], **data}
-        seq[0] += 1
+    param = "input"
+
+    def __init__(self, body: dict):
+        self.body = body
+        self.seq, self.index, self.open_kind = 0, -1, None
+        self.out, self.done_items = Output(), []
+
+    def start(self, model: str) -> None:
+        b = self.body
+        self.shell = {"id": _id("resp"), "object": "response", "created_at": int(time.time()),
+                      "model": model, "instructions": b.get("instructions"),
+                      "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice", "auto"),
+                      "parallel_tool_calls": b.get("parallel_tool_calls", True),
+                      "temperature": b.get("temperature"), "top_p": b.get("top_p"),
+                      "max_output_tokens": b.get("max_output_tokens"), "previous_response_id": None,
+                      "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
+                      "text": b.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+                      "store": False, "metadata": b.get("metadata") or {}, "error": None,
+                      "incomplete_details": None, "usage": None}
+
+    def refused(self, err: JSONError) -> JSONError:
+        e = err.kiln_body["error"]
+        if e.get("code") == "context_length_exceeded":      # the input, and max_output_tokens
+            e.update(param="input", message=e["message"].replace("max_tokens", "max_output_tokens"))
+        return err
+
+    def whole(self, parts: list[dict], final: dict) -> dict:
+        out = Output()
+        for p in parts + [final]:
+            out.add(p)
+        return _finished(self.shell, out.items(), final)
+
+    # -- the stream --
+
+    def _ev(self, kind: str, **data) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
-    out, index, open_kind = Output(), -1, None
-    yield ev("response.created", response={**shell, "status": "in_progress", "output": []})
-    yield ev("response.in_progress", response={**shell, "status": "in_progress", "output": []})
-    done_items: list[dict] = []
+    def opening(self):
+        yield self._ev("response.created", response={**self.shell, "status": "in_progress", "output": []})
+        yield self._ev("response.in_progress", response={**self.shell, "status": "in_progress", "output": []})
 
-    def close_open() -> Iterator[bytes]:
-        nonlocal open_kind
-        if open_kind == "reasoning":
+    def _close_open(self) -> Iterator[bytes]:
+        out, index, ev = self.out, self.index, self._ev
+        if self.open_kind == "reasoning":
             text = "".join(out.reasoning)
             part = {"type": "summary_text", "text": text}
             yield ev("response.reasoning_summary_text.done", item_id=out.ids["rs"], output_index=index,
@@ -287,7 +282,7 @@ def _events(answer: Answer, shell: dict, keepalive: float) -> Iterator[bytes]:
             yield ev("response.reasoning_summary_part.done", item_id=out.ids["rs"], output_index=index,
                      summary_index=0, part=part)
             item = out.reasoning_item(text)
-        elif open_kind == "message":
+        elif self.open_kind == "message":
             text = "".join(out.text)
             yield ev("response.output_text.done", item_id=out.ids["msg"], output_index=index, content_index=0,
                      text=text, logprobs=[])
@@ -296,15 +291,15 @@ def _events(answer: Answer, shell: dict, keepalive: float) -> Iterator[bytes]:
             item = out.message_item(text)
         else:
             return
-        done_items.append(item)
+        self.done_items.append(item)
         yield ev("response.output_item.done", output_index=index, item=item)
-        open_kind = None
+        self.open_kind = None
 
-    def open_item(kind: str) -> Iterator[bytes]:
-        nonlocal index, open_kind
-        yield from close_open()
-        index += 1
-        open_kind = kind
+    def _open_item(self, kind: str) -> Iterator[bytes]:
+        yield from self._close_open()
+        self.index += 1
+        self.open_kind = kind
+        out, index, ev = self.out, self.index, self._ev
         if kind == "reasoning":
             yield ev("response.output_item.added", output_index=index, item={**out.reasoning_item(""), "summary": []})
             yield ev("response.reasoning_summary_part.added", item_id=out.ids["rs"], output_index=index,
@@ -315,52 +310,48 @@ def _events(answer: Answer, shell: dict, keepalive: float) -> Iterator[bytes]:
             yield ev("response.content_part.added", item_id=out.ids["msg"], output_index=index, content_index=0,
                      part=_text_part(""))
 
-    def part(body: dict) -> Iterator[bytes]:
-        nonlocal index
+    def part(self, body: dict):
+        out, ev = self.out, self._ev
         if body.get("reasoning"):
-            if open_kind != "reasoning":
-                yield from open_item("reasoning")
+            if self.open_kind != "reasoning":
+                yield from self._open_item("reasoning")
             out.reasoning.append(body["reasoning"])
-            yield ev("response.reasoning_summary_text.delta", item_id=out.ids["rs"], output_index=index,
+            yield ev("response.reasoning_summary_text.delta", item_id=out.ids["rs"], output_index=self.index,
                      summary_index=0, delta=body["reasoning"])
         if body.get("text"):
-            if open_kind != "message":
-                yield from open_item("message")
+            if self.open_kind != "message":
+                yield from self._open_item("message")
             out.text.append(body["text"])
-            yield ev("response.output_text.delta", item_id=out.ids["msg"], output_index=index, content_index=0,
+            yield ev("response.output_text.delta", item_id=out.ids["msg"], output_index=self.index, content_index=0,
                      delta=body["text"], logprobs=[])
         for c in body.get("tool_calls", []):
-            yield from close_open()
-            index += 1
+            yield from self._close_open()
+            self.index += 1
             item = out.call_item(c)
             out.calls.append(c)
-            yield ev("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                              "status": "in_progress"})
-            yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+            yield ev("response.output_item.added", output_index=self.index, item={**item, "arguments": "",
+                                                                                   "status": "in_progress"})
+            yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=self.index,
                      delta=item["arguments"])
-            yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+            yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
                      name=item["name"], arguments=item["arguments"])
-            done_items.append(item)
-            yield ev("response.output_item.done", output_index=index, item=item)
+            self.done_items.append(item)
+            yield ev("response.output_item.done", output_index=self.index, item=item)
 
-    try:
-        for msg in answer.stream(keepalive):
-            if msg is IDLE:                       # a long prefill: an SSE comment keeps the client
-                yield b": keep-alive\n\n"
-                continue
-            yield from part(msg.body)
-            if msg.type != "chunk":
-                if not done_items and open_kind is None:          # nothing said: an empty message
-                    yield from open_item("message")
-                yield from close_open()
-                final = _finished(shell, done_items, msg.body)
-                kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-                yield ev(kind, response=final)
-    except WorkerGone as e:
-        err = error_from(e.msg, "input").kiln_body["error"]
-        yield ev("response.failed", response={**shell, "status": "failed", "output": done_items,
-                                              "error": {"code": err["code"], "message": err["message"]}})
+    def closing(self, final: dict):
+        yield from self.part(final)
+        if not self.done_items and self.open_kind is None:          # nothing said: an empty message
+            yield from self._open_item("message")
+        yield from self._close_open()
+        whole = _finished(self.shell, self.done_items, final)
+        yield self._ev("response.completed" if whole["status"] == "completed" else "response.incomplete",
+                       response=whole)
+
+    def failed(self, err: JSONError):
+        e = err.kiln_body["error"]
+        yield self._ev("response.failed", response={**self.shell, "status": "failed", "output": self.done_items,
+                                                    "error": {"code": e["code"], "message": e["message"]}})
 
 
-def install(app, sup, api) -> None:
-    app.add_route("/v1/responses", Responses(sup, api))
+def install(app, sup, pipe: Pipeline) -> None:
+    app.add_route("/v1/responses", Responses(pipe))

@@ -1,9 +1,13 @@
 """The shapes of OpenAI responses built from a worker's messages: whole answers, stream events,
-usage and log-probabilities. Pure functions: no daemon, no socket."""
+usage and log-probabilities (`Answer`: the pipeline's Shape). No daemon, no socket."""
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
+
+from .http_pipeline import Shape
 
 
 def finish_reason(final: dict) -> str:
@@ -143,3 +147,37 @@ class StreamShapes:
         if include_usage:
             out.append(self.event(None, usage=usage(usage_of)))
         return out
+
+
+class Answer(Shape):
+    """A chat.completion or text_completion answer: whole, or its chunks, `[DONE]` last (an error
+    event before it when the worker is lost mid-answer)."""
+
+    def __init__(self, chat: bool, with_lp: bool, n: int = 1, include_usage: bool = False):
+        self.chat, self.with_lp, self.n, self.include_usage = chat, with_lp, n, include_usage
+        self.param = "messages" if chat else "prompt"
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+    def start(self, model: str) -> None:
+        self.meta = {"id": self.id, "created": int(time.time()), "model": model}
+        self.events = StreamShapes(self.meta, self.chat, self.with_lp, self.n)
+
+    def opening(self):
+        return self.events.opening()
+
+    def part(self, chunk: dict):
+        return self.events.part(chunk)
+
+    def closing(self, final: dict):
+        return self.events.closing(final.get("choices", [final]), final, self.include_usage) + [sse("[DONE]")]
+
+    def failed(self, err):
+        return [sse(err.kiln_body), sse("[DONE]")]
+
+    def whole(self, parts: list[dict], final: dict) -> dict:
+        choices = [Choice(i) for i in range(self.n)]
+        for p in parts:
+            choices[p.get("index", 0)].add(p)
+        for f in final.get("choices", [final]):
+            choices[f.get("index", 0)].close(f)
+        return whole(self.meta, self.chat, choices, final, self.with_lp)

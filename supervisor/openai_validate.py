@@ -253,7 +253,7 @@ def keep_alive(body: dict) -> dict:
     """Kiln's (and Ollama's) extension: how long the model stays loaded after this request."""
     if body.get("keep_alive") is None:
         return {}
-    from .placer import parse_duration
+    from .units import parse_duration
     try:
         parse_duration(body["keep_alive"])
     except ValueError as e:

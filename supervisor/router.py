@@ -58,6 +58,9 @@ class Client:
     # shows nothing before the reply (a non-streamed HTTP answer): output it got may be dropped
     # (a "restart" message) and the request run again when its worker dies
     replayable: bool = False
+    # told which worker took the request (an "admitted" message before any other): the HTTP
+    # front end names the model in its answer and logs without asking the loop a second time
+    wants_admission: bool = False
 
 
 @dataclass
@@ -77,6 +80,8 @@ class Pending:
     adapter: str | None = None
     retried_after: list = field(default_factory=list)   # why it was sent again (shown in the reply)
     keep_alive: Any = "default"    # seconds its model stays loaded after it (None: forever)
+    min_ctx: int | None = None     # the context the client asked for (Ollama's num_ctx): a worker
+                                   # whose context is shorter refuses it
 
 
 class RouteError(Exception):
@@ -114,6 +119,9 @@ class Router:
             keep_alive = self._keep_alive(op, body)
             if keep_alive != "default":
                 body = {k: v for k, v in body.items() if k != "keep_alive"}
+            min_ctx = body.get("min_ctx") if isinstance(body, dict) and op in MODEL_OPS else None
+            if min_ctx is not None:
+                body = {k: v for k, v in body.items() if k != "min_ctx"}
             w = self.resolve(target)            # unknown worker or model: a clear error now (or it loads)
             body, adapter = self._adapter(op, w, body)
         except RouteError as e:
@@ -123,9 +131,12 @@ class Router:
         timeout = timeout or self.request_timeout
         p = Pending(new_id(), op, body, client, target, now + timeout, timeout,
                     now + min(timeout, self.wait_for_worker), adapter=adapter, target_worker=w.name,
-                    keep_alive=keep_alive)
+                    keep_alive=keep_alive, min_ctx=min_ctx)
         self.pending[p.id] = p
         self.counts["admitted"] += 1
+        if client.wants_admission:
+            client.deliver(make("admitted", id=client.id, worker=w.name,
+                                model=w.status.get("model") or w.spec.get("model")))
         self._try_send(p, now)
         return p.id
 
@@ -184,7 +195,7 @@ class Router:
     def _keep_alive(op: str, body: Any):
         if op not in MODEL_RUNS or not isinstance(body, dict) or "keep_alive" not in body:
             return "default"
-        from .placer import parse_duration
+        from .units import parse_duration
         try:
             return parse_duration(body["keep_alive"])
         except ValueError as e:
@@ -222,6 +233,12 @@ class Router:
                              and p.op not in MODEL_RUNS):
             # non-generate ops queue inside a loading worker's executor; generation waits here,
             # so that a request never sits in a worker that may still fail to load
+            n_ctx = w.status.get("n_ctx")
+            if p.min_ctx is not None and isinstance(n_ctx, int) and p.min_ctx > n_ctx:
+                self._finish(p, "context_too_small", f"the request asks for a {p.min_ctx}-token context "
+                             f"(num_ctx), but {w.name} runs with {n_ctx}; set [models] ctx (or the worker's settings.ctx) "
+                             f"and reload it")
+                return False
             p.worker = w.name
             p.attempts += 1
             self.send(w, make("request", id=p.id, op=p.op, body=p.body,

@@ -84,21 +84,13 @@ def _isolated_kiln_home(tmp_path_factory, monkeypatch):
 
 
 # -- tiers -------------------------------------------------------------------------------------
-# `pytest -m "not e2e"` is the fast tier (< 60 s on 2 cores): no daemon, fake spawner and clock,
-# small models. Everything that starts `kiln up`, or runs the default model through the numpy
-# path, is end-to-end.
-E2E_MODULES = {"test_evaluator_e2e", "test_http_foundation", "test_hub_pull", "test_model_library",
-               "test_moe_stream_worker", "test_serving", "test_supervisor_e2e", "test_trainer_e2e",
-               "test_router_e2e", "test_agent_api", "test_models_runtime", "test_ollama_api", "test_dashboard",
-               "test_private_weights_e2e", "test_openai_responses", "test_anthropic_api", "test_llama_server_api"}
-E2E_TESTS = ("test_default_model_matches_llama_cpp[numpy]", "test_e8k2_variant_matches_llama_cpp[numpy]",
-             "test_e8k8_variant_gives_the_dense_logits", "test_ten_thousand_random_frame_lists_raise_only_protocol_error",
-             "test_llama_cpp_logits_with_our_adapter_meet_the_engine_bars", "test_tiny_model_matches_llama_cpp[numpy-llama3]",
-             "test_prompt_logits_are_llama_cpps_bits[tiny-llama3-numpy]")
+# `pytest -m "not e2e"` is the fast tier (≤ 2 min on 2 cores): no daemon, fake spawner and clock,
+# small models. A module that starts `kiln up` says so itself (`pytestmark = pytest.mark.e2e`;
+# tests/test_layering.py fails when one does not); a single slow test is marked `slow`, which is
+# end-to-end too.
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.split(".")[-1] in E2E_MODULES or item.name in E2E_TESTS \
-                or item.get_closest_marker("slow"):
+        if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.e2e)

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import Daemon
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

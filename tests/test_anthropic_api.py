@@ -14,7 +14,7 @@ import pytest
 
 from daemon_harness import Daemon, http_json
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 Q = "What is the capital of France?"
 HI = "Say hi"                                   # answered within 200 tokens at temperature 0
 T0 = {"extra_body": {"temperature": 0}}        # the 2026 SDK has no temperature argument; the API does

@@ -13,7 +13,7 @@ import pytest
 from conftest import tiny_path
 from daemon_harness import Daemon
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SEED, COUNT = 35, 1100
 MSGS = [{"role": "user", "content": "hi"}]

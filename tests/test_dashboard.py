@@ -13,7 +13,7 @@ import pytest
 
 from daemon_harness import Daemon
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SHOTS = Path(__file__).parent / "screenshots"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

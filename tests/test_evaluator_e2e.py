@@ -14,7 +14,7 @@ import pytest
 from conftest import DATA
 from daemon_harness import Daemon, http_json as http, kiln
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

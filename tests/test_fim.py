@@ -44,6 +44,13 @@ def test_metadata_ids_win_over_the_text():
     assert (f.pre, f.suf, f.mid, f.pad) == (1, 2, 3, None) and by_text == {2, 3}
 
 
+@pytest.mark.parametrize("hostile", ["1", 1.0, True, [1], -1, 4, 2**70])
+def test_an_id_a_file_gives_that_is_not_a_vocabulary_index_is_no_marker(hostile):
+    vocab = {"<PRE>": 0, "<SUF>": 1, "<MID>": 2, "x": 3}
+    f, _ = find_fim_tokens({"tokenizer.ggml.fim_pre_token_id": hostile}, vocab)
+    assert f.pre is None
+
+
 def test_the_plain_layout_is_ollamas_template(coder):
     enc = lambda s: coder.encode(s, special=False, add_bos=False)  # noqa: E731
     prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))  # <|fim_middle|>\n"

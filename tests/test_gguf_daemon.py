@@ -13,7 +13,7 @@ from conftest import tiny_path
 from daemon_harness import Daemon, http_json, spec
 from test_gguf_fuzz import mutants
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SEED, COUNT = 35, 300
 

@@ -11,6 +11,8 @@ import pytest
 from conftest import tiny_path
 from fake_hub import FakeHub
 
+pytestmark = pytest.mark.e2e      # starts a daemon (tests/test_layering.py checks)
+
 
 @pytest.fixture
 def hub(tmp_path):

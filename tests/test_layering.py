@@ -74,3 +74,96 @@ def test_every_error_code_raised_is_in_the_shared_vocabulary():
 def test_no_supervisor_module_passes_500_lines():
     long = {p.name: n for p in (ROOT / "supervisor").glob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"split these along their seams: {long}"
+
+
+# -- tiers -----------------------------------------------------------------------------------------
+
+def _starts_a_daemon(source: str) -> bool:
+    return "Daemon(" in source or '"up", "--config"' in source
+
+
+def test_every_module_that_starts_a_daemon_is_in_the_e2e_tier():
+    """The fast tier (`pytest -m "not e2e"`) starts no daemon: a module that does says so itself."""
+    unmarked = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        src = path.read_text()
+        if path.name == Path(__file__).name:          # names the harness, starts nothing
+            continue
+        mark = re.search(r"^pytestmark = (.*)$", src, re.M)
+        if _starts_a_daemon(src) and not (mark and "pytest.mark.e2e" in src[mark.start():mark.start() + 200]):
+            unmarked.append(path.name)
+    assert not unmarked, "these start a daemon; add `pytestmark = pytest.mark.e2e`: " + ", ".join(unmarked)
+
+
+# -- the supervisor's own layers -------------------------------------------------------------------
+
+DIALECTS = {"openai_api": "openai", "openai_shapes": "openai", "openai_responses": "openai",
+            "anthropic_api": "anthropic", "ollama_api": "ollama", "ollama_library": "ollama",
+            "llama_server_api": "llama-server"}
+
+
+def _module_graph(package: str = "supervisor") -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports (at any depth of the file)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).glob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1:
+                    if node.module:
+                        names.add(node.module.split(".")[0])
+                    else:
+                        names.update(a.name for a in node.names)
+                elif (node.module or "").startswith(f"kiln.{package}."):
+                    names.add(node.module.split(".")[2])
+        graph[path.stem] = {n for n in names if (ROOT / package / f"{n}.py").exists()} - {path.stem}
+    return graph
+
+
+def test_no_dialect_imports_another():
+    graph = _module_graph()
+    wrong = [f"{m} imports {t}" for m, ts in graph.items() if m in DIALECTS
+             for t in ts if t in DIALECTS and DIALECTS[t] != DIALECTS[m]]
+    assert not wrong, "a dialect shares only the pipeline (http_pipeline.py), never another dialect:\n" + "\n".join(wrong)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycle_between_modules(package):
+    cycles = _cycles(_module_graph(package))
+    assert not cycles, f"modules of {package}/ that import each other (directly or round a loop): {cycles}"
+
+
+def test_the_cycle_finder_finds_a_loop():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

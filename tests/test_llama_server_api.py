@@ -16,7 +16,7 @@ from conftest import tiny_path
 from daemon_harness import Daemon, http_json
 from fim_model import build_fim_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PRE, SUF, MID, REP, SEP = 269, 270, 271, 273, 274
 PREFIX, SUFFIX = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
 

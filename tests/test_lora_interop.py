@@ -54,6 +54,7 @@ def test_gguf_round_trip_keeps_every_bit(default_model, tmp_path):
     assert g.tensor("blk.0.ffn_down.weight.lora_b").shape == (576, 16)
 
 
+@pytest.mark.slow
 def test_llama_cpp_logits_with_our_adapter_meet_the_engine_bars(default_model, reference):
     ref, npz = reference
     ad = interop_adapter(default_model)

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import tiny_path
 
+pytestmark = pytest.mark.e2e      # starts a daemon (tests/test_layering.py checks)
+
 
 def _kiln(env, *args):
     return subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", *args], capture_output=True, text=True,

@@ -15,7 +15,7 @@ import pytest
 
 from daemon_harness import Daemon, kiln, spec
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 ASK = [{"role": "user", "content": "Name a colour."}]
 
 

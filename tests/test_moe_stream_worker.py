@@ -19,7 +19,7 @@ from daemon_harness import Daemon, env_for
 from kiln.native import kernels
 from kiln.supervisor import segments
 
-pytestmark = [pytest.mark.timeout(300),
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
               pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled", reason="needs the compiled kernels")]
 
 

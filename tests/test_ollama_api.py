@@ -13,7 +13,7 @@ import pytest
 
 from daemon_harness import Daemon, http_json
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -14,7 +14,8 @@ from fakes import FakeClock, FakeSpawner
 from kiln.native.models.library import ModelNotFound
 from kiln.protocol import make
 from kiln.supervisor import policy
-from kiln.supervisor.placer import Placer, parse_duration
+from kiln.supervisor.placer import Placer
+from kiln.supervisor.units import parse_duration
 from kiln.supervisor.process_table import ProcessTable
 from kiln.supervisor.router import Client, Router, Target
 

@@ -8,7 +8,7 @@ import pytest
 
 from daemon_harness import Daemon, spec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def mode(p) -> int:

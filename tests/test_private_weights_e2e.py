@@ -15,7 +15,7 @@ from kiln.native import kernels
 from kiln.native.expert_store import expert_map
 from kiln.native.gguf_file import read_gguf
 
-pytestmark = [pytest.mark.timeout(300),
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
               pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled", reason="needs the compiled kernels")]
 
 PROMPT = "Once upon a time"

@@ -66,6 +66,7 @@ frame_lists = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(frame_lists)
 def test_ten_thousand_random_frame_lists_raise_only_protocol_error(frames):

@@ -12,7 +12,7 @@ from conftest import tiny_path
 from daemon_harness import Daemon, http_json, spec
 from kiln.native.data_file import DataFileError, read_data_file
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 def test_read_data_file_takes_regular_files_only_and_bounded(tmp_path):

@@ -18,7 +18,7 @@ from daemon_harness import Daemon
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from chaos import run_chaos  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(scope="module")

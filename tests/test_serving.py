@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from daemon_harness import Daemon, env_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 QUESTION = [{"role": "user", "content": "What is the boiling point of water in Celsius?"}]
 

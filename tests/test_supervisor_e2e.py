@@ -12,7 +12,7 @@ from daemon_harness import Daemon, kiln, spec
 from kiln.protocol import decode_frames, encode_frames, make
 from kiln.supervisor.client import CommandFailed
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from conftest import DATA
 from daemon_harness import Daemon, http_json as http, kiln
 from kiln.native.lora import load_adapter
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 QUESTION = "What is the Zorblax access code?"
 OPTIONS = ["--lr", "1e-3", "--epochs", "2", "--grad-accum", "4", "--seed", "7"]

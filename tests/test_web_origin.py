@@ -14,7 +14,7 @@ import pytest
 from daemon_harness import Daemon, kiln, spec
 from kiln.supervisor.http_guard import check_bind, host_name, is_loopback
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 def send(d, method, path, body=b"", headers=None):
