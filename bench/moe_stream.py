@@ -159,7 +159,7 @@ def snapshot(c) -> dict | None:
 
 
 def figures(before: dict, after: dict) -> dict:
-    from kiln.native.expert_cache import mean_depth
+    from kiln.native.experts.cache import mean_depth
     d = {k: after[k] - before[k] for k in after if k != "depth_s"}
     depth = [b - a for a, b in zip(before["depth_s"], after["depth_s"])]
     tokens = d["tokens"] or 1
@@ -184,8 +184,8 @@ def interleaved_vs_ram(spec: dict) -> dict:
     blocks (it is not limited to a cgroup: its reads bypass the page cache, which holds the
     whole file for the in-RAM side; `weights`: "private" copies the model's weights into huge
     pages first, the in-RAM side's experts included). Returns the median of the block ratios."""
-    from kiln.native.expert_cache import ExpertCache
-    from kiln.native.expert_store import ExpertStore
+    from kiln.native.experts.cache import ExpertCache
+    from kiln.native.experts.store import ExpertStore
     from kiln.native.model import load_model
     path = Path(spec["path"])
     pct = spec.get("budget_pct", 100)
@@ -234,8 +234,8 @@ def run_one(spec: dict) -> dict:
     tokens}; mode interleaved: interleaved_vs_ram."""
     if spec["mode"] == "interleaved":
         return interleaved_vs_ram(spec)
-    from kiln.native.expert_cache import ExpertCache
-    from kiln.native.expert_store import ExpertStore
+    from kiln.native.experts.cache import ExpertCache
+    from kiln.native.experts.store import ExpertStore
     from kiln.native.model import load_model
     path = Path(spec["path"])
     model = load_model(path)
@@ -403,8 +403,8 @@ def main() -> None:
     ap.add_argument("--plot", default=str(ROOT / ".cache" / "bench" / "moe_stream.png"))
     args = ap.parse_args()
 
-    from kiln.native.expert_cache import ExpertCache
-    from kiln.native.expert_store import ExpertStore, expert_map
+    from kiln.native.experts.cache import ExpertCache
+    from kiln.native.experts.store import ExpertStore, expert_map
     from kiln.native.gguf_file import read_gguf
 
     name = f"synthetic-moe-v3-L{args.layers}-E{args.experts}K{args.used}-d{args.embd}-ff{args.ff}.gguf"

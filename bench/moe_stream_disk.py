@@ -76,7 +76,7 @@ def raw_direct_reads(path: Path, read_bytes: int, seq_bytes: int = 1 << 30, chun
 
 def _buffers(n: int, each: int, huge: bool) -> list:
     """n buffers of `each` bytes, in huge pages (each on its own) or in 4 KiB pages."""
-    from kiln.native.expert_memory import private_buffer
+    from kiln.native.experts.memory import private_buffer
     stride = -(-each // (2 << 20)) * (2 << 20)
     region = private_buffer(n * stride + (2 << 20), huge) if huge else mmap.mmap(-1, n * stride)
     base = memoryview(region)

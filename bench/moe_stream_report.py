@@ -39,7 +39,7 @@ def record_trace(path: Path, texts: list[str], max_tokens: int = 600) -> list:
 
 
 def replay_traces(models: dict, budgets: list[int], policies: list[str]) -> dict:
-    from kiln.native.expert_policy import belady, make_policy, replay
+    from kiln.native.experts.policy import belady, make_policy, replay
     from kiln.native.gguf_file import read_gguf
     texts = [p["text"] if isinstance(p, dict) else p
              for p in json.loads((ROOT / "tests" / "data" / "prompts_tiny.json").read_text())["prompts"]]

@@ -88,6 +88,12 @@ def compiled_module():
     return _C if _compiled_on else None
 
 
+def one_call_decode() -> bool:
+    """Does the built extension run a decode step's layer in one call (AVX2/FMA), whether the
+    compiled path is switched on now or not (native/runners.py checks that per batch)?"""
+    return _C is not None and bool(_C.features()["avx2_fma"])
+
+
 KERNEL_PATH = "compiled" if _compiled_on else "numpy"
 
 # weight type -> how ggml quantizes the activation it is multiplied with

@@ -1,95 +1,39 @@
 """A loaded model: config, tokenizer, weights, and the forward pass.
 
-What an architecture's layer holds and how it computes is declared by its family in the
-registry (native/arch/); this module loads those tensors into `Layer`s, provides the blocks a
-family's `layer()` is written in (norm, attention, ffn), and decides how each block runs: a
-decode step of a layer in the llama skeleton runs as one compiled call, everything else through
-the compiled products or numpy — bit for bit the same either way.
+What an architecture's layer holds and computes is declared by its family (native/arch/): this
+module loads the tensors the family names and lets it build its layers from them. How each
+layer runs — one compiled call per decode step, streamed experts, its blocks — is chosen once,
+at load and when an expert cache is attached (native/runners.py); the forward is then
+
+    x = embed(tokens)
+    for run in runners: x = run(x, batch)
+    logits = output(norm(x))
+
+bit for bit the same whichever way a layer runs.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from . import ggml_round, kernels, streamed_moe
+from . import kernels
 from .arch import family
-from .blocks import apply_rope, attention, moe_ffn, rms_norm, rope_tables, route, swiglu_ffn, yarn_params
+from .arch.parts import arrays
+from .batch import Batch
+from .blocks import rms_norm, yarn_params
 from .config import ModelConfig, check_tensors, read_config
+from .experts.source import IN_RAM, StreamedExperts
 from .gguf_file import GGUFError, GGUFFile, read_gguf
-from .kernels import Weight, matmul, matmul_many
+from .kernels import Weight, matmul
 from .kv_cache import KV_DTYPE, KVCache
+from .runners import FUSED_RUN, choose_runners
 from .tokenizer import GGUFTokenizer
 
-# the longest run of one sequence's rows a layer computes in one compiled call (a speculative
-# draft and the token before it); longer runs (prompts) take the blockwise path
-FUSED_RUN = 17
-
-
-@dataclass
-class Ctx:
-    """What every block of one forward shares: rope tables, the sequences' caches, the adapter."""
-    cos: np.ndarray
-    sin: np.ndarray
-    segments: list                 # (cache, first row, end row) per sequence
-    adapter: object = None
-    positions: np.ndarray | None = None
-    model: object = None
-    residual: np.ndarray | None = None  # the stream an FFN's output is added to (streamed experts read ahead from it)
-    _ropes: dict = field(default_factory=dict)
-
-    def rope(self, base: float) -> tuple[np.ndarray, np.ndarray]:
-        """(cos, sin) of these positions for another rope base (gemma3's sliding layers)."""
-        if base not in self._ropes:
-            c = self.model.config
-            self._ropes[base] = rope_tables(self.positions, c.rope_dim, base, c.rope_scale, self.model.rope_factors,
-                                            self.model.rope_yarn)
-        return self._ropes[base]
-
-
-@dataclass
-class Layer:
-    attn_norm: np.ndarray
-    wq: Weight | None = None             # None in a recurrent layer (qwen35's delta nets)
-    wk: Weight | None = None
-    wv: Weight | None = None
-    wo: Weight | None = None
-    ffn_norm: np.ndarray | None = None
-    bq: np.ndarray | None = None
-    bk: np.ndarray | None = None
-    bv: np.ndarray | None = None
-    q_norm: np.ndarray | None = None
-    k_norm: np.ndarray | None = None
-    qk_norm_per_head: bool = True
-    # dense FFN
-    gate: Weight | None = None
-    up: Weight | None = None
-    down: Weight | None = None
-    # MoE FFN
-    router: Weight | None = None              # (n_expert, n_embd)
-    gate_exps: Weight | None = None           # (n_expert, n_ff_expert, n_embd)
-    up_exps: Weight | None = None
-    down_exps: Weight | None = None
-    # shared expert (qwen2moe)
-    shared_gate_inp: Weight | None = None      # (1, n_embd)
-    shared_gate: np.ndarray | None = None      # the same, as loaded
-    post_attn_norm: np.ndarray | None = None   # gemma3: norms of the attention and FFN outputs
-    post_ffn_norm: np.ndarray | None = None
-    gate_shexp: Weight | None = None
-    up_shexp: Weight | None = None
-    down_shexp: Weight | None = None
-    experts: dict = field(default_factory=dict)   # e -> (gate, up, down) views, made once
-
-    def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
-        w = self.experts.get(e)
-        if w is None:
-            w = self.experts[e] = (self.gate_exps.expert(e), self.up_exps.expert(e), self.down_exps.expert(e))
-        return w
-
+__all__ = ["FUSED_RUN", "WEIGHTS", "Model", "check_weights", "load_model"]
 
 WEIGHTS = ("mapped", "private")
 
@@ -114,8 +58,8 @@ class Model:
             self.gguf.copy_to_private(n for n in self.gguf.tensors if n not in keep)
         self.config: ModelConfig = read_config(self.gguf)
         self.tokenizer = GGUFTokenizer(self.gguf)
-        self.expert_provider = None    # an ExpertCache streams experts instead of the mapped file
         self._load(threads or min(4, os.cpu_count() or 1))
+        self.expert_provider = None    # experts from the mapped file; the runners are chosen
         self.load_seconds = time.perf_counter() - t0
 
     # -- loading ------------------------------------------------------------------------------
@@ -149,35 +93,37 @@ class Model:
         elif c.rope_attn_factor != 1.0:
             self.rope_yarn = (0.0, 0.0, 0.0, c.rope_attn_factor)   # no ramp: cos/sin times the factor
         self.use_context(c.n_ctx_train)
-        self.layers: list[Layer] = []
-        for mats, vecs, fused in plan:
-            fields = {k: weights[n] for k, n in mats.items()}
+        self.layers = []                 # each its family's dataclass (native/arch/parts.py)
+        for i, (mats, vecs, fused) in enumerate(plan):
+            t = {k: weights[n] for k, n in mats.items()}
             for n, parts in fused.items():
                 start = 0
                 for fld, rows in parts:
-                    fields[fld] = weights[n].row_slice(f"{n}[{fld}]", start, start + rows)
+                    t[fld] = weights[n].row_slice(f"{n}[{fld}]", start, start + rows)
                     start += rows
                 if start != weights[n].shape[0]:
                     raise GGUFError(f"{g.path}: tensor {n!r} has {weights[n].shape[0]} rows, expected {start} "
                                     f"({' + '.join(f'{f} {r}' for f, r in parts)})")
-            fields |= {k: vec(n) for k, n in vecs.items()}
-            known = Layer.__dataclass_fields__
-            L = Layer(**{k: v for k, v in fields.items() if k in known})
-            for k, v in fields.items():              # a family's own tensors (ssm_conv, …)
-                if k not in known:
-                    setattr(L, k, v)
-            L.qk_norm_per_head = getattr(fam, "qk_norm", "head") == "head"
-            if L.shared_gate is not None:
-                v = L.shared_gate.reshape(1, -1)
-                L.shared_gate_inp = Weight(vecs["shared_gate"], kernels.Q.F32, v.shape, v.view(np.uint8).reshape(1, -1), v)
-            self.layers.append(L)
+            t |= {k: vec(n) for k, n in vecs.items()}
+            self.layers.append(fam.layer_weights(c, i, t))
+
+    @property
+    def expert_provider(self):
+        """None: experts from the mapped file; else what streams them instead (an ExpertCache,
+        native/experts/cache.py, or any provider of `prefetch` and `weights`)."""
+        return self._expert_provider
+
+    @expert_provider.setter
+    def expert_provider(self, provider) -> None:
+        self._expert_provider = provider
+        self.experts = IN_RAM if provider is None else StreamedExperts(provider, self.layers, self.config)
+        self.runners = choose_runners(self.layers, self.config, self.experts)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes the engine holds for weights (float32 on the reference path)."""
         seen, total = set(), 0
-        for w in [self.token_embd, self.output, self.output_norm] + [
-                getattr(L, f) for L in self.layers for f in Layer.__dataclass_fields__]:
+        for w in [self.token_embd, self.output, self.output_norm] + [w for L in self.layers for w in arrays(L)]:
             if isinstance(w, Weight) and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
@@ -271,193 +217,13 @@ class Model:
     def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list, adapter=None) -> np.ndarray:
         """The decoder stack over rows that belong to one or more sequences; `segments` lists
         (cache, first row, end row) for each sequence."""
-        c = self.config
-        cos, sin = rope_tables(positions, c.rope_dim, c.rope_base, c.rope_scale, self.rope_factors, self.rope_yarn)
-        ctx = Ctx(cos, sin, segments, adapter, positions, self)
+        batch = Batch(self, positions, segments, adapter)
         x = self.token_embd.rows(tokens)
         if self.embed_scale:
             x *= np.float32(self.embed_scale)
-        # a decode step (one row per sequence), or a short run of rows (a speculative draft
-        # being checked), runs each layer in one compiled call: a row at position p attends to
-        # the rows before it, whose keys the call stores before any row attends
-        fuse = self.family.llama_skeleton and len(tokens) <= 64 \
-            and all(b - a <= FUSED_RUN for _, a, b in segments) \
-            and adapter is None and len({cache.dtype for cache, _, _ in segments}) == 1 \
-            and kernels.compiled_module() is not None
-        rows = [(cache, cache.n + r) for cache, a, b in segments for r in range(b - a)] if fuse else []
-        provider = self.expert_provider
-        for i, L in enumerate(self.layers):
-            how = self._fusable[i] if fuse else None
-            if how == "moe" and provider is not None:
-                if not hasattr(provider, "table"):
-                    how = "attention"            # a plain provider: the experts fetched in Python
-                else:
-                    # streamed experts: one compiled call if the chosen experts are resident (the
-                    # table of where they are); else it stops after the attention and routing,
-                    # and the FFN runs in compiled steps as the experts arrive
-                    chosen = np.empty((len(rows), self.config.n_expert_used), np.int32)
-                    chosen_w = np.empty(chosen.shape, np.float32)
-                    if self._decode_layer(i, L, x, rows, cos, sin, ffn=how,
-                                          experts=(provider.table[i], chosen, chosen_w)):
-                        provider.used(i, chosen, rows=len(rows))
-                        self._read_ahead(i, L, x)
-                        continue
-                    if self._streamed_ffn(i, L, x, chosen, chosen_w):
-                        continue
-                    ctx.residual = x
-                    x = x + self.ffn(i, L, self.norm(x, L.ffn_norm), ctx)
-                    continue
-            if how is None:
-                x = self.family.layer(self, i, L, x, ctx)
-                continue
-            self._decode_layer(i, L, x, rows, cos, sin, ffn=how)
-            if how == "attention":
-                x = x + self.ffn(i, L, self.norm(x, L.ffn_norm), ctx)
+        for run in self.runners:
+            x = run(x, batch)
         return x
-
-    # -- the blocks a family's layer() is written in ----------------------------------------------
-
-    def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return rms_norm(x, w, self.config.rms_eps)
-
-    def attention(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx, window: int = 0, rope=None) -> np.ndarray:
-        """Self-attention over each sequence's cache; `window` > 0: sliding; `rope`: other tables."""
-        cos, sin = rope if rope is not None else (ctx.cos, ctx.sin)
-        return self._attention(i, L, x, cos, sin, ctx.segments, ctx.adapter, window)
-
-    def ffn(self, i: int, L: "Layer", x: np.ndarray, ctx: Ctx, act: str = "silu") -> np.ndarray:
-        """The layer's FFN: SiLU-gated (dense or routed experts), or GELU-gated (`act="gelu"`)."""
-        if act == "gelu":
-            g, u = (self._mm(x, w, ctx.adapter) for w in (L.gate, L.up)) if ctx.adapter is not None \
-                else matmul_many(x, [L.gate, L.up])
-            return self._mm(ggml_round.geglu(g, u), L.down, ctx.adapter)
-        residual, ctx.residual = ctx.residual, None
-        return self._ffn(L, x, i, ctx.adapter, residual)
-
-    def _decode_layer(self, i: int, L: Layer, x: np.ndarray, rows: list[tuple[KVCache, int]], cos, sin, ffn: str,
-                      experts: tuple = (None, None)) -> bool:
-        """Rows of x (B, n), row b at position rows[b][1] of the sequence in cache rows[b][0], through
-        layer i's attention, and its FFN unless `ffn` is "attention" ("layer": dense, "moe":
-        routed), in one compiled call — bit-identical to the step-by-step path, without dozens of
-        Python-level calls per layer. x is updated in place. `experts`: (table, chosen) for
-        streamed experts — their (E, 3) addresses in the cache (0: not resident), and where the
-        chosen go; False when a chosen one was not resident and the FFN is left to the caller."""
-        c = self.config
-        seqs = [(*cache.layer_buffers(i), pos) for cache, pos in rows]
-        if ffn == "layer":
-            ffn = (L.ffn_norm, L.gate.raw, L.up.raw, int(L.gate.qtype), L.down.raw, int(L.down.qtype),
-                   L.gate.shape[0])
-        elif ffn == "moe":
-            ffn = (L.ffn_norm, L.router.raw, L.gate_exps.raw, L.up_exps.raw, int(L.gate_exps.qtype),
-                   L.down_exps.raw, int(L.down_exps.qtype), L.gate_exps.shape[1], c.n_expert,
-                   c.n_expert_used, c.expert_weights_norm, *experts)
-        else:
-            ffn = None
-        return kernels.compiled_module().decode_layer(
-            x, L.attn_norm, c.rms_eps, (L.wq.raw, L.wk.raw, L.wv.raw), int(L.wq.qtype),
-            L.wo.raw, int(L.wo.qtype), seqs, cos, sin, c.n_head, c.n_head_kv,
-            c.head_dim, c.rope_dim, c.rope_style != "normal", ffn, 0, rows[0][0].dtype == np.float16,
-            *self.attn_scales)
-
-    @property
-    def _fusable(self) -> list[str | None]:
-        """How the one-call decode handles each layer: "layer" (plain llama attention and dense
-        FFN), "moe" (plain attention and a routed FFN without a shared expert), "attention"
-        (plain attention; the FFN stays in Python), or None. Plain: no biases, no q/k norm,
-        compiled weights, q/k/v of one type, gate/up of one type."""
-        if getattr(self, "_fusable_cache", None) is None:
-            simd = kernels.compiled_module() is not None and kernels.kernel_info().get("avx2_fma")
-            out = []
-            for L in self.layers:
-                attn = bool(simd) and L.bq is None and L.q_norm is None \
-                    and all(w.compiled for w in (L.wq, L.wk, L.wv, L.wo)) and L.wq.qtype == L.wk.qtype == L.wv.qtype
-                dense = L.router is None and all(w is not None and w.compiled for w in (L.gate, L.up, L.down)) \
-                    and L.gate.qtype == L.up.qtype
-                moe = L.router is not None and L.gate_shexp is None and L.router.compiled \
-                    and L.router.qtype == kernels.Q.F32 \
-                    and all(w.compiled for w in (L.gate_exps, L.up_exps, L.down_exps)) \
-                    and L.gate_exps.qtype == L.up_exps.qtype and self.config.n_expert <= 256 \
-                    and 1 <= self.config.n_expert_used <= 16
-                out.append(("layer" if dense else "moe" if moe else "attention") if attn else None)
-            self._fusable_cache = out
-        return self._fusable_cache
-
-    @staticmethod
-    def _mm(x: np.ndarray, w: Weight, adapter) -> np.ndarray:
-        y = matmul(x, w)
-        if adapter is not None:
-            d = adapter.delta(x, w)
-            if d is not None:
-                y += d
-        return y
-
-    def _attention(self, i: int, L: Layer, x: np.ndarray, cos, sin, segments: list, adapter=None,
-                   window: int = 0) -> np.ndarray:
-        c = self.config
-        T = x.shape[0]
-        mm = self._mm
-        q, k, v = matmul_many(x, [L.wq, L.wk, L.wv])
-        if adapter is not None:
-            for y, w in ((q, L.wq), (k, L.wk), (v, L.wv)):
-                d = adapter.delta(x, w)
-                if d is not None:
-                    y += d
-        if L.bq is not None:
-            q, k, v = q + L.bq, k + L.bk, v + L.bv
-        if L.q_norm is not None and not L.qk_norm_per_head:       # olmoe: whole projection
-            q, k = rms_norm(q, L.q_norm, c.rms_eps), rms_norm(k, L.k_norm, c.rms_eps)
-        q = q.reshape(T, c.n_head, c.head_dim)
-        k = k.reshape(T, c.n_head_kv, c.head_dim)
-        v = v.reshape(T, c.n_head_kv, c.head_dim)
-        if L.q_norm is not None and L.qk_norm_per_head:           # qwen3: per head
-            q, k = rms_norm(q, L.q_norm, c.rms_eps), rms_norm(k, L.k_norm, c.rms_eps)
-        q = apply_rope(np.ascontiguousarray(q), cos, sin, c.rope_style)
-        k = apply_rope(np.ascontiguousarray(k), cos, sin, c.rope_style)
-        q_scale, kq_scale = self.attn_scales
-        if q_scale:
-            q *= np.float32(q_scale)
-        return mm(self.attend(i, q, k, v, segments, kq_scale or None, window), L.wo, adapter)
-
-    @staticmethod
-    def attend(i: int, q, k, v, segments: list, scale=None, window: int = 0, sinks=None) -> np.ndarray:
-        """Store each sequence's new keys and values in layer i of its cache (a sliding-window
-        layer keeps only its window) and attend over them: (T, H*d) for rows of all sequences."""
-        outs = []
-        for cache, a, b in segments:
-            if window:
-                keys, values, start = cache.store_window(i, k[a:b], v[a:b])
-            else:
-                (keys, values), start = cache.store(i, k[a:b], v[a:b]), cache.n
-            outs.append(attention(q[a:b], keys, values, start, scale, window, sinks))
-        return outs[0] if len(outs) == 1 else np.concatenate(outs)
-
-    def _ffn(self, L: Layer, x: np.ndarray, layer: int, adapter=None, residual=None) -> np.ndarray:
-        if L.router is None:
-            if adapter is None:
-                return swiglu_ffn(x, L.gate, L.up, L.down)
-            return swiglu_ffn(x, L.gate, L.up, L.down, lambda v, w: self._mm(v, w, adapter))
-        c = self.config
-        experts, weights = route(x, L.router, c.n_expert_used, c.expert_weights_norm)
-        if self.expert_provider is None:
-            out = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *L.expert(e)))
-        else:
-            out = self._streamed_moe(layer, L, x, experts, weights, residual)
-        if L.gate_shexp is not None:
-            gate = 1.0 / (1.0 + np.exp(-matmul(x, L.shared_gate_inp)))          # (T, 1)
-            out += gate.astype(np.float32) * swiglu_ffn(x, L.gate_shexp, L.up_shexp, L.down_shexp)
-        return out
-
-
-    # -- streamed experts (native/streamed_moe.py) -----------------------------------------------
-
-    def _read_ahead(self, layer: int, L: Layer, x: np.ndarray, normed: bool = False) -> None:
-        streamed_moe.read_ahead(self, layer, L, x, normed)
-
-    def _streamed_ffn(self, layer: int, L: Layer, x: np.ndarray, chosen: np.ndarray, chosen_w: np.ndarray) -> bool:
-        return streamed_moe.compiled_ffn(self, layer, L, x, chosen, chosen_w)
-
-    def _streamed_moe(self, layer: int, L: Layer, x: np.ndarray, experts, weights, residual=None) -> np.ndarray:
-        return streamed_moe.python_ffn(self, layer, L, x, experts, weights, residual)
 
 
 def load_model(path: str | os.PathLike, **kw) -> Model:

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from .expert_memory import huge_page_bytes, private_buffer
+from .experts.memory import huge_page_bytes, private_buffer
 
 ALIGN = 4096                 # each tensor starts on a page of its own in the copy
 CHUNK = 64 << 20             # bytes per read: the page cache drops each chunk as soon as it is copied

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .sampling import out_of_bounds
+
 Schema = dict[str, tuple[Any, bool]]
 NUM = (int, float)
 
@@ -89,4 +91,7 @@ def validate_body(op: str, body: Any) -> dict:
     unknown = set(body) - set(schema)
     if unknown:
         raise SchemaError(f"op {op!r}: unknown field(s) {sorted(unknown)}; known: {sorted(schema)}")
+    why = out_of_bounds(body["params"]) if isinstance(body.get("params"), dict) else None
+    if why:
+        raise SchemaError(f"op {op!r}: params.{why}")
     return body

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 
-from kiln.supervisor.client import ControlClient
-from kiln.supervisor.paths import Paths
+from kiln.supervisor.bus.client import ControlClient
+from kiln.supervisor.core.paths import Paths
 
 TESTS = Path(__file__).parent
 

@@ -91,7 +91,7 @@ def test_the_compiled_mxfp4_product_is_the_numpy_paths():
     if kernels.compiled_module() is None:
         pytest.skip("the compiled extension is not built")
     m = load_model(tiny_path("gpt-oss"))
-    w = m.layers[1].down_exps.expert(5)
+    w = m.layers[1].ffn.down_exps.expert(5)
     x = np.random.default_rng(3).standard_normal((5, w.shape[1])).astype(np.float32)
     compiled = kernels.matmul(x, w)
     previous = kernels.use_compiled(False)

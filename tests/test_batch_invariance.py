@@ -8,6 +8,7 @@ from pathlib import Path
 from conftest import tiny_path
 from kiln.native import kernels
 from kiln.native.model import load_model
+from kiln.native.runners import blocks_runners
 
 pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",
                                 reason="batch invariance is a property of the compiled kernels")
@@ -113,11 +114,11 @@ def test_an_fp16_kv_cache_is_read_correctly_by_the_compiled_attention(default_mo
 def _fused_and_stepwise(m, run):
     """run() through the one-call compiled layers, and again through the step-by-step path."""
     fused = run()
-    saved, m._fusable_cache = m._fusable_cache, [None] * len(m.layers)
+    saved, m.runners = m.runners, blocks_runners(m.layers)
     try:
         return fused, run()
     finally:
-        m._fusable_cache = saved
+        m.runners = saved
 
 
 @pytest.mark.parametrize("kv", [np.float16, np.float32], ids=["fp16-kv", "f32-kv"])
@@ -127,7 +128,7 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, defau
     different experts per row), and a run of five rows of one sequence (each attending to the
     ones before it), through the compiled layer give the step-by-step path's bits."""
     m = default_model if which == "dense" else load_model(e8k2_path)
-    assert m._fusable == ["layer" if which == "dense" else "moe"] * len(m.layers)
+    assert [r.kind for r in m.runners] == [f"one call ({which})"] * len(m.layers)
     prompts = [m.tokenizer.encode(t) for t in ("Once upon a time, in a land far away,", "The capital of France is",
                                                  "def f(x):")]
 

@@ -9,7 +9,7 @@ import pty
 import pytest
 import typer
 
-from kiln.supervisor.cli_chat import CHAT_HELP, ChatState, piped_prompt
+from kiln.supervisor.cli.chat import CHAT_HELP, ChatState, piped_prompt
 
 
 def _pipe(data: bytes | None):

@@ -7,7 +7,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kiln.supervisor.cli import app
+from kiln.supervisor.cli.main import app
 
 runner = CliRunner()
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.supervisor.config import ConfigError, load_config
+from kiln.supervisor.core.config import ConfigError, load_config
 
 
 def _file(tmp_path, text):

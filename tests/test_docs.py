@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import typer
 
-from kiln.supervisor import reference_docs
-from kiln.supervisor.cli import app
-from kiln.supervisor.config import KIND_SETTINGS, SCHEMA, WORKER_FIELDS, load_config
+from kiln.supervisor.cli import reference_docs
+from kiln.supervisor.cli.main import app
+from kiln.supervisor.core.config import KIND_SETTINGS, SCHEMA, WORKER_FIELDS, load_config
 
 pytestmark = []          # fast tier: reads files, starts nothing
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
-REGENERATE = "python -m kiln.supervisor.reference_docs"
+REGENERATE = "python -m kiln.supervisor.cli.reference_docs"
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 CODE_SPAN = re.compile(r"(`+).*?\1", re.S)

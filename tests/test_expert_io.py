@@ -9,8 +9,8 @@ import mmap
 import numpy as np
 import pytest
 
-from kiln.native.expert_io import AHEAD, DEMAND, FILL, ReadCancelled, ReadQueue, compiled_reader
-from kiln.native.expert_store import ExpertStore
+from kiln.native.experts.io import AHEAD, DEMAND, FILL, ReadCancelled, ReadQueue, compiled_reader
+from kiln.native.experts.store import ExpertStore
 
 DEADLINE = 10
 CHUNK = 64 << 10
@@ -161,7 +161,7 @@ def test_o_direct_refused_at_read_turns_to_buffered_reads_and_says_so(setup):
 @pytest.mark.parametrize("kind", ["compiled", "python"])
 def test_the_time_at_each_queue_depth_adds_up_to_the_time_reading(kind, data_file):
     """depth_seconds: how deep the disk's queue was while reading (the bench's read_queue_depth)."""
-    from kiln.native.expert_cache import mean_depth
+    from kiln.native.experts.cache import mean_depth
     if kind == "compiled" and compiled_reader() is None:
         pytest.skip("the compiled reader is not built")
     store = ExpertStore(data_file)

@@ -5,7 +5,7 @@ transparent-huge-page settings and the segment's tmpfs mount — given here as f
 
 import pytest
 
-from kiln.native.expert_memory import huge_page_bytes, place, private_buffer
+from kiln.native.experts.memory import huge_page_bytes, place, private_buffer
 
 SEG = "/dev/shm/kiln-0-abc-default"
 
@@ -72,7 +72,7 @@ def thp_eligible(address: int) -> bool:
 
 def test_private_memory_asks_for_huge_pages_where_the_system_gives_them():
     import numpy as np
-    from kiln.native.expert_memory import anon_huge_pages
+    from kiln.native.experts.memory import anon_huge_pages
     buf = private_buffer(8 << 20)
     address = np.frombuffer(buf, np.uint8).ctypes.data
     assert thp_eligible(address) == anon_huge_pages()

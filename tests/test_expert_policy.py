@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kiln.native.expert_policy import LFU, LRFU, LRU, belady, hottest, make_policy, replay
+from kiln.native.experts.policy import LFU, LRFU, LRU, belady, hottest, make_policy, replay
 
 
 def test_lru_evicts_the_least_recently_used():

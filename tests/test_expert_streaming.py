@@ -8,9 +8,10 @@ import pytest
 
 from conftest import reference, tiny_path
 from fidelity import assert_meets_bars, measure
-from kiln.native import kernels
-from kiln.native.expert_cache import ExpertCache, segment_bytes
-from kiln.native.expert_store import ExpertStore, expert_map
+from kiln.native import kernels, runners
+from kiln.native.experts.cache import ExpertCache, segment_bytes
+from kiln.native.experts.source import StreamedExperts
+from kiln.native.experts.store import ExpertStore, expert_map
 from kiln.native.model import load_model
 
 pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",
@@ -106,7 +107,8 @@ def test_streamed_models_meet_llama_cpps_bars(name, e8k2_path):
 
 @pytest.mark.parametrize("policy", ["lru", "lrfu"])
 @pytest.mark.parametrize("slots_per_layer", [1, 3, 8])
-def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e8k2_path, slots_per_layer, policy):
+def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e8k2_path, slots_per_layer, policy,
+                                                                              monkeypatch):
     """Decode steps — where the next layer's experts are read ahead while this one computes, the
     resident experts are computed first, and a layer whose chosen experts are all resident runs
     in the one compiled call through the cache's address table — give the in-RAM logits."""
@@ -124,20 +126,20 @@ def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e
     c.RA_MIN_PRECISION = 0                      # read every guess: its effect on the bits is the point
     m.expert_provider = c
     fused = {"calls": 0}
-    real = m._decode_layer
+    real = runners.decode_layer
 
     def count(*a, **kw):
         ok = real(*a, **kw)
         fused["calls"] += bool(ok and kw.get("experts", (None,))[0] is not None)
         return ok
-    m._decode_layer = count
-    real_ffn = m._streamed_ffn
+    monkeypatch.setattr(runners, "decode_layer", count)
+    real_ffn = StreamedExperts.compiled_ffn
 
     def count_ffn(*a):
         ok = real_ffn(*a)
         fused["steps"] = fused.get("steps", 0) + ok
         return ok
-    m._streamed_ffn = count_ffn
+    monkeypatch.setattr(StreamedExperts, "compiled_ffn", count_ffn)
     assert np.array_equal(run(), in_ram)
     if slots_per_layer < 8:
         assert fused.get("steps", 0) > 0          # layers whose experts arrived during the FFN
@@ -153,7 +155,7 @@ def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e
 def test_without_the_compiled_reader_python_threads_read_the_same_bits(e8k2_path, monkeypatch):
     """An install without the compiled module reads experts on Python threads (expert_io's
     ThreadReader): decode steps through a small cache still give the in-RAM logits."""
-    from kiln.native import expert_io
+    from kiln.native.experts import io as expert_io
     monkeypatch.setattr(expert_io, "compiled_reader", lambda: None)
     ids = reference("smollm2-moe-e8k2")[0]["prompts"][1]["ids"]
     m = load_model(e8k2_path)

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_path
 from kiln.native import kernels
 from kiln.native.models.tune import WITHIN, load_tuned, save_tuned, tune
-from kiln.supervisor import segments
+from kiln.supervisor.core import segments
 
 pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",
                                 reason="slots are multiplied in place by the compiled kernels")

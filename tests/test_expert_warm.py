@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from conftest import reference, tiny_path
-from kiln.native import expert_warm, kernels
-from kiln.native.expert_cache import ExpertCache
-from kiln.native.expert_store import ExpertStore
-from kiln.native.expert_warm import load_hot, save_hot
+from kiln.native import kernels
+from kiln.native.experts import warm as expert_warm
+from kiln.native.experts.cache import ExpertCache
+from kiln.native.experts.store import ExpertStore
+from kiln.native.experts.warm import load_hot, save_hot
 from kiln.native.model import load_model
 
 pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",
@@ -87,7 +88,7 @@ def test_a_disk_that_fails_during_the_preload_ends_it_and_loses_nothing(e8k2_pat
 
 
 def test_each_policy_puts_the_experts_it_would_keep_longest_first():
-    from kiln.native.expert_policy import make_policy
+    from kiln.native.experts.policy import make_policy
     uses = [(0, 1), (0, 2), (0, 2), (0, 3), (0, 2), (0, 3), (0, 1), (0, 4)]
     order = {}
     for name in ("lru", "lfu", "lrfu"):

@@ -97,34 +97,63 @@ def test_every_module_that_starts_a_daemon_is_in_the_e2e_tier():
 
 # -- the supervisor's own layers -------------------------------------------------------------------
 
-DIALECTS = {"openai_api": "openai", "openai_shapes": "openai", "openai_responses": "openai",
-            "anthropic_api": "anthropic", "ollama_api": "ollama", "ollama_library": "ollama",
-            "llama_server_api": "llama-server"}
+DIALECTS = {"http.openai": "openai", "http.openai_shapes": "openai", "http.openai_validate": "openai",
+            "http.openai_responses": "openai", "http.anthropic": "anthropic", "http.ollama": "ollama",
+            "http.ollama_library": "ollama", "http.llama_server": "llama-server", "http.llama_fields": "llama-server"}
+# the shared validation every dialect's translation uses (OpenAI's shapes are the common ground)
+SHARED = {"http.openai_validate", "http.llama_fields"}
 
 
 def _module_graph(package: str = "supervisor") -> dict[str, set[str]]:
-    """module -> the modules of the same package it imports (at any depth of the file)."""
+    """module ("core.router") -> the modules of the same package it imports, at any depth of the file."""
+    top = ROOT / package
+    modules = {".".join(p.relative_to(top).with_suffix("").parts): p for p in sorted(top.rglob("*.py"))
+               if p.name != "__init__.py"}
     graph: dict[str, set[str]] = {}
-    for path in sorted((ROOT / package).glob("*.py")):
-        names = set()
+    for name, path in modules.items():
+        here = name.split(".")[:-1]                    # the subpackage it sits in
+        found = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom):
-                if node.level == 1:
-                    if node.module:
-                        names.add(node.module.split(".")[0])
-                    else:
-                        names.update(a.name for a in node.names)
-                elif (node.module or "").startswith(f"kiln.{package}."):
-                    names.add(node.module.split(".")[2])
-        graph[path.stem] = {n for n in names if (ROOT / package / f"{n}.py").exists()} - {path.stem}
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                if node.level - 1 > len(here):
+                    continue
+                stem = base + (node.module.split(".") if node.module else [])
+            elif (node.module or "").startswith(f"kiln.{package}"):
+                stem = node.module.split(".")[2:]
+            else:
+                continue
+            for alias in node.names:                   # `from . import x` names modules too
+                for cand in (".".join(stem + [alias.name]), ".".join(stem)):
+                    if cand in modules:
+                        found.add(cand)
+                        break
+        graph[name] = found - {name}
     return graph
 
 
 def test_no_dialect_imports_another():
     graph = _module_graph()
     wrong = [f"{m} imports {t}" for m, ts in graph.items() if m in DIALECTS
-             for t in ts if t in DIALECTS and DIALECTS[t] != DIALECTS[m]]
-    assert not wrong, "a dialect shares only the pipeline (http_pipeline.py), never another dialect:\n" + "\n".join(wrong)
+             for t in ts if t in DIALECTS and DIALECTS[t] != DIALECTS[m] and t not in SHARED]
+    assert not wrong, "a dialect shares only the pipeline (http/pipeline.py), never another dialect:\n" + "\n".join(wrong)
+
+
+# who may import whom inside the supervisor: front ends -> bus -> core, nothing sideways
+LAYERS = {"core": {"core"}, "bus": {"bus", "core"}, "http": {"http", "bus", "core"},
+          "cli": {"cli", "bus", "core", "serve"}}         # `kiln up` runs what serve.py puts together
+
+
+def test_the_supervisor_imports_point_from_the_front_ends_to_the_core():
+    wrong = []
+    for m, ts in _module_graph().items():
+        layer = m.split(".")[0]
+        for t in ts:
+            if layer in LAYERS and t.split(".")[0] not in LAYERS[layer]:
+                wrong.append(f"supervisor/{m.replace('.', '/')}.py imports {t}")
+    assert not wrong, "cli and http -> bus -> core (supervisor/serve.py alone puts them together):\n" + "\n".join(wrong)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -17,8 +17,8 @@ from fakes import FakeClock, FakeSpawner
 
 from kiln.native.gguf_file import read_gguf
 from kiln.native.tokenizer import GIL_FREE_CHARS, GGUFTokenizer, TooManyTokens
-from kiln.supervisor import policy
-from kiln.supervisor.process_table import ProcessTable
+from kiln.supervisor.core import policy
+from kiln.supervisor.core.process_table import ProcessTable
 
 SETTINGS = policy.Settings(start_secs=1.0, max_restarts=3, restart_window=60.0, backoff_initial=0.5,
                            backoff_max=8.0, boot_timeout=10.0, stable_secs=10.0)

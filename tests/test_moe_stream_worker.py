@@ -17,7 +17,7 @@ import pytest
 
 from daemon_harness import Daemon, env_for
 from kiln.native import kernels
-from kiln.supervisor import segments
+from kiln.supervisor.core import segments
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),
               pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled", reason="needs the compiled kernels")]

@@ -4,9 +4,9 @@ and a Responses API or an Anthropic Messages request becomes the chat body
 
 import pytest
 
-from kiln.supervisor.http_common import JSONError
-from kiln.supervisor.openai_responses import chat_body
-from kiln.supervisor.openai_validate import grammar, messages, sampling_params, tools
+from kiln.supervisor.http.common import JSONError
+from kiln.supervisor.http.openai_responses import chat_body
+from kiln.supervisor.http.openai_validate import grammar, messages, sampling_params, tools
 
 
 @pytest.mark.parametrize("check,body,param", [
@@ -60,7 +60,7 @@ def test_responses_input_items_become_chat_messages():
 
 
 def test_anthropic_blocks_become_chat_messages():
-    from kiln.supervisor import anthropic_api
+    from kiln.supervisor.http import anthropic as anthropic_api
     body = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "be brief",
                                                        "cache_control": {"type": "ephemeral"}}],
             "stop_sequences": ["END"], "thinking": {"type": "enabled", "budget_tokens": 100},
@@ -120,7 +120,7 @@ def test_a_grammar_named_outright_goes_to_the_worker_as_is():
 def test_an_action_route_refuses_fields_it_would_ignore():
     import io
     from types import SimpleNamespace
-    from kiln.supervisor.http_common import action_body
+    from kiln.supervisor.http.common import action_body
     req = lambda raw: SimpleNamespace(bounded_stream=io.BytesIO(raw), method="POST",  # noqa: E731
                                       path="/v1/models/smol/unload")
     assert action_body(req(b"")) == {} and action_body(req(b"{}")) == {}
@@ -134,7 +134,7 @@ def test_an_action_route_refuses_fields_it_would_ignore():
 
 def test_the_stop_string_limit_is_the_engines():
     from kiln.native.sampling import MAX_STOPS
-    from kiln.supervisor import openai_validate
+    from kiln.supervisor.http import openai_validate
     assert openai_validate.MAX_STOPS == MAX_STOPS == 64
     assert sampling_params({"stop": [f"s{i}" for i in range(64)]})["stop"][-1] == "s63"
     with pytest.raises(JSONError):

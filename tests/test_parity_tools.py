@@ -8,8 +8,8 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from kiln.supervisor.cli import app
-from kiln.supervisor.sessions import SessionError, Sessions
+from kiln.supervisor.cli.main import app
+from kiln.supervisor.core.sessions import SessionError, Sessions
 
 runner = CliRunner()
 

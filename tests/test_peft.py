@@ -81,7 +81,7 @@ def test_unknown_tensors_are_refused(tmp_path):
 
 
 def test_cli_import_and_export(default_model, default_model_path, tmp_path):
-    from kiln.supervisor.cli import app
+    from kiln.supervisor.cli.main import app
     c = default_model.config
     export_peft(interop_adapter(default_model), tmp_path / "in", c.n_head, c.n_head_kv)
     env = {"KILN_HOME": str(tmp_path / "home")}

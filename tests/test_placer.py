@@ -13,11 +13,11 @@ from fakes import FakeClock, FakeSpawner
 
 from kiln.native.models.library import ModelNotFound
 from kiln.protocol import make
-from kiln.supervisor import policy
-from kiln.supervisor.placer import Placer
-from kiln.supervisor.units import parse_duration
-from kiln.supervisor.process_table import ProcessTable
-from kiln.supervisor.router import Client, Router, Target
+from kiln.supervisor.core import policy
+from kiln.supervisor.core.placer import Placer
+from kiln.supervisor.core.units import parse_duration
+from kiln.supervisor.core.process_table import ProcessTable
+from kiln.supervisor.core.router import Client, Router, Target
 
 SETTINGS = policy.Settings(start_secs=1.0, max_restarts=3, restart_window=60.0, backoff_initial=0.5,
                            backoff_max=8.0, boot_timeout=10.0, stable_secs=10.0)
@@ -326,7 +326,7 @@ def test_a_plan_is_made_once_per_file_version_off_the_loop_and_errors_are_rememb
     file's error, without parsing again; a changed file is planned anew."""
     import os
     from kiln.native.gguf_file import GGUFError
-    from kiln.supervisor.plan_cache import PlanCache
+    from kiln.supervisor.core.plan_cache import PlanCache
     calls = []
 
     def plan(path, ctx, parallel=None, draft=None):

@@ -1,6 +1,6 @@
 """The restart policy as a pure state machine, driven by an injected clock."""
 
-from kiln.supervisor.policy import (Exited, Hello, ProcState, Restart, Settings, Spawned, Start, Stop,
+from kiln.supervisor.core.policy import (Exited, Hello, ProcState, Restart, Settings, Spawned, Start, Stop,
                                     Tick, Unresponsive, step)
 
 CFG = Settings(start_secs=1.0, max_restarts=3, restart_window=60.0, backoff_initial=1.0,

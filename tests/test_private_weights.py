@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA
-from kiln.native.expert_store import expert_map
+from kiln.native.experts.store import expert_map
 from kiln.native.gguf_file import read_gguf
 from kiln.native.model import load_model
 
@@ -66,7 +66,7 @@ def test_a_file_cut_short_while_copying_names_the_tensor(tmp_path):
 
 def test_an_unknown_weights_mode_is_refused_with_the_choices():
     from kiln.native.model import WEIGHTS
-    from kiln.supervisor.config import WEIGHTS as CONFIG_WEIGHTS
+    from kiln.supervisor.core.config import WEIGHTS as CONFIG_WEIGHTS
     assert CONFIG_WEIGHTS == WEIGHTS                   # the CLI and the config check what the engine takes
     with pytest.raises(ValueError, match="weights = 'shared': must be one of mapped, private"):
         load_model(TINY / "tiny-llama.gguf", weights="shared")

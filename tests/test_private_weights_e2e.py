@@ -12,7 +12,7 @@ import pytest
 
 from daemon_harness import Daemon, env_for, http_json, kiln
 from kiln.native import kernels
-from kiln.native.expert_store import expert_map
+from kiln.native.experts.store import expert_map
 from kiln.native.gguf_file import read_gguf
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300),

@@ -84,3 +84,30 @@ def test_op_schemas_are_checked_at_the_boundary():
         validate_body("stream", {"n": 1, "zz": 2})
     with pytest.raises(SchemaError, match="must be int"):
         validate_body("stream", {"n": True})
+
+
+@pytest.mark.parametrize(("params", "field"), [({"temperature": 3.0}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                                               ({"max_tokens": -2}, "max_tokens"), ({"top_k": "4"}, "top_k"),
+                                               ({"seed": True}, "seed")])
+def test_a_worker_refuses_sampling_outside_the_shared_bounds(params, field):
+    from kiln.protocol.ops import SchemaError, validate_body
+    with pytest.raises(SchemaError, match=f"params.{field}"):
+        validate_body("generate", {"text": "x", "params": params})
+    validate_body("generate", {"text": "x", "params": {"temperature": 2, "max_tokens": -1, "top_k": 0}})
+
+
+def test_the_http_edge_and_the_wire_share_the_sampling_bounds():
+    """Every bound the HTTP edge checks is the wire's: a value just past it is refused at both."""
+    from kiln.protocol.ops import SchemaError, validate_body
+    from kiln.protocol.sampling import BOUNDS
+    from kiln.supervisor.http.common import JSONError
+    from kiln.supervisor.http.openai_validate import sampling_params
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repeat_penalty", "n", "typical_p"):
+        kinds, low, high = BOUNDS[name]
+        step = 1 if kinds == (int,) else 0.5
+        for v in (low - step, high + step):
+            with pytest.raises(JSONError):
+                sampling_params({name: v})
+            with pytest.raises(SchemaError):
+                validate_body("generate", {"text": "x", "params": {name: v}})

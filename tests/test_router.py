@@ -10,9 +10,9 @@ import pytest
 from fakes import FakeClock, FakeSpawner
 
 from kiln.protocol import make
-from kiln.supervisor import policy
-from kiln.supervisor.process_table import ProcessTable
-from kiln.supervisor.router import MAX_ATTEMPTS, Client, Router, Target
+from kiln.supervisor.core import policy
+from kiln.supervisor.core.process_table import ProcessTable
+from kiln.supervisor.core.router import MAX_ATTEMPTS, Client, Router, Target
 
 SETTINGS = policy.Settings(start_secs=1.0, max_restarts=3, restart_window=60.0, backoff_initial=0.5,
                            backoff_max=8.0, boot_timeout=10.0, stable_secs=10.0)

@@ -209,7 +209,7 @@ def test_client_disconnect_frees_the_worker_within_a_second(served):
 
 
 def test_kill_before_the_first_token_is_retried_invisibly(served, client):
-    long_prompt = [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 400}]
+    long_prompt = [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 140}]
     served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready")
     pid = worker(served)["pid"]
     retried = served.status()["router"]["retried"]
@@ -233,10 +233,13 @@ def tokens_seen(d) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("kiln_inter_token_seconds_count")))
 
 
+WHOLE = 120          # tokens of the interrupted whole answers: 20 come before the interruption
+
+
 def interrupted_whole_answer(served, client, content, interrupt):
-    """A 300-token non-streamed answer to a prompt never asked before, interrupted once 20 of its
+    """A WHOLE-token non-streamed answer to a prompt never asked before, interrupted once 20 of its
     tokens reached the front end (/metrics); then the same request again, uninterrupted."""
-    ask = dict(model="default", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=300,
+    ask = dict(model="default", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=WHOLE,
                extra_body={"ignore_eos": True, "speculative": False})
     served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready")
     result = {}
@@ -257,7 +260,7 @@ def test_kill_mid_answer_of_a_whole_answer_runs_it_again_and_loses_nothing(serve
     router runs it again and the client gets the whole answer, as if nothing had happened."""
     pid, retried = worker(served)["pid"], served.status()["router"]["retried"]
     r, calm = interrupted_whole_answer(served, client, "Tell me about the sea.", lambda: os.kill(pid, signal.SIGKILL))
-    assert r.choices[0].message.content == calm.choices[0].message.content and r.usage.completion_tokens == 300
+    assert r.choices[0].message.content == calm.choices[0].message.content and r.usage.completion_tokens == WHOLE
     assert worker(served)["pid"] != pid and served.status()["router"]["retried"] == retried + 1
     assert any(e["event"] == "request_retried" and "had not shown" in e["detail"] for e in served.status()["events"])
 
@@ -266,7 +269,7 @@ def test_a_restart_mid_answer_of_a_whole_answer_runs_it_again_on_the_successor(s
     pid, retried = worker(served)["pid"], served.status()["router"]["retried"]
     r, calm = interrupted_whole_answer(served, client, "Tell me about rivers.",
                                        lambda: served.command("restart", {"name": "default"}))
-    assert r.choices[0].message.content == calm.choices[0].message.content and r.usage.completion_tokens == 300
+    assert r.choices[0].message.content == calm.choices[0].message.content and r.usage.completion_tokens == WHOLE
     assert worker(served)["pid"] != pid and served.status()["router"]["retried"] == retried + 1
 
 

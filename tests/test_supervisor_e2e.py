@@ -10,7 +10,7 @@ import zmq
 
 from daemon_harness import Daemon, kiln, spec
 from kiln.protocol import decode_frames, encode_frames, make
-from kiln.supervisor.client import CommandFailed
+from kiln.supervisor.bus.client import CommandFailed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from daemon_harness import Daemon, kiln, spec
-from kiln.supervisor.http_guard import check_bind, host_name, is_loopback
+from kiln.supervisor.core.addresses import check_bind, host_name, is_loopback
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

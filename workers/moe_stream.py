@@ -19,10 +19,10 @@ import time
 
 import psutil
 
-from kiln.native.expert_cache import ExpertCache
-from kiln.native.expert_memory import place, private_buffer, shared_buffer
-from kiln.native.expert_store import ExpertStore, expert_map
-from kiln.native.expert_warm import load_hot, save_hot
+from kiln.native.experts.cache import ExpertCache
+from kiln.native.experts.memory import place, private_buffer, shared_buffer
+from kiln.native.experts.store import ExpertStore, expert_map
+from kiln.native.experts.warm import load_hot, save_hot
 from kiln.native.gguf_file import read_gguf
 
 from .inference import InferenceWorker

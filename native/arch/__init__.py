@@ -1,5 +1,6 @@
 """The architecture registry: one module per family (native/arch/*.py), each declaring its
-hyperparameters, the tensors a layer needs, and its `layer()`. `family(arch)` finds one; an
+hyperparameters, the tensors a layer needs, and its layer — a dataclass of the parts in
+native/arch/parts.py and its own, each carrying its forward. `family(arch)` finds one; an
 architecture not listed is refused with the list of those that are."""
 
 from __future__ import annotations

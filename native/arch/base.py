@@ -1,11 +1,12 @@
-"""What every architecture family declares, and the layer skeleton most of them share.
+"""What every architecture family declares, and the layer most of them share.
 
 A family says which GGUF tensors a layer needs (`matrices`: multiplied by the kernels;
 `vectors`: float32 norms and biases; `fused`: one stored matrix that holds several, split by
-rows at load), reads its own hyperparameters from the metadata (`hparams`), and writes its
-`layer()` as named blocks of the model: norm, attention, ffn. Which kernel runs a block — the
-one-call compiled decode, the compiled products, numpy — is decided below, in native/model.py,
-and is invisible here.
+rows at load), reads its own hyperparameters from the metadata (`hparams`), and builds each
+layer from those tensors (`layer_weights`): its own dataclass, composed of the parts in
+native/arch/parts.py (attention, FFN, routed experts) and its own, each carrying its forward.
+How a layer runs — one compiled call per decode step, streamed experts, its blocks through the
+compiled products or numpy — is chosen at load, in native/runners.py, and is invisible here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import numpy as np
+from .parts import FFN, Attention, Layer, MoE, SharedExpertMoE, take, vector_weight
 
 # Sane ranges of hyperparameters (native/config.py checks every one it reads): above every
 # released model, far below what would exhaust memory or time.
@@ -35,9 +36,7 @@ class Family:
     norm_topk = False             # MoE: renormalise the top-k router weights (when the file says nothing)
     moe = False                   # routed experts in every layer
     shared_expert = False
-    # True when layer() is the llama skeleton below (pre-norm attention, pre-norm FFN): such a
-    # layer may run as one compiled call per decode step
-    llama_skeleton = True
+    attention = Attention         # the part a layer attends with (a family's: biases, q/k norms, …)
     notes = ""                    # what the family needed, for the README and `models inspect`
 
     # -- what a layer needs -------------------------------------------------------------------
@@ -104,13 +103,25 @@ class Family:
         """Whole-model vectors beyond the norms (e.g. rope_freqs), field -> name, if present."""
         return {}
 
-    # -- the forward --------------------------------------------------------------------------
+    # -- the layer ----------------------------------------------------------------------------
 
-    def layer(self, m, i: int, L, x: np.ndarray, ctx) -> np.ndarray:
-        """The llama skeleton: x + attention(norm(x)), then + ffn(norm(x))."""
-        x = x + m.attention(i, L, m.norm(x, L.attn_norm), ctx)
-        ctx.residual = x
-        return x + m.ffn(i, L, m.norm(x, L.ffn_norm), ctx)
+    def layer_weights(self, c, i: int, t: dict) -> Layer:
+        """Layer i from its loaded tensors `t` (field -> Weight or float32 vector): the llama
+        skeleton of the family's attention and its FFN."""
+        return Layer(attn_norm=t["attn_norm"], attn=self.attention_weights(c, i, t), ffn_norm=t["ffn_norm"],
+                     ffn=self.ffn_weights(c, i, t))
+
+    def attention_weights(self, c, i: int, t: dict) -> Attention:
+        window = c.get("sliding_window") if self.sliding(c, i) else 0
+        return take(self.attention, t, window=window)
+
+    def ffn_weights(self, c, i: int, t: dict) -> FFN | MoE:
+        if not c.is_moe:
+            return take(FFN, t)
+        if self.shared_expert:
+            gate = vector_weight(self.vectors(c, i)["shared_gate"], t["shared_gate"])
+            return take(SharedExpertMoE, t, shared_gate=gate)
+        return take(MoE, t)
 
     def kv_layers(self, c) -> list[int]:
         """The layers whose keys and values grow with the context (not recurrent, not sliding).

@@ -7,16 +7,43 @@ token embedding (tied)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from .. import ggml_round
+from ..kernels import matmul_many
 from .base import MAX_CONTEXT, MAX_LAYERS, Family, check_window
+from .parts import FFN, Layer, NormedAttention, take
 
 F32 = np.float32
 
 
+@dataclass(kw_only=True)
+class GeluFFN(FFN):
+    """GELU-gated: down(gelu(gate x) · up x)."""
+
+    def __call__(self, i, x, b):
+        g, u = (b.project(x, w) for w in (self.gate, self.up)) if b.adapter is not None \
+            else matmul_many(x, [self.gate, self.up])
+        return b.project(ggml_round.geglu(g, u), self.down)
+
+
+@dataclass(kw_only=True)
+class Gemma3Layer(Layer):
+    """Each block's output RMS-normed before it joins the residual stream."""
+    post_attn_norm: np.ndarray
+    post_ffn_norm: np.ndarray
+
+    def __call__(self, i, x, b):
+        h = self.attn(i, b.norm(x, self.attn_norm), b)
+        x = x + b.norm(h, self.post_attn_norm)
+        h = self.ffn(i, b.norm(x, self.ffn_norm), b)
+        return x + b.norm(h, self.post_ffn_norm)
+
+
 class Gemma3(Family):
     name, rope = "gemma3", "neox"
-    llama_skeleton = False
     qk_norm = "head"
     notes = ("embeddings × √n_embd, four norms per layer, per-head q/k norms, GELU-gated FFN, "
              "sliding-window layers (pattern 6, own rope base), tied output")
@@ -60,14 +87,12 @@ class Gemma3(Family):
     def embed_scale(self, c) -> float:
         return float(np.sqrt(F32(c.n_embd)))
 
-    def layer(self, m, i, L, x, ctx):
-        c = m.config
+    def layer_weights(self, c, i, t):
+        """Sliding layers attend within the window with their own rope base."""
         local = self.sliding(c, i)
-        rope = ctx.rope(c.get("rope_base_swa")) if local else None
-        h = m.attention(i, L, m.norm(x, L.attn_norm), ctx, window=c.get("sliding_window") if local else 0, rope=rope)
-        x = x + m.norm(h, L.post_attn_norm)
-        h = m.ffn(i, L, m.norm(x, L.ffn_norm), ctx, act="gelu")
-        return x + m.norm(h, L.post_ffn_norm)
+        attn = take(NormedAttention, t, window=c.get("sliding_window") if local else 0,
+                    rope_base=c.get("rope_base_swa") if local else None)
+        return take(Gemma3Layer, t, attn=attn, ffn=take(GeluFFN, t))
 
     def facts(self, c) -> dict:
         local = [i for i in range(c.n_layer) if self.sliding(c, i)]

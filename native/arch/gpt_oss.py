@@ -7,12 +7,15 @@ weights are MXFP4."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..blocks import apply_rope
 from ..ggml_round import libm_expf
 from ..kernels import matmul, matmul_many
 from .base import MAX_CONTEXT, Family, check_window
+from .parts import BiasedAttention, MoE, take
 
 F32 = np.float32
 ALPHA, LIMIT = F32(1.702), F32(7.0)
@@ -31,9 +34,54 @@ def softmax_c(x: np.ndarray) -> np.ndarray:
     return e * (1.0 / e.astype(np.float64).sum(axis=-1, keepdims=True)).astype(F32)
 
 
+@dataclass(kw_only=True)
+class SinkAttention(BiasedAttention):
+    """Biased q, k, v and output; a sink logit per head in every softmax's denominator."""
+    bo: np.ndarray
+    sinks: np.ndarray
+
+    def __call__(self, i, x, b):
+        c = b.config
+        T = x.shape[0]
+        q, k, v = matmul_many(x, [self.wq, self.wk, self.wv])
+        q = apply_rope(np.ascontiguousarray((q + self.bq).reshape(T, c.n_head, c.head_dim)), b.cos, b.sin, c.rope_style)
+        k = apply_rope(np.ascontiguousarray((k + self.bk).reshape(T, c.n_head_kv, c.head_dim)), b.cos, b.sin,
+                       c.rope_style)
+        v = (v + self.bv).reshape(T, c.n_head_kv, c.head_dim)
+        return matmul(b.attend(i, q, k, v, None, self.window, self.sinks), self.wo) + self.bo
+
+
+@dataclass(kw_only=True)
+class BiasedMoE(MoE):
+    """Router logits + bias; the top-k logits softmaxed into weights; experts with biased
+    gate/up/down and the swiglu-oai activation, summed slot by slot in the chosen order."""
+    router_b: np.ndarray
+    gate_b: np.ndarray
+    up_b: np.ndarray
+    down_b: np.ndarray
+
+    def __call__(self, i, x, b):
+        c = b.config
+        logits = matmul(x, self.router) + self.router_b                               # (T, E)
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :c.n_expert_used]        # chosen by logit
+        weights = softmax_c(np.take_along_axis(logits, top, axis=-1))
+        b.experts.prefetch(i, np.unique(top), rows=len(x))
+        per_slot = np.empty((x.shape[0], top.shape[1], x.shape[1]), F32)
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            gate, up, down = b.experts.weights(i, self, int(e))
+            xs = x[rows]
+            h = swiglu_oai(matmul(xs, gate) + self.gate_b[e], matmul(xs, up) + self.up_b[e])
+            per_slot[rows, slot] = weights[rows, slot, None] * (matmul(h, down) + self.down_b[e])
+        out = per_slot[:, 0].copy()
+        for j in range(1, top.shape[1]):          # summed slot by slot, in the chosen (logit) order, as ggml
+            out += per_slot[:, j]
+        return out
+
+
 class GptOss(Family):
     name, aliases, rope, moe = "gpt-oss", ("gpt_oss",), "neox", True
-    llama_skeleton = False
+    attention = SinkAttention                    # in the llama skeleton, with BiasedMoE for its FFN
     notes = ("attention sinks, biased q/k/v/o, alternate sliding-window layers, YaRN rope, biased MoE with "
              "softmax over the chosen logits and the swiglu-oai activation, MXFP4 expert weights")
 
@@ -70,39 +118,5 @@ class GptOss(Family):
                 "sliding_layers": sum(self.sliding(c, i) for i in range(c.n_layer)),
                 "rope_scaling": c.rope_scaling, "rope_factor": c.rope_scale}
 
-    # -- the forward --------------------------------------------------------------------------
-
-    def layer(self, m, i, L, x, ctx):
-        x = x + self.attention(m, i, L, m.norm(x, L.attn_norm), ctx)
-        return x + self.experts(m, i, L, m.norm(x, L.ffn_norm))
-
-    def attention(self, m, i, L, x, ctx):
-        c = m.config
-        T = x.shape[0]
-        q, k, v = matmul_many(x, [L.wq, L.wk, L.wv])
-        q = apply_rope(np.ascontiguousarray((q + L.bq).reshape(T, c.n_head, c.head_dim)), ctx.cos, ctx.sin, c.rope_style)
-        k = apply_rope(np.ascontiguousarray((k + L.bk).reshape(T, c.n_head_kv, c.head_dim)), ctx.cos, ctx.sin,
-                       c.rope_style)
-        v = (v + L.bv).reshape(T, c.n_head_kv, c.head_dim)
-        window = c.get("sliding_window") if self.sliding(c, i) else 0
-        return matmul(m.attend(i, q, k, v, ctx.segments, None, window, L.sinks), L.wo) + L.bo
-
-    def experts(self, m, i, L, x):
-        c = m.config
-        logits = matmul(x, L.router) + L.router_b                                     # (T, E)
-        top = np.argsort(-logits, axis=-1, kind="stable")[:, :c.n_expert_used]        # chosen by logit
-        weights = softmax_c(np.take_along_axis(logits, top, axis=-1))
-        provider = m.expert_provider
-        if provider is not None:
-            provider.prefetch(i, np.unique(top), rows=len(x))
-        per_slot = np.empty((x.shape[0], top.shape[1], x.shape[1]), F32)
-        for e in np.unique(top):
-            rows, slot = np.nonzero(top == e)
-            gate, up, down = L.expert(int(e)) if provider is None else provider.weights(i, int(e))
-            xs = x[rows]
-            h = swiglu_oai(matmul(xs, gate) + L.gate_b[e], matmul(xs, up) + L.up_b[e])
-            per_slot[rows, slot] = weights[rows, slot, None] * (matmul(h, down) + L.down_b[e])
-        out = per_slot[:, 0].copy()
-        for j in range(1, top.shape[1]):          # summed slot by slot, in the chosen (logit) order, as ggml
-            out += per_slot[:, j]
-        return out
+    def ffn_weights(self, c, i, t):
+        return take(BiasedMoE, t)

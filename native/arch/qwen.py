@@ -7,7 +7,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..blocks import rms_norm
 from .base import Family
+from .parts import Attention, BiasedAttention, NormedAttention
 
 
 def _bias(i: int) -> dict[str, str]:
@@ -18,8 +24,19 @@ def _qk_norm(i: int) -> dict[str, str]:
     return {"q_norm": f"blk.{i}.attn_q_norm.weight", "k_norm": f"blk.{i}.attn_k_norm.weight"}
 
 
+@dataclass(kw_only=True)
+class ProjectionNormedAttention(Attention):
+    """q and k RMS-normed over the whole projection, before the heads are split (olmoe)."""
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+
+    def heads(self, c, q, k, v):
+        return super().heads(c, rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps), v)
+
+
 class Qwen2(Family):
     name, rope, norm_topk = "qwen2", "neox", False
+    attention = BiasedAttention
     notes = "q/k/v biases, rotate-half rope"
 
     def vectors(self, c, i):
@@ -30,6 +47,7 @@ class Qwen3(Family):
     name, rope, norm_topk = "qwen3", "neox", True
     notes = "per-head q/k RMSNorm"
     qk_norm = "head"
+    attention = NormedAttention
 
     def vectors(self, c, i):
         return super().vectors(c, i) | _qk_norm(i)
@@ -52,6 +70,7 @@ class Olmoe(Family):
     name, rope, norm_topk, moe = "olmoe", "neox", False, True
     notes = "q/k RMSNorm over the whole projection, routed experts"
     qk_norm = "full"
+    attention = ProjectionNormedAttention
 
     def vectors(self, c, i):
         return super().vectors(c, i) | _qk_norm(i)

@@ -18,11 +18,14 @@ sequence's cache; prefix reuse is exact-extension only (a state cannot be rolled
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..blocks import apply_rope, rms_norm
-from ..kernels import matmul, matmul_many
+from ..kernels import Weight, matmul, matmul_many
 from .base import MAX_LAYERS, MAX_WIDTH, Family
+from .parts import Layer, NormedAttention, take
 
 F32 = np.float32
 CHUNK = 64
@@ -42,9 +45,68 @@ def _l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
     return x * (F32(1) / np.maximum(s, F32(eps)))
 
 
+@dataclass(kw_only=True)
+class GatedAttention(NormedAttention):
+    """Full attention whose q projection gives per head the query rows, then gate rows: per-head
+    q/k norms, rope, attention × sigmoid(gate) → output."""
+
+    def __call__(self, i, x, b):
+        c = b.config
+        T, H, D = x.shape[0], c.n_head, c.head_dim
+        qg, k, v = matmul_many(x, [self.wq, self.wk, self.wv])
+        qg = qg.reshape(T, H, 2, D)
+        q, gate = np.ascontiguousarray(qg[:, :, 0]), qg[:, :, 1].reshape(T, H * D)
+        q = rms_norm(q, self.q_norm, c.rms_eps)
+        k = rms_norm(k.reshape(T, c.n_head_kv, D), self.k_norm, c.rms_eps)
+        v = v.reshape(T, c.n_head_kv, D)
+        q = apply_rope(q, b.cos, b.sin, c.rope_style)
+        k = apply_rope(np.ascontiguousarray(k), b.cos, b.sin, c.rope_style)
+        return matmul(b.attend(i, q, k, v) * _sigmoid(gate), self.wo)
+
+
+@dataclass(kw_only=True)
+class DeltaNet:
+    """A gated delta net (linear attention): conv → q, k, v; the delta rule over a recurrent
+    state per sequence; its output normed and SiLU-gated → ssm_out."""
+    wqkv: Weight
+    wgate: Weight
+    ssm_beta: Weight
+    ssm_alpha: Weight
+    ssm_out: Weight
+    ssm_conv: np.ndarray
+    ssm_dt: np.ndarray
+    ssm_a: np.ndarray
+    ssm_norm: np.ndarray
+
+    def __call__(self, i, x, b):
+        c = b.config
+        Hk, Hv, dk = c.get("ssm_k_heads"), c.get("ssm_v_heads"), c.get("ssm_state")
+        dv = c.get("ssm_inner") // Hv
+        mixed, z = matmul_many(x, [self.wqkv, self.wgate])
+        beta = _sigmoid(matmul(x, self.ssm_beta))                                      # (T, Hv)
+        g = _softplus(matmul(x, self.ssm_alpha) + self.ssm_dt) * self.ssm_a             # (T, Hv) log-decay
+        out = np.empty((x.shape[0], Hv, dv), F32)
+        for cache, a, e in b.segments:
+            st = cache.recurrent_state(i)
+            conv_in = np.concatenate([st["conv"], mixed[a:e]])                           # (K-1+T, C)
+            st["conv"][:] = conv_in[-st["conv"].shape[0]:]
+            K, T = self.ssm_conv.shape[1], e - a
+            conv = conv_in[0:T] * self.ssm_conv[:, 0]
+            for j in range(1, K):
+                conv = conv + conv_in[j:j + T] * self.ssm_conv[:, j]
+            conv = conv * _sigmoid(conv)                                                 # SiLU
+            q = _l2_norm(conv[:, :Hk * dk].reshape(T, Hk, dk), c.rms_eps)
+            k = _l2_norm(conv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk), c.rms_eps)
+            v = conv[:, 2 * Hk * dk:].reshape(T, Hv, dv)
+            rep = np.arange(Hv) % Hk                                                     # value head h: key head h mod Hk
+            q, k = q[:, rep] * F32(1 / np.sqrt(F32(dk))), k[:, rep]
+            out[a:e] = gated_delta_rule(q, k, v, g[a:e], beta[a:e], st["ssm"])
+        o = rms_norm(out, self.ssm_norm, c.rms_eps) * (z.reshape(-1, Hv, dv) * _sigmoid(z.reshape(-1, Hv, dv)))
+        return matmul(o.reshape(x.shape[0], Hv * dv).astype(F32), self.ssm_out)
+
+
 class Qwen35(Family):
     name, rope, norm_topk = "qwen35", "neox", True
-    llama_skeleton = False
     notes = ("gated delta-net layers (conv1d and recurrent state per sequence, chunked prefill) "
              "interleaved with gated full attention (q|gate projection, q/k norms, partial rope)")
 
@@ -88,7 +150,7 @@ class Qwen35(Family):
 
     def vectors(self, c, i):
         p = f"blk.{i}."
-        v = {"attn_norm": p + "attn_norm.weight", "post_attn_norm": p + "post_attention_norm.weight"}
+        v = {"attn_norm": p + "attn_norm.weight", "ffn_norm": p + "post_attention_norm.weight"}   # the pre-FFN norm
         if self.recurrent(c, i):
             v |= {"ssm_conv": p + "ssm_conv1d.weight", "ssm_dt": p + "ssm_dt.bias", "ssm_a": p + "ssm_a",
                   "ssm_norm": p + "ssm_norm.weight"}
@@ -112,51 +174,10 @@ class Qwen35(Family):
                 "recurrent_state_bytes": per_seq, "ssm": {k: c.get(k) for k in ("ssm_conv", "ssm_inner", "ssm_state",
                                                                                "ssm_v_heads", "ssm_k_heads")}}
 
-    # -- the forward --------------------------------------------------------------------------
-
-    def layer(self, m, i, L, x, ctx):
-        h = m.norm(x, L.attn_norm)
-        x = x + (self.delta_net(m, i, L, h, ctx) if self.recurrent(m.config, i) else self.gated_attention(m, i, L, h, ctx))
-        return x + m.ffn(i, L, m.norm(x, L.post_attn_norm), ctx)
-
-    def gated_attention(self, m, i, L, x, ctx):
-        c = m.config
-        T, H, D = x.shape[0], c.n_head, c.head_dim
-        qg, k, v = matmul_many(x, [L.wq, L.wk, L.wv])
-        qg = qg.reshape(T, H, 2, D)
-        q, gate = np.ascontiguousarray(qg[:, :, 0]), qg[:, :, 1].reshape(T, H * D)
-        q = rms_norm(q, L.q_norm, c.rms_eps)
-        k = rms_norm(k.reshape(T, c.n_head_kv, D), L.k_norm, c.rms_eps)
-        v = v.reshape(T, c.n_head_kv, D)
-        q = apply_rope(q, ctx.cos, ctx.sin, c.rope_style)
-        k = apply_rope(np.ascontiguousarray(k), ctx.cos, ctx.sin, c.rope_style)
-        return matmul(m.attend(i, q, k, v, ctx.segments) * _sigmoid(gate), L.wo)
-
-    def delta_net(self, m, i, L, x, ctx):
-        c = m.config
-        Hk, Hv, dk = c.get("ssm_k_heads"), c.get("ssm_v_heads"), c.get("ssm_state")
-        dv = c.get("ssm_inner") // Hv
-        mixed, z = matmul_many(x, [L.wqkv, L.wgate])
-        beta = _sigmoid(matmul(x, L.ssm_beta))                                         # (T, Hv)
-        g = _softplus(matmul(x, L.ssm_alpha) + L.ssm_dt) * L.ssm_a                      # (T, Hv) log-decay
-        out = np.empty((x.shape[0], Hv, dv), F32)
-        for cache, a, b in ctx.segments:
-            st = cache.recurrent_state(i)
-            conv_in = np.concatenate([st["conv"], mixed[a:b]])                           # (K-1+T, C)
-            st["conv"][:] = conv_in[-st["conv"].shape[0]:]
-            K, T = L.ssm_conv.shape[1], b - a
-            conv = conv_in[0:T] * L.ssm_conv[:, 0]
-            for j in range(1, K):
-                conv = conv + conv_in[j:j + T] * L.ssm_conv[:, j]
-            conv = conv * _sigmoid(conv)                                                 # SiLU
-            q = _l2_norm(conv[:, :Hk * dk].reshape(T, Hk, dk), c.rms_eps)
-            k = _l2_norm(conv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk), c.rms_eps)
-            v = conv[:, 2 * Hk * dk:].reshape(T, Hv, dv)
-            rep = np.arange(Hv) % Hk                                                     # value head h: key head h mod Hk
-            q, k = q[:, rep] * F32(1 / np.sqrt(F32(dk))), k[:, rep]
-            out[a:b] = gated_delta_rule(q, k, v, g[a:b], beta[a:b], st["ssm"])
-        o = rms_norm(out, L.ssm_norm, c.rms_eps) * (z.reshape(-1, Hv, dv) * _sigmoid(z.reshape(-1, Hv, dv)))
-        return matmul(o.reshape(x.shape[0], Hv * dv).astype(F32), L.ssm_out)
+    def layer_weights(self, c, i, t):
+        """The llama skeleton with a delta net or gated attention as its token mixer."""
+        mixer = take(DeltaNet, t) if self.recurrent(c, i) else take(GatedAttention, t)
+        return Layer(attn_norm=t["attn_norm"], attn=mixer, ffn_norm=t["ffn_norm"], ffn=self.ffn_weights(c, i, t))
 
 
 class Qwen35Moe(Qwen35):

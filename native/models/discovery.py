@@ -22,7 +22,7 @@ from pathlib import Path
 from gguf import LlamaFileType
 
 from ..gguf_file import GGUFError, read_gguf
-from .library import kiln_home, model_dirs
+from .folders import kiln_home, model_dirs
 
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .folders import kiln_home, model_dirs  # noqa: F401  (library.model_dirs is how callers name it)
+
 
 @dataclass(frozen=True)
 class DefaultModel:
@@ -36,18 +38,6 @@ class ModelNotFound(LookupError):
 
 class PullError(RuntimeError):
     pass
-
-
-def kiln_home() -> Path:
-    return Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln")
-
-
-def model_dirs() -> list[Path]:
-    dirs = [kiln_home() / "models"]
-    for entry in os.environ.get("KILN_MODEL_PATH", "").split(os.pathsep):
-        if entry:
-            dirs.append(Path(entry).expanduser())
-    return dirs
 
 
 def _candidates() -> list[Path]:

@@ -61,8 +61,8 @@ def tune(path: Path, *, tokens: int = 32, warmup: int = 8, available: int | None
     hears about each run."""
     import psutil
 
-    from ..expert_cache import ExpertCache
-    from ..expert_store import ExpertStore, expert_map
+    from ..experts.cache import ExpertCache
+    from ..experts.store import ExpertStore, expert_map
     from ..model import load_model
 
     path = Path(path)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..arch.parts import BiasedAttention, NormedAttention
 from ..lora import TRAINABLE_ARCHS, AdapterError
 
 
@@ -46,14 +47,15 @@ class FrozenBase:
         self.out_norm = cast(model.output_norm)
         self.layers = []
         for L in model.layers:
-            mats = {"attn_q": L.wq, "attn_k": L.wk, "attn_v": L.wv, "attn_output": L.wo,
-                    "ffn_gate": L.gate, "ffn_up": L.up, "ffn_down": L.down}
+            a, f = L.attn, L.ffn
+            mats = {"attn_q": a.wq, "attn_k": a.wk, "attn_v": a.wv, "attn_output": a.wo,
+                    "ffn_gate": f.gate, "ffn_up": f.up, "ffn_down": f.down}
             bl = BaseLayer(cast(L.attn_norm), cast(L.ffn_norm), {k: cast(w.dense) for k, w in mats.items()},
                            {k: w.name for k, w in mats.items()})
-            if L.bq is not None:
-                bl.bias = {"attn_q": cast(L.bq), "attn_k": cast(L.bk), "attn_v": cast(L.bv)}
-            if L.q_norm is not None:
-                bl.q_norm, bl.k_norm = cast(L.q_norm), cast(L.k_norm)
+            if isinstance(a, BiasedAttention):                   # qwen2
+                bl.bias = {"attn_q": cast(a.bq), "attn_k": cast(a.bk), "attn_v": cast(a.bv)}
+            if isinstance(a, NormedAttention):                   # qwen3: per head
+                bl.q_norm, bl.k_norm = cast(a.q_norm), cast(a.k_norm)
             self.layers.append(bl)
         half = c.rope_dim // 2
         self.inv_freq = 1.0 / (c.rope_base ** (np.arange(0, c.rope_dim, 2, dtype=np.float64) / c.rope_dim))

@@ -1,0 +1,82 @@
+"""The rows one forward computes — of one or more sequences, each appended to its own cache —
+and what every block of that forward shares: rope tables, the caches, the adapter, where routed
+experts come from. Its methods are the operations a layer's parts (native/arch/parts.py) are
+written in: norm, project (the adapter's delta added), attend (keys and values stored in each
+sequence's cache first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blocks import attention, rms_norm, rope_tables
+from .kernels import Weight, matmul, matmul_many
+
+
+class Batch:
+    def __init__(self, model, positions: np.ndarray, segments: list, adapter=None):
+        """`segments`: (cache, first row, end row) of each sequence; `positions`: each row's."""
+        c = self.config = model.config
+        self.positions, self.segments, self.adapter = positions, segments, adapter
+        self.experts = model.experts              # the mapped file's, or an expert cache's (native/experts/source.py)
+        self.attn_scales = model.attn_scales      # (q_scale, kq_scale) of the family
+        self._rope = (c.rope_dim, c.rope_scale, model.rope_factors, model.rope_yarn)
+        self.cos, self.sin = self._tables(c.rope_base)
+        self._other_ropes: dict = {}
+        self.residual: np.ndarray | None = None   # the stream an FFN's output is added to (streamed experts read ahead from it)
+        self.scratch: dict = {}                   # what a runner works out once per batch (native/runners.py)
+
+    @property
+    def n_rows(self) -> int:
+        return self.segments[-1][2]
+
+    def _tables(self, base: float) -> tuple[np.ndarray, np.ndarray]:
+        rope_dim, scale, factors, yarn = self._rope
+        return rope_tables(self.positions, rope_dim, base, scale, factors, yarn)
+
+    def rope(self, base: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) of these rows' positions; `base`: another rope base (gemma3's sliding layers)."""
+        if base is None:
+            return self.cos, self.sin
+        if base not in self._other_ropes:
+            self._other_ropes[base] = self._tables(base)
+        return self._other_ropes[base]
+
+    def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return rms_norm(x, w, self.config.rms_eps)
+
+    def project(self, x: np.ndarray, w: Weight) -> np.ndarray:
+        """x times w, and the adapter's low-rank delta where it names w."""
+        y = matmul(x, w)
+        self._add_delta(x, w, y)
+        return y
+
+    def project_many(self, x: np.ndarray, ws) -> list[np.ndarray]:
+        """[project(x, w) for w in ws], the products in one call (one activation quantization)."""
+        ys = matmul_many(x, list(ws))
+        for y, w in zip(ys, ws):
+            self._add_delta(x, w, y)
+        return ys
+
+    @property
+    def mm(self):
+        """How a block multiplies by a weight: the plain product, or the adapter-adding one."""
+        return matmul if self.adapter is None else self.project
+
+    def _add_delta(self, x: np.ndarray, w: Weight, y: np.ndarray) -> None:
+        if self.adapter is not None:
+            d = self.adapter.delta(x, w)
+            if d is not None:
+                y += d
+
+    def attend(self, i: int, q, k, v, scale=None, window: int = 0, sinks=None) -> np.ndarray:
+        """Store each sequence's new keys and values in layer i of its cache (a sliding-window
+        layer keeps only its window) and attend over them: (T, H*d) for rows of all sequences."""
+        outs = []
+        for cache, a, b in self.segments:
+            if window:
+                keys, values, start = cache.store_window(i, k[a:b], v[a:b])
+            else:
+                (keys, values), start = cache.store(i, k[a:b], v[a:b]), cache.n
+            outs.append(attention(q[a:b], keys, values, start, scale, window, sinks))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)

@@ -1,0 +1,173 @@
+"""How each layer runs, chosen once at load (and again when an expert cache is attached): the
+forward is `for run in runners: x = run(x, batch)`.
+
+    BlocksLayer    the layer's own forward (native/arch/): its parts through the compiled
+                   products or numpy
+    OneCallLayer   a llama-skeleton layer whose decode steps run in one compiled call — its
+                   attention and its dense or routed FFN (or the attention alone, the FFN then
+                   through its blocks); other batches through its blocks
+    StreamedLayer  the same with routed experts from an expert cache: one call when the chosen
+                   experts are resident, else compiled steps as they arrive
+
+Every way computes the same bits. What depends on the batch — a decode step or a short run of
+one sequence's rows, against a prompt — is decided per call, inside the runner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels
+from .arch.parts import FFN, Attention, Layer, MoE
+from .experts.source import StreamedExperts
+
+# the longest run of one sequence's rows a layer computes in one compiled call (a speculative
+# draft and the token before it); longer runs (prompts) take the blocks
+FUSED_RUN = 17
+ONE_CALL_ROWS = 64         # and the most rows of a batch
+
+
+def one_call_rows(b) -> list | None:
+    """(cache, position) of each row when this batch may run a layer in one compiled call: a
+    decode step (one row per sequence), or a short run of rows (a speculative draft being
+    checked: a row at position p attends to the rows before it, whose keys the call stores
+    before any row attends). None for longer runs, with an adapter, with caches of different
+    types, or with the compiled path off. Worked out once per batch."""
+    if "one_call_rows" not in b.scratch:
+        segs = b.segments
+        ok = b.n_rows <= ONE_CALL_ROWS and all(e - a <= FUSED_RUN for _, a, e in segs) and b.adapter is None \
+            and len({cache.dtype for cache, _, _ in segs}) == 1 and kernels.compiled_module() is not None
+        b.scratch["one_call_rows"] = [(cache, cache.n + r) for cache, a, e in segs for r in range(e - a)] if ok else None
+    return b.scratch["one_call_rows"]
+
+
+class BlocksLayer:
+    """Layer i through its own forward: its parts, each through the compiled products or numpy."""
+    kind = "blocks"
+
+    def __init__(self, i: int, layer):
+        self.i, self.layer = i, layer
+
+    def __call__(self, x: np.ndarray, b) -> np.ndarray:
+        return self.layer(self.i, x, b)
+
+
+class OneCallLayer(BlocksLayer):
+    """`ffn`: "dense" or "moe" (in the call), None (the FFN through its blocks)."""
+
+    def __init__(self, i: int, layer: Layer, ffn: str | None):
+        super().__init__(i, layer)
+        self.ffn = ffn
+        self.kind = f"one call ({ffn or 'attention'})"
+
+    def __call__(self, x, b):
+        rows = one_call_rows(b)
+        if rows is None:
+            return self.layer(self.i, x, b)
+        L = self.layer
+        decode_layer(self.i, L, x, rows, b, self.ffn)
+        if self.ffn is None:
+            b.residual = None
+            x = x + L.ffn(self.i, b.norm(x, L.ffn_norm), b)
+        return x
+
+
+class StreamedLayer(BlocksLayer):
+    """A layer whose experts come from the expert cache (`experts`, native/experts/source.py):
+    one compiled call if the chosen experts are resident (the cache's table of where they are);
+    else the call stops after the attention and routing, and the FFN runs in compiled steps as
+    the experts arrive."""
+    kind = "one call (streamed experts)"
+
+    def __init__(self, i: int, layer: Layer, experts):
+        super().__init__(i, layer)
+        self.experts = experts
+
+    def __call__(self, x, b):
+        rows = one_call_rows(b)
+        if rows is None:
+            return self.layer(self.i, x, b)
+        i, L, streamed = self.i, self.layer, self.experts
+        chosen = np.empty((len(rows), b.config.n_expert_used), np.int32)
+        chosen_w = np.empty(chosen.shape, np.float32)
+        if decode_layer(i, L, x, rows, b, "moe", experts=(streamed.table[i], chosen, chosen_w)):
+            streamed.cache.used(i, chosen, rows=len(rows))
+            streamed.read_ahead(i, x)
+            return x
+        if streamed.compiled_ffn(i, x, chosen, chosen_w):
+            return x
+        b.residual = x
+        return x + L.ffn(i, b.norm(x, L.ffn_norm), b)
+
+
+def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None, experts: tuple = (None, None)) -> bool:
+    """Rows of x (B, n), row r at position rows[r][1] of the sequence in cache rows[r][0], through
+    layer i's attention, and its FFN unless `ffn` is None ("dense", or "moe": routed), in one
+    compiled call — bit-identical to the blocks, without dozens of Python-level calls per
+    layer. x is updated in place. `experts`: (table, chosen, weights) for streamed experts —
+    their (E, 3) addresses in the cache (0: not resident), and where the chosen go; False when
+    a chosen one was not resident and the FFN is left to the caller."""
+    c, a, f = b.config, L.attn, L.ffn
+    seqs = [(*cache.layer_buffers(i), pos) for cache, pos in rows]
+    if ffn == "dense":
+        spec = (L.ffn_norm, f.gate.raw, f.up.raw, int(f.gate.qtype), f.down.raw, int(f.down.qtype), f.gate.shape[0])
+    elif ffn == "moe":
+        spec = (L.ffn_norm, f.router.raw, f.gate_exps.raw, f.up_exps.raw, int(f.gate_exps.qtype),
+                f.down_exps.raw, int(f.down_exps.qtype), f.gate_exps.shape[1], c.n_expert,
+                c.n_expert_used, c.expert_weights_norm, *experts)
+    else:
+        spec = None
+    return kernels.compiled_module().decode_layer(
+        x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), int(a.wq.qtype),
+        a.wo.raw, int(a.wo.qtype), seqs, b.cos, b.sin, c.n_head, c.n_head_kv,
+        c.head_dim, c.rope_dim, c.rope_style != "normal", spec, 0, rows[0][0].dtype == np.float16,
+        *b.attn_scales)
+
+
+# -- the choice ------------------------------------------------------------------------------
+
+def choose_runners(layers: list, config, experts) -> list:
+    """A runner per layer, by what the compiled extension can do with it and where its experts
+    come from (`experts`: native/experts/source.py's IN_RAM or a StreamedExperts)."""
+    out = []
+    for i, L in enumerate(layers):
+        how = one_call(L, config)
+        if how is None:
+            out.append(BlocksLayer(i, L))
+        elif how == "moe" and isinstance(experts, StreamedExperts):
+            out.append(StreamedLayer(i, L, experts) if experts.table is not None
+                       else OneCallLayer(i, L, None))      # a plain provider: experts fetched through the blocks
+        else:
+            out.append(OneCallLayer(i, L, how))
+    return out
+
+
+def blocks_runners(layers: list) -> list:
+    """Every layer through its blocks (what the one-call decode is checked against)."""
+    return [BlocksLayer(i, L) for i, L in enumerate(layers)]
+
+
+def one_call(L, c) -> str | None:
+    """How the one-call decode takes a layer: "dense" (llama attention and a dense FFN), "moe"
+    (and routed experts without a shared one), "attention" (the FFN through its blocks), or None.
+    The call computes exactly the llama skeleton of plain attention — no biases, no q/k norm, no
+    window — so only a `Layer` of exactly those parts qualifies, with weights the extension
+    multiplies: q/k/v of one type, gate/up of one type."""
+    if not kernels.one_call_decode() or type(L) is not Layer or type(L.attn) is not Attention:
+        return None
+    a, f = L.attn, L.ffn
+    if a.window or a.rope_base is not None or not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) \
+            or not a.wq.qtype == a.wk.qtype == a.wv.qtype:
+        return None
+    if type(f) is FFN and all(_compiled(w) for w in (f.gate, f.up, f.down)) and f.gate.qtype == f.up.qtype:
+        return "dense"
+    if type(f) is MoE and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
+            and all(_compiled(w) for w in (f.gate_exps, f.up_exps, f.down_exps)) \
+            and f.gate_exps.qtype == f.up_exps.qtype and c.n_expert <= 256 and 1 <= c.n_expert_used <= 16:
+        return "moe"
+    return "attention"
+
+
+def _compiled(w) -> bool:
+    """Does the extension multiply this weight's stored blocks (whether it is switched on now or not)?"""
+    return w.raw is not None and w.qtype in kernels.COMPILED_TYPES

@@ -1,0 +1,396 @@
+"""`kiln models …` and `kiln debug …`: commands that read model files in the CLI process.
+
+The debug commands' JSON shapes are stable: our own checks and tests parse them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+models_app = typer.Typer(help="Find, inspect and fetch GGUF models.", no_args_is_help=True)
+debug_app = typer.Typer(help="Run the engine directly (no daemon): tokenize, logits, generate.",
+                        no_args_is_help=True)
+
+
+def fail(message: str, code: int = 1) -> None:
+    typer.echo(f"kiln: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _model_path(spec: str):
+    from kiln.native.models.library import ModelNotFound, PullError, resolve_model
+    try:
+        return resolve_model(spec, pull=(spec == "default"),
+                             progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+    except (ModelNotFound, PullError) as e:
+        fail(str(e))
+
+
+def _load(spec: str):
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.model import load_model
+    from kiln.native.tokenizer import TokenizerError
+    path = _model_path(spec)
+    try:
+        return load_model(path)
+    except (GGUFError, TokenizerError) as e:
+        fail(str(e))
+
+
+def _emit(obj, as_json: bool, human) -> None:
+    if as_json:
+        typer.echo(json.dumps(obj, ensure_ascii=False))
+    else:
+        human(obj)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+@models_app.command("inspect")
+def models_inspect(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                   as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+                   tensors: bool = typer.Option(False, "--tensors", help="list every tensor"),
+                   ctx: Optional[int] = typer.Option(None, "--ctx", help="context size for the KV-cache estimate")):
+    """Architecture, parameters, tensor types, context, tokenizer, and the memory the engine needs."""
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.models.inspect import inspect_model
+    path = _model_path(model)
+    try:
+        info = inspect_model(path, tensors=tensors, ctx=ctx)
+    except GGUFError as e:
+        fail(str(e))
+
+    def human(i):
+        mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+        typer.echo(f"{i['name']}  ({i['path']})")
+        typer.echo(f"  architecture   {i['architecture']}, {i['layers']} layers, embedding {i['embedding']}, "
+                   f"{i['heads']} heads / {i['kv_heads']} KV heads")
+        fam = dict(i.get("family") or {})
+        if fam:
+            facts = "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in fam.items() if k not in ("name", "needs"))
+            typer.echo(f"  family         {fam['name']}: {fam['needs']}" + (f"\n                 {facts}" if facts else ""))
+        typer.echo(f"  parameters     {i['parameters']:,}")
+        typer.echo(f"  file           {mib(i['file_bytes'])}; tensor types "
+                   + ", ".join(f"{k}×{v}" for k, v in i["tensor_types"].items()))
+        typer.echo(f"  context        {i['context_length']:,} tokens (trained)")
+        t = i["tokenizer"]
+        typer.echo(f"  tokenizer      {t['model']} / {t['pre']}, {t['tokens']:,} tokens; chat template: "
+                   f"{'yes' if i['chat_template'] else 'no'}; fill-in-the-middle: "
+                   f"{'yes' if i['fill_in_the_middle'] else 'no'}")
+        if i["moe"]:
+            typer.echo(f"  experts        {i['moe']['experts_used']} of {i['moe']['experts']} "
+                       f"({mib(i['moe']['expert_bytes'])} of expert weights)")
+        m = i["memory"]
+        typer.echo(f"  memory         {mib(m['total_bytes'])} = weights {mib(m['weights_bytes'])} "
+                   f"({i['kernel_path']} path) + KV cache {mib(m['kv_cache_bytes'])} at {m['context']:,} tokens")
+        if i["unsupported_tensor_types"]:
+            typer.echo(f"  UNSUPPORTED    tensor types {', '.join(i['unsupported_tensor_types'])}")
+        for t in i.get("tensors", []):
+            typer.echo(f"    {t['name']:<40} {t['type']:<6} {str(t['shape']):<20} {t['bytes']:>12,}")
+    _emit(info, as_json, human)
+
+
+@models_app.command("list")
+def models_list(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """GGUF models in the model folders, the Hugging Face cache, Ollama's store and Python packages."""
+    from kiln.native.models.discovery import as_dicts, discover
+    entries = as_dicts(discover())
+    if as_json:
+        typer.echo(json.dumps(entries))
+        return
+    if not entries:
+        typer.echo("no models found; `kiln models pull default` fetches one")
+        return
+    typer.echo(f"{'NAME':<44}{'SOURCE':<10}{'ARCH':<10}{'PARAMS':>8}{'QUANT':>8}{'SIZE':>10}{'CTX':>7}")
+    for e in entries:
+        if e["error"]:
+            typer.echo(f"{e['name']:<44}{e['source']:<10}UNREADABLE: {e['error']}  ({e['path']})")
+            continue
+        params = f"{e['parameters'] / 1e6:.0f}M" if e["parameters"] < 1e9 else f"{e['parameters'] / 1e9:.1f}B"
+        typer.echo(f"{e['name']:<44}{e['source']:<10}{e['architecture']:<10}{params:>8}{e['quantization']:>8}"
+                   f"{e['file_bytes'] / 2**20:>8.0f}MB{e['context_length'] or '-':>7}")
+
+
+@models_app.command("plan")
+def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"),
+                ctx: Optional[int] = typer.Option(None, "--ctx", help="context size to plan for"),
+                parallel: Optional[int] = typer.Option(None, "--parallel", help="sequences decoded together, each "
+                                                       "with its own KV cache (a worker's `parallel`; default 4)"),
+                draft: Optional[str] = typer.Option(None, "--draft", help="a draft model served beside it "
+                                                    "(a worker's `draft_model`): its weights and KV caches count too"),
+                stream: bool = typer.Option(False, "--stream", help="also measure which expert-cache size streams "
+                                            "this MoE fastest here (kept for --expert-cache auto)"),
+                tokens: int = typer.Option(32, "--tokens", help="with --stream: decode steps measured per cache size"),
+                as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Will it run here? Weights, KV cache and runtime against available RAM: fits / streams / too_large."""
+    from kiln.native.gguf_file import GGUFError
+    from kiln.native.models.plan import plan
+    path = _model_path(model)
+    try:
+        p = plan(path, ctx, parallel=parallel, draft=_model_path(draft) if draft else None)
+    except GGUFError as e:
+        fail(str(e))
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    if stream:
+        from kiln.native.models.tune import save_tuned, tune
+        from ..core.paths import Paths
+        say = (lambda m: None) if as_json else (lambda m: typer.echo(f"  measuring: {m}", err=True))
+        try:
+            p["expert_cache_tuning"] = t = tune(path, tokens=tokens, progress=say)
+        except (GGUFError, ValueError) as e:
+            fail(str(e))
+        save_tuned(Paths.from_env().home, path, t)
+
+    def human(p):
+        typer.echo(f"{p['verdict']}: weights {gib(p['weights_bytes'])} ({p['kernel_path']} path) + KV cache "
+                   f"{gib(p['kv_cache_bytes'])} ({p['parallel']} × {p['context']} tokens)"
+                   + (f" + draft model {gib(p['draft_weights_bytes'] + p['draft_kv_cache_bytes'])}" if 'draft_model' in p else "")
+                   + f" + runtime {gib(p['runtime_bytes'])} = "
+                   f"{gib(p['total_bytes'])}; available {gib(p['available_bytes'])}\n  {p['advice']}")
+        t = p.get("expert_cache_tuning")
+        if t:
+            for r in t["runs"]:
+                typer.echo(f"  expert cache {r['fraction']:>4.0%} {gib(r['cache_bytes']):>10}  "
+                           + (f"{r['tok_s']:>7.2f} tok/s  hit rate {r['hit_rate']}" if "tok_s" in r else r["skipped"]))
+            typer.echo(f"  suggested: --expert-cache {t['suggested_bytes'] // 2**20}MiB ({t['rule']}); "
+                       f"`kiln up --model {model} --stream --expert-cache auto` uses it")
+    _emit(p, as_json, human)
+    if p["verdict"] == "too_large":
+        raise typer.Exit(1)
+
+
+@models_app.command("rm")
+def models_rm(model: str = typer.Argument(..., help="name or path of a model in a Kiln model folder"),
+              yes: bool = typer.Option(False, "--yes", "-y", help="do not ask")):
+    """Delete a model from a Kiln model folder (refused while a running worker uses it)."""
+    from kiln.native.models.library import model_dirs
+    path = _model_path(model).resolve()
+    if not any(d.resolve() in path.parents for d in model_dirs() if d.exists()):
+        fail(f"{path} is not in a Kiln model folder; remove it with the tool that put it there")
+    from ..bus.client import ControlClient, DaemonNotRunning
+    from ..core.paths import Paths
+    try:
+        with ControlClient(Paths.from_env(), 5) as c:
+            users = [w["name"] for w in c.command("status")["workers"]
+                     if w["pid"] and (w["stats"] or {}).get("path") and Path((w["stats"] or {})["path"]).resolve() == path]
+    except DaemonNotRunning:
+        users = []
+    if users:
+        fail(f"{path.name} is in use by worker {', '.join(users)}; stop it first (`kiln stop {users[0]}`)")
+    if not yes and not typer.confirm(f"delete {path} ({path.stat().st_size / 2**20:.0f} MiB)?"):
+        raise typer.Exit(1)
+    path.unlink()
+    typer.echo(f"deleted {path}")
+
+
+@models_app.command("verify")
+def models_verify(model: Optional[str] = typer.Argument(None, help="path, name in a model folder, or 'default'"),
+                  all_: bool = typer.Option(False, "--all", help="every model in the library"),
+                  as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Check a model against the manifest its pull recorded (sha256 of the file and of each 64 MiB
+    chunk). Exit 0: intact; 1: it differs (the first bad byte range is shown); 2: no manifest
+    (the file is hashed and reported unverified)."""
+    from kiln.native.models.integrity import verify
+    from kiln.native.models.library import library_files
+    if all_ == bool(model):
+        fail("give a MODEL or --all", 2)
+    paths = library_files() if all_ else [_model_path(model)]
+    results = [verify(p) for p in paths]
+    if as_json:
+        typer.echo(json.dumps(results if all_ else results[0], indent=2))
+    else:
+        for r in results:
+            if r["status"] == "ok":
+                typer.echo(f"ok          {r['model']}  sha256 {r['sha256'][:16]}…  ({r.get('source')})")
+            elif r["status"] == "mismatch":
+                a, b = r["first_bad_range"]
+                typer.echo(f"MISMATCH    {r['model']}: sha256 {r['sha256'][:16]}… but the manifest says "
+                           f"{(r['expected_sha256'] or '')[:16]}…; first difference in bytes {a:,}–{b:,}; pull it again")
+            else:
+                typer.echo(f"unverified  {r['model']}: {r['reason']} (sha256 {r['sha256']})")
+    if any(r["status"] == "mismatch" for r in results):
+        raise typer.Exit(1)
+    if any(r["status"] == "unverified" for r in results):
+        raise typer.Exit(2)
+
+
+def _workers_using(match) -> list[str]:
+    """Running workers whose model file satisfies `match(resolved path)`."""
+    from ..bus.client import ControlClient, DaemonNotRunning
+    from ..core.paths import Paths
+    try:
+        with ControlClient(Paths.from_env(), 5) as c:
+            return [w["name"] for w in c.command("status")["workers"]
+                    if w["pid"] and (w["stats"] or {}).get("path") and match(Path((w["stats"] or {})["path"]).resolve())]
+    except DaemonNotRunning:
+        return []
+
+
+def _progress_bar():
+    """A progress line on stderr, updated at most ten times a second."""
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        import time
+        now = time.monotonic()
+        if now - last[0] < 0.1 and done < total:
+            return
+        last[0] = now
+        width = 30
+        filled = int(width * done / total) if total else width
+        sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done / 2**20:,.1f} of "
+                         f"{total / 2**20:,.1f} MiB ({100 * done / max(total, 1):.0f}%)")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show
+
+
+@models_app.command("pull")
+def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct), or hf:ORG/REPO[/FILE.gguf][@REV]"),
+                force: bool = typer.Option(False, "--force", help="download even if the file is larger than the RAM available")):
+    """Download a model (verified by sha256; an interrupted pull resumes when run again). A file that
+    cannot run here (larger than the RAM available) is refused before downloading."""
+    from kiln.native.models.library import DEFAULT, PullError, model_dirs, pull_default
+    if model == "default":
+        target = (model_dirs()[0] / DEFAULT.file).resolve()
+        users = _workers_using(lambda p: p == target)
+    else:
+        repo = model.removeprefix("hf:").split("@")[0]
+        parts = repo.split("/")
+        users = _workers_using(lambda p: ("models--" + "--".join(parts[:2])) in str(p))
+    if users:
+        fail(f"{model} is open in worker {', '.join(users)}; a re-pull would replace the file under it — "
+             f"stop it first (`kiln stop {users[0]}`)")
+    try:
+        if model == "default":
+            path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+        elif model.startswith("hf:"):
+            import psutil
+
+            from kiln.native.models.hub import _hub_cache, check_room, pull_hf
+            from ..core.config import ConfigError, load_config
+            try:
+                budget = load_config(None)["supervisor"]["memory_budget"]
+            except ConfigError:
+                budget = 0
+            avail = budget or psutil.virtual_memory().available
+            path = pull_hf(model, _progress_bar(),
+                           room=lambda name, size: check_room(name, size, _hub_cache(), avail, force))
+        else:
+            fail(f"cannot pull {model!r}: give 'default' or hf:ORG/REPO[/FILE.gguf][@REV]")
+    except PullError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; the partial download is kept — run the same pull again to resume", 130)
+    typer.echo(str(path))
+
+
+# -- debug -------------------------------------------------------------------------------------
+
+@debug_app.command("tokenize")
+def debug_tokenize(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                   text: str = typer.Argument(..., help="the text to tokenize"),
+                   no_special: bool = typer.Option(False, "--no-special",
+                                                   help="treat control-token markup as plain text"),
+                   as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Token ids of TEXT (no BOS unless the model's metadata asks for one)."""
+    m = _load(model)
+    ids = m.tokenizer.encode(text, special=not no_special)
+    _emit({"ids": ids}, as_json, lambda o: typer.echo(
+        " ".join(f"{i}:{m.tokenizer.tokens[i]!r}" for i in o["ids"])))
+
+
+@debug_app.command("logits")
+def debug_logits(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                 text: str = typer.Argument(..., help="the prompt, parsed with special tokens"),
+                 top: int = typer.Option(20, "--top", help="alternatives per position"),
+                 full_last: bool = typer.Option(False, "--full-last", help="add the whole last logit vector"),
+                 as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Top-K logits at every prompt position (TEXT parsed with special tokens)."""
+    import numpy as np
+    m = _load(model)
+    ids = m.tokenizer.encode(text, special=True)
+    if not ids:
+        fail("TEXT tokenizes to nothing")
+    logits = m.forward(ids, m.new_cache(len(ids)), all_logits=True)
+    positions = []
+    for row in logits:
+        best = np.argsort(-row, kind="stable")[:top]
+        positions.append({"top_ids": [int(i) for i in best], "top_logits": [float(row[i]) for i in best]})
+    out = {"ids": ids, "positions": positions}
+    if full_last:
+        out["last_logits"] = [float(x) for x in logits[-1]]
+
+    def human(o):
+        for i, (tid, pos) in enumerate(zip(o["ids"], o["positions"])):
+            alts = ", ".join(f"{m.tokenizer.tokens[t]!r} {lg:.2f}" for t, lg in
+                             zip(pos["top_ids"][:5], pos["top_logits"][:5]))
+            typer.echo(f"{i:4d} {m.tokenizer.tokens[tid]!r:>16} → {alts}")
+    _emit(out, as_json, human)
+
+
+@debug_app.command("generate")
+def debug_generate(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                   text: str = typer.Argument(..., help="the prompt, parsed with special tokens"),
+                   max_tokens: int = typer.Option(32, "--max-tokens", help="tokens to generate"),
+                   temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+                   top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens (0: off)"),
+                   top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass (1: off)"),
+                   min_p: float = typer.Option(0.05, "--min-p", help="drop tokens below this share of the best (0: off)"),
+                   repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="penalty for recent tokens (1: off)"),
+                   seed: Optional[int] = typer.Option(None, "--seed", help="makes sampling repeatable"),
+                   stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
+                   ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past the end-of-text token"),
+                   as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Generate from TEXT (parsed with special tokens) and print ids and text."""
+    from kiln.native.generate import ContextLengthError, generate_text
+    from kiln.native.sampling import SamplingError, SamplingParams
+    m = _load(model)
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens,
+                                stop=stop, ignore_eos=ignore_eos).validate()
+        ids, out, fin = generate_text(m, m.tokenizer.encode(text, special=True), params)
+    except (SamplingError, ContextLengthError) as e:
+        fail(str(e))
+    _emit({"ids": ids, "text": out, "finish_reason": fin.reason}, as_json,
+          lambda o: (sys.stdout.write(o["text"] + "\n"), sys.stdout.flush()))
+
+
+eval_app = typer.Typer(help="Evaluate: suites (run, compare, replay) in the evaluator worker; perplexity.",
+                        no_args_is_help=True)
+
+
+@eval_app.command("perplexity")
+def eval_perplexity(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
+                    file: str = typer.Option(..., "--file", "-f", help="text file to score"),
+                    ctx: int = typer.Option(512, "--ctx", help="chunk size in tokens"),
+                    chunks: int = typer.Option(0, "--chunks", min=0,
+                                               help="score only the first N chunks (0: all), as llama-perplexity's --chunks"),
+                    as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Perplexity as llama-perplexity computes it: chunks of CTX tokens, second half scored."""
+    from pathlib import Path
+
+    from kiln.native.perplexity import perplexity
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read {file}: {e}")
+    m = _load(model)
+
+    def show(i, n, running):
+        if not as_json:
+            typer.echo(f"[{i}/{n}] {running:.4f}", err=True)
+    try:
+        r = perplexity(m, text, ctx, show, max_chunks=chunks or None)
+    except ValueError as e:
+        fail(str(e))
+    out = {"model": m.path.name, "file": file, "ctx": ctx, "chunks": r.n_chunks, "scored_tokens": r.n_scored,
+           "ppl": r.ppl, "ppl_err": r.ppl_err, "chunk_ppl": r.chunk_ppl}
+    _emit(out, as_json, lambda o: typer.echo(f"PPL = {o['ppl']:.4f} +/- {o['ppl_err']:.4f}"))

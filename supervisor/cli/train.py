@@ -1,0 +1,349 @@
+"""`kiln train …` and `kiln adapters …`: LoRA fine-tuning jobs and the adapter registry,
+through the running daemon."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kiln.protocol import vocab
+
+from .engine import fail
+
+train_app = typer.Typer(help="Fine-tune the model with LoRA (jobs run in the trainer worker).", no_args_is_help=True)
+adapters_app = typer.Typer(help="LoRA adapters: list, load (make active), unload, delete.", no_args_is_help=True)
+
+
+def _client():
+    from ..bus.client import ControlClient, DaemonNotRunning
+    from ..core.paths import Paths
+    try:
+        return ControlClient(Paths.from_env())
+    except DaemonNotRunning as e:
+        fail(str(e))
+
+
+def _cmd(client, name: str, args: dict | None = None):
+    from ..bus.client import CommandFailed
+    try:
+        return client.command(name, args or {}, 30)
+    except CommandFailed as e:
+        fail(e.message)
+    except TimeoutError as e:
+        fail(str(e))
+
+
+def _routed(client, op: str, args: dict):
+    """A routed op (train.cancel, eval.cancel): the router takes it to the job's worker."""
+    from ..bus.client import CommandFailed
+    try:
+        return [m for m in client.stream(op, args, timeout=60)][-1].body
+    except CommandFailed as e:
+        fail(e.message)
+    except TimeoutError as e:
+        fail(str(e))
+
+
+# -- train ---------------------------------------------------------------------------------------
+
+@train_app.command("sft")
+def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messages\": [...]} conversation per line"),
+        adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
+        epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the data (default 1)"),
+        lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
+        rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
+        alpha: Optional[float] = typer.Option(None, "--alpha", help="LoRA alpha (default 32)"),
+        targets: Optional[str] = typer.Option(None, "--targets", help="comma list among attn_q,attn_k,attn_v,"
+                                                                      "attn_output,ffn_gate,ffn_up,ffn_down (default: all)"),
+        max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="longest conversation, tokens (default 512)"),
+        checkpoint_interval: Optional[int] = typer.Option(None, "--checkpoint-interval", help="steps between checkpoints (default 50)"),
+        seed: Optional[int] = typer.Option(None, "--seed", help="shuffling and initialisation seed"),
+        grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="conversations per optimizer step (default 1)"),
+        warmup: Optional[int] = typer.Option(None, "--warmup", help="warmup steps (default 0)"),
+        schedule: Optional[str] = typer.Option(None, "--schedule", help="cosine (default) or constant"),
+        weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW weight decay"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="base model (default: the trainer's)"),
+        follow: bool = typer.Option(False, "--follow", help="then follow the job until it ends"),
+        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Queue a LoRA fine-tuning job. The whole file is checked first; problems are listed with
+    their line numbers and nothing is queued."""
+    if not file.is_file():
+        fail(f"{file}: no such file")
+    options = {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "max_seq_len": max_seq_len,
+               "checkpoint_interval": checkpoint_interval, "seed": seed, "grad_accum": grad_accum,
+               "warmup": warmup, "schedule": schedule, "weight_decay": weight_decay,
+               "targets": [t.strip() for t in targets.split(",") if t.strip()] if targets else None}
+    _queue("sft", file, adapter, options, model, follow, as_json, "conversations", "target tokens")
+
+
+def _queue(method: str, file: Path, adapter: str, options: dict, model: Optional[str], follow: bool,
+           as_json: bool, items: str, tokens: str) -> None:
+    """Submit a training job (the trainer checks the whole file first) and report or follow it."""
+    from ..bus.client import CommandFailed
+    body = {"file": str(file.resolve()), "adapter": adapter, "method": method,
+            "options": {k: v for k, v in options.items() if v is not None}}
+    if model:
+        body["model"] = model
+    with _client() as c:
+        try:
+            job = [m for m in c.stream("train.submit", body, timeout=600)][-1].body
+        except CommandFailed as e:
+            fail(e.message)
+        if as_json and not follow:
+            typer.echo(json.dumps(job))
+            return
+        typer.echo(f"queued {job['id']}: adapter {adapter}, {job['spec']['examples']} {items}, "
+                   f"{job['spec']['target_tokens']} {tokens}")
+        if follow:
+            _follow(c, job["id"], as_json)
+
+
+@train_app.command("grpo")
+def grpo(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"prompt": [messages], "completions": '
+                                   '[{"text", "reward"}, …]} group per line (two or more completions)'),
+         adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
+         epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the groups (default 1)"),
+         lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
+         rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
+         alpha: Optional[float] = typer.Option(None, "--alpha", help="LoRA alpha (default 32)"),
+         beta: Optional[float] = typer.Option(None, "--beta", help="weight of the KL penalty to the base model "
+                                              "(default 0.04)"),
+         clip: Optional[float] = typer.Option(None, "--clip", help="policy-ratio clip range (default 0.2)"),
+         grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="groups per optimizer step (default 1)"),
+         seed: Optional[int] = typer.Option(None, "--seed", help="shuffling and initialisation seed"),
+         max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="longest prompt + completion, tokens "
+                                                   "(default 512)"),
+         model: Optional[str] = typer.Option(None, "--model", "-m", help="base model (default: the trainer's)"),
+         follow: bool = typer.Option(False, "--follow", help="then follow the job until it ends"),
+         as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Queue a GRPO job: LoRA updates from groups of scored completions (group-relative
+    advantages, clipped ratio, KL to the base model). The whole file is checked first."""
+    if not file.is_file():
+        fail(f"{file}: no such file")
+    options = {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "beta": beta, "clip": clip,
+               "grad_accum": grad_accum, "seed": seed, "max_seq_len": max_seq_len}
+    _queue("grpo", file, adapter, options, model, follow, as_json, "groups", "completion tokens")
+
+
+def _fmt_eta(s) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _line(job: dict) -> str:
+    total = job.get("total_steps") or "?"
+    loss = f"{job['loss']:.4f}" if job.get("loss") is not None else "-"
+    tps = f"{job['tokens_per_s']:.0f}" if job.get("tokens_per_s") else "-"
+    state = job["state"] + (" (cancelling)" if job.get("cancel_requested") and job["state"] in ("queued", "running") else "")
+    grpo = f"  reward {job['reward']:.3f} |adv| {job.get('advantage_abs', 0):.3f} kl {job.get('kl', 0):.4f}" \
+        if job.get("reward") is not None else ""
+    return (f"{job['id']:<10}{state:<22}{job['adapter']:<18}{str(job['step']) + '/' + str(total):>11}"
+            f"{job['epoch']:>7}{loss:>10}{tps:>9}{_fmt_eta(job.get('eta_s')):>9}{grpo}")
+
+
+HEADER = f"{'JOB':<10}{'STATE':<22}{'ADAPTER':<18}{'STEP':>11}{'EPOCH':>7}{'LOSS':>10}{'TOK/S':>9}{'ETA':>9}"
+
+
+def _follow(c, job_id: str, as_json: bool) -> None:
+    """Draw a progress bar with the loss until the job ends; exit 1 unless it completed."""
+    since, first_loss = 0, None
+    while True:
+        job = _cmd(c, "train.job", {"id": job_id, "since": since})
+        for rec in job["losses"]:
+            since = rec["step"]
+            first_loss = first_loss if first_loss is not None else rec["loss"]
+            if as_json:
+                typer.echo(json.dumps(rec))
+        if not as_json and job.get("total_steps"):
+            total = job["total_steps"]
+            width = 30
+            done = int(width * job["step"] / total)
+            loss = f"{job['loss']:.4f}" if job["loss"] is not None else "-"
+            sys.stderr.write(f"\r{job_id} [{'#' * done}{'.' * (width - done)}] {job['step']}/{total} "
+                             f"epoch {job['epoch']} loss {loss} (start {first_loss if first_loss is None else round(first_loss, 4)}) "
+                             f"{job['tokens_per_s'] or 0:.0f} tok/s ETA {_fmt_eta(job['eta_s'])}   ")
+            sys.stderr.flush()
+        if job["state"] in vocab.JOB_FINISHED:
+            sys.stderr.write("\n")
+            if as_json:
+                typer.echo(json.dumps({k: v for k, v in job.items() if k != "losses"}))
+            else:
+                typer.echo(f"{job_id} {job['state']}" + (f": {job['error']}" if job.get("error") else "")
+                           + (f" — adapter {job['adapter']} is ready (`kiln run --adapter {job['adapter']} …`)"
+                              if job["state"] == "completed" else ""))
+            if job["state"] != "completed":
+                raise typer.Exit(1)
+            return
+        time.sleep(0.5)
+
+
+@train_app.command("status")
+def status(job: Optional[str] = typer.Argument(None, help="a job id (default: every job)"),
+           follow: bool = typer.Option(False, "--follow", help="follow the job with a progress bar"),
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Training jobs: state, step/total, epoch, loss, tokens/s, ETA."""
+    with _client() as c:
+        if follow:
+            if not job:
+                jobs = [j for j in _cmd(c, "train.jobs")["jobs"] if j["state"] in ("queued", "running", "paused")]
+                if not jobs:
+                    fail("no job is queued or running")
+                job = jobs[0]["id"]
+            return _follow(c, job, as_json)
+        if job:
+            j = _cmd(c, "train.job", {"id": job})
+            if as_json:
+                typer.echo(json.dumps(j))
+                return
+            typer.echo(HEADER)
+            typer.echo(_line(j))
+            if j.get("error"):
+                typer.echo(f"error: {j['error']}")
+            return
+        jobs = _cmd(c, "train.jobs")["jobs"]
+        if as_json:
+            typer.echo(json.dumps(jobs))
+            return
+        if not jobs:
+            typer.echo("no training jobs (`kiln train sft --file F --adapter NAME` queues one)")
+            return
+        typer.echo(HEADER)
+        for j in jobs:
+            typer.echo(_line(j))
+
+
+@train_app.command("cancel")
+def cancel(job: str = typer.Argument(..., help="the job id")):
+    """Cancel a queued or running job."""
+    with _client() as c:
+        j = _routed(c, "train.cancel", {"id": job})
+        typer.echo(f"{j['id']}: cancel requested ({j['state']})")
+
+
+# -- adapters ------------------------------------------------------------------------------------
+
+@adapters_app.command("list")
+def adapters_list(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Registered adapters; * marks the active one."""
+    with _client() as c:
+        r = _cmd(c, "adapters.list")
+    if as_json:
+        typer.echo(json.dumps(r))
+        return
+    if not r["adapters"]:
+        typer.echo("no adapters (`kiln train sft` makes one)")
+        return
+    typer.echo(f"  {'NAME':<20}{'BASE':<36}{'RANK':>5}{'ALPHA':>7}{'SIZE':>9}  JOB")
+    for a in r["adapters"]:
+        mark = "*" if a["active"] else " "
+        typer.echo(f"{mark} {a['name']:<20}{str(a.get('base_model') or '?'):<36}{a.get('rank') or '?':>5}"
+                   f"{a.get('alpha') or '?':>7}{a['size_bytes'] / 2**20:>7.1f}MB  {a.get('job') or '-'}")
+
+
+@adapters_app.command("load")
+def adapters_load(name: str = typer.Argument(..., help="adapter name")):
+    """Make NAME the active adapter (used by requests that name none)."""
+    with _client() as c:
+        _cmd(c, "adapters.load", {"name": name})
+    typer.echo(f"adapter {name} is active")
+
+
+@adapters_app.command("unload")
+def adapters_unload():
+    """Serve the base model again (requests may still name an adapter)."""
+    with _client() as c:
+        r = _cmd(c, "adapters.unload")
+    typer.echo(f"adapter {r['was']} unloaded" if r["was"] else "no adapter was active")
+
+
+@adapters_app.command("delete")
+def adapters_delete(name: str = typer.Argument(..., help="adapter name")):
+    """Delete an adapter (refused while it is active or in use)."""
+    with _client() as c:
+        _cmd(c, "adapters.delete", {"name": name})
+    typer.echo(f"adapter {name} deleted")
+
+
+def _heads(model_spec: str):
+    """(arch, n_head, n_head_kv, path) of a base model, from its GGUF metadata."""
+    from kiln.native.config import read_config
+    from kiln.native.gguf_file import GGUFError, read_gguf
+    from kiln.native.models.library import ModelNotFound, resolve_model
+    try:
+        path = resolve_model(model_spec)
+        c = read_config(read_gguf(path, skip_arrays=True))
+    except (ModelNotFound, GGUFError, ValueError) as e:
+        fail(str(e))
+    return c.arch, c.n_head, c.n_head_kv, path
+
+
+def _registry():
+    from kiln.protocol.store.adapter_registry import AdapterRegistry
+
+    from ..core.paths import Paths
+    return AdapterRegistry(Paths.from_env().home)
+
+
+@adapters_app.command("import")
+def adapters_import(path: str = typer.Argument(..., help="a Hugging Face PEFT LoRA folder (adapter_config.json + "
+                                               "adapter_model.safetensors)"),
+                    name: str = typer.Option(..., "--name", help="the adapter's name in Kiln"),
+                    model: str = typer.Option("default", "--model", "-m", help="the base model it was trained on"),
+                    force: bool = typer.Option(False, "--force", help="replace an adapter of that name")):
+    """Import a PEFT LoRA as a GGUF LoRA (what llama.cpp loads): names mapped, q/k rows permuted as
+    the GGUF converter permutes the base weights, alpha kept."""
+    from kiln.native.gguf_file import read_gguf
+    from kiln.native.lora import AdapterError, save_adapter
+    from kiln.native.training.peft import import_peft
+    from kiln.protocol.store.adapter_registry import check_name
+    reg = _registry()
+    try:
+        check_name(name)
+    except ValueError as e:
+        fail(str(e))
+    if name in reg.names() and not force:
+        fail(f"an adapter named {name!r} exists; choose another --name or give --force")
+    arch, n_head, n_head_kv, base = _heads(model)
+    try:
+        ad = import_peft(path, arch, n_head, n_head_kv)
+        ad.check_fits(read_gguf(base, skip_arrays=True))
+    except AdapterError as e:
+        fail(str(e))
+    save_adapter(ad, reg.gguf_path(name), name)
+    reg.register(name, {"base_model": base.name, "base_path": str(base), "rank": ad.rank, "alpha": ad.alpha,
+                        "targets": ad.targets, "source": f"peft:{Path(path).resolve()}"})
+    typer.echo(f"imported {path} as adapter {name} (rank {ad.rank}, alpha {ad.alpha:g}, "
+               f"{len(ad.tensors)} tensors, base {base.name})")
+
+
+@adapters_app.command("export")
+def adapters_export(name: str = typer.Argument(..., help="adapter name"),
+                    peft: str = typer.Option(..., "--peft", help="folder to write the PEFT adapter into"),
+                    model: Optional[str] = typer.Option(None, "--model", "-m", help="its base model (default: the "
+                                                        "one recorded when it was made)")):
+    """Export an adapter as a Hugging Face PEFT LoRA folder (the inverse of import)."""
+    from kiln.native.lora import AdapterError, load_adapter
+    from kiln.native.training.peft import export_peft
+    from kiln.protocol.store.adapter_registry import AdapterNotFound
+    reg = _registry()
+    try:
+        meta = reg.get(name)
+    except (AdapterNotFound, ValueError) as e:
+        fail(str(e))
+    base_spec = model or meta.get("base_path") or "default"
+    arch, n_head, n_head_kv, base = _heads(base_spec)
+    try:
+        ad = load_adapter(meta["path"])
+    except AdapterError as e:
+        fail(str(e))
+    if ad.arch != arch:
+        fail(f"adapter {name} is for {ad.arch}, {base.name} is {arch}")
+    out = export_peft(ad, peft, n_head, n_head_kv, base.stem)
+    typer.echo(f"wrote {out}/adapter_config.json and adapter_model.safetensors")

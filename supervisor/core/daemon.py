@@ -1,0 +1,461 @@
+"""The supervisor process: composition of the run files, the process table, the router, the
+event log, the command bus and the two sockets — and the one loop that owns every socket.
+
+    while running:
+        run what other threads submitted (HTTP handlers, signals) — they only enqueue
+        tick the process table (reap · kill deadlines · liveness · policy timers)
+        pump the router (send what waits for a ready worker · expire deadlines)
+        wait ≤ 100 ms for worker / control / wake-up traffic
+
+Front ends never touch a socket: HTTP threads and signal handlers put work on `inbox` and write
+a byte to a wake-up pipe; the CLI reaches the same commands over the control socket. Commands
+that read files or processes run off the loop (commands.OFF_LOOP), so a slow disk never delays a
+liveness check.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import queue
+import signal
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import zmq
+
+from kiln.protocol.store.adapter_registry import AdapterRegistry
+from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, make, new_id, version_error
+
+from . import registry as commands
+from . import policy, segments
+from .config import Config
+from .events import EventLog
+from .paths import Paths
+from .process_table import ProcessTable, SystemClock, WorkerProcess
+from .processes import ProcessSpawner
+from .router import KIND_OPS, MODEL_OPS, Client, Router, Target
+from .run_files import AlreadyRunning, RunFiles, read_pid  # noqa: F401  (re-exported for the CLI)
+
+HANDLED_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+LOOP_WAIT = 0.1          # the loop's longest wait for traffic, seconds
+# a loop on time ticks the table at least this often; a longer gap is the supervisor's own lateness
+# (not scheduled, or a blocking call), which the table does not count as the workers' silence
+MAX_TICK_GAP = 2.5 * LOOP_WAIT
+
+
+@dataclass
+class LocalCall:
+    """A request from an in-process front end (HTTP); its messages arrive on `events`."""
+    supervisor: Any
+    id: str = field(default_factory=new_id)
+    events: queue.Queue = field(default_factory=queue.Queue)
+
+    def cancel(self) -> None:
+        self.supervisor.submit(lambda: self.supervisor.router.cancel_client(self.id, "http"))
+
+
+def routed_target(op: str, body: Any) -> tuple[str, Any, Target]:
+    """A routed bus op's worker op, body and target: model ops take an optional "model" (or
+    "worker") from the body; job ops go to the worker of their kind."""
+    body = dict(body) if isinstance(body, dict) else {}
+    if op in KIND_OPS:
+        kind, worker_op = KIND_OPS[op]
+        return worker_op, body, Target(kind=kind)
+    model, worker = body.pop("model", None), body.pop("worker", None)
+    return op, body, Target(model=model if isinstance(model, str) else None,
+                            worker=worker if isinstance(worker, str) else None)
+
+
+def make_placer(table, m: dict, busy, record, state_file):
+    """The placer with its settings resolved: budget and pressure in bytes, keep_alive in s."""
+    import psutil
+
+    from kiln.native.models.library import resolve_model
+    from kiln.native.models.plan import plan
+
+    from .placer import Placer
+    from .units import parse_duration
+    from .plan_cache import PlanCache
+    from .units import parse_size
+    vm = psutil.virtual_memory()
+    pressure = parse_size(m["min_available"], vm.total)
+    budget = max(0, vm.available - pressure) if m["memory_budget"] == "auto" else parse_size(m["memory_budget"], vm.total)
+    if not m["on_demand"]:
+        return None
+    return Placer(table, budget=budget, max_loaded=m["max_loaded"], keep_alive=parse_duration(m["keep_alive"]),
+                  pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
+                  plan=PlanCache(lambda path, ctx, parallel=None, draft=None: plan(
+                      path, ctx, available=budget, parallel=parallel, draft=draft)),
+                  available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file,
+                  weights=m["weights"])
+
+
+class Supervisor:
+    def __init__(self, config: Config, paths: Paths, clock=SystemClock, front_end=None):
+        """`front_end(supervisor) -> (server, (host, port))` starts the HTTP server once the
+        sockets are bound (supervisor/serve.py passes the HTTP app's)."""
+        self.cfg, self.paths = config, paths
+        self.front_end = front_end
+        sv, srv = config["supervisor"], config["server"]
+        self.files = RunFiles(paths)
+        self.events = EventLog()
+        self.adapters = AdapterRegistry(paths.home)
+        self.table = ProcessTable(
+            config.workers,
+            policy.Settings(sv["start_secs"], sv["max_restarts"], sv["restart_window"], sv["backoff_initial"],
+                            sv["backoff_max"], sv["boot_timeout"], sv["stable_secs"]),
+            ProcessSpawner(paths, sv["heartbeat_interval"]), clock,
+            heartbeat_interval=sv["heartbeat_interval"], liveness=sv["liveness"],
+            progress_timeout=sv["progress_timeout"], max_tick_gap=MAX_TICK_GAP,
+            graceful_timeout=sv["graceful_timeout"], record=self.record,
+            send_shutdown=lambda w: w.identity and self._send(self.worker_sock, w.identity, make("shutdown")),
+            on_exit=lambda w, how: self.router.on_worker_exit(w, how),
+            on_ready=lambda w: self.router.pump())
+        self.router = Router(self.table, lambda w, m: self._send(self.worker_sock, w.identity, m),
+                             max_queue=srv["max_queue"], wait_for_worker=srv["wait_for_worker"],
+                             request_timeout=srv["request_timeout"], adapters=self.adapters, record=self.record)
+        self.placer = self.router.placer = make_placer(self.table, config["models"], self.router.busy, self.record,
+                                                       paths.home / "state" / "models.json")
+        self.bad_frames: Counter = Counter()
+        self.inbox: queue.Queue = queue.Queue()
+        self.offloop = ThreadPoolExecutor(4, thread_name_prefix="kiln-cmd")
+        self.shutting_down = False
+        self.drain_until: float | None = None    # a shutdown waiting for requests in flight
+        self._signals: list[int] = []            # appended by signal handlers, drained by the loop
+        self.started_at = time.time()
+        self.http = None
+        self.http_address: tuple[str, int] | None = None
+        self.segments: list = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # -- what the commands see ----------------------------------------------------------------
+
+    @property
+    def workers(self) -> dict[str, WorkerProcess]:
+        return self.table.workers
+
+    @property
+    def pending(self) -> dict:
+        return self.router.pending
+
+    def record(self, event: str, worker: str | None, detail: str, **extra) -> None:
+        self.events.record(event, worker, detail, **extra)
+
+    def apply(self, w: WorkerProcess, event) -> None:
+        self.table.apply(w, event)
+
+    # -- thread-safe entry points -------------------------------------------------------------
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self.inbox.put((fn, fut))
+        self._wake()
+        return fut
+
+    def command(self, name: str, args: dict | None = None, timeout: float = 15.0) -> Any:
+        """Run a bus command and wait for its result (from a thread that is not the loop)."""
+        if name in commands.OFF_LOOP:
+            return commands.run(self, name, args or {})
+        if name == "load" and self.placer is not None and isinstance((args or {}).get("model"), str):
+            self.placer.prepare(args["model"])
+        return self.submit(lambda: commands.run(self, name, args or {})).result(timeout)
+
+    def request(self, op: str, body: Any = None, timeout: float | None = None, replayable: bool = False,
+                admission: bool = False) -> LocalCall:
+        """A routed op (generate, score, tokenize, train.submit, …) for an in-process front end.
+        `replayable`: the front end shows nothing before the reply, so a worker's death after
+        output reruns the request (a "restart" message first) instead of failing it.
+        `admission`: an "admitted" message (the worker that took it) comes first."""
+        c = LocalCall(self)
+        worker_op, body, target = routed_target(op, body)
+        client = Client(c.id, c.events.put, "http", replayable, admission)
+        if not self._sendable(body, client):
+            return c
+        if target.model and self.placer is not None:
+            self.placer.prepare(target.model)          # here, on the caller's thread: not on the loop
+        self.submit(lambda: self.router.submit(worker_op, body, client, target, timeout))
+        return c
+
+    def call(self, worker: str, op: str, body: Any = None, timeout: float | None = None) -> LocalCall:
+        """An op of one named worker, through the router (it waits for that worker, too)."""
+        c = LocalCall(self)
+        client = Client(c.id, c.events.put, "http")
+        if self._sendable(body, client):
+            self.submit(lambda: self.router.submit(op, body, client, Target(worker=worker), timeout))
+        return c
+
+    @staticmethod
+    def _sendable(body: Any, client: Client) -> bool:
+        """Whether `body` can cross the wire; if not, the caller is answered at once. A body that
+        cannot be packed would otherwise fail on the loop thread, after the caller began waiting."""
+        try:
+            msgpack.packb(body, use_bin_type=True)
+            return True
+        except (TypeError, ValueError, OverflowError) as e:   # UnicodeEncodeError is a ValueError
+            client.deliver(make("error", id=client.id, code="bad_request", retryable=False,
+                                message=f"the request holds a value that cannot be sent to a worker "
+                                        f"({type(e).__name__}: {str(e)[:200]})"))
+            return False
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def serve(self, on_ready: Callable[[], None] | None = None) -> int:
+        # private by default: what the daemon and its workers write (training data, eval results,
+        # sessions, logs) is the user's alone; what an earlier Kiln left readable is fixed once
+        os.umask(0o077)
+        self.files.acquire()
+        fixed = self.paths.make_private()
+        if fixed:
+            self.record("made_private", None, f"{len(fixed)} files and folders under {self.paths.home} were readable "
+                        f"by others; now 0600/0700 (e.g. {fixed[0]})")
+        self.segments = segments.make_for_workers(self.paths.home, self.table, self.record)
+        if self.placer is not None:
+            self.placer.plan_pinned()                # after the segments: a moe-stream cache is sized
+        ctx = zmq.Context.instance()
+        self.worker_sock = ctx.socket(zmq.ROUTER)
+        self.worker_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.worker_sock.setsockopt(zmq.LINGER, 0)
+        self.control = ctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        for sock, ep in ((self.worker_sock, self.paths.worker_endpoint), (self.control, self.paths.control_endpoint)):
+            path = self.files.bind_path(ep)
+            sock.bind(ep)
+            os.chmod(path, 0o600)
+        for sig in HANDLED_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        # A mask inherited from whoever started us (some CI runners and shells block SIGTERM) would
+        # leave the signal pending forever: `kill <pid>` must always stop the daemon.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS | {signal.SIGUSR1})
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1`: stacks to the log
+        try:
+            self._start_http()
+            self.record("daemon_started", None, f"pid {os.getpid()}, http {self.http_address}")
+            for w in self.table:
+                if w.spec.get("enabled", True):
+                    self.apply(w, policy.Start(manual=False))
+            if on_ready:
+                on_ready()
+            self._loop()
+        finally:
+            self._teardown()
+        return 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        # Handlers only note the signal and wake the loop (gunicorn), taking no lock: a handler
+        # runs between two bytecodes of the main thread, which may hold the inbox's lock then.
+        self._signals.append(signum)
+        self._wake()
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                self.record("sighup", None, "ignored (no reload yet)")
+            elif self.shutting_down:
+                self.record("signal", None, f"{name} again while stopping: killing the workers now")
+                if self.drain_until is not None:
+                    self.stop_everything()
+                self.table.kill_all()
+            else:
+                commands.run(self, "shutdown", {"reason": name})
+
+    def _start_http(self) -> None:
+        if self.front_end is not None:
+            self.http, self.http_address = self.front_end(self)
+
+    def stop_everything(self) -> None:
+        """The end of a shutdown: what is still in flight is cut, every worker stopped."""
+        self.drain_until = None
+        self.router.fail_all("shutting_down", "kiln is shutting down")
+        for w in self.workers.values():
+            self.apply(w, policy.Stop())
+
+    def _teardown(self) -> None:
+        self.router.fail_all("shutting_down", "kiln is shutting down")
+        self.table.kill_all()
+        for w in self.table:
+            if w.proc is not None:
+                try:
+                    w.proc.wait(5)
+                except Exception:  # noqa: BLE001
+                    pass
+        if self.http:
+            self.http.close()
+        self.offloop.shutdown(wait=False, cancel_futures=True)
+        for sock in (getattr(self, "worker_sock", None), getattr(self, "control", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        self.files.release(self.segments)
+        self.record("daemon_stopped", None, "")
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.worker_sock, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        housekeeping = 0.0
+        while True:
+            self._handle_signals()
+            self._drain_inbox()
+            now = time.monotonic()
+            if now - housekeeping >= 0.02:      # not once per message: traffic stays cheap
+                housekeeping = now
+                self.table.tick()
+                if self.placer is not None:
+                    self.placer.tick()
+                self.router.pump()
+            if self.drain_until is not None and (not self.router.pending or now >= self.drain_until):
+                left = len(self.router.pending)
+                self.record("drained", None, "every request in flight finished" if not left else
+                            f"{left} request(s) still in flight after drain_timeout: cut")
+                self.stop_everything()
+            if self.shutting_down and self.drain_until is None and not self.table.any_alive():
+                return
+            ready = dict(poller.poll(LOOP_WAIT * 1000))
+            if self._wake_r in ready:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            for sock, handle in ((self.worker_sock, self._on_worker_frames), (self.control, self._on_control_frames)):
+                if sock in ready:
+                    for _ in range(1000):            # bounded, so a flood cannot starve the rest
+                        if not sock.poll(0):
+                            break
+                        handle(sock.recv_multipart())
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, fut = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller's thread
+                fut.set_exception(e)
+
+    # -- frames -------------------------------------------------------------------------------
+
+    def _key(self, sock) -> bytes:
+        return self.files.worker_key if sock is getattr(self, "worker_sock", None) else self.files.control_key
+
+    def _send(self, sock, identity: bytes | None, msg: Message) -> None:
+        if identity:
+            sock.send_multipart([identity] + encode_frames(msg, self._key(sock)))
+
+    def _decode(self, sock, frames: list[bytes]) -> tuple[bytes, Message | None]:
+        """(identity, message), or (identity, None) for a refused frame — counted, and a peer of
+        another protocol version is told which one this is."""
+        identity = frames[0]
+        try:
+            return identity, decode_frames(frames[1:], self._key(sock))
+        except ProtocolError as e:
+            self.bad_frames[e.kind] += 1
+            if e.kind == "version":
+                sock.send_multipart([identity] + version_error(e.peer_version, self._key(sock)))
+            return identity, None
+
+    def _on_worker_frames(self, frames: list[bytes]) -> None:
+        identity, msg = self._decode(self.worker_sock, frames)
+        if msg is None:
+            return
+        if msg.type == "hello":
+            hello = {k: msg.get(k) for k in ("kind", "ops", "protocol", "stop_grace")}
+            if self.table.on_hello(identity, msg.get("name"), msg.get("pid"), hello, msg.body) is None:
+                self.bad_frames["unknown_peer"] += 1
+            return
+        w = self.table.by_peer(identity)
+        if w is None:
+            self.bad_frames["unknown_peer"] += 1
+            return
+        if msg.type == "heartbeat":
+            self.table.on_heartbeat(w, msg.body)
+        elif msg.type == "error" and msg.get("code") == "boot_failed":
+            w.boot_reason = msg.get("message")
+        elif msg.type in ("chunk", "reply", "error"):
+            self.router.on_worker_message(w, msg)
+        elif msg.type == "request":             # a worker asking for a service (the evaluator: generate)
+            self.router.on_worker_request(w, msg, lambda m, ident=identity: self._send(self.worker_sock, ident, m))
+        elif msg.type == "cancel":
+            self.router.cancel_client(msg.id, f"worker:{w.name}")
+        else:
+            self.bad_frames["unexpected_type"] += 1
+
+    def _on_control_frames(self, frames: list[bytes]) -> None:
+        identity, msg = self._decode(self.control, frames)
+        if msg is None:
+            return
+        origin = f"control:{identity.hex()}"
+        if msg.type == "cancel":
+            self.router.cancel_client(msg.id, origin)
+            return
+        if msg.type != "request":
+            self.bad_frames["unexpected_type"] += 1
+            return
+        op = msg.get("op")
+        body = msg.body if isinstance(msg.body, dict) else {}
+        client = Client(msg.id, lambda m: self._send(self.control, identity, m), origin)
+        if op == "call":
+            timeout = body.get("timeout")
+            if not isinstance(body.get("worker"), str) or not isinstance(body.get("op"), str) \
+                    or not (timeout is None or isinstance(timeout, (int, float))):
+                return client.deliver(make("error", id=msg.id, code="bad_request",
+                                           message="call needs {worker: str, op: str, body?, timeout?: number}"))
+            return self.router.submit(body["op"], body.get("body"), client, Target(worker=body["worker"]),
+                                      float(timeout) if timeout else None)
+        if op in MODEL_OPS or op in KIND_OPS:
+            timeout = body.get("timeout") if op in MODEL_OPS else None
+            worker_op, wbody, target = routed_target(op, {k: v for k, v in body.items() if k != "timeout"})
+            submit = lambda: self.router.submit(worker_op, wbody, client, target,  # noqa: E731
+                                                float(timeout) if isinstance(timeout, (int, float)) else None)
+            return self._prepared(target.model, submit)
+        if op == "load" and isinstance(body.get("model"), str):
+            return self._prepared(body["model"], lambda: self._run_command(client, msg.id, op, body))
+        if op in commands.OFF_LOOP:
+            fut = self.offloop.submit(commands.run, self, op, body)
+            fut.add_done_callback(lambda f: self.submit(lambda: self._command_done(client, f)))
+            return
+        self._run_command(client, msg.id, op, body)
+
+    def _run_command(self, client: Client, msg_id: str, op: str, body: dict) -> None:
+        try:
+            result = commands.run(self, op, body)
+        except commands.CommandError as e:
+            return client.deliver(make("error", id=msg_id, code=e.code, message=e.message))
+        client.deliver(make("reply", id=msg_id, body=result))
+
+    def _prepared(self, model: str | None, then: Callable[[], None]) -> None:
+        """`then` on the loop, once `model` is planned off it (when it names one to place)."""
+        if not model or self.placer is None:
+            return then()
+        fut = self.offloop.submit(self.placer.prepare, model)
+        fut.add_done_callback(lambda f: self.submit(then))
+
+    @staticmethod
+    def _command_done(client: Client, fut: Future) -> None:
+        try:
+            client.deliver(make("reply", id=client.id, body=fut.result()))
+        except commands.CommandError as e:
+            client.deliver(make("error", id=client.id, code=e.code, message=e.message))
+        except Exception as e:  # noqa: BLE001 - a command's bug is an answer, not a dead loop
+            client.deliver(make("error", id=client.id, code="internal_error", message=f"{type(e).__name__}: {e}"))
