@@ -105,6 +105,7 @@ def test_streamed_models_meet_llama_cpps_bars(name, e8k2_path):
     assert cache.stats()["misses"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "lrfu"])
 @pytest.mark.parametrize("slots_per_layer", [1, 3, 8])
 def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e8k2_path, slots_per_layer, policy,

@@ -222,6 +222,7 @@ def traced():
 
 # -- the fuzz ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_header_field_of_a_model_at_its_edges_raises_gguf_error_or_runs(tmp_path):
     """tiny-llama: every field with three of the edge values, truncations, byte flips (~690)."""
     data = tiny_path("llama").read_bytes()
@@ -254,6 +255,7 @@ def test_plan_of_mutants_raises_gguf_error_or_gives_numbers(arch, n_edges, tmp_p
     runner.check(len(data))
 
 
+@pytest.mark.slow
 def test_plan_of_mutants_of_the_default_model(default_model_path, tmp_path):
     """The default model (98 MB, a 49k vocabulary): each field patched in one copy, planned,
     restored — most in the tensor table, where a big file's garbage is read as names and sizes."""

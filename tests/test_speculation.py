@@ -53,6 +53,7 @@ def test_drafting_changes_no_token(default_model, kw):
     assert out[False][1].drafted == 0
 
 
+@pytest.mark.slow
 def test_a_prompt_prefilled_between_decode_steps_gives_the_same_tokens(default_model):
     long_prompt = _chat(default_model, "Summarise: " + CODE * 4)
     short = _chat(default_model, "Count to twenty.")
@@ -85,6 +86,7 @@ def test_a_prompt_prefilled_between_decode_steps_gives_the_same_tokens(default_m
     assert got == alone
 
 
+@pytest.mark.slow
 def test_a_prompt_whose_chunks_ride_in_the_decode_steps_gives_the_same_tokens(default_model):
     """The default scheduling: a prompt arriving mid-stream runs chunk by chunk in the stream's
     decode forwards — both requests' tokens are what each gives alone."""
@@ -179,6 +181,7 @@ def test_forward_costs_take_the_median_and_try_a_size_before_judging_it():
     assert c.ratio(3) == pytest.approx(0.2 / 0.011)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{"temperature": 0}, {"temperature": 0.8, "seed": 5}])
 def test_a_draft_model_changes_no_token(default_model, kw):
     """The default model drafts for itself, four tokens a step (draft_min; on its own the
@@ -245,6 +248,7 @@ def test_a_fault_in_the_scheduler_ends_the_requests_under_way_and_it_goes_on(def
     assert _collect(s.submit(prompt, params, lambda: False))[0] == want
 
 
+@pytest.mark.slow
 def test_a_retry_of_a_cancelled_prefill_reuses_what_was_computed(default_model):
     """A client that gives up during a long prefill (an idle timeout) and retries: the retry
     continues from the chunks already in the slot's cache, and answers as a fresh run does."""

@@ -29,7 +29,7 @@ import msgpack
 import zmq
 
 from kiln.protocol.store.adapter_registry import AdapterRegistry
-from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, make, new_id, version_error
+from kiln.protocol import make, new_id
 
 from . import registry as commands
 from . import policy, segments
@@ -38,8 +38,9 @@ from .events import EventLog
 from .paths import Paths
 from .process_table import ProcessTable, SystemClock, WorkerProcess
 from .processes import ProcessSpawner
-from .router import KIND_OPS, MODEL_OPS, Client, Router, Target
+from .router import Client, Router, Target
 from .run_files import AlreadyRunning, RunFiles, read_pid  # noqa: F401  (re-exported for the CLI)
+from .sockets import SocketTraffic, routed_target
 
 HANDLED_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 LOOP_WAIT = 0.1          # the loop's longest wait for traffic, seconds
@@ -57,18 +58,6 @@ class LocalCall:
 
     def cancel(self) -> None:
         self.supervisor.submit(lambda: self.supervisor.router.cancel_client(self.id, "http"))
-
-
-def routed_target(op: str, body: Any) -> tuple[str, Any, Target]:
-    """A routed bus op's worker op, body and target: model ops take an optional "model" (or
-    "worker") from the body; job ops go to the worker of their kind."""
-    body = dict(body) if isinstance(body, dict) else {}
-    if op in KIND_OPS:
-        kind, worker_op = KIND_OPS[op]
-        return worker_op, body, Target(kind=kind)
-    model, worker = body.pop("model", None), body.pop("worker", None)
-    return op, body, Target(model=model if isinstance(model, str) else None,
-                            worker=worker if isinstance(worker, str) else None)
 
 
 def make_placer(table, m: dict, busy, record, state_file):
@@ -95,7 +84,7 @@ def make_placer(table, m: dict, busy, record, state_file):
                   weights=m["weights"])
 
 
-class Supervisor:
+class Supervisor(SocketTraffic):
     def __init__(self, config: Config, paths: Paths, clock=SystemClock, front_end=None):
         """`front_end(supervisor) -> (server, (host, port))` starts the HTTP server once the
         sockets are bound (supervisor/serve.py passes the HTTP app's)."""
@@ -353,109 +342,3 @@ class Supervisor:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - delivered to the caller's thread
                 fut.set_exception(e)
-
-    # -- frames -------------------------------------------------------------------------------
-
-    def _key(self, sock) -> bytes:
-        return self.files.worker_key if sock is getattr(self, "worker_sock", None) else self.files.control_key
-
-    def _send(self, sock, identity: bytes | None, msg: Message) -> None:
-        if identity:
-            sock.send_multipart([identity] + encode_frames(msg, self._key(sock)))
-
-    def _decode(self, sock, frames: list[bytes]) -> tuple[bytes, Message | None]:
-        """(identity, message), or (identity, None) for a refused frame — counted, and a peer of
-        another protocol version is told which one this is."""
-        identity = frames[0]
-        try:
-            return identity, decode_frames(frames[1:], self._key(sock))
-        except ProtocolError as e:
-            self.bad_frames[e.kind] += 1
-            if e.kind == "version":
-                sock.send_multipart([identity] + version_error(e.peer_version, self._key(sock)))
-            return identity, None
-
-    def _on_worker_frames(self, frames: list[bytes]) -> None:
-        identity, msg = self._decode(self.worker_sock, frames)
-        if msg is None:
-            return
-        if msg.type == "hello":
-            hello = {k: msg.get(k) for k in ("kind", "ops", "protocol", "stop_grace")}
-            if self.table.on_hello(identity, msg.get("name"), msg.get("pid"), hello, msg.body) is None:
-                self.bad_frames["unknown_peer"] += 1
-            return
-        w = self.table.by_peer(identity)
-        if w is None:
-            self.bad_frames["unknown_peer"] += 1
-            return
-        if msg.type == "heartbeat":
-            self.table.on_heartbeat(w, msg.body)
-        elif msg.type == "error" and msg.get("code") == "boot_failed":
-            w.boot_reason = msg.get("message")
-        elif msg.type in ("chunk", "reply", "error"):
-            self.router.on_worker_message(w, msg)
-        elif msg.type == "request":             # a worker asking for a service (the evaluator: generate)
-            self.router.on_worker_request(w, msg, lambda m, ident=identity: self._send(self.worker_sock, ident, m))
-        elif msg.type == "cancel":
-            self.router.cancel_client(msg.id, f"worker:{w.name}")
-        else:
-            self.bad_frames["unexpected_type"] += 1
-
-    def _on_control_frames(self, frames: list[bytes]) -> None:
-        identity, msg = self._decode(self.control, frames)
-        if msg is None:
-            return
-        origin = f"control:{identity.hex()}"
-        if msg.type == "cancel":
-            self.router.cancel_client(msg.id, origin)
-            return
-        if msg.type != "request":
-            self.bad_frames["unexpected_type"] += 1
-            return
-        op = msg.get("op")
-        body = msg.body if isinstance(msg.body, dict) else {}
-        client = Client(msg.id, lambda m: self._send(self.control, identity, m), origin)
-        if op == "call":
-            timeout = body.get("timeout")
-            if not isinstance(body.get("worker"), str) or not isinstance(body.get("op"), str) \
-                    or not (timeout is None or isinstance(timeout, (int, float))):
-                return client.deliver(make("error", id=msg.id, code="bad_request",
-                                           message="call needs {worker: str, op: str, body?, timeout?: number}"))
-            return self.router.submit(body["op"], body.get("body"), client, Target(worker=body["worker"]),
-                                      float(timeout) if timeout else None)
-        if op in MODEL_OPS or op in KIND_OPS:
-            timeout = body.get("timeout") if op in MODEL_OPS else None
-            worker_op, wbody, target = routed_target(op, {k: v for k, v in body.items() if k != "timeout"})
-            submit = lambda: self.router.submit(worker_op, wbody, client, target,  # noqa: E731
-                                                float(timeout) if isinstance(timeout, (int, float)) else None)
-            return self._prepared(target.model, submit)
-        if op == "load" and isinstance(body.get("model"), str):
-            return self._prepared(body["model"], lambda: self._run_command(client, msg.id, op, body))
-        if op in commands.OFF_LOOP:
-            fut = self.offloop.submit(commands.run, self, op, body)
-            fut.add_done_callback(lambda f: self.submit(lambda: self._command_done(client, f)))
-            return
-        self._run_command(client, msg.id, op, body)
-
-    def _run_command(self, client: Client, msg_id: str, op: str, body: dict) -> None:
-        try:
-            result = commands.run(self, op, body)
-        except commands.CommandError as e:
-            return client.deliver(make("error", id=msg_id, code=e.code, message=e.message))
-        client.deliver(make("reply", id=msg_id, body=result))
-
-    def _prepared(self, model: str | None, then: Callable[[], None]) -> None:
-        """`then` on the loop, once `model` is planned off it (when it names one to place)."""
-        if not model or self.placer is None:
-            return then()
-        fut = self.offloop.submit(self.placer.prepare, model)
-        fut.add_done_callback(lambda f: self.submit(then))
-
-    @staticmethod
-    def _command_done(client: Client, fut: Future) -> None:
-        try:
-            client.deliver(make("reply", id=client.id, body=fut.result()))
-        except commands.CommandError as e:
-            client.deliver(make("error", id=client.id, code=e.code, message=e.message))
-        except Exception as e:  # noqa: BLE001 - a command's bug is an answer, not a dead loop
-            client.deliver(make("error", id=client.id, code="internal_error", message=f"{type(e).__name__}: {e}"))

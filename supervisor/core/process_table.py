@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import psutil
 
-from kiln.protocol.vocab import ALIVE, FATAL, RUNNING, STARTING, STOPPED, WORKER_LOADING, serving
+from kiln.protocol.vocab import ALIVE, FATAL, RUNNING, STARTING, STOPPED, WORKER_LOADING
 
 from . import policy
 from .processes import sample
+from .worker_process import SystemClock, WorkerProcess  # noqa: F401  (the table's rows, named from here too)
 
 
 MAX_STOP_GRACE = 120.0          # the longest a worker may ask to wind down
@@ -39,66 +38,6 @@ MAX_STOP_GRACE = 120.0          # the longest a worker may ask to wind down
 # counts as working: a hung one's idle threads (poll wake-ups) use well under 0.1 %, a computing
 # one ~20 % under load 9 on 2 cores — and none at all in some 0.2 s stretches, hence the window
 PROGRESS_SHARE = 0.02
-
-
-class SystemClock:
-    monotonic = staticmethod(time.monotonic)
-    time = staticmethod(time.time)
-
-
-@dataclass
-class WorkerProcess:
-    name: str
-    spec: dict                                   # the [workers.<name>] table, validated
-    ps: policy.ProcState = field(default_factory=policy.ProcState)
-    proc: Any = None                             # the spawner's handle (pid, poll, send_signal)
-    identity: bytes | None = None                # ROUTER identity after hello: b"name:pid"
-    hello: dict | None = None                    # kind, ops, protocol
-    last_heartbeat: float = 0.0                  # monotonic
-    status: dict = field(default_factory=dict)   # the last heartbeat's body (state, stats)
-    started_wall: float | None = None
-    kill_at: float | None = None                 # SIGKILL deadline after a SIGTERM (monotonic)
-    boot_reason: str | None = None               # from an `error boot_failed` message
-    rss: int | None = None                       # sampled by the table, not per request
-    cpu: float | None = None
-    heard_at: float = 0.0                        # the table's attention clock at the last heartbeat
-    cpu_samples: deque = field(default_factory=deque)   # (monotonic time, CPU seconds used), recent
-    sampled_at: float | None = None              # monotonic time of the last progress sample
-    advancing: bool = False                      # the CPU time grew over the last liveness window
-    stopped: bool = False                        # the process is stopped (SIGSTOP), at the last sample
-    spared: bool = False                         # this silence was excused once (busy on CPU)
-
-    @property
-    def kind(self) -> str:
-        return self.spec["kind"]
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    @property
-    def worker_state(self) -> str | None:
-        """What the process last said it was doing; None once there is no process (its last
-        stats stay in `status`, its last state would be a lie: `stopped/loading`)."""
-        return self.status.get("state") if self.proc is not None else None
-
-    def can_serve(self) -> bool:
-        """Hello received and not loading: a request sent now is answered by this process."""
-        return self.identity is not None and serving(self.ps.state, self.worker_state)
-
-    def describe(self, now_wall: float) -> dict:
-        ps = self.ps
-        up = now_wall - self.started_wall if self.pid and self.started_wall else None
-        return {
-            "name": self.name, "kind": self.kind, "state": ps.state, "pid": self.pid,
-            "uptime_s": round(up, 3) if up is not None else None,
-            "restarts": ps.restarts, "last_exit": ps.last_exit, "reason": ps.reason,
-            "rss_bytes": self.rss if self.pid else None, "cpu_percent": self.cpu if self.pid else None,
-            "worker_state": self.worker_state,
-            "stats": {k: v for k, v in self.status.items() if k != "state"},
-            "ops": (self.hello or {}).get("ops", []),
-            "model": self.spec.get("model") if self.kind != "test" else None,
-        }
 
 
 class ProcessTable:
@@ -270,7 +209,7 @@ class ProcessTable:
             samples.append((now, cpu))
             while len(samples) > 2 and samples[1][0] <= now - window:
                 samples.popleft()                 # the oldest kept one starts the window
-            (t0, cpu0), span = samples[0], now - samples[0][0]
+            (_, cpu0), span = samples[0], now - samples[0][0]
             w.advancing = span > 0 and cpu - cpu0 >= PROGRESS_SHARE * span
         live = {w.pid for w in self.workers.values() if w.pid}
         for pid in [p for p in self._procs if p not in live]:
