@@ -67,7 +67,7 @@ def test_a_request_right_after_a_sigkill_is_answered_200_eight_times_in_a_row(se
 
 def test_eight_streaming_clients_survive_a_sigkill_every_eight_seconds(served):
     ready(served)
-    r = run_chaos(served, clients=8, seconds=18, kill_every=8, tokens=40)
+    r = run_chaos(served, clients=8, seconds=26, kill_every=8, tokens=40)
     assert r["daemon_alive"] and not r["fatal"], r
     assert r["kills"] >= 2, r
     assert r["streams_without_done"] == 0 and r["cut_streams_missing_error_event"] == 0, r
