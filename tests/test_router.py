@@ -337,3 +337,24 @@ def test_shutdown_fails_every_pending_request_and_refuses_new_ones():
     assert r.got["c1"][-1].get("code") == "shutting_down"
     r.generate("c2")
     assert r.got["c2"][-1].get("code") == "shutting_down"
+
+
+@pytest.mark.parametrize("min_ctx", ["4096", 1.5, True, -1, 0, [1]])
+def test_a_min_ctx_that_is_not_a_context_is_refused_at_admission(min_ctx):
+    """From the control socket or a worker's request it is unchecked until here: never an
+    exception on the loop."""
+    r = Rig()
+    r.start()
+    r.router.submit("generate", {"messages": [], "min_ctx": min_ctx}, r.client("c1"), Target())
+    assert r.got["c1"][-1].get("code") == "invalid_value" and not r.requests_to() and not r.router.pending
+
+
+def test_a_worker_whose_context_is_shorter_than_min_ctx_refuses_the_request():
+    r = Rig()
+    r.start()
+    r.table["default"].status["n_ctx"] = 512
+    r.router.submit("generate", {"messages": [], "min_ctx": 4096}, r.client("c1"), Target())
+    assert r.got["c1"][-1].get("code") == "context_too_small" and "4096" in r.got["c1"][-1].get("message")
+    r.router.submit("generate", {"messages": [], "min_ctx": 512}, r.client("c2"), Target())
+    [req] = r.requests_to()
+    assert "min_ctx" not in req.body

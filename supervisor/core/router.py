@@ -121,6 +121,9 @@ class Router:
                 body = {k: v for k, v in body.items() if k != "keep_alive"}
             min_ctx = body.get("min_ctx") if isinstance(body, dict) and op in MODEL_OPS else None
             if min_ctx is not None:
+                if isinstance(min_ctx, bool) or not isinstance(min_ctx, int) or min_ctx <= 0:
+                    raise RouteError("invalid_value", f"min_ctx must be a positive integer (a context in tokens), "
+                                     f"got {str(min_ctx)[:40]!r}")
                 body = {k: v for k, v in body.items() if k != "min_ctx"}
             w = self.resolve(target)            # unknown worker or model: a clear error now (or it loads)
             body, adapter = self._adapter(op, w, body)
