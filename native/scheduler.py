@@ -31,7 +31,7 @@ from .draft_model import DraftModel, DraftState
 from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
 from .model import FUSED_RUN, Model
 from .sampling import SamplingParams
-from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, propose
+from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, verify
 
 MIN_CHUNK = 4           # rows: an interleaved prefill chunk smaller than this is mostly fixed cost
 DEFAULT_PARALLEL = 4    # sequences a worker decodes together (its `parallel` setting)
@@ -346,9 +346,7 @@ class Scheduler:
                 self._end(job, e)
                 return True
         else:
-            draft, source, match = propose(gen.history, min(MAX_DRAFT, room), job.draft.cursor) if room > 0 \
-                else ([], None, 0)
-            draft = draft[:job.draft.choose(len(draft), self.costs, match=match)]
+            draft, source = job.draft.lookup(gen.history, room, self.costs)
         if not draft:
             return False
         base = cache.n
@@ -359,15 +357,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001
             self._end(job, e)
             return True
-        accepted, nxt = 0, None
-        for i, d in enumerate(draft):
-            tok = gen.step(rows[i])
-            job.events.put(tok)
-            if tok.id == d and not gen.done:
-                accepted += 1
-                continue
-            nxt = tok
-            break
+        accepted, nxt = verify(gen, rows, draft, job.events.put)
         cache.truncate(base + 1 + accepted)          # t and the accepted draft tokens
         self.costs.record(1 + len(draft), took)
         job.draft.update(len(draft), accepted)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -148,6 +148,12 @@ class DraftControl:
         run = (1 - p1 ** k) / (1 - p1) if p1 < 1 else float(k)
         return 1.0 + self.p0 * run
 
+    def lookup(self, history: list[int], room: int, costs: ForwardCosts) -> tuple[list[int], int | None]:
+        """A prompt-lookup draft worth checking now (at most `room` tokens; [] for a plain step)
+        and where in the history it was copied from."""
+        draft, source, match = propose(history, min(MAX_DRAFT, room), self.cursor) if room > 0 else ([], None, 0)
+        return draft[:self.choose(len(draft), costs, match=match)], source
+
     def choose(self, available: int, costs: ForwardCosts, per_token: float = 0.0, match: int = 0) -> int:
         """How many of `available` proposed tokens to check now (0: a plain step); `per_token`:
         what making each draft token costs, in plain steps (a draft model's forward); `match`:
@@ -187,6 +193,18 @@ class DraftControl:
             counts[1] = DECAY * counts[1] + tried
         if self.prior is not None:
             self.prior.update(drafted, accepted, match)
+
+
+def verify(gen, rows, draft: list[int], emit: Callable) -> tuple[int, object]:
+    """Sample each drafted position as plain decoding would (`gen.step` on its logits row),
+    emitting every token chosen, and keep the draft as far as it matches: (tokens kept, the
+    first token that differed — or None when every draft token held)."""
+    for i, d in enumerate(draft):
+        tok = gen.step(rows[i])
+        emit(tok)
+        if tok.id != d or gen.done:
+            return i, tok
+    return len(draft), None
 
 
 def _scaled(counts: list) -> list:

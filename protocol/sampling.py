@@ -7,6 +7,10 @@ from __future__ import annotations
 
 NUM = (int, float)
 
+# what leaving max_tokens out means at every door (HTTP, `kiln run`/`chat`, the engine's own
+# generate): until the model stops or the context ends — the worker knows the context
+DEFAULT_MAX_TOKENS = -1
+
 # name -> (types, low, high)
 BOUNDS: dict[str, tuple[tuple, float, float]] = {
     "temperature": (NUM, 0, 2),

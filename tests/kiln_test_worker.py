@@ -9,7 +9,8 @@ import os
 import signal
 import time
 
-from kiln.workers.runtime import BootError, Chunk, Worker, main, op
+from kiln.workers.runtime import main
+from kiln.workers.worker import BootError, Chunk, Worker, op
 
 
 class TestWorker(Worker):
@@ -68,7 +69,7 @@ class TestWorker(Worker):
     @op("ask_up")
     def ask_up(self, req):
         """Send a request up to the router, as the evaluator does; report what came back."""
-        from kiln.workers.runtime import OpError
+        from kiln.workers.worker import OpError
         try:
             msgs = list(self.request_up(req.body["op"], req.body.get("body") or {}, timeout=30))
             return {"reply": msgs[-1].body}

@@ -5,7 +5,8 @@ import ctypes
 import os
 import time
 
-from kiln.workers.runtime import Worker, main, op
+from kiln.workers.runtime import main
+from kiln.workers.worker import Worker, op
 
 
 def _first_time(req) -> bool:

@@ -27,7 +27,8 @@ from kiln.protocol.store.job_store import JobNotFound, JobStore, write_json_atom
 
 from .eval_metrics import compare, first_difference, metrics
 from .jobs import cancel_job
-from .runtime import OpError, Worker, main, op, state_dir
+from .runtime import main
+from .worker import OpError, Worker, op, state_dir
 from .scoring import SUITE_NAME, Suite, SuiteError, load_suite, read_suite_file, score
 
 

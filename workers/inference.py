@@ -33,7 +33,8 @@ from kiln.protocol import vocab
 
 from . import chat_plan
 from .chat_plan import ChatPlan, PlanError
-from .runtime import BootError, OpError, Worker, main, op, state_dir
+from .runtime import main
+from .worker import BootError, OpError, Worker, op, state_dir
 
 
 class InferenceWorker(Worker):

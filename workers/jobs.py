@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kiln.protocol.store.job_store import FINAL, JobNotFound, JobStore
 
-from .runtime import OpError
+from .worker import OpError
 
 
 def cancel_job(store: JobStore, job_id: str, what: str) -> dict:

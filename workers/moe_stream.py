@@ -26,7 +26,8 @@ from kiln.native.experts.warm import load_hot, save_hot
 from kiln.native.gguf_file import read_gguf
 
 from .inference import InferenceWorker
-from .runtime import BootError, main, state_dir
+from .runtime import main
+from .worker import BootError, state_dir
 
 PRELOAD_SECONDS = 3.0        # at most this much of a boot reads the predecessor's hot experts
 SAVE_EVERY = 2.0             # seconds between two writes of the hot list (on heartbeats)

@@ -1,7 +1,8 @@
 """The runtime every worker kind runs on: connect, hello, heartbeats, op dispatch, exit rules.
 
-A worker kind subclasses `Worker`, implements `boot()` (load what it needs; raise `BootError`
-with a one-line reason for a config mistake) and registers ops with `@op("name")`. A handler
+A worker kind (workers/worker.py) subclasses `Worker`, implements `boot()` (load what it needs;
+raise `BootError` with a one-line reason for a config mistake) and registers ops with
+`@op("name")`. A handler
 gets a `Request` and returns the reply body, or is a generator: each `yield` sends a `chunk`,
 the `return` value is the reply. Cancellation is honoured between chunks; a handler may also
 poll `req.cancelled()`.
@@ -28,107 +29,14 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import zmq
 
 from kiln.protocol import (PROTOCOL_VERSION, Message, ProtocolError, SchemaError, decode_frames,
                            encode_frames, make, validate_body, version_error, vocab)
 
-EXIT_BOOT_ERROR = 3
-
-
-class BootError(Exception):
-    """The worker cannot start with this configuration (exit code 3: no restart loop)."""
-
-
-class OpError(Exception):
-    """An op failed in a way the caller should be told about (code + message)."""
-
-    def __init__(self, code: str, message: str, retryable: bool = False):
-        super().__init__(message)
-        self.code, self.message, self.retryable = code, message, retryable
-
-
-@dataclass
-class Chunk:
-    body: Any
-    buffers: list[bytes] = field(default_factory=list)
-
-
-@dataclass
-class Request:
-    id: str
-    op: str
-    body: dict
-    buffers: list[bytes]
-    deadline: float | None
-    _cancel: threading.Event = field(default_factory=threading.Event)
-    stopping: bool = False              # cancelled because the worker stops (the router retries it)
-
-    def cancelled(self) -> bool:
-        return self._cancel.is_set() or (self.deadline is not None and time.time() > self.deadline)
-
-
-def op(name: str, concurrent: bool = False):
-    """Register a Worker method as the handler of op `name`. A concurrent op runs on a thread
-    of its own as soon as it arrives (the handler coordinates); others run one at a time."""
-    def mark(fn):
-        fn._kiln_op = name
-        fn._kiln_concurrent = concurrent
-        return fn
-    return mark
-
-
-class Worker:
-    kind = "base"
-    runtime: "Runtime | None" = None          # set by the runtime; request_up goes through it
-
-    def __init__(self, name: str, settings: dict):
-        self.name, self.settings = name, settings
-        self.state = vocab.BOOTING
-
-    def boot(self) -> None:
-        """Load what the worker needs. Raise BootError for a configuration mistake."""
-
-    def status(self) -> dict:
-        """Extra fields for heartbeats (stats the supervisor shows)."""
-        return {}
-
-    def on_stop(self) -> None:
-        """Shutdown or SIGTERM arrived (main thread): ask background work to wind down."""
-
-    def stop_pending(self) -> bool:
-        """True while background work is still winding down (e.g. writing a checkpoint);
-        the process exits when it turns False, or after `stop_grace` seconds."""
-        return False
-
-    stop_grace: float | None = None     # seconds it needs to wind down; None: 5 s and the
-                                        # supervisor's graceful_timeout (said in hello when set)
-
-    def ops(self) -> dict[str, Callable[[Request], Any]]:
-        found = {}
-        for cls in reversed(type(self).__mro__):
-            for attr, fn in vars(cls).items():
-                if hasattr(fn, "_kiln_op"):
-                    found[fn._kiln_op] = getattr(self, attr)
-        return found
-
-    def request_up(self, op: str, body: dict | None = None, timeout: float = 600.0) -> Iterator["Message"]:
-        """A service of the supervisor (another worker's op, through the router); see Runtime."""
-        if self.runtime is None:
-            raise OpError("no_supervisor", "this worker runs without a supervisor")
-        return self.runtime.request_up(op, body, timeout)
-
-    @op("ping")
-    def _ping(self, req: Request):
-        return {"pong": True, "name": self.name, "pid": os.getpid(), "state": self.state}
-
-    @op("stats")
-    def _stats(self, req: Request):
-        return {"state": self.state, **self.status()}
+from .worker import EXIT_BOOT_ERROR, BootError, Chunk, OpError, Request, Worker
 
 
 def _set_parent_death_signal() -> None:
@@ -420,9 +328,6 @@ class Runtime:
             yield make("error", id=req.id, code="op_failed", message=f"{type(e).__name__}: {e}")
 
 
-def state_dir() -> Path:
-    """Kiln's state folder, as the supervisor passes it (KILN_STATE_DIR)."""
-    return Path(os.environ.get("KILN_STATE_DIR") or os.environ.get("KILN_HOME") or Path.home() / ".kiln")
 
 
 def main(worker_cls: type[Worker]) -> None:

@@ -48,7 +48,8 @@ from kiln.native.training.sft_trainer import GRPORun, SFTRun, TrainSpec  # noqa:
 from kiln.protocol.store.job_store import FINAL, JobStore  # noqa: E402
 
 from .jobs import cancel_job  # noqa: E402
-from .runtime import OpError, Worker, main, op, state_dir  # noqa: E402
+from .runtime import main  # noqa: E402
+from .worker import OpError, Worker, op, state_dir  # noqa: E402
 
 
 class TrainerWorker(Worker):

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from kiln.protocol import vocab
+from kiln.protocol.sampling import DEFAULT_MAX_TOKENS
 
 from .engine import fail
 
@@ -101,7 +102,8 @@ def piped_prompt(prompt: Optional[str], stdin=None, grace: float = 0.5) -> str:
 def run(prompt: Optional[str] = typer.Argument(None, help="what to ask (text piped in on stdin comes before it)"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
         temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="sampling temperature (0: greedy; default: the server's)"),
-        max_tokens: int = typer.Option(512, "--max-tokens", help="longest answer, in tokens"),
+        max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=-1,
+                                        help="longest answer, in tokens (-1: until the model stops or the context ends)"),
         seed: Optional[int] = typer.Option(None, "--seed", help="makes sampling repeatable"),
         adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
                                                                        "default: the active one)")):
@@ -206,7 +208,8 @@ def _swallow_typeahead() -> None:
 
 def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker name or model to use"),
          temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="sampling temperature (0: greedy; default: the server's)"),
-         max_tokens: int = typer.Option(512, "--max-tokens", help="longest answer, in tokens"),
+         max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=-1,
+                                        help="longest answer, in tokens (-1: until the model stops or the context ends)"),
          system: Optional[str] = typer.Option(None, "--system", help="system prompt"),
          adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
                                                                         "default: the active one)"),

@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+from kiln.protocol.sampling import DEFAULT_MAX_TOKENS
+
 models_app = typer.Typer(help="Find, inspect and fetch GGUF models.", no_args_is_help=True)
 debug_app = typer.Typer(help="Run the engine directly (no daemon): tokenize, logits, generate.",
                         no_args_is_help=True)
@@ -338,7 +340,8 @@ def debug_logits(model: str = typer.Argument(..., help="path, name in a model fo
 @debug_app.command("generate")
 def debug_generate(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
                    text: str = typer.Argument(..., help="the prompt, parsed with special tokens"),
-                   max_tokens: int = typer.Option(32, "--max-tokens", help="tokens to generate"),
+                   max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=-1,
+                                                  help="tokens to generate (-1: until the model stops or the context ends)"),
                    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
                    top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens (0: off)"),
                    top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass (1: off)"),
@@ -353,10 +356,13 @@ def debug_generate(model: str = typer.Argument(..., help="path, name in a model 
     from kiln.native.sampling import SamplingError, SamplingParams
     m = _load(model)
     try:
+        prompt = m.tokenizer.encode(text, special=True)
+        if max_tokens == DEFAULT_MAX_TOKENS:                # to the end of the model's context
+            max_tokens = max(1, m.config.n_ctx_train - len(prompt))
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens,
                                 stop=stop, ignore_eos=ignore_eos).validate()
-        ids, out, fin = generate_text(m, m.tokenizer.encode(text, special=True), params)
+        ids, out, fin = generate_text(m, prompt, params)
     except (SamplingError, ContextLengthError) as e:
         fail(str(e))
     _emit({"ids": ids, "text": out, "finish_reason": fin.reason}, as_json,

@@ -118,12 +118,17 @@ def error_from(msg, param: str = "messages") -> JSONError:
 def routed(sup, op: str, body: dict, timeout: float = 600, param: str = "messages") -> dict:
     """One routed op (train.submit, eval.cancel, tokenize, …) through the router: its reply body,
     or its error as a JSONError."""
-    call = sup.request(op, body, timeout)
-    try:
-        msg = call.events.get(timeout=timeout + 5)
-    except queue.Empty:
-        call.cancel()
-        raise JSONError(504, "timeout", f"{op} was not answered within {timeout:g} s") from None
+    msg = answer_of(sup.request(op, body, timeout), op, timeout)
     if msg.type == "error":
         raise error_from(msg, param)
     return msg.body
+
+
+def answer_of(call, op: str, timeout: float):
+    """The one message answering a call that is not streamed (its reply or error); a 504 when
+    none came in time (the call cancelled: the worker stops working for nobody)."""
+    try:
+        return call.events.get(timeout=timeout + 5)
+    except queue.Empty:
+        call.cancel()
+        raise JSONError(504, "timeout", f"{op} was not answered within {timeout:g} s") from None

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 
 from kiln.protocol import Message
 
-from .common import JSONError, error_from, parse_json
+from .common import JSONError, answer_of, error_from, parse_json
 from .request_paths import check_model_ref
 from .work import Work
 
@@ -248,12 +248,7 @@ class Pipeline:
         model = body.get("model")
         if model is not None:
             check_model_ref(self.sup, model)
-        call = self.sup.request(op, body, timeout)
-        try:
-            msg = call.events.get(timeout=timeout + 5)
-        except queue.Empty:
-            call.cancel()
-            raise JSONError(504, "timeout", f"{op} was not answered within {timeout:g} s") from None
+        msg = answer_of(self.sup.request(op, body, timeout), op, timeout)
         if msg.type == "error":
             err = refusal(msg, param)
             raise shape.refused(err) if shape is not None else err

@@ -7,11 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .openai_validate import bad
+from kiln.protocol.sampling import DEFAULT_MAX_TOKENS
 
-# -1: until the model stops or the context ends (the worker knows the context): what leaving
-# max_tokens out means on every route that does not require it
-DEFAULT_MAX_TOKENS = -1
+from .openai_validate import bad
 
 
 @dataclass
