@@ -98,7 +98,7 @@ def test_every_module_that_starts_a_daemon_is_in_the_e2e_tier():
 # -- the supervisor's own layers -------------------------------------------------------------------
 
 DIALECTS = {"http.openai": "openai", "http.openai_shapes": "openai", "http.openai_validate": "openai",
-            "http.openai_responses": "openai", "http.anthropic": "anthropic", "http.ollama": "ollama",
+            "http.openai_responses": "openai", "http.openai_responses_shapes": "openai", "http.anthropic": "anthropic", "http.ollama": "ollama",
             "http.ollama_library": "ollama", "http.llama_server": "llama-server", "http.llama_fields": "llama-server"}
 # the shared validation every dialect's translation uses (OpenAI's shapes are the common ground)
 SHARED = {"http.openai_validate", "http.llama_fields"}

@@ -199,6 +199,32 @@ def test_completion_is_the_completions_answer_in_llama_servers_shape(served):
     assert cut["stop_type"] == "word" and cut["stopping_word"] == word and word not in cut["content"], cut
 
 
+def test_n_probs_gives_the_completions_logprobs_in_llama_servers_shape(served):
+    """A field added after the redesign (issue 36): n_probs, as /v1/completions' logprobs — the
+    same tokens, log-probabilities and alternatives, whole and streamed."""
+    q = "The capital of France is"
+    status, ref = http_json(served, "POST", "/v1/completions", {"prompt": q, "max_tokens": 6, "temperature": 0,
+                                                                "logprobs": 3})
+    assert status == 200, ref
+    lp = ref["choices"][0]["logprobs"]
+    want = [(t, v, sorted(top.items())) for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
+
+    def said(probs):
+        return [(p["token"], p["logprob"], sorted((a["token"], a["logprob"]) for a in p["top_logprobs"])) for p in probs]
+    body = {"prompt": q, "n_predict": 6, "temperature": 0, "n_probs": 3, "return_tokens": True}
+    status, out = http_json(served, "POST", "/completion", body)
+    assert status == 200 and said(out["completion_probabilities"]) == want, out
+    assert [p["id"] for p in out["completion_probabilities"]] == out["tokens"]
+    assert all(p["bytes"] == list(p["token"].encode()) for p in out["completion_probabilities"])
+    req = urllib.request.Request(served.http + "/completion", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({**body, "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [json.loads(x[6:]) for x in r.read().decode().splitlines() if x.startswith("data: ")]
+    assert said([p for e in events for p in e.get("completion_probabilities", [])]) == want
+    # n_probs 0 (what llama.cpp's web UI sends): nothing more
+    assert "completion_probabilities" not in http_json(served, "POST", "/completion", {**body, "n_probs": 0})[1]
+
+
 YES_NO = 'root ::= answer "."\nanswer ::= "yes" | "no"'
 
 
@@ -293,7 +319,9 @@ def enc_default(d, text: str) -> list[int]:
 
 @pytest.mark.parametrize("path,body,field", [
     ("/completion", {"prompt": ["a", "b"]}, "prompt"),
-    ("/completion", {"prompt": "a", "n_probs": 3}, "n_probs"),
+    ("/completion", {"prompt": "a", "n_probs": 21}, "n_probs"),
+    ("/completion", {"prompt": "a", "n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs"),
+    ("/v1/completions", {"prompt": "a", "n_probs": 3}, "n_probs"),
     ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
     ("/completion", {"prompt": "a", "input_prefix": "x"}, "input_prefix"),
     ("/infill", {"input_prefix": "a", "samplers": ["top_k", "mystery"]}, "samplers"),

@@ -72,6 +72,31 @@ def test_chat_stream_equals_whole_at_temperature_zero(client, served):
     assert oa["choices"][0]["message"]["content"] == whole.message.content
 
 
+def test_logprobs_are_the_openai_routes_in_ollamas_shape(client, served):
+    """A field added after the redesign (issue 36): logprobs and top_logprobs, through the official
+    client, as the OpenAI chat route's — the same tokens, log-probabilities and alternatives."""
+    opts = {"temperature": 0, "num_predict": 8}
+    status, oa = http_json(served, "POST", "/v1/chat/completions", {"model": "smol", "messages": ASK, "temperature": 0,
+                                                                    "max_tokens": 8, "logprobs": True, "top_logprobs": 3})
+    assert status == 200, oa
+    want = [(t["token"], t["logprob"], [(a["token"], a["logprob"]) for a in t["top_logprobs"]])
+            for t in oa["choices"][0]["logprobs"]["content"]]
+
+    def said(lps):
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs or []]) for t in lps]
+    whole = client.chat(model="smol", messages=ASK, options=opts, logprobs=True, top_logprobs=3)
+    assert said(whole.logprobs) == want and whole.eval_count == len(want)
+    streamed = [t for c in client.chat(model="smol", messages=ASK, options=opts, logprobs=True, top_logprobs=3,
+                                       stream=True) for t in (c.logprobs or [])]
+    assert said(streamed) == want
+    # logprobs alone: each token's own, no alternatives; none unless asked
+    only = client.chat(model="smol", messages=ASK, options=opts, logprobs=True)
+    assert [(t.token, t.logprob) for t in only.logprobs] == [(t, v) for t, v, _ in want]
+    assert not client.chat(model="smol", messages=ASK, options=opts).logprobs
+    status, out = http_json(served, "POST", "/api/generate", {"model": "smol", "prompt": "hi", "top_logprobs": 2})
+    assert status == 400 and "logprobs" in out["error"], out
+
+
 def test_generate_and_embed(client):
     r = client.generate(model="smol", prompt="Say hello.", options={"temperature": 0, "num_predict": 8})
     assert r.done and r.response.strip()

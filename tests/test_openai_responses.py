@@ -112,7 +112,32 @@ def test_a_json_schema_format_constrains_the_text(client):
     jsonschema.validate(json.loads(r.output_text), schema)
 
 
+def test_included_logprobs_are_the_chat_routes_whole_and_streamed(client, served):
+    """A field added after the redesign (issue 36): include + top_logprobs, as the chat route's
+    logprobs: the same tokens, log-probabilities and alternatives."""
+    ref = client.chat.completions.create(model="default", messages=[{"role": "user", "content": Q}], max_tokens=8,
+                                         temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    ref = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in ref]
+
+    def said(lps):
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in lps]
+    ask = dict(model="default", input=Q, max_output_tokens=8, temperature=0, top_logprobs=3,
+               include=["message.output_text.logprobs"])
+    r = client.responses.create(**ask)
+    assert said(r.output[0].content[0].logprobs) == ref and len(ref) == r.usage.output_tokens
+    events = list(client.responses.create(**ask, stream=True))
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert said(deltas) == said(done.logprobs) == ref
+    # without include, none; top_logprobs alone asks for nothing it could give
+    assert client.responses.create(model="default", input=Q, max_output_tokens=2).output[0].content[0].logprobs == []
+    status, err = http_json(served, "POST", "/v1/responses", {"model": "default", "input": Q, "top_logprobs": 2})
+    assert status == 400 and err["error"]["param"] == "top_logprobs", err
+
+
 @pytest.mark.parametrize("body,param,words", [
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include", "not supported"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs", "0 to 20"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "whole conversation"),
     ({"input": "hi", "conversation": "c"}, "conversation", "whole conversation"),
     ({"input": "hi", "store": True}, "store", "keeps no responses"),

@@ -84,4 +84,4 @@ def llama_params(body: dict, sampling: bool = True) -> dict[str, Any]:
 _WHAT = {"dry_multiplier": "no DRY sampler", "xtc_probability": "no XTC sampler",
          "dynatemp_range": "no dynamic temperature", "mirostat": "no Mirostat",
          "top_n_sigma": "no top-nσ sampler", "timings_per_token": "no timings in each chunk",
-         "n_probs": "no per-token probabilities here: use logprobs on /v1/completions"}
+         "n_probs": "on this route per-token probabilities are asked for with logprobs; n_probs is /completion's"}

@@ -32,7 +32,8 @@ from .work import Work, model_of
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
 _COMMON = {"model", "stream", "n_predict", "max_tokens", "adapter", "keep_alive", "n_indent", "t_max_predict_ms",
-           "t_max_prompt_ms", "response_fields", "grammar", "json_schema", "return_tokens"} | _SAMPLING | LLAMA_FIELDS
+           "t_max_prompt_ms", "response_fields", "grammar", "json_schema", "return_tokens",
+           "post_sampling_probs"} | _SAMPLING | LLAMA_FIELDS
 FIELDS = _COMMON | {"input_prefix", "input_suffix", "input_extra", "prompt"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 def infill_work(body: dict) -> dict:
@@ -66,7 +67,9 @@ def _params(body: dict) -> dict:
                          f"the prompt) or a number of tokens")
     params = sampling_params({k: v for k, v in body.items() if k in _SAMPLING})
     params["max_tokens"] = -1 if n is None else n
-    params.update(llama_params(body, sampling=n != 0))        # nothing is sampled with n_predict 0
+    # nothing is sampled with n_predict 0; n_probs is this route's own (below)
+    params.update(llama_params({k: v for k, v in body.items() if k != "n_probs"}, sampling=n != 0))
+    params.update(_probs(body))
     for field, low in (("n_indent", 0), ("t_max_predict_ms", None), ("t_max_prompt_ms", None)):
         v = body.get(field)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
@@ -77,6 +80,26 @@ def _params(body: dict) -> dict:
     if (body.get("t_max_predict_ms") or 0) > 0:          # llama-server: ≤ 0 is no limit
         params["t_max_predict_ms"] = float(body["t_max_predict_ms"])
     return params
+
+
+def _probs(body: dict) -> dict:
+    """n_probs: each generated token's log-probability and its n likeliest alternatives
+    (llama-server's `completion_probabilities`) — the engine's `logprobs` parameter."""
+    n = body.get("n_probs")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 20):
+        raise bad("n_probs", "n_probs must be an integer from 0 to 20 (the alternatives given with each token)")
+    if body.get("post_sampling_probs") not in (None, False):
+        raise bad("post_sampling_probs", "post_sampling_probs is not supported: Kiln gives the model's "
+                                         "log-probabilities before sampling; leave it out or set it false")
+    return {"logprobs": n} if n else {}
+
+
+def _probabilities(parts: list[dict]) -> list[dict]:
+    """llama-server's completion_probabilities: per generated token, its id, text, bytes and
+    log-probability, and its alternatives'."""
+    return [{"id": p["token"], "token": p["piece"], "bytes": list(p["piece"].encode()), "logprob": p["logprob"],
+             "top_logprobs": [{"id": i, "token": t, "bytes": list(t.encode()), "logprob": lp}
+                              for i, lp, t in p["top_logprobs"]]} for p in parts if "logprob" in p]
 
 
 def _fields(out: dict, paths) -> dict:
@@ -130,7 +153,8 @@ class LlamaServer:
                     **keep_alive(body))
         if body.get("response_fields") is not None:
             _fields({}, body["response_fields"])
-        self.pipe.generate(req, resp, work, CompletionShape(body.get("response_fields"), ids), stream_flag(body))
+        shape = CompletionShape(body.get("response_fields"), ids, probs=bool(work.params.get("logprobs")))
+        self.pipe.generate(req, resp, work, shape, stream_flag(body))
 
 
 def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
@@ -154,12 +178,12 @@ def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
 
 class CompletionShape(Shape):
     """llama-server's completion object, whole or as `data:` events (no [DONE]); `fields`: its
-    response_fields, `ids`: its return_tokens."""
+    response_fields, `ids`: its return_tokens, `probs`: its n_probs > 0."""
 
     param = "prompt"
 
-    def __init__(self, fields, ids: bool):
-        self.fields, self.ids, self.n = fields, ids, 0
+    def __init__(self, fields, ids: bool, probs: bool = False):
+        self.fields, self.ids, self.probs, self.n = fields, ids, probs, 0
 
     def _data(self, obj: dict) -> bytes:
         obj = obj if self.fields is None or "error" in obj else _fields(obj, self.fields)
@@ -168,7 +192,8 @@ class CompletionShape(Shape):
     def part(self, b: dict):
         self.n += 1
         yield self._data({"index": 0, "content": b.get("text", ""), "tokens": [b["token"]] if self.ids else [],
-                          "stop": False, "tokens_predicted": self.n})
+                          "stop": False, "tokens_predicted": self.n,
+                          **({"completion_probabilities": _probabilities([b])} if self.probs else {})})
 
     def closing(self, final: dict):
         yield self._data(_closing(final, self.model, final.get("text", ""), []))
@@ -179,6 +204,8 @@ class CompletionShape(Shape):
     def whole(self, parts: list[dict], final: dict) -> dict:
         content = "".join(p.get("text", "") for p in parts) + final.get("text", "")
         out = _closing(final, self.model, content, [p["token"] for p in parts] if self.ids else [])
+        if self.probs:
+            out["completion_probabilities"] = _probabilities(parts)
         return out if self.fields is None else _fields(out, self.fields)
 
 

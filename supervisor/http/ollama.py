@@ -35,8 +35,10 @@ HARDWARE_OPTIONS = {"num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock"
 _EMPTY_OK = {"images", "context", "suffix", "template"}
 # llama.cpp's own options, as Ollama passes them on (supervisor/llama_fields.py checks them)
 _LLAMA_OPTIONS = ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
-_CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive"}
-_GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "stream", "format", "options", "think", "keep_alive", "raw"}
+_CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive", "logprobs",
+                "top_logprobs"}
+_GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "stream", "format", "options", "think", "keep_alive", "raw",
+                    "logprobs", "top_logprobs"}
 
 
 def _now() -> str:
@@ -90,6 +92,19 @@ class Ollama:
         return p
 
     @staticmethod
+    def _logprobs(body: dict) -> dict:
+        """logprobs: each token's log-probability in the answer; top_logprobs (0–20): that many
+        likeliest alternatives with each — the engine's `logprobs` parameter."""
+        on, top = body.get("logprobs"), body.get("top_logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise bad("logprobs", "logprobs must be a boolean", "invalid_type")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            raise bad("top_logprobs", "top_logprobs must be an integer from 0 to 20")
+        if top and not on:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        return {"logprobs": top or 0} if on else {}
+
+    @staticmethod
     def _min_ctx(body: dict) -> dict:
         """num_ctx: the context the client needs — a worker whose context is shorter refuses it."""
         want = (body.get("options") or {}).get("num_ctx")
@@ -124,8 +139,10 @@ class Ollama:
     def _run(self, req, resp, body: dict, given: dict, kind: str) -> None:
         """Generate and answer in Ollama's shape: NDJSON chunks, or one object."""
         params = self._options(body)              # first: it checks that options is an object
+        params.update(self._logprobs(body))
         work = Work(**given, model=body["model"], params=params, **self._min_ctx(body), **keep_alive(body))
-        self.pipe.generate(req, resp, work, OllamaShape(kind, body["model"]), stream_flag(body, default=True))
+        shape = OllamaShape(kind, body["model"], with_lp=body.get("logprobs") is True)
+        self.pipe.generate(req, resp, work, shape, stream_flag(body, default=True))
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -271,8 +288,8 @@ class OllamaShape(Shape):
     media = "application/x-ndjson"
     keepalive = None                        # NDJSON has no comment to send in a silence
 
-    def __init__(self, kind: str, model: str):
-        self.kind, self.model, self.t0 = kind, model, time.perf_counter()
+    def __init__(self, kind: str, model: str, with_lp: bool = False):
+        self.kind, self.model, self.t0, self.with_lp = kind, model, time.perf_counter(), with_lp
         self.param = "messages" if kind == "chat" else "prompt"
 
     def start(self, model: str) -> None:
@@ -307,10 +324,20 @@ class OllamaShape(Shape):
                 "prompt_eval_duration": _ns(tm.get("prefill_s", 0)),
                 "eval_count": u["completion_tokens"], "eval_duration": _ns(tm.get("decode_s", 0))}
 
+    def _logprobs(self, parts: list[dict]) -> dict:
+        """Ollama's `logprobs`: one entry per generated token (its alternatives when asked)."""
+        if not self.with_lp:
+            return {}
+        return {"logprobs": [{"token": p["piece"], "logprob": p["logprob"], "bytes": list(p["piece"].encode()),
+                              **({"top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                                   for _, lp, t in p["top_logprobs"]]} if p["top_logprobs"] else {})}
+                             for p in parts if "logprob" in p]}
+
     def part(self, b: dict):
-        if b.get("text") or b.get("reasoning") or b.get("tool_calls"):
+        if b.get("text") or b.get("reasoning") or b.get("tool_calls") or (self.with_lp and "logprob" in b):
             yield ndjson({"model": self.model, "created_at": _now(), **self._said(
-                b.get("text", ""), b.get("reasoning", ""), b.get("tool_calls", ())), "done": False})
+                b.get("text", ""), b.get("reasoning", ""), b.get("tool_calls", ())), **self._logprobs([b]),
+                "done": False})
 
     def closing(self, final: dict):
         yield from self.part(final)
@@ -323,7 +350,7 @@ class OllamaShape(Shape):
         every = parts + [final]
         out = self._closing(final)
         out.update(self._said("".join(p.get("text", "") for p in every), "".join(p.get("reasoning", "") for p in every),
-                              [c for p in every for c in p.get("tool_calls", [])]))
+                              [c for p in every for c in p.get("tool_calls", [])]), **self._logprobs(parts))
         return out
 
 
