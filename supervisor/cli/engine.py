@@ -1,7 +1,5 @@
-"""`kiln models …` and `kiln debug …`: commands that read model files in the CLI process.
-
-The debug commands' JSON shapes are stable: our own checks and tests parse them.
-"""
+"""`kiln models …`: commands that read model files in the CLI process — and the helpers every
+command that loads a model here shares (cli/debug.py's too)."""
 
 from __future__ import annotations
 
@@ -12,11 +10,7 @@ from typing import Optional
 
 import typer
 
-from kiln.protocol.sampling import DEFAULT_MAX_TOKENS
-
 models_app = typer.Typer(help="Find, inspect and fetch GGUF models.", no_args_is_help=True)
-debug_app = typer.Typer(help="Run the engine directly (no daemon): tokenize, logits, generate.",
-                        no_args_is_help=True)
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -24,7 +18,7 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _model_path(spec: str):
+def model_path(spec: str):
     from kiln.native.models.library import ModelNotFound, PullError, resolve_model
     try:
         return resolve_model(spec, pull=(spec == "default"),
@@ -33,18 +27,18 @@ def _model_path(spec: str):
         fail(str(e))
 
 
-def _load(spec: str):
+def load_or_exit(spec: str):
     from kiln.native.gguf_file import GGUFError
     from kiln.native.model import load_model
     from kiln.native.tokenizer import TokenizerError
-    path = _model_path(spec)
+    path = model_path(spec)
     try:
         return load_model(path)
     except (GGUFError, TokenizerError) as e:
         fail(str(e))
 
 
-def _emit(obj, as_json: bool, human) -> None:
+def emit(obj, as_json: bool, human) -> None:
     if as_json:
         typer.echo(json.dumps(obj, ensure_ascii=False))
     else:
@@ -61,7 +55,7 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
     """Architecture, parameters, tensor types, context, tokenizer, and the memory the engine needs."""
     from kiln.native.gguf_file import GGUFError
     from kiln.native.models.inspect import inspect_model
-    path = _model_path(model)
+    path = model_path(model)
     try:
         info = inspect_model(path, tensors=tensors, ctx=ctx)
     except GGUFError as e:
@@ -94,7 +88,7 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
             typer.echo(f"  UNSUPPORTED    tensor types {', '.join(i['unsupported_tensor_types'])}")
         for t in i.get("tensors", []):
             typer.echo(f"    {t['name']:<40} {t['type']:<6} {str(t['shape']):<20} {t['bytes']:>12,}")
-    _emit(info, as_json, human)
+    emit(info, as_json, human)
 
 
 @models_app.command("list")
@@ -132,9 +126,9 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
     """Will it run here? Weights, KV cache and runtime against available RAM: fits / streams / too_large."""
     from kiln.native.gguf_file import GGUFError
     from kiln.native.models.plan import plan
-    path = _model_path(model)
+    path = model_path(model)
     try:
-        p = plan(path, ctx, parallel=parallel, draft=_model_path(draft) if draft else None)
+        p = plan(path, ctx, parallel=parallel, draft=model_path(draft) if draft else None)
     except GGUFError as e:
         fail(str(e))
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
@@ -161,7 +155,7 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
                            + (f"{r['tok_s']:>7.2f} tok/s  hit rate {r['hit_rate']}" if "tok_s" in r else r["skipped"]))
             typer.echo(f"  suggested: --expert-cache {t['suggested_bytes'] // 2**20}MiB ({t['rule']}); "
                        f"`kiln up --model {model} --stream --expert-cache auto` uses it")
-    _emit(p, as_json, human)
+    emit(p, as_json, human)
     if p["verdict"] == "too_large":
         raise typer.Exit(1)
 
@@ -171,7 +165,7 @@ def models_rm(model: str = typer.Argument(..., help="name or path of a model in 
               yes: bool = typer.Option(False, "--yes", "-y", help="do not ask")):
     """Delete a model from a Kiln model folder (refused while a running worker uses it)."""
     from kiln.native.models.library import model_dirs
-    path = _model_path(model).resolve()
+    path = model_path(model).resolve()
     if not any(d.resolve() in path.parents for d in model_dirs() if d.exists()):
         fail(f"{path} is not in a Kiln model folder; remove it with the tool that put it there")
     from ..bus.client import ControlClient, DaemonNotRunning
@@ -201,7 +195,7 @@ def models_verify(model: Optional[str] = typer.Argument(None, help="path, name i
     from kiln.native.models.library import library_files
     if all_ == bool(model):
         fail("give a MODEL or --all", 2)
-    paths = library_files() if all_ else [_model_path(model)]
+    paths = library_files() if all_ else [model_path(model)]
     results = [verify(p) for p in paths]
     if as_json:
         typer.echo(json.dumps(results if all_ else results[0], indent=2))
@@ -291,112 +285,3 @@ def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-
     except KeyboardInterrupt:
         fail("interrupted; the partial download is kept — run the same pull again to resume", 130)
     typer.echo(str(path))
-
-
-# -- debug -------------------------------------------------------------------------------------
-
-@debug_app.command("tokenize")
-def debug_tokenize(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
-                   text: str = typer.Argument(..., help="the text to tokenize"),
-                   no_special: bool = typer.Option(False, "--no-special",
-                                                   help="treat control-token markup as plain text"),
-                   as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-    """Token ids of TEXT (no BOS unless the model's metadata asks for one)."""
-    m = _load(model)
-    ids = m.tokenizer.encode(text, special=not no_special)
-    _emit({"ids": ids}, as_json, lambda o: typer.echo(
-        " ".join(f"{i}:{m.tokenizer.tokens[i]!r}" for i in o["ids"])))
-
-
-@debug_app.command("logits")
-def debug_logits(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
-                 text: str = typer.Argument(..., help="the prompt, parsed with special tokens"),
-                 top: int = typer.Option(20, "--top", help="alternatives per position"),
-                 full_last: bool = typer.Option(False, "--full-last", help="add the whole last logit vector"),
-                 as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-    """Top-K logits at every prompt position (TEXT parsed with special tokens)."""
-    import numpy as np
-    m = _load(model)
-    ids = m.tokenizer.encode(text, special=True)
-    if not ids:
-        fail("TEXT tokenizes to nothing")
-    logits = m.forward(ids, m.new_cache(len(ids)), all_logits=True)
-    positions = []
-    for row in logits:
-        best = np.argsort(-row, kind="stable")[:top]
-        positions.append({"top_ids": [int(i) for i in best], "top_logits": [float(row[i]) for i in best]})
-    out = {"ids": ids, "positions": positions}
-    if full_last:
-        out["last_logits"] = [float(x) for x in logits[-1]]
-
-    def human(o):
-        for i, (tid, pos) in enumerate(zip(o["ids"], o["positions"])):
-            alts = ", ".join(f"{m.tokenizer.tokens[t]!r} {lg:.2f}" for t, lg in
-                             zip(pos["top_ids"][:5], pos["top_logits"][:5]))
-            typer.echo(f"{i:4d} {m.tokenizer.tokens[tid]!r:>16} → {alts}")
-    _emit(out, as_json, human)
-
-
-@debug_app.command("generate")
-def debug_generate(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
-                   text: str = typer.Argument(..., help="the prompt, parsed with special tokens"),
-                   max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=-1,
-                                                  help="tokens to generate (-1: until the model stops or the context ends)"),
-                   temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
-                   top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens (0: off)"),
-                   top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass (1: off)"),
-                   min_p: float = typer.Option(0.05, "--min-p", help="drop tokens below this share of the best (0: off)"),
-                   repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="penalty for recent tokens (1: off)"),
-                   seed: Optional[int] = typer.Option(None, "--seed", help="makes sampling repeatable"),
-                   stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
-                   ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past the end-of-text token"),
-                   as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-    """Generate from TEXT (parsed with special tokens) and print ids and text."""
-    from kiln.native.generate import ContextLengthError, generate_text
-    from kiln.native.sampling import SamplingError, SamplingParams
-    m = _load(model)
-    try:
-        prompt = m.tokenizer.encode(text, special=True)
-        if max_tokens == DEFAULT_MAX_TOKENS:                # to the end of the model's context
-            max_tokens = max(1, m.config.n_ctx_train - len(prompt))
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens,
-                                stop=stop, ignore_eos=ignore_eos).validate()
-        ids, out, fin = generate_text(m, prompt, params)
-    except (SamplingError, ContextLengthError) as e:
-        fail(str(e))
-    _emit({"ids": ids, "text": out, "finish_reason": fin.reason}, as_json,
-          lambda o: (sys.stdout.write(o["text"] + "\n"), sys.stdout.flush()))
-
-
-eval_app = typer.Typer(help="Evaluate: suites (run, compare, replay) in the evaluator worker; perplexity.",
-                        no_args_is_help=True)
-
-
-@eval_app.command("perplexity")
-def eval_perplexity(model: str = typer.Argument(..., help="path, name in a model folder, or 'default'"),
-                    file: str = typer.Option(..., "--file", "-f", help="text file to score"),
-                    ctx: int = typer.Option(512, "--ctx", help="chunk size in tokens"),
-                    chunks: int = typer.Option(0, "--chunks", min=0,
-                                               help="score only the first N chunks (0: all), as llama-perplexity's --chunks"),
-                    as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-    """Perplexity as llama-perplexity computes it: chunks of CTX tokens, second half scored."""
-    from pathlib import Path
-
-    from kiln.native.perplexity import perplexity
-    try:
-        text = Path(file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        fail(f"cannot read {file}: {e}")
-    m = _load(model)
-
-    def show(i, n, running):
-        if not as_json:
-            typer.echo(f"[{i}/{n}] {running:.4f}", err=True)
-    try:
-        r = perplexity(m, text, ctx, show, max_chunks=chunks or None)
-    except ValueError as e:
-        fail(str(e))
-    out = {"model": m.path.name, "file": file, "ctx": ctx, "chunks": r.n_chunks, "scored_tokens": r.n_scored,
-           "ppl": r.ppl, "ppl_err": r.ppl_err, "chunk_ppl": r.chunk_ppl}
-    _emit(out, as_json, lambda o: typer.echo(f"PPL = {o['ppl']:.4f} +/- {o['ppl_err']:.4f}"))

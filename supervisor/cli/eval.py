@@ -13,7 +13,8 @@ import typer
 
 from kiln.protocol import vocab
 
-from .engine import eval_app, fail
+from .debug import eval_app
+from .engine import fail
 from .train import _client, _cmd
 
 

@@ -23,7 +23,8 @@ from . import chat as cli_chat
 from . import agents as cli_agents, models as cli_models
 from . import daemon as daemon_commands
 from .daemon import _command, _load_config, _paths
-from .engine import debug_app, eval_app, fail, models_app
+from .debug import debug_app, eval_app
+from .engine import fail, models_app
 from .train import adapters_app, train_app
 from . import eval as cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
 
