@@ -176,7 +176,7 @@ def test_a_long_prefill_keeps_each_stream_alive(default_model_path, tmp_path):
     (an SSE comment; Anthropic's ping) before its first token — and the answer is the same."""
     import http.client
     import time
-    long = " ".join(f"item{i}" for i in range(150))          # ~600 tokens: seconds of prefill here
+    long = " ".join(f"item{i}" for i in range(80))           # ~320 tokens: a second and more of prefill here
     bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "A: " + long}], "max_tokens": 4},
               "/v1/messages": {"messages": [{"role": "user", "content": "B: " + long}], "max_tokens": 4},
               "/v1/responses": {"input": "C: " + long, "max_output_tokens": 4}}   # no shared prefix: no cache

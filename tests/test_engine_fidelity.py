@@ -29,11 +29,15 @@ TINY_CASES = [(a, k) for a in TINY_ARCHS + ["llama-Q4_K_M", "llama-Q5_K_M", "lla
               for k in ("compiled", "numpy")]
 
 
-@pytest.mark.parametrize(("arch", "kernel_path"), _cases(TINY_CASES, {("llama3", "numpy")}), indirect=["kernel_path"])
+@pytest.mark.parametrize(("arch", "kernel_path"), TINY_CASES, indirect=["kernel_path"],
+                         ids=[f"{k}-{a}" for a, k in TINY_CASES])
 def test_tiny_model_matches_llama_cpp(arch, kernel_path):
     ref, npz = reference(f"tiny/tiny-{arch}")
     model = load_model(tiny_path(arch))
-    assert_meets_bars(measure(model, ref, npz), f"tiny-{arch} ({kernel_path})")
+    # numpy: not tiny-llama3's 1,585-token prompt (14 s of ggml-exact attention there), whose
+    # logits test_prompt_logits_are_llama_cpps_bits checks to the bit on that path
+    short = {"max_prompt": 240} if kernel_path == "numpy" and arch == "llama3" else {}
+    assert_meets_bars(measure(model, ref, npz, **short), f"tiny-{arch} ({kernel_path})")
 
 
 @pytest.mark.slow
@@ -44,9 +48,10 @@ def test_default_model_matches_llama_cpp(default_model, default_model_path, kern
 
 
 def _numpy_share(kernel_path: str) -> dict:
-    """The numpy path checks the prompts of up to 40 tokens (3 of 4) and 8 greedy tokens of each
-    (everything takes it 50 s a model); the compiled path checks everything."""
-    return {"max_greedy": 8, "max_prompt": 40} if kernel_path == "numpy" else {}
+    """The numpy path checks the prompts of up to 20 tokens (2 of 4: 5 and 18 tokens) and 8 greedy
+    tokens of each (everything takes it 50 s a model, these 8 s); the compiled path checks
+    everything."""
+    return {"max_greedy": 8, "max_prompt": 20} if kernel_path == "numpy" else {}
 
 
 @pytest.mark.slow

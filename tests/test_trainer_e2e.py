@@ -219,8 +219,8 @@ def test_cancel_a_running_and_a_queued_job_and_delete(daemon):
     assert kiln(daemon.home, "train", "cancel", long_id).returncode == 1       # already cancelled
 
 
-def test_a_grpo_job_on_twelve_groups_completes_and_its_adapter_is_listed(daemon, tmp_path):
-    names = ["Ada", "Bob", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu"]
+def test_a_grpo_job_on_six_groups_completes_and_its_adapter_is_listed(daemon, tmp_path):
+    names = ["Ada", "Bob", "Cy", "Dee", "Eve", "Fay"]
     groups = [{"prompt": [{"role": "user", "content": f"Greet {n}."}],
                "completions": [{"text": f"Hello {n}!", "reward": 1.0}, {"text": f"Go away {n}.", "reward": 0.0}]}
               for n in names]
@@ -231,7 +231,7 @@ def test_a_grpo_job_on_twelve_groups_completes_and_its_adapter_is_listed(daemon,
     assert r.returncode == 0, r.stderr
     job = wait_job(daemon, json.loads(r.stdout)["id"])
     assert job["state"] == "completed", job
-    assert job["total_steps"] == 12 and job["reward"] == 0.5 and job["kl"] >= 0
+    assert job["total_steps"] == 6 and job["reward"] == 0.5 and job["kl"] >= 0
     assert job["spec"]["method"] == "grpo"
     listed = json.loads(kiln(daemon.home, "adapters", "list", "--json").stdout)["adapters"]
     assert "greeter" in [a["name"] for a in listed]

@@ -5,6 +5,10 @@ and arguments show none."""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
+
 from typer import core
 
 
@@ -31,15 +35,38 @@ def _usage_display_name(self) -> str:
 core.TyperArgument._usage_display_name = _usage_display_name
 
 # Help texts are plain text: `hf:ORG/REPO[/FILE.gguf]` must print as written, not be parsed as
-# Rich markup (it crashed `kiln models pull --help` with a MarkupError).
-from rich.markup import escape  # noqa: E402
-from typer import rich_utils  # noqa: E402
-
-_make_rich_text = rich_utils._make_rich_text
+# Rich markup (it crashed `kiln models pull --help` with a MarkupError). Typer imports its Rich
+# helpers only to print help or an error; importing them here cost every command 0.25 s, so the
+# patch is applied when Typer imports them.
 
 
-def _plain_rich_text(*, text: str, style: str = "", markup_mode):
-    return _make_rich_text(text=escape(text), style=style, markup_mode=markup_mode)
+def _patch(rich_utils) -> None:
+    from rich.markup import escape
+    make = rich_utils._make_rich_text
+
+    def plain(*, text: str, style: str = "", markup_mode):
+        return make(text=escape(text), style=style, markup_mode=markup_mode)
+    rich_utils._make_rich_text = plain
 
 
-rich_utils._make_rich_text = _plain_rich_text
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Patches typer.rich_utils right after it is first imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "typer.rich_utils":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "typer.rich_utils" in sys.modules:
+    _patch(sys.modules["typer.rich_utils"])
+else:
+    sys.meta_path.insert(0, _OnImport())
