@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 import threading
 import weakref
@@ -62,8 +63,9 @@ class TensorInfo:
     name: str
     type: GGMLQuantizationType
     shape: tuple[int, ...]        # numpy order (outermost first): the reverse of ggml's ne
-    offset: int                   # absolute byte offset of the data in the file
+    offset: int                   # absolute byte offset of the data in its file
     n_bytes: int
+    part: int = 0                 # which file of a split model holds it (GGUFFile.parts)
 
     @property
     def n_elements(self) -> int:
@@ -82,6 +84,12 @@ class GGUFFile:
     file_size: int
     _map: np.memmap | None = field(default=None, repr=False)
     private: Any = field(default=None, repr=False)     # PrivateWeights: tensors copied out of the mapping
+    parts: tuple[Path, ...] = ()            # a split model's files, in order (path is the first)
+    _part_maps: dict = field(default_factory=dict, repr=False)
+
+    def file_of(self, info: "TensorInfo") -> Path:
+        """The file holding a tensor's data (a split model's part)."""
+        return self.parts[info.part] if self.parts else self.path
 
     def copy_to_private(self, names) -> None:
         """Copy the tensors `names` into private memory in huge pages (native/private_weights.py);
@@ -99,6 +107,11 @@ class GGUFFile:
         info = self.tensor(name)
         if self.private is not None and name in self.private.arrays:
             return self.private.arrays[name]
+        if info.part:
+            m = self._part_maps.get(info.part)
+            if m is None:
+                m = self._part_maps[info.part] = _mapping(self.parts[info.part])
+            return m[info.offset: info.offset + info.n_bytes]
         if self._map is None:
             self._map = _mapping(self.path)
         return self._map[info.offset: info.offset + info.n_bytes]
@@ -227,12 +240,63 @@ class _Skipped(list):
 
 
 def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile:
-    """Parse the header and tensor table of a GGUF file.
+    """Parse the header and tensor table of a GGUF file — of every part, for a model split as
+    llama.cpp's gguf-split writes it (`NAME-00001-of-0000N.gguf`: the first part holds the
+    metadata, each part `split.no`/`split.count` and some of the tensors; `path` is the first).
 
     skip_arrays=True leaves large arrays (over 4096 values: vocabulary, merges) unread: enough
     for listing and planning (which read per-layer arrays), and several times faster.
     """
-    path = Path(path)
+    first = _read_one(Path(path), skip_arrays)
+    count = first.metadata.get("split.count", 1)
+    if count == 1 and "split.no" not in first.metadata:
+        return first
+    return _join_parts(first)
+
+
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+MAX_PARTS = 9999                  # gguf-split's five digits
+
+
+def _join_parts(first: GGUFFile) -> GGUFFile:
+    """A split model as one: the first part's metadata, every part's tensors (each knowing its
+    file); the parts found beside the first by name, each checked to be part i of the same n."""
+    path, meta = first.path, first.metadata
+
+    def bad(problem: str) -> GGUFError:
+        return GGUFError(f"{path}: {problem}")
+    count, no, total = meta.get("split.count"), meta.get("split.no"), meta.get("split.tensors.count")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (count, no, total)):
+        raise bad("split.count, split.no and split.tensors.count must all be integers in a split model")
+    if not 1 <= count <= MAX_PARTS or not 0 <= no < count or not 0 <= total <= 10**7:
+        raise bad(f"split.no {no} of split.count {count} (split.tensors.count {total}) is not a part of a split model")
+    if no != 0:
+        raise bad(f"this is part {no + 1} of {count} of a split model: open the first part (-00001-of-{count:05d}.gguf)")
+    m = SPLIT_NAME.match(path.name)
+    if count > 1 and (m is None or int(m["no"]) != 1 or int(m["count"]) != count):
+        raise bad(f"the first of {count} parts must be named NAME-00001-of-{count:05d}.gguf to find the others")
+    parts, tensors, size = [path], dict(first.tensors), first.file_size
+    for i in range(1, count):
+        p = path.with_name(f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf")
+        if not p.is_file():
+            raise bad(f"part {i + 1} of {count} ({p.name}) is missing beside it: a split model needs all its parts")
+        g = _read_one(p, skip_arrays=True)
+        if g.metadata.get("split.no") != i or g.metadata.get("split.count") != count:
+            raise GGUFError(f"{p}: says it is part {g.metadata.get('split.no')!r} of {g.metadata.get('split.count')!r}, "
+                            f"expected part {i} of {count} (0-based) of {path.name}")
+        for name, t in g.tensors.items():
+            if name in tensors:
+                raise GGUFError(f"{p}: tensor {name!r} is also in an earlier part; the split model is corrupt")
+            tensors[name] = TensorInfo(t.name, t.type, t.shape, t.offset, t.n_bytes, part=i)
+        parts.append(p)
+        size += g.file_size
+    if len(tensors) != total:
+        raise bad(f"the {count} parts hold {len(tensors)} tensors, but split.tensors.count says {total}")
+    return GGUFFile(path, first.version, meta, tensors, first.data_offset, size, parts=tuple(parts))
+
+
+def _read_one(path: Path, skip_arrays: bool) -> GGUFFile:
+    """The header and tensor table of one file."""
     if not path.exists():
         raise GGUFError(f"{path}: no such file")
     if path.is_dir():

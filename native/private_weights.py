@@ -35,7 +35,7 @@ class PrivateWeights:
     tensor's bytes (uint8), as GGUFFile.raw would give them from the mapping."""
 
     def __init__(self, g, names) -> None:
-        infos = sorted((g.tensor(n) for n in set(names)), key=lambda t: t.offset)
+        infos = sorted((g.tensor(n) for n in set(names)), key=lambda t: (t.part, t.offset))
         places, at = [], 0
         for t in infos:
             places.append((t, at))
@@ -46,14 +46,17 @@ class PrivateWeights:
         self.address = np.frombuffer(self.buffer, np.uint8).ctypes.data
         view = memoryview(self.buffer)
         self.arrays: dict[str, np.ndarray] = {}
-        fd = os.open(g.path, os.O_RDONLY)
+        fds: dict[int, int] = {}                 # a split model's parts: one descriptor each
         try:
             for t, dst in places:
-                _read_exactly(fd, view[dst: dst + t.n_bytes], t.offset, g.path, t.name)
+                if t.part not in fds:
+                    fds[t.part] = os.open(g.file_of(t), os.O_RDONLY)
+                _read_exactly(fds[t.part], view[dst: dst + t.n_bytes], t.offset, g.file_of(t), t.name)
                 arr = self.arrays[t.name] = np.frombuffer(self.buffer, np.uint8, t.n_bytes, dst)
                 arr.flags.writeable = False      # as the read-only mapping's: a stray write raises
         finally:
-            os.close(fd)
+            for fd in fds.values():
+                os.close(fd)
         self.seconds = time.perf_counter() - t0
 
     def stats(self) -> dict:

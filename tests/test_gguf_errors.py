@@ -214,3 +214,32 @@ def _meta(tmp_path, **changes):
 def test_a_bad_hyperparameter_or_vocabulary_is_named_at_load(tmp_path, changes, says):
     with pytest.raises(GGUFError, match=says):
         load_model(_meta(tmp_path, **changes))
+
+
+@pytest.mark.parametrize(("lie", "says"), [
+    ({1: {"no": 2}}, "expected part 1 of 3"),                 # a part that claims another place
+    ({2: {"count": 4}}, "expected part 2 of 3"),              # a part of another set
+    ({0: {"total": 99}}, "split.tensors.count says 99"),      # fewer tensors than promised
+    ({0: {"count": 0}}, "is not a part of a split model"),
+    ({0: {"no": 1}}, "open the first part"),
+])
+def test_a_split_model_whose_parts_disagree_is_refused_naming_the_part(tmp_path, lie, says):
+    from split_gguf import split
+    first = split(tiny_path("llama"), tmp_path, 3, lie)[0]
+    with pytest.raises(GGUFError, match=says):
+        read_gguf(first)
+
+
+def test_a_split_model_loads_as_the_whole_file(tmp_path):
+    from split_gguf import split
+    parts = split(tiny_path("llama"), tmp_path, 3)
+    whole, g = read_gguf(tiny_path("llama")), read_gguf(parts[0])
+    assert g.parts == tuple(parts) and set(g.tensors) == set(whole.tensors) and {t.part for t in g.tensors.values()} == {0, 1, 2}
+    for name in whole.tensors:
+        assert np.array_equal(g.raw(name), whole.raw(name)), name
+    with pytest.raises(GGUFError, match="part 2 of 3 of a split model: open the first part"):
+        read_gguf(parts[1])
+    renamed = parts[0].with_name("renamed.gguf")
+    parts[0].rename(renamed)
+    with pytest.raises(GGUFError, match="must be named NAME-00001-of-00003.gguf"):
+        read_gguf(renamed)

@@ -81,12 +81,78 @@ def test_a_checksum_mismatch_is_an_error_and_leaves_nothing_listed(hub):
     assert not any("tiny-qwen3" in n for n in listed(env))
 
 
-def test_ambiguous_and_missing_files_are_explained(hub):
+def test_missing_files_tags_and_registry_names_are_explained(hub):
     h, env = hub
-    r = kiln(env, "models", "pull", "hf:tiny-org/tiny-GGUF")
-    assert r.returncode == 1 and "has 2 GGUF files" in r.stderr and "tiny-qwen3.Q8_0.gguf" in r.stderr
+    r = kiln(env, "models", "pull", "hf.co/tiny-org/tiny-GGUF:Q4_K_M")
+    assert r.returncode == 1 and "no Q4_K_M GGUF model file" in r.stderr and "quantizations there: Q8_0" in r.stderr
+    r = kiln(env, "models", "pull", "hf:tiny-org/tiny-GGUF/other.gguf")
+    assert r.returncode == 1 and "no file 'other.gguf'" in r.stderr and "tiny-qwen3.Q8_0.gguf" in r.stderr
     r = kiln(env, "models", "pull", "hf:tiny-org/nope")
     assert r.returncode == 1 and "cannot read tiny-org/nope" in r.stderr
+    for name in ("llama3.2:1b", "library/qwen3", "registry.ollama.ai/library/qwen3:4b"):
+        r = kiln(env, "models", "pull", name)
+        assert r.returncode == 1 and "no Ollama registry here" in r.stderr and "hf.co/" in r.stderr, (name, r.stderr)
+    assert not [p for m, p, _ in h.requests if m == "GET" and "resolve" in p], "nothing may be downloaded"
+
+
+@pytest.fixture
+def multi(hub, tmp_path):
+    """A repo as people publish them: several quantizations, a vision projector, a split model."""
+    from split_gguf import split
+    h, env = hub
+    parts = split(tiny_path("llama-Q6_K"), tmp_path, 3)
+    h.add("tiny-org/multi-GGUF", {
+        "tiny-llama-F16.gguf": tiny_path("llama-F16").read_bytes(),
+        "tiny-llama-Q4_K_M.gguf": tiny_path("llama-Q4_K_M").read_bytes(),
+        "tiny-llama-Q8_0.gguf": tiny_path("llama").read_bytes(),
+        "mmproj-tiny-llama-F16.gguf": tiny_path("qwen3").read_bytes(),      # fetched, not run here
+        **{f"Q6_K/{p.name}": p.read_bytes() for p in parts}}, sha="b" * 40)
+    return h, env
+
+
+def test_a_quant_tag_picks_the_file_as_llama_server_does(multi):
+    h, env = multi
+    # no tag: Q4_K_M, with the repo's projector beside it; the choice is said
+    r = kiln(env, "models", "pull", "hf.co/tiny-org/multi-GGUF")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("tiny-llama-Q4_K_M.gguf") and "→ tiny-llama-Q4_K_M.gguf" in r.stderr
+    snap = Path(r.stdout.strip()).parent
+    assert (snap / "mmproj-tiny-llama-F16.gguf").is_file() and "projector mmproj-tiny-llama-F16.gguf" in r.stderr
+    # a tag, any case, in llama-server's form: that file; already fetched files are not fetched again
+    got = [p for m, p, _ in h.requests if m == "GET" and "resolve" in p]
+    r = kiln(env, "models", "pull", "tiny-org/multi-GGUF:q8_0")
+    assert r.returncode == 0 and r.stdout.strip().endswith("tiny-llama-Q8_0.gguf"), r.stderr
+    fetched = [p for m, p, _ in h.requests if m == "GET" and "resolve" in p][len(got):]
+    assert [p.rsplit("/", 1)[-1] for p in fetched] == ["tiny-llama-Q8_0.gguf"], fetched
+    # a pulled tag is a model name: the engine resolves it in the hub cache
+    out = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "debug", "tokenize", "hf.co/tiny-org/multi-GGUF:Q8_0",
+                          "hello"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_split_model_is_pulled_whole_and_runs_as_the_unsplit_file(multi):
+    h, env = multi
+    r = kiln(env, "models", "pull", "hf.co/tiny-org/multi-GGUF:Q6_K")
+    assert r.returncode == 0, r.stderr
+    first = Path(r.stdout.strip())
+    assert first.name == "tiny-llama-Q6_K-00001-of-00003.gguf" and "its 2 other parts" in r.stderr
+    assert sorted(p.name for p in first.parent.glob("tiny-llama-Q6_K-*.gguf")) == [
+        f"tiny-llama-Q6_K-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    entry = next(e for n, e in listed(env).items() if "Q6_K" in n)
+    assert entry["parts"] == 3 and entry["file_bytes"] > tiny_path("llama-Q6_K").stat().st_size and not entry["error"]
+    shown = json.loads(kiln(env, "models", "inspect", str(first), "--json").stdout)
+    assert [Path(p["path"]).name for p in shown["parts"]] == [f"tiny-llama-Q6_K-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+
+    def greedy(model):
+        out = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "debug", "generate", model, "Once upon a time",
+                              "--max-tokens", "16", "--json"], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["ids"]
+    assert greedy("tiny-org/multi-GGUF:Q6_K") == greedy(str(tiny_path("llama-Q6_K")))
+    # a part missing: the model is refused with the part named, never run short of tensors
+    (first.parent / "tiny-llama-Q6_K-00003-of-00003.gguf").unlink()
+    r = kiln(env, "models", "inspect", str(first))
+    assert r.returncode == 1 and "part 3 of 3" in r.stderr and "missing" in r.stderr, r.stderr
 
 
 def test_a_file_larger_than_the_ram_is_refused_before_downloading(hub):

@@ -183,6 +183,30 @@ def as_dicts(entries: list[ModelEntry]) -> list[dict]:
     return [asdict(e) for e in entries]
 
 
+def cached_model(ref) -> Path | None:
+    """The file a hub reference (hub_refs.HubRef) names in the Hugging Face cache, chosen by the
+    same rule as a pull (a quant tag's file, the first part of a split model), or None."""
+    from .hub_refs import best_model
+    for hub in _hf_cache_dirs():
+        repo_dir = hub / ("models--" + ref.repo.replace("/", "--"))
+        snaps = repo_dir / "snapshots"
+        if not snaps.is_dir():
+            continue
+        pinned = repo_dir / "refs" / ref.rev.replace("/", "_")
+        commit = pinned.read_text().strip() if pinned.is_file() else None
+        order = sorted(snaps.iterdir(), key=lambda d: (d.name != commit, not d.name.startswith(ref.rev),
+                                                        -d.stat().st_mtime))
+        for snap in order:
+            names = sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*.gguf"))
+            if ref.file is not None:
+                pick = next((n for n in names if n.lower() == ref.file.lower()), None)
+            else:
+                pick = best_model(names, ref.tag)
+            if pick is not None and (snap / pick).is_file():
+                return snap / pick
+    return None
+
+
 def find(name: str) -> Path | None:
     """A discovered model by its listed name (hf:…, ollama:…, pkg:…, or a folder name)."""
     for e in discover():

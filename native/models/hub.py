@@ -1,4 +1,4 @@
-"""`kiln models pull hf:ORG/REPO[/FILE.gguf][@REV]`.
+"""`kiln models pull hf.co/ORG/REPO:QUANT` (and the other forms of hub_refs.py).
 
 huggingface_hub answers what to fetch (the revision's commit, the file's size and sha256, its
 URL); the transfer is ours, because huggingface_hub 2.x names its partial files randomly and
@@ -13,20 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import re
 from pathlib import Path
 
+from .hub_refs import HubRef, best_mmproj, best_model, is_model, parse_ref, parts_of, registry_refusal, split_of, tags_in
 from .library import PullError, sha256_file
-
-_SPEC = re.compile(r"^hf:(?P<repo>[\w.-]+/[\w.-]+)(?:/(?P<file>[^@]+\.gguf))?(?:@(?P<rev>[\w./-]+))?$")
-
-
-def parse_spec(spec: str) -> tuple[str, str | None, str]:
-    m = _SPEC.match(spec)
-    if not m:
-        raise PullError(f"{spec!r} is not hf:ORG/REPO[/FILE.gguf][@REVISION]")
-    return m["repo"], m["file"], m["rev"] or "main"
-
 
 def _hub_cache() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
@@ -90,39 +80,84 @@ def check_room(name: str, size: int, dest: Path, available_ram: int, force: bool
                         f"mixture-of-experts model can stream its experts from disk: --force downloads it anyway")
 
 
-def pull_hf(spec: str, progress=None, room=None) -> Path:
-    """`room(filename, size)`: called before downloading; raises PullError to refuse."""
+def pull_hf(spec: str, progress=None, room=None, say=None) -> Path:
+    """Fetch the files a hub reference names (hub_refs.py: a quant tag's file, every part of a
+    split model, a vision model's projector) and return the model's path (its first part).
+    `room(name, size)`: called with the total before downloading; raises PullError to refuse.
+    `say(message)`: what was chosen, for the user."""
     try:
-        from huggingface_hub import HfApi, hf_hub_url
+        from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
     except ImportError as e:
         raise PullError(f"huggingface_hub is needed to pull from the hub: {e}") from None
-    repo, filename, rev = parse_spec(spec)
+    ref = parse_ref(spec)
+    if ref is None:
+        raise PullError(registry_refusal(spec) or f"{spec!r} is not a Hugging Face model: give hf.co/ORG/REPO[:QUANT], "
+                        f"ORG/REPO[:QUANT] or hf:ORG/REPO[/FILE.gguf][@REVISION]")
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT"))
     try:
-        info = api.model_info(repo, revision=rev, files_metadata=True)
+        info = api.model_info(ref.repo, revision=ref.rev, files_metadata=True)
     except HfHubHTTPError as e:
-        raise PullError(f"cannot read {repo}@{rev} from the hub: {e}") from None
-    ggufs = {s.rfilename: s for s in (info.siblings or []) if s.rfilename.endswith(".gguf")}
-    if filename is None:
-        if len(ggufs) != 1:
-            listed = ", ".join(sorted(ggufs)) or "none"
-            raise PullError(f"{repo} has {len(ggufs)} GGUF files ({listed}); name one: hf:{repo}/FILE.gguf")
-        filename = next(iter(ggufs))
-    if filename not in ggufs:
-        raise PullError(f"{repo}@{rev} has no file {filename!r} (GGUF files: {', '.join(sorted(ggufs)) or 'none'})")
-    sib = ggufs[filename]
-    expected = getattr(sib.lfs, "sha256", None) if sib.lfs else None
-    size = getattr(sib.lfs, "size", None) or sib.size
-    if not expected or not size:
-        raise PullError(f"the hub gives no sha256/size for {filename}; refusing an unverifiable download")
-    commit = info.sha or rev
+        raise PullError(f"cannot read {ref.repo}@{ref.rev} from the hub: {e}") from None
+    # a name that would leave the snapshot folder (../, /…) is no file of ours, whatever the hub says
+    siblings = {s.rfilename: s for s in (info.siblings or []) if s.rfilename.lower().endswith(".gguf")
+                and not s.rfilename.startswith("/") and ".." not in s.rfilename.split("/")}
+    names = sorted(siblings)
+    parts, mmproj = choose_files(ref, names)
+    files = parts + ([mmproj] if mmproj else [])
+    if say is not None:
+        asked = ref.file or ref.tag or "no quant tag (Q4_K_M, else Q8_0, else the first model file)"
+        say(f"{ref.repo}: {asked} → {parts[0]}" + (f" and its {len(parts) - 1} other parts" if len(parts) > 1 else "")
+            + (f"; the vision projector {mmproj}" if mmproj else ""))
+    sizes = {}
+    for name in files:
+        sib = siblings[name]
+        expected = getattr(sib.lfs, "sha256", None) if sib.lfs else None
+        sizes[name] = getattr(sib.lfs, "size", None) or sib.size
+        if not expected or not sizes[name]:
+            raise PullError(f"the hub gives no sha256/size for {name}; refusing an unverifiable download")
+    commit = info.sha or ref.rev
     if room is not None:
-        room(filename, size)
-    repo_dir = _hub_cache() / ("models--" + repo.replace("/", "--"))
+        room(files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more", sum(sizes.values()))
+    repo_dir = _hub_cache() / ("models--" + ref.repo.replace("/", "--"))
+    paths = [_fetch(ref.repo, name, siblings[name].lfs.sha256, sizes[name], commit, repo_dir, progress)
+             for name in files]
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    if not ref.rev.startswith(commit):
+        (repo_dir / "refs" / ref.rev.replace("/", "_")).write_text(commit)
+    return paths[0]
+
+
+def choose_files(ref: HubRef, names: list[str]) -> tuple[list[str], str | None]:
+    """The files to fetch for `ref` among a repo's GGUF files: the model's (all its parts, in
+    order) and its projector if the repo has one. PullError saying what there is when nothing
+    matches."""
+    if ref.file is not None:
+        match = [n for n in names if n.lower() == ref.file.lower()]
+        if not match:
+            raise PullError(f"{ref.repo}@{ref.rev} has no file {ref.file!r} (GGUF files: {', '.join(names) or 'none'})")
+        primary = match[0]
+    else:
+        primary = best_model(names, ref.tag)
+        if primary is None:
+            offered = ", ".join(tags_in(names)) or "none"
+            raise PullError(f"{ref.repo}@{ref.rev} has no {ref.tag + ' ' if ref.tag else ''}GGUF model file "
+                            f"(quantizations there: {offered}; GGUF files: {', '.join(names) or 'none'})")
+    parts = parts_of(names, primary)
+    want = split_of(primary).count
+    if len(parts) != want:
+        raise PullError(f"{primary} is part of a model split in {want}, but {ref.repo} has {len(parts)} of its "
+                        f"parts: the split model is incomplete there")
+    return parts, (best_mmproj(names, primary) if is_model(primary) else None)
+
+
+def _fetch(repo: str, filename: str, expected: str, size: int, commit: str, repo_dir: Path, progress) -> Path:
+    """One file into the hub cache's layout (blobs/<sha256>, snapshots/<commit>/<file>), resumed
+    from a partial blob and verified before it appears; its manifest written."""
     blob = repo_dir / "blobs" / expected
     snap = repo_dir / "snapshots" / commit / filename
     if not blob.exists():
+        from huggingface_hub import hf_hub_url
         blob.parent.mkdir(parents=True, exist_ok=True)
         part = blob.with_name(expected + ".kiln-partial")
         _transfer(hf_hub_url(repo, filename, revision=commit, endpoint=os.environ.get("HF_ENDPOINT")),
@@ -139,7 +174,4 @@ def pull_hf(spec: str, progress=None, room=None) -> Path:
     from .integrity import manifest_path, write_manifest
     if not manifest_path(snap).exists():
         write_manifest(snap, f"hf:{repo}/{filename}@{commit}")
-    (repo_dir / "refs").mkdir(exist_ok=True)
-    if not rev.startswith(commit):
-        (repo_dir / "refs" / rev.replace("/", "_")).write_text(commit)
     return snap

@@ -39,6 +39,8 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
         "family": {"name": fam.name, "needs": fam.notes, **fam.facts(c)},
         "parameters": n_params,
         "file_bytes": g.file_size,
+        # a split model's files, in order, with their sizes (one entry for a whole file)
+        "parts": [{"path": str(p), "bytes": p.stat().st_size} for p in (g.parts or (g.path,))],
         "tensor_types": dict(types.most_common()),
         "context_length": c.n_ctx_train,
         "layers": c.n_layer, "embedding": c.n_embd, "heads": c.n_head, "kv_heads": c.n_head_kv,
@@ -68,7 +70,7 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
     }
     if tensors:
         info["tensors"] = [{"name": t.name, "type": t.type.name, "shape": list(t.shape),
-                            "offset": t.offset, "bytes": t.n_bytes} for t in g.tensors.values()]
+                            "offset": t.offset, "bytes": t.n_bytes, "part": t.part + 1} for t in g.tensors.values()]
     return info
 
 

@@ -78,6 +78,16 @@ def resolve_model(spec: str, *, pull: bool = False,
         found = find(spec)
         if found:
             return found
+    from .hub_refs import parse_ref
+    ref = parse_ref(spec, bare=":" in spec and not spec.startswith(("ollama:", "pkg:")))
+    if ref is not None:                  # hf.co/ORG/REPO:QUANT, ORG/REPO:QUANT, hf:…: pulled before?
+        from .discovery import cached_model
+        found = cached_model(ref)
+        if found:
+            return found
+        raise ModelNotFound(f"model {spec!r} is not here: `kiln models pull {spec}` fetches it "
+                            f"(`kiln models list` shows what there is)")
+    if spec.startswith(("hf:", "ollama:", "pkg:")):
         raise ModelNotFound(f"model {spec!r} not found (`kiln models list` shows what there is)")
     if os.sep in spec or spec.endswith(".gguf") and p.parent != Path("."):
         raise ModelNotFound(f"{spec}: no such file")

@@ -73,6 +73,9 @@ def models_inspect(model: str = typer.Argument(..., help="path, name in a model 
         typer.echo(f"  parameters     {i['parameters']:,}")
         typer.echo(f"  file           {mib(i['file_bytes'])}; tensor types "
                    + ", ".join(f"{k}×{v}" for k, v in i["tensor_types"].items()))
+        if len(i["parts"]) > 1:
+            typer.echo(f"  split          {len(i['parts'])} parts: "
+                       + ", ".join(f"{Path(p['path']).name} ({mib(p['bytes'])})" for p in i["parts"]))
         typer.echo(f"  context        {i['context_length']:,} tokens (trained)")
         t = i["tokenizer"]
         typer.echo(f"  tokenizer      {t['model']} / {t['pre']}, {t['tokens']:,} tokens; chat template: "
@@ -248,25 +251,31 @@ def _progress_bar():
 
 
 @models_app.command("pull")
-def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct), or hf:ORG/REPO[/FILE.gguf][@REV]"),
+def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-135M-Instruct), or a Hugging Face model: "
+                                                           "hf.co/ORG/REPO[:QUANT], ORG/REPO[:QUANT], hf:ORG/REPO[/FILE.gguf][@REV]"),
                 force: bool = typer.Option(False, "--force", help="download even if the file is larger than the RAM available")):
-    """Download a model (verified by sha256; an interrupted pull resumes when run again). A file that
-    cannot run here (larger than the RAM available) is refused before downloading."""
+    """Download a model (verified by sha256; an interrupted pull resumes when run again). QUANT picks
+    the file as llama-server's -hf does (case-insensitive; Q4_K_M when none is given, else Q8_0, else
+    the first); a split model comes with all its parts, a vision model with its projector. A file
+    that cannot run here (larger than the RAM available) is refused before downloading."""
+    from kiln.native.models.hub_refs import parse_ref, registry_refusal
     from kiln.native.models.library import DEFAULT, PullError, model_dirs, pull_default
-    if model == "default":
+    ref = None if model == "default" else parse_ref(model)
+    if model != "default" and ref is None:
+        fail(registry_refusal(model) or f"cannot pull {model!r}: give 'default', hf.co/ORG/REPO[:QUANT], "
+                                        f"ORG/REPO[:QUANT] or hf:ORG/REPO[/FILE.gguf][@REV]")
+    if ref is None:
         target = (model_dirs()[0] / DEFAULT.file).resolve()
         users = _workers_using(lambda p: p == target)
     else:
-        repo = model.removeprefix("hf:").split("@")[0]
-        parts = repo.split("/")
-        users = _workers_using(lambda p: ("models--" + "--".join(parts[:2])) in str(p))
+        users = _workers_using(lambda p: ("models--" + ref.repo.replace("/", "--")) in str(p))
     if users:
         fail(f"{model} is open in worker {', '.join(users)}; a re-pull would replace the file under it — "
              f"stop it first (`kiln stop {users[0]}`)")
     try:
-        if model == "default":
+        if ref is None:
             path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
-        elif model.startswith("hf:"):
+        else:
             import psutil
 
             from kiln.native.models.hub import _hub_cache, check_room, pull_hf
@@ -276,10 +285,8 @@ def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-
             except ConfigError:
                 budget = 0
             avail = budget or psutil.virtual_memory().available
-            path = pull_hf(model, _progress_bar(),
-                           room=lambda name, size: check_room(name, size, _hub_cache(), avail, force))
-        else:
-            fail(f"cannot pull {model!r}: give 'default' or hf:ORG/REPO[/FILE.gguf][@REV]")
+            path = pull_hf(model, _progress_bar(), room=lambda name, size: check_room(name, size, _hub_cache(), avail, force),
+                           say=lambda m: typer.echo(f"kiln: {m}", err=True))
     except PullError as e:
         fail(str(e))
     except KeyboardInterrupt:

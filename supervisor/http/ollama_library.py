@@ -188,14 +188,12 @@ class OllamaLibrary:
                 pass
             if name in ("default", "default:latest"):
                 return pull_default(progress=lambda m: progress({"status": m}))
-            if name.startswith("hf:"):
-                from kiln.native.models.hub import pull_hf
+            from kiln.native.models.hub import pull_hf
 
-                def bar(done, total=None, *_):
-                    progress({"status": "downloading", "completed": done, "total": total})
-                return pull_hf(name, bar)
-            raise PullError(f"cannot pull {name!r}: Kiln pulls 'default' or hf:ORG/REPO[/FILE.gguf][@REV] "
-                            f"(there is no Ollama registry here)")
+            def bar(done, total=None, *_):
+                progress({"status": "downloading", "completed": done, "total": total})
+            # hf.co/ORG/REPO:QUANT and the other hub forms; an Ollama registry name says why not
+            return pull_hf(name, bar, say=lambda m: progress({"status": m}))
 
         if not stream:
             try:

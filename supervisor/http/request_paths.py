@@ -52,8 +52,17 @@ def library_entry(path: Path) -> Path:
 
 def is_path_like(name: str) -> bool:
     """A model reference that names a file rather than a library name: it has a folder in it, starts
-    at home, or is a file in the daemon's working folder (the library's resolver takes those first)."""
-    return os.sep in name or "/" in name or name.startswith("~") or os.path.lexists(name)
+    at home, or is a file in the daemon's working folder (the library's resolver takes those first).
+    A Hugging Face reference (hf:…, hf.co/ORG/REPO:QUANT, ORG/REPO:QUANT) is a name: it resolves
+    in the hub cache only."""
+    if os.path.lexists(name):
+        return True
+    if name.startswith(("hf:", "ollama:", "pkg:")) and ".." not in name.split("/"):
+        return False
+    from kiln.native.models.hub_refs import parse_ref
+    if parse_ref(name, bare=":" in name) is not None and ".." not in name.split("/"):
+        return False
+    return os.sep in name or "/" in name or name.startswith("~")
 
 
 def check_model_ref(sup, name, field: str = "model"):
