@@ -41,6 +41,8 @@ SCHEMAS: dict[str, Schema] = {
                  "reasoning_effort": (str, False),
                  # max_tokens as an upper bound: past the context's end the answer stops (length)
                  "clip_max_tokens": (bool, False),
+                 # "auto": drop the oldest turns to fit the context (workers/context_fit.py)
+                 "truncation": (str, False),
                  # template variables applied only where the template uses them (enable_thinking, …)
                  "template_hints": (dict, False)},
     "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False)},

@@ -141,7 +141,7 @@ def test_included_logprobs_are_the_chat_routes_whole_and_streamed(client, served
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "whole conversation"),
     ({"input": "hi", "conversation": "c"}, "conversation", "whole conversation"),
     ({"input": "hi", "store": True}, "store", "keeps no responses"),
-    ({"input": "hi", "truncation": "auto"}, "truncation", "refuses"),
+    ({"input": "hi", "truncation": "middle"}, "truncation", "truncation must be \"auto\""),
     ({"input": "hi", "frob": 1}, "frob", "unsupported field"),
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"role": "system", "content": "x"}]}, "input", "no message"),

@@ -33,6 +33,7 @@ from kiln.protocol import vocab
 
 from . import chat_plan
 from .chat_plan import ChatPlan, PlanError
+from .context_fit import answer_room, fit_turns
 from .runtime import main
 from .worker import BootError, OpError, Worker, op, state_dir
 
@@ -211,7 +212,12 @@ class InferenceWorker(Worker):
         raw = dict(req.body.get("params") or {})
         n = int(raw.pop("n", 1))
         # a repo-level infill keeps what fits of its files: no bound on the text it was given
-        plan = self._plan(req.body) if "infill" in req.body else self._bounded(self._plan, req.body)
+        dropped = 0
+        if req.body.get("truncation") == "auto" and "messages" in req.body:
+            plan, dropped = fit_turns(req.body, lambda b: self._bounded(self._plan, b), self.n_ctx,
+                                      answer_room(raw.get("max_tokens"), self.n_ctx))
+        else:
+            plan = self._plan(req.body) if "infill" in req.body else self._bounded(self._plan, req.body)
         prompt = plan.prompt
         if plan.grammar:
             raw["grammar"] = plan.grammar
@@ -256,12 +262,16 @@ class InferenceWorker(Worker):
                 finals[ev.index] = self._final(ev, outputs[ev.index])
             else:
                 raise ev
+        if dropped:                        # the answer says what truncation left out
+            for f in finals:
+                f["truncated_messages"] = dropped
         if n == 1:
             return finals[0]
         usage = {"prompt_tokens": finals[0]["usage"]["prompt_tokens"],
                  "completion_tokens": sum(f["usage"]["completion_tokens"] for f in finals),
                  "cached_tokens": finals[0]["usage"]["cached_tokens"], "draft_tokens": 0, "accepted_tokens": 0}
-        return {"choices": finals, "usage": usage, "timings": finals[0]["timings"]}
+        return {"choices": finals, "usage": usage, "timings": finals[0]["timings"],
+                **({"truncated_messages": dropped} if dropped else {})}
 
     @staticmethod
     def _final(ev: Finish, output) -> dict:

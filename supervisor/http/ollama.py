@@ -36,7 +36,7 @@ _EMPTY_OK = {"images", "context", "suffix", "template"}
 # llama.cpp's own options, as Ollama passes them on (supervisor/llama_fields.py checks them)
 _LLAMA_OPTIONS = ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
 _CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive", "logprobs",
-                "top_logprobs"}
+                "top_logprobs", "truncate", "shift"}
 _GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "stream", "format", "options", "think", "keep_alive", "raw",
                     "logprobs", "top_logprobs"}
 
@@ -186,8 +186,22 @@ class Ollama:
                 m["name"] = m.pop("tool_name")
             conv.append(m)
         oa = {"messages": conv, "tools": body.get("tools"), **self._format(body), **self._think(body)}
-        given = {"messages": check_messages(oa), **check_tools({k: v for k, v in oa.items() if v is not None})}
+        given = {"messages": check_messages(oa), **check_tools({k: v for k, v in oa.items() if v is not None}),
+                 **self._truncate(body)}
         self._run(req, resp, body, given, "chat")
+
+    @staticmethod
+    def _truncate(body: dict) -> dict:
+        """truncate: true drops the oldest messages (after the system ones) until the prompt fits,
+        as Ollama's chat does; Kiln's default (false) is the 400 that says the prompt is too long.
+        shift (sliding the context during generation) is not done here: refused when asked."""
+        for k in ("truncate", "shift"):
+            if body.get(k) is not None and not isinstance(body[k], bool):
+                raise bad(k, f"{k} must be a boolean", "invalid_type")
+        if body.get("shift"):
+            raise bad("shift", "shift is not supported: Kiln does not slide the context during generation; an answer "
+                               "stops at the context's end (done_reason \"length\"); leave it out or set it false")
+        return {"truncation": "auto"} if body.get("truncate") else {}
 
     def on_post_generate(self, req, resp):
         body = self._body(req, _GENERATE_FIELDS)
@@ -322,7 +336,9 @@ class OllamaShape(Shape):
                 "total_duration": _ns(time.perf_counter() - self.t0), "load_duration": 0,
                 "prompt_eval_count": u["prompt_tokens"] - u.get("cached_tokens", 0),
                 "prompt_eval_duration": _ns(tm.get("prefill_s", 0)),
-                "eval_count": u["completion_tokens"], "eval_duration": _ns(tm.get("decode_s", 0))}
+                "eval_count": u["completion_tokens"], "eval_duration": _ns(tm.get("decode_s", 0)),
+                # Kiln's word that truncate dropped the oldest messages (how many), if it did
+                **({"truncated_messages": final["truncated_messages"]} if final.get("truncated_messages") else {})}
 
     def _logprobs(self, parts: list[dict]) -> dict:
         """Ollama's `logprobs`: one entry per generated token (its alternatives when asked)."""

@@ -25,7 +25,8 @@ from .pipeline import Pipeline, WorkerGone, refusal, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
 from .openai_shapes import Answer as AnswerShape
 from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, bad, embedding_inputs,
-                              grammar, keep_alive, known_fields, logprobs, messages, prompts, sampling_params, tools)
+                              grammar, keep_alive, known_fields, logprobs, messages, prompts, sampling_params, tools,
+                              truncation)
 from .work import Work, model_of
 
 
@@ -70,7 +71,7 @@ class OpenAI:
         body = self.pipe.read_json(req)
         known_fields(body, CHAT_FIELDS | LLAMA_FIELDS)
         work = Work(messages=messages(body), model=body.get("model"), **tools(body), **grammar(body),
-                    **adapter(body), **keep_alive(body))
+                    **adapter(body), **keep_alive(body), **truncation(body))
         self._generate(req, resp, body, work, chat=True)
 
     def on_post_completions(self, req, resp):

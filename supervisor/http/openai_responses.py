@@ -15,7 +15,7 @@ from typing import Any
 from .openai_responses_shapes import LOGPROBS, ResponseShape
 from .pipeline import Pipeline, stream_flag
 from .openai_validate import (IGNORED, adapter, bad, keep_alive, known_fields, logprobs, messages, sampling_params,
-                              tools_named)
+                              tools_named, truncation)
 from .work import Work, model_of
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "stream", "temperature",
@@ -106,11 +106,8 @@ def chat_body(body: dict) -> dict:
     known_fields(body, FIELDS)
     if body.get("store") not in (None, False):
         raise bad("store", "store must be false: Kiln keeps no responses (leave it out or set it false)")
-    if body.get("truncation") not in (None, "disabled"):
-        raise bad("truncation", 'truncation must be "disabled": Kiln refuses an input longer than the context '
-                                "instead of dropping its start")
     chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "parallel_tool_calls",
-                                                  "tool_choice", "adapter", "keep_alive") if k in body}
+                                                  "tool_choice", "adapter", "keep_alive", "truncation") if k in body}
     chat["messages"] = input_messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -178,7 +175,7 @@ class Responses:
         body = self.pipe.read_json(req)
         chat = chat_body(body)
         work = Work(messages=messages(chat), model=model_of(chat), **tools_named(chat, _RENAMES), **adapter(chat),
-                    **keep_alive(chat), params=sampling_params(chat))
+                    **keep_alive(chat), **truncation(chat), params=sampling_params(chat))
         if (lp := logprobs(chat, chat=True)) is not None:
             work.params["logprobs"] = lp
         self.pipe.generate(req, resp, work, ResponseShape(body), stream_flag(chat))

@@ -80,7 +80,9 @@ def _usage(final: dict) -> dict:
 def _finished(shell: dict, items: list[dict], final: dict) -> dict:
     cut = final.get("finish_reason") == "length"
     return {**shell, "status": "incomplete" if cut else "completed", "output": items, "usage": _usage(final),
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None}
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            # Kiln's word that truncation "auto" dropped the oldest input items (how many), if it did
+            **({"truncated_messages": final["truncated_messages"]} if final.get("truncated_messages") else {})}
 
 
 class ResponseShape(Shape):
@@ -108,7 +110,7 @@ class ResponseShape(Shape):
                       "temperature": b.get("temperature"), "top_p": b.get("top_p"),
                       "max_output_tokens": b.get("max_output_tokens"), "previous_response_id": None,
                       "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
-                      "text": b.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+                      "text": b.get("text") or {"format": {"type": "text"}}, "truncation": b.get("truncation") or "disabled",
                       "store": False, "metadata": b.get("metadata") or {}, "error": None,
                       "incomplete_details": None, "usage": None}
 

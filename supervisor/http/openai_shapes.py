@@ -84,7 +84,12 @@ def completion_logprobs(toks: list[dict]) -> dict:
 def whole(meta: dict, chat: bool, choices: list[Choice], usage_of: dict, with_lp: bool) -> dict:
     return {**meta, "object": "chat.completion" if chat else "text_completion",
             "choices": [c.whole(chat, with_lp) for c in choices], "usage": usage(usage_of),
-            "system_fingerprint": "kiln"}
+            "system_fingerprint": "kiln", **truncated(usage_of)}
+
+
+def truncated(final: dict) -> dict:
+    """Kiln's word that `truncation: "auto"` dropped the oldest messages (how many), if it did."""
+    return {"truncated_messages": final["truncated_messages"]} if final.get("truncated_messages") else {}
 
 
 def sse(payload: dict | str) -> bytes:
@@ -141,7 +146,8 @@ class StreamShapes:
             out += self.part(f, is_token=False)
             i = f.get("index", 0)
             if self.chat:
-                out.append(self.event({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(f)}))
+                out.append(self.event({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(f)},
+                                      **truncated(f)))
             else:
                 out.append(self.event({"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason(f)}))
         if include_usage:

@@ -19,7 +19,8 @@ _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
 _COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "speculative"} | _SAMPLING
 # grammar (GBNF) and json_schema: llama-server's, on its OpenAI-style routes too
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-                         "response_format", "chat_template_kwargs", "reasoning_effort", "grammar", "json_schema"}
+                         "response_format", "chat_template_kwargs", "reasoning_effort", "grammar", "json_schema",
+                         "truncation"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "logprobs", "suffix", "grammar", "json_schema"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "keep_alive", "adapter"}
 # accepted and ignored: they change nothing a local server computes
@@ -260,6 +261,18 @@ def keep_alive(body: dict) -> dict:
     except ValueError as e:
         raise bad("keep_alive", str(e)) from None
     return {"keep_alive": body["keep_alive"]}
+
+
+def truncation(body: dict) -> dict:
+    """The Responses API's `truncation`, taken on chat completions too: "auto" drops the oldest
+    turns (after the system messages) until the prompt and max_tokens fit; "disabled", the
+    default, refuses a prompt that does not fit (workers/context_fit.py)."""
+    t = body.get("truncation")
+    if t in (None, "disabled"):
+        return {}
+    if t != "auto":
+        raise bad("truncation", 'truncation must be "auto" (drop the oldest turns to fit the context) or "disabled"')
+    return {"truncation": "auto"}
 
 
 def adapter(body: dict) -> dict:

@@ -1,0 +1,92 @@
+"""Context policies through a real daemon (a worker of 512 tokens of context): a conversation of
+about twice the context is refused by default, and with truncation "auto" (chat completions and
+the Responses API) or Ollama's truncate the oldest turns go — the answer says how many, and it is
+the answer to the kept conversation sent as it is."""
+
+import json
+import urllib.request
+
+import pytest
+
+from daemon_harness import Daemon, http_json
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+CTX = 512
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+
+
+@pytest.fixture(scope="module")
+def served(default_model_path, tmp_path_factory):
+    workers = {"default": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": CTX}}}
+    with Daemon(tmp_path_factory.mktemp("context"), workers) as d:
+        d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=90, what="model loaded")
+        yield d
+
+
+def conversation(turns: int = 14) -> list[dict]:
+    out = [SYSTEM]
+    for i in range(turns):
+        out.append({"role": "user", "content": f"Fact number {i}: the {i}th colour in my list is colour {i * 7}. "
+                                               f"Please remember it along with the others."})
+        out.append({"role": "assistant", "content": f"Noted: colour {i * 7} is number {i}. I will remember it."})
+    out.append({"role": "user", "content": "Which colour was the last one?"})
+    return out
+
+
+def chat(d, body: dict) -> tuple[int, dict]:
+    return http_json(d, "POST", "/v1/chat/completions", {"model": "default", "temperature": 0, "max_tokens": 16, **body})
+
+
+def test_chat_truncation_drops_the_oldest_turns_and_says_how_many(served):
+    msgs = conversation()
+    status, err = chat(served, {"messages": msgs})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err     # the default
+    status, out = chat(served, {"messages": msgs, "truncation": "auto"})
+    assert status == 200, out
+    dropped = out["truncated_messages"]
+    assert dropped >= 2 and dropped % 2 == 0 and out["usage"]["prompt_tokens"] + 16 <= CTX, out
+    # the answer is the kept conversation's: the system message and the latest turns
+    kept = [SYSTEM] + msgs[1 + dropped:]
+    status, same = chat(served, {"messages": kept})
+    assert status == 200 and "truncated_messages" not in same
+    assert same["choices"][0]["message"]["content"] == out["choices"][0]["message"]["content"]
+    assert same["usage"]["prompt_tokens"] == out["usage"]["prompt_tokens"]
+    # streamed: the last chunk says it
+    req = urllib.request.Request(served.http + "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": "default", "temperature": 0, "max_tokens": 16, "stream": True,
+                                                  "messages": msgs, "truncation": "auto"}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(x[6:]) for x in r.read().decode().splitlines()
+                  if x.startswith("data: ") and x != "data: [DONE]"]
+    assert [e.get("truncated_messages") for e in events if e.get("truncated_messages")] == [dropped]
+    status, err = chat(served, {"messages": msgs, "truncation": "middle"})
+    assert status == 400 and err["error"]["param"] == "truncation"
+
+
+def test_responses_truncation_auto_answers_as_the_chat_route(served):
+    msgs = conversation()
+    items = [{"role": m["role"], "content": m["content"]} for m in msgs[1:]]
+    body = {"model": "default", "instructions": SYSTEM["content"], "input": items, "temperature": 0,
+            "max_output_tokens": 16}
+    status, err = http_json(served, "POST", "/v1/responses", body)
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    status, out = http_json(served, "POST", "/v1/responses", {**body, "truncation": "auto"})
+    assert status == 200 and out["truncation"] == "auto", out
+    _, ref = chat(served, {"messages": msgs, "truncation": "auto"})
+    assert out["truncated_messages"] == ref["truncated_messages"]
+    assert out["output"][0]["content"][0]["text"] == ref["choices"][0]["message"]["content"]
+
+
+def test_ollama_truncate_drops_the_oldest_turns_and_shift_is_refused(served):
+    msgs = conversation()
+    body = {"model": "default", "messages": msgs, "stream": False, "options": {"temperature": 0, "num_predict": 16}}
+    status, err = http_json(served, "POST", "/api/chat", body)
+    assert status == 400 and "context" in err["error"], err
+    status, out = http_json(served, "POST", "/api/chat", {**body, "truncate": True})
+    assert status == 200 and out["done"], out
+    _, ref = chat(served, {"messages": msgs, "truncation": "auto"})
+    assert out["truncated_messages"] == ref["truncated_messages"]
+    assert out["message"]["content"] == ref["choices"][0]["message"]["content"]
+    for field, value in (("shift", True), ("truncate", "yes")):
+        status, err = http_json(served, "POST", "/api/chat", {**body, field: value})
+        assert status == 400 and field in err["error"], err
