@@ -121,7 +121,7 @@ def _fused_and_stepwise(m, run):
         m.runners = saved
 
 
-@pytest.mark.parametrize("kv", [np.float16, np.float32], ids=["fp16-kv", "f32-kv"])
+@pytest.mark.parametrize("kv", [np.float16, pytest.param(np.float32, marks=pytest.mark.slow)], ids=["fp16-kv", "f32-kv"])
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, default_model, e8k2_path):
     """Solo and batched decode steps (sequences of different lengths, so different positions and

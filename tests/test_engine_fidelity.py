@@ -20,7 +20,7 @@ def kernel_path(request):
 
 
 def _cases(pairs, slow: set) -> list:
-    """(model, kernel path) pairs as params, the slow ones (~14 s on the numpy path) marked so."""
+    """(model, kernel path) pairs as params, the `slow` ones marked so (the whole suite runs them)."""
     return [pytest.param(m, k, id=f"{k}-{m}" if "/" not in m else f"{m.split('/')[-1]}-{k}",
                          marks=pytest.mark.slow if (m, k) in slow else ()) for m, k in pairs]
 
@@ -29,8 +29,12 @@ TINY_CASES = [(a, k) for a in TINY_ARCHS + ["llama-Q4_K_M", "llama-Q5_K_M", "lla
               for k in ("compiled", "numpy")]
 
 
-@pytest.mark.parametrize(("arch", "kernel_path"), TINY_CASES, indirect=["kernel_path"],
-                         ids=[f"{k}-{a}" for a, k in TINY_CASES])
+# numpy of the newer families (2-3 s each there) with the whole suite: their compiled path and
+# the older families' numpy path stay in the fast tier
+SLOW_NUMPY = {("gemma3", "numpy"), ("gpt-oss", "numpy"), ("qwen35", "numpy"), ("qwen35moe", "numpy")}
+
+
+@pytest.mark.parametrize(("arch", "kernel_path"), _cases(TINY_CASES, SLOW_NUMPY), indirect=["kernel_path"])
 def test_tiny_model_matches_llama_cpp(arch, kernel_path):
     ref, npz = reference(f"tiny/tiny-{arch}")
     model = load_model(tiny_path(arch))
@@ -99,8 +103,9 @@ BITS_CASES = [(m, "compiled") for m in MODELS] + \
     [(m, "numpy") for m in MODELS if m.startswith("tiny/") and m not in KQUANT]
 
 
-@pytest.mark.parametrize(("name", "kernel_path"), _cases(BITS_CASES, {("tiny/avx2/tiny-llama3", "numpy")}),
-                         indirect=["kernel_path"])
+@pytest.mark.parametrize(("name", "kernel_path"), _cases(BITS_CASES, {
+    ("tiny/avx2/tiny-llama3", "numpy"), ("tiny/avx2/tiny-gemma3", "numpy"), ("tiny/avx2/tiny-gpt-oss", "numpy"),
+    ("smollm2-moe-e8k2", "compiled"), ("smollm2-moe-e8k8", "compiled")}), indirect=["kernel_path"])
 def test_prompt_logits_are_llama_cpps_bits(name, kernel_path, request):
     """Beyond the bars: at every prompt position the top-20 logits are llama.cpp's float32 values
     exactly. What it takes is in tests/data/README.md — down to the C library's cosf for the

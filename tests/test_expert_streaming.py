@@ -47,7 +47,10 @@ def test_a_cache_is_never_sized_beyond_the_experts_the_model_has(e8k2_path):
         store.close()
 
 
-@pytest.mark.parametrize("slots_per_layer", [None, 1, 2, 8])      # None: in RAM; 8 = all experts
+# None: in RAM; 8 = all experts; 1 and 2 (evicting) with the whole suite: the decode-step test below
+# evicts at 1 and 3 slots in the fast tier
+@pytest.mark.parametrize("slots_per_layer", [None, pytest.param(1, marks=pytest.mark.slow),
+                                             pytest.param(2, marks=pytest.mark.slow), 8])
 def test_streamed_logits_equal_in_ram_logits(e8k2_path, slots_per_layer):
     ref, _ = reference("smollm2-moe-e8k2")
     ids = ref["prompts"][1]["ids"]
@@ -153,6 +156,7 @@ def test_decode_steps_stream_bit_exactly_with_read_ahead_and_the_compiled_path(e
     c.close()
 
 
+@pytest.mark.slow
 def test_without_the_compiled_reader_python_threads_read_the_same_bits(e8k2_path, monkeypatch):
     """An install without the compiled module reads experts on Python threads (expert_io's
     ThreadReader): decode steps through a small cache still give the in-RAM logits."""
