@@ -175,6 +175,16 @@ def discover() -> list[ModelEntry]:
             e.file_bytes = sum(p.stat().st_size for p in parts)
             if e.parts != int(m.group(2)) and not e.error:
                 e.error = f"split model is incomplete: {e.parts} of {int(m.group(2))} parts present"
+    from .created import listed
+    for c in listed():                     # made from a Modelfile: described by its base file
+        base = Path(c["path"])
+        if not base.is_file():
+            entries.append(ModelEntry(c["name"], "created", str(base), 0, error=f"its base {c['from']!r} is gone"))
+            continue
+        info = cache.describe(base)
+        entries.append(ModelEntry(c["name"], "created", str(base), base.stat().st_size, info.get("architecture"),
+                                  info.get("parameters"), info.get("quantization"), info.get("context_length"),
+                                  error=info.get("error")))
     cache.save()
     return entries
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 from kiln.protocol.vocab import http_status
 
 from ..core.registry import CommandError, command
@@ -77,6 +81,14 @@ def library(sup, args):
         except OSError:
             continue
         out.append({"name": path.stem, "path": str(path), "size_bytes": st.st_size, "modified": st.st_mtime})
+    from kiln.native.models.created import listed
+    for c in listed():                    # made from a Modelfile: a manifest over a base file
+        try:
+            st = Path(c["path"]).stat()
+        except OSError:
+            continue
+        out.append({"name": c["name"], "path": c["path"], "size_bytes": st.st_size, "modified": c["created_at"],
+                    "from": c["from"], "digest": hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()})
     return {"models": out}
 
 

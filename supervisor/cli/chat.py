@@ -109,13 +109,28 @@ def run(prompt: Optional[str] = typer.Argument(None, help="what to ask (text pip
                                                                        "default: the active one)")):
     """Ask one question and stream the answer (starts the daemon if needed)."""
     prompt = piped_prompt(prompt)
+    messages, params = [{"role": "user", "content": prompt}], _params(temperature, max_tokens, seed)
+    model, messages, params, adapter = with_created_defaults(model, messages, params, adapter, max_tokens)
     with _ensure_daemon(model) as client:
         worker = _pick_worker(client, model)
         try:
-            _stream_answer(client, worker, [{"role": "user", "content": prompt}], _params(temperature, max_tokens, seed),
-                           adapter)
+            _stream_answer(client, worker, messages, params, adapter)
         except KeyboardInterrupt:
             raise typer.Exit(130)
+
+
+def with_created_defaults(model, messages, params: dict, adapter, max_tokens: int):
+    """A model made with `kiln models create`: its base runs the question, with its system
+    prompt, parameters and adapter under what was given here (an unset --max-tokens included)."""
+    from kiln.native.models.created import applied, load
+    record = load(model) if model else None
+    if record is None:
+        return model, messages, params, adapter
+    if max_tokens == DEFAULT_MAX_TOKENS:
+        params = {k: v for k, v in params.items() if k != "max_tokens"}
+    messages, params, adapter = applied(record, messages, params, adapter)
+    params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    return record["path"], messages, params, adapter
 
 
 CHAT_HELP = """commands:

@@ -166,8 +166,14 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
 @models_app.command("rm")
 def models_rm(model: str = typer.Argument(..., help="name or path of a model in a Kiln model folder"),
               yes: bool = typer.Option(False, "--yes", "-y", help="do not ask")):
-    """Delete a model from a Kiln model folder (refused while a running worker uses it)."""
+    """Delete a model from a Kiln model folder (refused while a running worker uses it), or a
+    model made with `kiln models create` (its manifest only: the base stays)."""
+    from kiln.native.models import created
     from kiln.native.models.library import model_dirs
+    if created.load(model) is not None:
+        created.delete(model)
+        typer.echo(f"deleted {created.plain_name(model)} (its base model stays)")
+        return
     path = model_path(model).resolve()
     if not any(d.resolve() in path.parents for d in model_dirs() if d.exists()):
         fail(f"{path} is not in a Kiln model folder; remove it with the tool that put it there")
@@ -248,6 +254,58 @@ def _progress_bar():
             sys.stderr.write("\n")
         sys.stderr.flush()
     return show
+
+
+@models_app.command("create")
+def models_create(name: str = typer.Argument(..., help="the new model's name"),
+                  file: Path = typer.Option(..., "--file", "-f", help="the Modelfile (FROM, PARAMETER, SYSTEM, ADAPTER, "
+                                                                      "MESSAGE, LICENSE)")):
+    """Make a model from a Modelfile, as `ollama create`: a manifest over its base model (no copy)
+    with its own system prompt, sampling defaults, adapter and opening messages, applied under a
+    request's own fields. Named in any request or command like a library model."""
+    from kiln.native.models import created
+    from kiln.native.models.library import ModelNotFound, resolve_model
+    from kiln.protocol.sampling import out_of_bounds
+    from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistry
+    try:
+        spec = created.parse_modelfile(file.read_text(encoding="utf-8"), out_of_bounds)
+        base = created.plain_name(name)
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read {file}: {e}")
+    except created.ModelfileError as e:
+        fail(f"{file}: {e}")
+    try:
+        path = resolve_model(spec["from"])
+    except ModelNotFound as e:
+        fail(f"{file}: FROM {spec['from']}: {e}")
+    if created.load(base) is None:
+        try:
+            resolve_model(base)
+            fail(f"{base!r} is a model file already; choose another name")
+        except ModelNotFound:
+            pass
+    if spec.get("adapter"):
+        from ..core.paths import Paths
+        try:
+            AdapterRegistry(Paths.from_env().home).get(spec["adapter"])
+        except (AdapterNotFound, ValueError) as e:
+            fail(f"{file}: ADAPTER {spec['adapter']}: {e}")
+    created.save(base, spec, path)
+    typer.echo(f"created {base} (from {path.name})")
+
+
+@models_app.command("show")
+def models_show(name: str = typer.Argument(..., help="a model made with `kiln models create`"),
+                modelfile: bool = typer.Option(False, "--modelfile", help="print it as a Modelfile")):
+    """What a created model adds to its base: system prompt, parameters, adapter, messages."""
+    from kiln.native.models import created
+    record = created.load(name)
+    if record is None:
+        fail(f"no created model named {name!r} (`kiln models list` shows them; `kiln models inspect` reads a file)")
+    if modelfile:
+        typer.echo(created.to_modelfile(record), nl=False)
+        return
+    typer.echo(json.dumps({k: v for k, v in record.items() if k != "created_at"}, indent=1, ensure_ascii=False))
 
 
 @models_app.command("pull")

@@ -1,7 +1,8 @@
 """Ollama's model-library routes on Kiln's port: /api/tags, show, pull, delete, copy — the
 GGUF files in Kiln's model folders under Ollama's names (`name:latest`) — and the shapes they
-share with the generation routes (supervisor/ollama_api.py). /api/create, push and blobs answer
-501 with what Kiln does instead: there is no Ollama registry and no Modelfile here."""
+share with the generation routes (supervisor/ollama_api.py) — and /api/create: a model over a base
+one with its own system prompt, parameters and adapter (native/models/created.py). Push and blobs
+answer 501 with what Kiln does instead: there is no Ollama registry here."""
 
 from __future__ import annotations
 
@@ -64,6 +65,11 @@ class OllamaLibrary:
     def on_get_tags(self, req, resp):
         out = []
         for m in bus(self.sup, "library")["models"]:
+            if m.get("from"):                 # a created model: the base's file and details
+                out.append({"name": ollama_name(m["name"]), "model": ollama_name(m["name"]),
+                            "modified_at": datetime.fromtimestamp(m["modified"], timezone.utc).isoformat(),
+                            "size": m["size_bytes"], "digest": m["digest"], "details": details(m["path"])})
+                continue
             out.append({"name": ollama_name(m["name"]), "model": ollama_name(m["name"]),
                         "modified_at": datetime.fromtimestamp(m["modified"], timezone.utc).isoformat(),
                         "size": m["size_bytes"], "digest": file_digest(m["path"], m["size_bytes"], m["modified"]),
@@ -80,7 +86,9 @@ class OllamaLibrary:
             raise bad("model", "model is required")
         from kiln.native.gguf_file import GGUFError, read_gguf
         from kiln.native.models.inspect import fim_markers
-        path = _resolve(self.sup, name)
+        from kiln.native.models import created
+        record = created.load(name)
+        path = Path(record["path"]) if record else _resolve(self.sup, name)
         try:
             g = read_gguf(path)               # with the vocabulary: the FIM markers are found in it
         except GGUFError as e:
@@ -104,7 +112,15 @@ class OllamaLibrary:
                         f"{template}{{{{- end }}}}")
         # the context a request gets (clients send it back as num_ctx, which Kiln refuses above it)
         params = f"num_ctx {self._context(path, g)}"
-        resp.media = {"modelfile": f"FROM {path}\n", "parameters": params, "template": template,
+        extra = {}
+        if record:                            # a created model: its Modelfile, system prompt and parameters
+            names = {v: k for k, v in created.PARAMETERS.items()}
+            params = "\n".join([f"{names[k]} {json.dumps(x)}" for k, v in record["parameters"].items()
+                                for x in (v if isinstance(v, list) else [v])] + [params])
+            extra = {"system": record.get("system") or "", "license": record.get("license") or "",
+                     "messages": record.get("messages") or []}
+        resp.media = {**extra, "modelfile": created.to_modelfile(record) if record else f"FROM {path}\n",
+                      "parameters": params, "template": template,
                       "details": details(str(path)), "model_info": meta, "capabilities": caps,
                       "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat()}
 
@@ -125,7 +141,12 @@ class OllamaLibrary:
     def on_delete_delete(self, req, resp):
         """Delete a model file from a Kiln model folder (`kiln models rm`); refused while a
         running worker uses it."""
-        path = library_entry(_resolve(self.sup, self._name_of(req, "model", "name")))
+        from kiln.native.models import created
+        name = self._name_of(req, "model", "name")
+        if created.delete(name):              # a created model: its manifest only, never the base file
+            resp.media = {}
+            return
+        path = library_entry(_resolve(self.sup, name))
         users = [w["name"] for w in bus(self.sup, "status")["workers"]
                  if w["pid"] and (w.get("stats") or {}).get("path")
                  and Path(w["stats"]["path"]).resolve() == path.resolve()]
@@ -142,6 +163,19 @@ class OllamaLibrary:
         for f in ("source", "destination"):
             if not isinstance(body.get(f), str) or not body[f]:
                 raise bad(f, f"{f} is required (a model name)")
+        from kiln.native.models import created
+        record = created.load(body["source"])
+        if record is not None:                # a created model: a second manifest over the same base
+            try:
+                dest = created.plain_name(body["destination"])
+            except created.ModelfileError as e:
+                raise bad("destination", str(e)) from None
+            if created.load(dest) is not None:
+                raise JSONError(400, "model_exists", f"{dest!r} exists already; delete it first (DELETE /api/delete)")
+            created.save(dest, {k: v for k, v in record.items() if k not in ("name", "path", "created_at")},
+                         Path(record["path"]))
+            resp.media = {}
+            return
         src = _resolve(self.sup, body["source"])
         from ..core.placer import _stem
         dest_name = _stem(body["destination"])
@@ -157,9 +191,98 @@ class OllamaLibrary:
         resp.media = {}
 
     def on_post_create(self, req, resp):
-        raise JSONError(501, "not_supported", "Kiln has no Modelfiles: it serves GGUF files as they are — put one in "
-                        "a model folder or `kiln models pull hf:ORG/REPO[/FILE.gguf]`; parameters are a worker's "
-                        "settings in kiln.toml")
+        """A model over a base one with its own system prompt, parameters, messages and adapter
+        (Ollama's create body, or a Modelfile's text in `modelfile`): a manifest, no copy."""
+        body = self._only(self.api.read_json(req), {"model", "name", "from", "system", "parameters", "messages",
+                                                   "adapters", "license", "modelfile", "stream", "template",
+                                                   "quantize", "files"}, req.path)
+        from kiln.native.models import created
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("model", "model is required (the new model's name)")
+        for k, why in (("template", "Kiln renders the model's own chat template (Jinja, from the GGUF) and cannot run "
+                                    "Ollama's Go templates"),
+                       ("quantize", "quantizing is not supported here yet; pull the quantization you want "
+                                    "(hf.co/ORG/REPO:QUANT)"),
+                       ("files", "Kiln has no blob store: name the base model in `from`")):
+            if body.get(k):
+                raise bad(k, f"{k} is not supported: {why}")
+        try:
+            spec = self._create_spec(body)
+            base = created.plain_name(name)
+        except created.ModelfileError as e:
+            raise bad("modelfile" if body.get("modelfile") else "from", str(e)) from None
+        existing = created.load(base)
+        try:
+            path = _resolve(self.sup, spec["from"])
+        except JSONError:
+            raise JSONError(400, "model_not_found", f"from {spec['from']!r}: no such model here (GET /api/tags; "
+                            f"`kiln models pull` fetches one)") from None
+        if existing is None:
+            try:
+                _resolve(self.sup, base)
+                raise JSONError(400, "model_exists", f"{base!r} is a model file already; choose another name")
+            except JSONError as e:
+                if e.kiln_body["error"]["code"] == "model_exists":
+                    raise
+        if spec.get("adapter"):
+            from kiln.native.models.library import sha256_file
+            from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistry
+            try:
+                meta = AdapterRegistry(self.sup.paths.home).get(spec["adapter"])
+            except (AdapterNotFound, ValueError) as e:
+                raise bad("adapters", f"adapter {spec['adapter']!r}: {e}; register it first (`kiln adapters import`)") \
+                    from None
+            digest = (body.get("adapters") or {}).get(spec["adapter"]) or ""
+            if digest and digest.removeprefix("sha256:") != sha256_file(Path(meta["path"])):
+                raise bad("adapters", f"adapter {spec['adapter']!r} is not the file of digest {digest[:80]!r}")
+        created.save(base, spec, path)
+        if body.get("stream", True):
+            resp.content_type = "application/x-ndjson"
+            resp.text = "".join(ndjson(x).decode() for x in ({"status": f"using {path.name}"},
+                                                              {"status": "writing manifest"}, {"status": "success"}))
+        else:
+            resp.media = {"status": "success"}
+
+    @staticmethod
+    def _create_spec(body: dict) -> dict:
+        """The spec of a create body: a Modelfile's text, or Ollama's fields (not both)."""
+        from kiln.native.models import created
+        from kiln.protocol.sampling import out_of_bounds
+        if body.get("modelfile"):
+            if not isinstance(body["modelfile"], str):
+                raise bad("modelfile", "modelfile must be a string", "invalid_type")
+            if any(body.get(k) for k in ("from", "system", "parameters", "messages", "adapters", "license")):
+                raise bad("modelfile", "give a modelfile or the fields (from, system, …), not both")
+            return created.parse_modelfile(body["modelfile"], out_of_bounds)
+        if not isinstance(body.get("from"), str) or not body["from"]:
+            raise bad("from", "from is required: the model this one builds on")
+        lines = [f"FROM {body['from']}"]
+        params = body.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise bad("parameters", "parameters must be an object", "invalid_type")
+        for k, v in params.items():
+            for one in (v if isinstance(v, list) else [v]):
+                lines.append(f"PARAMETER {k} {json.dumps(one)}")
+        spec = created.parse_modelfile("\n".join(lines), out_of_bounds)
+        if isinstance(body.get("license"), list) and all(isinstance(x, str) for x in body["license"]):
+            body = {**body, "license": "\n\n".join(body["license"])}       # the client sends several as a list
+        for k in ("system", "license"):
+            if body.get(k) is not None:
+                if not isinstance(body[k], str):
+                    raise bad(k, f"{k} must be a string", "invalid_type")
+                spec[k] = body[k]
+        msgs = body.get("messages") or []
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in created.ROLES
+                                                 and isinstance(m.get("content"), str) for m in msgs):
+            raise bad("messages", "messages must be a list of {role: system|user|assistant, content: string}")
+        spec["messages"] = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        adapters = body.get("adapters") or {}
+        if not isinstance(adapters, dict) or len(adapters) > 1:
+            raise bad("adapters", "adapters must be an object naming one registered adapter (`kiln adapters list`)")
+        if adapters:
+            spec["adapter"] = next(iter(adapters))
+        return spec
 
     def on_post_push(self, req, resp):
         raise JSONError(501, "not_supported", "Kiln has no registry to push to")

@@ -20,7 +20,7 @@ from kiln.protocol import Message
 
 from .common import JSONError, answer_of, error_from, parse_json
 from .request_paths import check_model_ref
-from .work import Work
+from .work import Work, apply_created
 
 IDLE = object()      # Answer.stream(idle=…): nothing came for that long (time for a keep-alive)
 FIRST_WAIT = 2.0     # a stream starts after this long without its first message (a long prefill)
@@ -187,9 +187,11 @@ class Pipeline:
         return parse_json(raw)
 
     def generate(self, req, resp, work: Work, shape: Shape, stream: bool) -> None:
-        """Run `work` and answer in `shape`: streamed, or whole once the reply came."""
-        answer = self.answer(req, "generate", work.body(), whole=not stream, shape=shape)
-        shape.start(work.model or answer.worker or "default")
+        """Run `work` and answer in `shape`: streamed, or whole once the reply came. A created
+        model's base was checked when it was created (its manifest is the user's own file)."""
+        created = apply_created(work)
+        answer = self.answer(req, "generate", work.body(), whole=not stream, shape=shape, checked=created is not None)
+        shape.start(created or work.model or answer.worker or "default")
         if stream:
             resp.content_type = shape.media
             resp.set_header("Cache-Control", "no-cache")
@@ -224,12 +226,14 @@ class Pipeline:
         except WorkerGone as e:
             yield from shape.failed(error_from(e.msg, shape.param))
 
-    def answer(self, req, op: str, body: dict, whole: bool = False, shape: Shape | None = None) -> Answer:
+    def answer(self, req, op: str, body: dict, whole: bool = False, shape: Shape | None = None,
+               checked: bool = False) -> Answer:
         """A routed request's Answer, its first message in: a refusal is raised as the HTTP error.
         `whole`: the response is sent once the answer is complete (not streamed); a stream starts
-        after FIRST_WAIT seconds without its first message."""
+        after FIRST_WAIT seconds without its first message. `checked`: the model reference is
+        known to be allowed."""
         model = body.get("model")
-        if model is not None:
+        if model is not None and not checked:
             check_model_ref(self.sup, model)
         a = Answer(self.sup, op, body, _disconnected(req), self._observer(req), whole,
                    None if whole else min(FIRST_WAIT, self.keepalive))

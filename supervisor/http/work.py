@@ -60,3 +60,21 @@ def model_of(body: dict) -> str | None:
     if model is not None and not isinstance(model, str):
         raise bad("model", "model must be a string", "invalid_type")
     return model or None
+
+
+def apply_created(work: Work) -> str | None:
+    """A request naming a model made from a Modelfile (native/models/created.py): its defaults go
+    under the request's own fields and the request runs on its base file. The created model's
+    name, or None when the request names no such model."""
+    if not work.model:
+        return None
+    from kiln.native.models.created import applied, load
+    record = load(work.model)
+    if record is None:
+        return None
+    work.messages, work.params, work.adapter = applied(record, work.messages, work.params, work.adapter)
+    if work.min_ctx is None and (record.get("parameters") or {}).get("min_ctx"):
+        work.min_ctx = record["parameters"]["min_ctx"]
+    name, work.model = work.model, record["path"]
+    return name
+
