@@ -120,6 +120,29 @@ def test_a_worker_killed_from_outside_shows_its_restart(served, page):
     assert not page.errors, page.errors
 
 
+def test_events_show_their_own_time_and_buttons_only_what_applies(served, page):
+    """An event from before the page loaded is listed at the time it happened (the daemon's ts),
+    not when the page heard of it; a running worker's start button is disabled, a stopped one's
+    stop button — and stop, then start, from the page work."""
+    from datetime import datetime, timezone
+    first = served.command("events", {"after": 0})["events"][0]
+    page.goto(served.http + "/ui")
+    stamp = page.locator("#events time").last                 # the oldest listed first-in, last-shown
+    expect(stamp).to_have_attribute("datetime", re.compile(r"^\d{4}-"), timeout=15000)
+    shown = datetime.fromisoformat(stamp.get_attribute("datetime").replace("Z", "+00:00"))
+    assert abs(shown - datetime.fromtimestamp(first["ts"], timezone.utc)).total_seconds() < 0.01, (shown, first)
+    row = page.locator('tr[data-worker="evaluator"]')
+    expect(row.locator("td[data-state]")).to_contain_text("running", timeout=15000)
+    expect(row.get_by_role("button", name="start evaluator", exact=True)).to_be_disabled()
+    expect(row.get_by_role("button", name="restart evaluator", exact=True)).to_be_enabled()
+    row.get_by_role("button", name="stop evaluator", exact=True).click()
+    expect(row.locator("td[data-state]")).to_contain_text("stopped", timeout=30000)
+    expect(row.get_by_role("button", name="stop evaluator", exact=True)).to_be_disabled()
+    row.get_by_role("button", name="start evaluator", exact=True).click()
+    expect(row.locator("td[data-state]")).to_contain_text("running", timeout=30000)
+    assert not page.errors, page.errors
+
+
 def test_with_an_api_key_the_page_asks_for_it(default_model_path, tmp_path, browser):
     """The key form opens once, for the key the page holds: a request sent before the key was given
     (here the first workers poll, held by the test until after the key is entered) that comes back

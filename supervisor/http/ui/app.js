@@ -12,7 +12,7 @@ function el(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
     if (k === "class") e.className = v; else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
-    else e.setAttribute(k, v);
+    else if (v != null) e.setAttribute(k, v);          // null: no attribute (disabled: null is enabled)
   }
   for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(c == null ? "" : String(c)));
   return e;
@@ -66,7 +66,13 @@ $("#keyform").addEventListener("submit", (ev) => {
 function workerRow(w) {
   const state = w.state + (w.worker_state ? ` / ${w.worker_state}` : "");
   const exit = w.last_exit ? (w.last_exit.signal ? `signal ${w.last_exit.signal}` : `code ${w.last_exit.code}`) : "–";
-  const act = (a) => el("button", { type: "button", "aria-label": `${a} ${w.name}`, onclick: () => workerAction(w.name, a) }, a);
+  // an action only where it applies (supervisord's): start a stopped or given-up worker, stop
+  // one that runs or is coming up, restart any but one already stopping
+  const applies = { start: ["stopped", "fatal"].includes(w.state),
+                    stop: ["running", "starting", "backoff"].includes(w.state),
+                    restart: w.state !== "stopping" };
+  const act = (a) => el("button", { type: "button", "aria-label": `${a} ${w.name}`, disabled: applies[a] ? null : "",
+                                    onclick: () => workerAction(w.name, a) }, a);
   return el("tr", { "data-worker": w.name },
     el("th", { scope: "row" }, w.name), el("td", {}, w.kind),
     el("td", { class: `state-${w.state}`, "data-state": w.state, title: w.reason || "" }, state),
@@ -286,9 +292,12 @@ $("#clear").addEventListener("click", () => { history.length = 0; $("#transcript
 
 // -- live updates ----------------------------------------------------------------------------
 
-function note(text) {
+function note(text, ts) {
+  // an event's own time (seconds since the epoch), not when the page heard of it; a page
+  // message without one is stamped now
+  const at = ts ? new Date(ts * 1000) : new Date();
   const list = $("#events");
-  list.prepend(el("li", {}, `${new Date().toLocaleTimeString()} ${text}`));
+  list.prepend(el("li", {}, el("time", { datetime: at.toISOString() }, at.toLocaleTimeString()), ` ${text}`));
   while (list.children.length > 60) list.lastChild.remove();
 }
 
@@ -314,7 +323,7 @@ async function followEvents() {
       for await (const data of sseEvents(r)) {
         const e = JSON.parse(data);
         lastSeq = Math.max(lastSeq, e.seq);
-        note(`${e.worker ? `[${e.worker}] ` : ""}${e.event} ${e.detail || ""}`);
+        note(`${e.worker ? `[${e.worker}] ` : ""}${e.event} ${e.detail || ""}`, e.ts);
         soon(refreshAll);
       }
     } catch (e) {
