@@ -228,6 +228,16 @@ def test_every_request_is_a_line_in_the_daemon_log(client, served):
     for part in ("status=200", "model=default", "prompt_tokens=", f"completion_tokens={usage.completion_tokens}",
                  "ttft_ms=", "total_ms="):
         assert part in last, last
+    # `kiln run` (the control socket) is a line too (issue 42: it was missing)
+    from daemon_harness import kiln
+
+    def runs():
+        return [ln for ln in log.read_text().splitlines() if "request control generate" in ln]
+    before = len(runs())
+    r = kiln(served.home, "run", "--max-tokens", "4", "-t", "0", "Hi")
+    assert r.returncode == 0, r.stderr
+    served.wait(lambda _: len(runs()) > before, what="kiln run's log line")
+    assert "status=ok" in runs()[-1] and "completion_tokens=" in runs()[-1] and "total_ms=" in runs()[-1], runs()[-1]
 
 
 def test_speculation_is_reported_and_can_be_turned_off(client):

@@ -50,11 +50,16 @@ def test_a_whole_and_a_streamed_answer_are_the_chat_answers(client, served):
     assert m.usage.output_tokens == c.usage.completion_tokens
     with client.messages.stream(model="default", max_tokens=200, system="Be kind.",
                                 messages=[{"role": "user", "content": HI}], **T0) as st:
-        text = "".join(st.text_stream)
+        events = list(st)
         final = st.get_final_message()
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
     want = chat(served, [{"role": "system", "content": "Be kind."}, {"role": "user", "content": HI}], 200)
     assert text == final.content[0].text == want.choices[0].message.content and final.stop_reason == "end_turn"
     assert final.usage.output_tokens == want.usage.completion_tokens
+    # message_start says the prompt's tokens, as Anthropic's API does (issue 42: it said 0)
+    start = next(e for e in events if e.type == "message_start").message.usage
+    assert start.input_tokens + (start.cache_read_input_tokens or 0) == want.usage.prompt_tokens > 5, start
+    assert start.output_tokens == 0
 
 
 def test_a_tool_use_and_its_result_sent_back(client, served):

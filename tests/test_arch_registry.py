@@ -132,3 +132,13 @@ def test_sliding_window_layers_hold_only_their_window_and_compute_the_same_bits(
     from kiln.native.models.plan import plan
     p = plan(tiny_path("gemma3"), ctx=4096, available=2**40, parallel=1)
     assert p["kv_cache_bytes"] == 2 * 1 * 2 * 64 * 2 * 4096 + 2 * 5 * 2 * 64 * 2 * (16 + 256)
+
+
+def test_inspect_says_only_what_the_file_is(default_model_path, e8k2_path):
+    """SmolLM2 is a plain llama: neither Llama 3.1's rope factors nor a Mixtral (issue 42)."""
+    from conftest import tiny_path
+    from kiln.native.models.inspect import inspect_model
+    smol = inspect_model(default_model_path)["family"]["needs"]
+    assert "RMSNorm" in smol and "Llama 3.1" not in smol and "MoE" not in smol, smol
+    assert "Mixtral-style MoE" in inspect_model(e8k2_path)["family"]["needs"]
+    assert "rope_freqs factors" in inspect_model(tiny_path("llama3"))["family"]["needs"]

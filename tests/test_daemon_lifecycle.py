@@ -178,6 +178,9 @@ def test_detach_then_down(tmp_path):
     r = kiln(tmp_path, "up", "--detach", "--config", str(cfg))
     assert r.returncode == 0, r.stderr
     assert "kiln is up (pid" in r.stdout
+    pid = int(r.stdout.split("(pid ")[1].split(")")[0])
     r = kiln(tmp_path, "down")
     assert r.returncode == 0 and "kiln stopped" in r.stdout, r.stderr
+    # down returns once the daemon's process is gone, not only its pidfile (issue 42)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert kiln(tmp_path, "status").returncode == 1

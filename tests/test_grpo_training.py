@@ -137,3 +137,16 @@ def test_a_grpo_run_killed_mid_run_resumes_from_its_last_checkpoint_bit_identica
     for n in whole.names:
         for x, y in zip(whole.adapter.tensors[n], resumed.adapter.tensors[n]):
             assert np.array_equal(x, y), n
+
+
+def test_progress_counts_epochs_from_one(tiny, tmp_path):
+    """Each step says the epoch it belongs to, from 1 to `epochs` (issue 42: they counted from 0)."""
+    m, tpl = tiny
+    groups = load_grpo_file(write(tmp_path, [group(n) for n in NAMES[:4]]), tpl, m.tokenizer, 256)
+    spec = TrainSpec(epochs=2, lr=1e-3, rank=2, alpha=4, seed=1, checkpoint_interval=1000, grad_accum=2)
+    (tmp_path / "job").mkdir()
+    seen = []
+    assert GRPORun(m, groups, spec, tmp_path / "job").run(on_step=seen.append) == "completed"
+    assert [p.epoch for p in seen] == [1, 1, 2, 2]
+    history = [json.loads(ln)["epoch"] for ln in (tmp_path / "job" / "losses.jsonl").read_text().splitlines()]
+    assert history == [1, 1, 2, 2]

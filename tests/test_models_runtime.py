@@ -239,3 +239,23 @@ def test_chat_session_is_saved_resumed_listed_and_shown(budget_daemon):
     assert "user: Say hi." in shown and "user: And again." in shown and shown.count("assistant:") == 2
     line = json.loads(kiln(d.home, "sessions", "export", "s1").stdout)
     assert [m["role"] for m in line["messages"]] == ["user", "assistant", "user", "assistant"]
+    # Ctrl-C during an answer keeps the turn, with what was shown of it (issue 42: it vanished)
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "kiln.supervisor.cli", "chat", "--session", "s1", "--model", "alpha",
+                          "--max-tokens", "400", "--temperature", "0"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for(d.home), bufsize=1)
+    p.stdin.write("Count from one to one hundred, one number per line.\n")
+    p.stdin.flush()
+    shown, deadline = "", time.monotonic() + 60
+    while len(shown.strip()) < 8:                         # a few lines of the answer are on screen
+        assert time.monotonic() < deadline, shown
+        shown += p.stdout.read(1)
+    p.send_signal(signal.SIGINT)
+    p.stdin.write("/exit\n")
+    p.stdin.close()
+    out = p.stdout.read()                                 # through the same buffer as `shown`
+    assert p.wait(60) == 0 and "(answer stopped)" in out, (out, p.stderr.read())
+    messages = json.loads(kiln(d.home, "sessions", "export", "s1").stdout)["messages"]
+    assert [m["role"] for m in messages][-2:] == ["user", "assistant"] and messages[-2]["content"].startswith("Count")
+    assert messages[-1]["content"] and messages[-1]["content"].strip() in (shown + out).strip(), messages[-1]

@@ -241,6 +241,7 @@ class InferenceWorker(Worker):
         self.served += 1
         outputs = [plan.output() for _ in range(n)]
         finals: list[dict | None] = [None] * n
+        said_usage = False
         while any(f is None for f in finals):
             try:
                 ev = job.events.get(timeout=0.1)
@@ -249,6 +250,9 @@ class InferenceWorker(Worker):
             if isinstance(ev, Token):
                 self.tokens_out += 1
                 chunk = {"token": ev.id, "text": ev.text}
+                if not said_usage:              # the first token says what the prompt took (Anthropic's message_start)
+                    said_usage = True
+                    chunk.update(prompt_tokens=len(prompt), cached_tokens=job.gen.cached if job.gen else 0)
                 if outputs[ev.index] is not None:
                     chunk.update(_wire(outputs[ev.index].feed(ev.text)))
                 if n > 1:

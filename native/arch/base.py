@@ -160,3 +160,8 @@ class Family:
     def facts(self, c) -> dict:
         """What `kiln models inspect` shows about this family's model beyond the common fields."""
         return {}
+
+    def needs(self, c, g) -> str:
+        """What this file needs of the family (`kiln models inspect`): its notes, less the
+        variants the file is not (a family whose variants differ overrides it)."""
+        return self.notes

@@ -15,5 +15,14 @@ class Llama(Family):
     norm_topk = True
     notes = "RMSNorm, SwiGLU, GQA, rope on adjacent pairs; rope_freqs factors (Llama 3.1+); Mixtral-style MoE"
 
+    def needs(self, c, g) -> str:
+        # SmolLM2 is neither a Llama 3.1 nor a Mixtral: say only what this file has
+        out = "RMSNorm, SwiGLU, GQA, rope on adjacent pairs"
+        if "rope_freqs.weight" in g.tensors:
+            out += "; rope_freqs factors (Llama 3.1+)"
+        if c.is_moe:
+            out += "; Mixtral-style MoE"
+        return out
+
     def model_tensors(self, g) -> dict[str, str]:
         return {"rope_freqs": "rope_freqs.weight"} if "rope_freqs.weight" in g.tensors else {}

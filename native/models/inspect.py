@@ -36,7 +36,7 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
         "path": str(path),
         "name": c.name,
         "architecture": c.arch,
-        "family": {"name": fam.name, "needs": fam.notes, **fam.facts(c)},
+        "family": {"name": fam.name, "needs": fam.needs(c, g), **fam.facts(c)},
         "parameters": n_params,
         "file_bytes": g.file_size,
         # a split model's files, in order, with their sizes (one entry for a whole file)

@@ -75,7 +75,7 @@ class TrainSpec:
 class Progress:
     step: int
     total_steps: int
-    epoch: int
+    epoch: int                    # the epoch the step belongs to, from 1
     loss: float
     lr: float
     tokens: int
@@ -179,7 +179,9 @@ class SFTRun:
             dt = time.perf_counter() - t0
             steps_done += 1
             rate = (time.perf_counter() - t_start) / steps_done
-            p = Progress(self.step, self.total_steps, self.epoch, loss, lr, tokens,
+            # the epoch this step belongs to, counted from 1 (self.epoch counts the finished ones)
+            in_epoch = self.epoch if self.pos == 0 else self.epoch + 1
+            p = Progress(self.step, self.total_steps, in_epoch, loss, lr, tokens,
                          tokens / dt if dt > 0 else 0.0, rate * (self.total_steps - self.step), extra)
             with open(self.history, "a") as f:
                 f.write(json.dumps({"step": p.step, "epoch": p.epoch, "loss": p.loss, "lr": lr,

@@ -46,6 +46,14 @@ def _pick_worker(client, model: Optional[str]) -> str:
     return r["worker"]
 
 
+class AnswerStopped(KeyboardInterrupt):
+    """Ctrl-C during an answer; `partial` is what was shown of it."""
+
+    def __init__(self, partial: str):
+        super().__init__(partial)
+        self.partial = partial
+
+
 def _stream_answer(client, worker: str, messages: list[dict], params: dict, adapter: Optional[str] = None) -> str:
     """Print the answer as it arrives; Ctrl-C cancels it (KeyboardInterrupt propagates). The
     router waits for the worker while it loads or restarts, and retries a request a crash cut
@@ -65,7 +73,7 @@ def _stream_answer(client, worker: str, messages: list[dict], params: dict, adap
                 sys.stdout.flush()
     except KeyboardInterrupt:
         client.cancel(client.last_call_id)
-        raise
+        raise AnswerStopped("".join(out)) from None
     except CommandFailed as e:
         sys.stdout.write("\n")
         fail(f"{e.code}: {e.message}")
@@ -273,7 +281,12 @@ def chat(model: Optional[str] = typer.Option(None, "--model", "-m", help="worker
                 answer = _stream_answer(client, st.worker, st.history, _params(temperature, max_tokens, None), st.adapter)
                 st.history.append({"role": "assistant", "content": answer})
                 st.save()
-            except KeyboardInterrupt:
+            except AnswerStopped as e:
+                # the turn stays, with what was shown of the answer (as the transcript on screen)
                 sys.stdout.write("\n(answer stopped)\n")
-                st.history.pop()
+                if e.partial:
+                    st.history.append({"role": "assistant", "content": e.partial})
+                    st.save()
+                else:
+                    st.history.pop()
             _swallow_typeahead()

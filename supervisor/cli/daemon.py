@@ -250,11 +250,24 @@ def down(timeout: float = typer.Option(30.0, "--timeout", help="seconds to wait 
                    f"(`kiln down --now` cuts them)", err=True)
     deadline = time.monotonic() + timeout + res.get("drain_s", 0)
     while time.monotonic() < deadline:
-        if daemon_pid(paths) is None:
+        # gone means the process too, not only its pidfile: a `kiln up` right after must not
+        # find the old daemon still holding the socket
+        if daemon_pid(paths) is None and not _alive(pid):
             typer.echo(f"kiln stopped (pid {pid})")
             return
-        time.sleep(0.1)
+        time.sleep(0.05)
     fail(f"the daemon (pid {pid}) is still running after {timeout:g} s; see {paths.daemon_log}")
+
+
+def _alive(pid) -> bool:
+    """Whether process `pid` still runs (a zombie waiting for its parent has stopped)."""
+    import psutil
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def register(app: typer.Typer) -> None:

@@ -5,6 +5,8 @@ commands run — a mixin of the Supervisor (supervisor/core/daemon.py), on its l
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -12,6 +14,8 @@ from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, 
 
 from . import registry as commands
 from .router import KIND_OPS, MODEL_OPS, Client, Target
+
+request_log = logging.getLogger("kiln.requests")      # the daemon log's request lines (http/observe.py too)
 
 
 def routed_target(op: str, body: Any) -> tuple[str, Any, Target]:
@@ -24,6 +28,24 @@ def routed_target(op: str, body: Any) -> tuple[str, Any, Target]:
     model, worker = body.pop("model", None), body.pop("worker", None)
     return op, body, Target(model=model if isinstance(model, str) else None,
                             worker=worker if isinstance(worker, str) else None)
+
+
+def _logged(op: str, body: dict, deliver: Callable[[Message], None]) -> Callable[[Message], None]:
+    """`deliver`, writing the daemon log's request line when the answer ends (`kiln run`, `kiln
+    chat` and other CLI requests: the HTTP front end logs its own)."""
+    t0 = time.monotonic()
+
+    def send(m: Message) -> None:
+        if m.type in ("reply", "error"):
+            u = (m.body or {}).get("usage") if m.type == "reply" and isinstance(m.body, dict) else None
+            parts = [f"control {op}", f"status={'ok' if m.type == 'reply' else m.get('code')}",
+                     f"model={body.get('model') or body.get('worker') or 'default'}"]
+            if isinstance(u, dict):
+                parts.append(f"prompt_tokens={u.get('prompt_tokens', 0)} completion_tokens={u.get('completion_tokens', 0)}")
+            parts.append(f"total_ms={(time.monotonic() - t0) * 1000:.0f}")
+            request_log.info("request " + " ".join(parts))
+        deliver(m)
+    return send
 
 
 class SocketTraffic:
@@ -95,6 +117,8 @@ class SocketTraffic:
             return self.router.submit(body["op"], body.get("body"), client, Target(worker=body["worker"]),
                                       float(timeout) if timeout else None)
         if op in MODEL_OPS or op in KIND_OPS:
+            if op in MODEL_OPS:                        # a line in the daemon log, as an HTTP request has
+                client.deliver = _logged(op, body, client.deliver)
             timeout = body.get("timeout") if op in MODEL_OPS else None
             worker_op, wbody, target = routed_target(op, {k: v for k, v in body.items() if k != "timeout"})
             submit = lambda: self.router.submit(worker_op, wbody, client, target,  # noqa: E731

@@ -271,15 +271,23 @@ class MessageShape(Shape):
     keepalive = _sse("ping")                  # a long prefill: keep the client
 
     def __init__(self):
-        self.index, self.open_kind = -1, None
+        self.index, self.open_kind, self.started = -1, None, False
 
     def start(self, model: str) -> None:
         self.meta = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": model}
 
-    def opening(self):
-        # at once, as Anthropic's API does: the prompt's tokens are counted in message_delta's usage
+    def _message_start(self, b: dict) -> Iterator[bytes]:
+        """message_start once the prompt's size is known (the first token's chunk says it; pings
+        keep the client during a long prefill), with its input tokens as Anthropic's API gives them."""
+        if self.started:
+            return
+        self.started = True
+        u = b.get("usage") or b
+        cached = u.get("cached_tokens", 0)
         yield _sse("message_start", message={**self.meta, "content": [], "stop_reason": None, "stop_sequence": None,
-                                             "usage": {"input_tokens": 0, "output_tokens": 0}})
+                                             "usage": {"input_tokens": u.get("prompt_tokens", 0) - cached,
+                                                       "cache_read_input_tokens": cached,
+                                                       "cache_creation_input_tokens": 0, "output_tokens": 0}})
 
     def _switch(self, kind: str, block: dict) -> Iterator[bytes]:
         if self.open_kind is not None:
@@ -289,6 +297,7 @@ class MessageShape(Shape):
         yield _sse("content_block_start", index=self.index, content_block=block)
 
     def part(self, b: dict):
+        yield from self._message_start(b)
         if b.get("reasoning"):
             if self.open_kind != "thinking":
                 yield from self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
