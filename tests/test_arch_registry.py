@@ -142,3 +142,19 @@ def test_inspect_says_only_what_the_file_is(default_model_path, e8k2_path):
     assert "RMSNorm" in smol and "Llama 3.1" not in smol and "MoE" not in smol, smol
     assert "Mixtral-style MoE" in inspect_model(e8k2_path)["family"]["needs"]
     assert "rope_freqs factors" in inspect_model(tiny_path("llama3"))["family"]["needs"]
+
+
+def test_the_default_context_is_the_largest_the_memory_budget_holds(default_model_path):
+    """As Ollama sizes it by memory (issue 38): the trained context (SmolLM2: 8,192) when its KV
+    cache for every parallel sequence fits the budget beside the weights, else the largest step
+    that does; without a budget, the trained context up to 4,096."""
+    from kiln.native.models.plan import plan
+    roomy = plan(default_model_path, budget=64 * 2**30)
+    assert (roomy["context"], roomy["context_why"]) == (8192, "trained")
+    at_4k = plan(default_model_path, 4096)
+    tight = plan(default_model_path, budget=at_4k["total_bytes"] + 1)
+    assert tight["context"] == 4096 and "8,192 trained" in tight["context_why"] and "budget" in tight["context_why"]
+    assert tight["total_bytes"] <= at_4k["total_bytes"] + 1
+    plain = plan(default_model_path)
+    assert plain["context"] == 4096 and "no memory budget" in plain["context_why"]
+    assert plan(default_model_path, 2048)["context_why"] == "configured"

@@ -168,3 +168,4 @@ def test_inspect_and_plan_on_the_moe_variants(e8k8_path, e8k2_path):
         room = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["runtime_bytes"] + 70 * p["expert_bytes"] // (30 * 8)
         tight = plan(path, ctx=1024, available=int(room / 0.9))          # 70 of the 240 experts fit
         assert tight["verdict"] == "streams" and tight["expert_cache_slots"] >= 2 * 30
+

@@ -157,6 +157,11 @@ def test_models_load_unload_and_activate_from_the_cli(budget_daemon):
     out = kiln(d.home, "models", "load", "alpha")
     assert out.returncode == 0, out.stderr
     wait_for(lambda: any(m["model"] == "alpha" and m["worker_state"] == "ready" for m in ps(d)["models"]), "alpha")
+    # its context was sized by the budget (one model's worth at 4,096: not 8,192), and ps says why
+    alpha = next(m for m in ps(d)["models"] if m["model"] == "alpha")
+    assert alpha["n_ctx"] == 4096 and "8,192 trained" in alpha["context_why"], alpha
+    shown = kiln(d.home, "ps").stdout
+    assert "4,096" in shown and "alpha: context 4,096 (of 8,192 trained" in shown, shown
     out = kiln(d.home, "activate", "beta")
     assert out.returncode == 0 and "beta" in out.stdout, out.stderr
     status, r = post(d, "/v1/chat/completions", {"messages": ASK, "max_tokens": 3})   # no model named

@@ -25,7 +25,7 @@ GiB = 2**30
 LIBRARY = {"small": 1 * GiB, "medium": 2 * GiB, "another": 2 * GiB, "huge": 50 * GiB}
 
 
-def fake_plan(path: Path, ctx, parallel=None, draft=None) -> dict:
+def fake_plan(path: Path, ctx, parallel=None, draft=None, budget=None) -> dict:
     size = LIBRARY[path.stem]
     return {"total_bytes": size + (LIBRARY[draft.stem] if draft else 0), "weights_bytes": size // 2,
             "kv_cache_bytes": size // 4, "runtime_bytes": size // 4, "context": 4096}
@@ -290,8 +290,8 @@ def test_activate_persists_and_routes_requests_naming_no_model(tmp_path):
 def test_a_model_whose_experts_do_not_fit_streams_them():
     r = Rig(budget=4 * GiB)
     real = r.placer.plan
-    r.placer.plan = lambda path, ctx: {**real(path, ctx), "verdict": "streams", "total_bytes": 50 * GiB,
-                                       "expert_bytes": 49 * GiB, "expert_cache_bytes": 2 * GiB} \
+    r.placer.plan = lambda path, ctx, **kw: {**real(path, ctx), "verdict": "streams", "total_bytes": 50 * GiB,
+                                             "expert_bytes": 49 * GiB, "expert_cache_bytes": 2 * GiB} \
         if path.stem == "huge" else real(path, ctx)
     r.ask("a", "huge")
     w = r.table["huge"]
@@ -329,7 +329,7 @@ def test_a_plan_is_made_once_per_file_version_off_the_loop_and_errors_are_rememb
     from kiln.supervisor.core.plan_cache import PlanCache
     calls = []
 
-    def plan(path, ctx, parallel=None, draft=None):
+    def plan(path, ctx, parallel=None, draft=None, budget=None):
         calls.append(Path(path).name)
         if Path(path).read_bytes() == b"bad":
             raise GGUFError(f"{path}: block_count 4294967294 is more than the file's 2 blk.N tensors")

@@ -42,18 +42,43 @@ def _kv_per_sequence(c, ctx: int) -> int:
         + fam.recurrent_state_bytes(c)
 
 
+CONTEXT_STEPS = (32768, 16384, 8192, 4096, 2048, 1024, 512)   # what a model is given, at most its trained one
+PLAIN_CONTEXT = 4096                                          # without a budget to size it by
+
+
+def default_context(c, weights: int, budget: int | None, parallel: int) -> tuple[int, str]:
+    """The context a model gets when none is configured, and why. With a model memory budget, as
+    Ollama sizes it by memory: the largest of its trained context (up to 32k), 16k, 8k, 4k, …
+    whose weights, KV cache for `parallel` sequences and runtime fit the budget — the model could
+    then run with the budget to itself; without one, its trained context up to 4,096."""
+    trained = c.n_ctx_train
+    if budget is None:
+        ctx = min(trained, PLAIN_CONTEXT)
+        return ctx, "trained" if ctx == trained else f"of {trained:,} trained: no memory budget to size it by"
+    steps = sorted({min(trained, CONTEXT_STEPS[0])} | {s for s in CONTEXT_STEPS if s < trained}, reverse=True)
+    for ctx in steps:
+        if weights + parallel * _kv_per_sequence(c, ctx) + RUNTIME_BYTES <= budget:
+            if ctx == trained:
+                return ctx, "trained"
+            capped = " (at most 32,768 unless [models] ctx says more)" if ctx == CONTEXT_STEPS[0] else ""
+            return ctx, (f"of {trained:,} trained: the largest whose KV cache for {parallel} sequences fits the "
+                         f"{budget / 2**30:.2f} GiB model memory budget beside the weights{capped}")
+    return steps[-1], f"of {trained:,} trained: the smallest offered; even it does not fit the memory budget"
+
+
 def plan(path: Path, ctx: int | None = None, available: int | None = None, parallel: int | None = None,
-         draft: Path | None = None) -> dict:
+         draft: Path | None = None, budget: int | None = None) -> dict:
     """`parallel`: sequences decoded together (a worker's `parallel`, default 4) — each may grow its
     own KV cache to the whole context, so the plan counts that many. `draft`: a worker's
-    `draft_model`, whose weights and one KV cache per sequence (the same context) it also holds."""
+    `draft_model`, whose weights and one KV cache per sequence (the same context) it also holds.
+    `ctx` None: default_context's, sized by `budget` when there is one."""
     parallel = max(1, int(parallel or DEFAULT_PARALLEL))
     g = read_gguf(path, skip_arrays=True)
     c = read_config(g)
-    ctx = ctx or min(c.n_ctx_train, 4096)
     compiled = kernel_info()["path"] == "compiled"
     by_type, held, expert_bytes = _weights(g, compiled)
     weights = sum(held.values())
+    ctx, why = (ctx, "configured") if ctx else default_context(c, weights, budget, parallel)
     kv_seq = _kv_per_sequence(c, ctx)
     kv = kv_seq * parallel
     draft_bytes = 0
@@ -65,7 +90,8 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
     total = weights + kv + draft_bytes + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
-    out = {"model": str(path), "architecture": c.arch, "context": ctx, "kernel_path": "compiled" if compiled else "numpy",
+    out = {"model": str(path), "architecture": c.arch, "context": ctx, "context_why": why,
+           "kernel_path": "compiled" if compiled else "numpy",
            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
            "kv_cache_bytes": kv, "kv_per_sequence_bytes": kv_seq, "parallel": parallel,
            "recurrent_state_bytes": family(c.arch).recurrent_state_bytes(c),

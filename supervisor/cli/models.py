@@ -33,7 +33,7 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
             typer.echo(f"default model: {out['active_model']} (kiln activate)")
         if out.get("budget_bytes") is not None:
             typer.echo(f"memory: {_mb(out['used_bytes'])} of a {_mb(out['budget_bytes'])} budget")
-        rows = [("MODEL", "WORKER", "STATE", "RSS", "PLANNED", "KV", "WEIGHTS", "THREADS", "UNTIL")]
+        rows = [("MODEL", "WORKER", "STATE", "CONTEXT", "RSS", "PLANNED", "KV", "WEIGHTS", "THREADS", "UNTIL")]
         for m in out["models"]:
             until = "pinned" if m.get("pinned") else "forever" if m.get("expires_at") is None and \
                 m.get("keep_alive_s") is None else "-" if m.get("expires_at") is None else \
@@ -41,11 +41,14 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
             if m.get("unloading"):
                 until = "unloading"
             rows.append((str(m["model"]), m["worker"], m["state"] + (f"/{m['worker_state']}" if m.get("worker_state") else ""),
-                         _mb(m.get("rss_bytes")), _mb(m.get("planned_bytes")), _mb(m.get("kv_cache_bytes")),
+                         f"{m['n_ctx']:,}" if m.get("n_ctx") else "-", _mb(m.get("rss_bytes")), _mb(m.get("planned_bytes")), _mb(m.get("kv_cache_bytes")),
                          m.get("weights") or "-", _threads(m), until))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        for m in out["models"]:                   # why each context is what it is
+            if m.get("n_ctx") and m.get("context_why"):
+                typer.echo(f"  {m['model']}: context {m['n_ctx']:,} ({m['context_why']})")
 
     @app.command()
     def activate(model: str = typer.Argument(..., help="a library model (name, file stem or path)")):

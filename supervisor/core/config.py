@@ -94,7 +94,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                "a share of RAM (60%), or auto: the RAM available at start minus min_available"),
         "min_available": Field(str, "512MiB", "below this much available RAM, idle on-demand models are "
                                "unloaded (memory pressure); a size or a share of RAM"),
-        "ctx": Field(int, 0, "context of an on-demand model (0: its plan's, at most 4096)", 0, 1 << 24),
+        "ctx": Field(int, 0, "context of an on-demand model (0: sized by the memory budget — the largest of its "
+                     "trained context up to 32768, 16384, 8192, 4096, … whose KV cache fits)", 0, 1 << 24),
         "weights": Field(str, "mapped", "an on-demand model's weights: mapped (the file's page cache, shared) or "
                          "private (copied into huge pages: faster decode where the page cache holds 4 KiB pages)",
                          choices=WEIGHTS),

@@ -76,10 +76,11 @@ def make_placer(table, m: dict, busy, record, state_file):
     budget = max(0, vm.available - pressure) if m["memory_budget"] == "auto" else parse_size(m["memory_budget"], vm.total)
     if not m["on_demand"]:
         return None
+    budget_bytes = budget              # the plan's `available` (its `budget` sizes a context)
     return Placer(table, budget=budget, max_loaded=m["max_loaded"], keep_alive=parse_duration(m["keep_alive"]),
                   pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
-                  plan=PlanCache(lambda path, ctx, parallel=None, draft=None: plan(
-                      path, ctx, available=budget, parallel=parallel, draft=draft)),
+                  plan=PlanCache(lambda path, ctx, parallel=None, draft=None, budget=None: plan(
+                      path, ctx, available=budget_bytes, parallel=parallel, draft=draft, budget=budget)),
                   available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file,
                   weights=m["weights"])
 

@@ -50,6 +50,7 @@ class Loaded:
     expires_at: float | None = None  # monotonic; None: never
     unloading: str | None = None    # why, once it is being stopped
     file: str | None = None         # the resolved file: a configured `model = "default"` is it too
+    context_why: str | None = None  # why its context is what it is (plan's context_why), for `kiln ps`
 
 
 class Placer:
@@ -118,7 +119,7 @@ class Placer:
         try:
             if self.find(model) is not None:
                 return
-            self.plan(self._resolve(model), self.ctx)
+            self.plan(self._resolve(model), self.ctx, budget=self.budget)
         except Exception:  # noqa: BLE001 - PlaceError, a bad file, the loop changing `loaded` meanwhile
             pass
 
@@ -185,7 +186,7 @@ class Placer:
         if w is not None:
             return w
         try:
-            p = self.plan(path, self.ctx)
+            p = self.plan(path, self.ctx, budget=self.budget)       # its context sized by the budget
         except Exception as e:  # noqa: BLE001 - a corrupt file: the reader's own words
             raise PlaceError("model_invalid", f"{path.name}: {e}") from None
         need = int(p["total_bytes"])
@@ -211,7 +212,7 @@ class Placer:
         w = self.table.add(name, spec)
         ka = self.keep_alive if keep_alive == "default" else keep_alive
         self.loaded[name] = Loaded(name, path.stem, str(path), need, False, ka, self.table.clock.monotonic(),
-                                   file=str(path))
+                                   file=str(path), context_why=p.get("context_why"))
         self.record("model_loading", name, f"{path.stem}{' (experts streamed)' if kind == 'moe-stream' else ''}: "
                                            f"planned {need / GiB:.2f} GiB; "
                                            f"{self.used_bytes() / GiB:.2f} of {self.budget / GiB:.2f} GiB in use")
@@ -318,7 +319,8 @@ class Placer:
                         "worker_state": w.worker_state, "pinned": l.pinned, "pid": w.pid,
                         "rss_bytes": w.rss if w.pid else None, "planned_bytes": l.planned_bytes or None,
                         "kv_cache_bytes": st.get("kv_cache_bytes"), "kv_cache_tokens": st.get("kv_cache_tokens"),
-                        "n_ctx": st.get("n_ctx"), "busy": self.busy(name),
+                        "n_ctx": st.get("n_ctx"), "context_why": l.context_why or ("configured" if l.pinned else None),
+                        "busy": self.busy(name),
                         "weights": (st.get("weights") or {}).get("mode"),
                         "threads": st.get("threads"), "other_processes_cores": st.get("other_processes_cores"),
                         "keep_alive_s": l.keep_alive, "unloading": l.unloading,

@@ -22,19 +22,20 @@ class PlanCache:
         self.entries: OrderedDict[tuple, dict | Exception] = OrderedDict()
 
     @staticmethod
-    def _key(path, ctx, parallel, draft) -> tuple:
+    def _key(path, ctx, parallel, draft, budget) -> tuple:
         st = os.stat(path)             # a changed file (same name, new bytes) is planned again
-        return (os.path.realpath(path), st.st_size, st.st_mtime_ns, ctx, parallel, str(draft) if draft else None)
+        return (os.path.realpath(path), st.st_size, st.st_mtime_ns, ctx, parallel, str(draft) if draft else None,
+                budget)
 
-    def __call__(self, path, ctx=None, parallel=None, draft=None) -> dict:
-        key = self._key(path, ctx, parallel, draft)
+    def __call__(self, path, ctx=None, parallel=None, draft=None, budget=None) -> dict:
+        key = self._key(path, ctx, parallel, draft, budget)
         with self.lock:
             hit = self.entries.get(key)
             if hit is not None:
                 self.entries.move_to_end(key)
         if hit is None:
             try:
-                hit = self.plan(path, ctx, parallel=parallel, draft=draft)
+                hit = self.plan(path, ctx, parallel=parallel, draft=draft, budget=budget)
             except Exception as e:  # noqa: BLE001 - a file's error is remembered as its answer
                 hit = e
             with self.lock:

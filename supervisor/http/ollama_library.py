@@ -126,17 +126,17 @@ class OllamaLibrary:
 
     def _context(self, path: Path, g) -> int:
         """The context the model is served with: its worker's when loaded, else what a load
-        would give it (`[models] ctx`, or its plan's: the trained context, at most 4096)."""
+        would give it (`[models] ctx`, or its plan's: sized by the model memory budget)."""
         for m in bus(self.sup, "ps")["models"]:
             f = file_of(m.get("path") or str(m["model"]))
             if f is not None and f.resolve() == path.resolve() and m.get("n_ctx"):
                 return int(m["n_ctx"])
-        from kiln.native.config import read_config
-        from kiln.native.gguf_file import GGUFError
+        if self.sup.cfg["models"]["ctx"]:
+            return int(self.sup.cfg["models"]["ctx"])
         try:
-            return int(self.sup.cfg["models"]["ctx"] or min(read_config(g).n_ctx_train, 4096))
-        except GGUFError as e:                # its header reads, but its numbers cannot be a model
-            raise JSONError(400, "model_invalid", str(e)) from None
+            return int(bus(self.sup, "plan", {"model": str(path)})["context"])   # sized as a load would size it
+        except JSONError as e:                # its header reads, but its numbers cannot be a model
+            raise JSONError(400, "model_invalid", e.kiln_body["error"]["message"]) from None
 
     def on_delete_delete(self, req, resp):
         """Delete a model file from a Kiln model folder (`kiln models rm`); refused while a
