@@ -82,6 +82,12 @@ def test_api_key_guards_everything_but_health(tmp_path):
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         assert request(d.http + "/v1/workers", headers={"Authorization": "Bearer nope"})[0] == 401
         assert request(d.http + "/v1/workers", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        # GET /v1/config: every effective value and its source, the key itself never (issue 42)
+        assert request(d.http + "/v1/config")[0] == 401
+        status, cfg, _ = request(d.http + "/v1/config", headers={"Authorization": "Bearer s3cret"})
+        assert status == 200 and cfg["server"]["api_key"] == {"value": "(set)", "source": "file"}, cfg["server"]
+        assert cfg["supervisor"]["heartbeat_interval"]["source"] in ("default", "file") and "s3cret" not in str(cfg)
+        assert set(cfg["workers"]) == {"a"}
 
 
 def test_cors_is_off_by_default_and_on_for_named_origins(tmp_path):

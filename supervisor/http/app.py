@@ -72,6 +72,24 @@ class Health:
             resp.set_header("Retry-After", "1")
 
 
+class Config:
+    """GET /v1/config: every effective setting and its source (default, file, env, cli), as `kiln
+    config --json` prints them — the key itself never leaves the daemon."""
+
+    SECRETS = {("server", "api_key")}
+
+    def __init__(self, sup):
+        self.sup = sup
+
+    def on_get(self, req, resp):
+        out = bus(self.sup, "config")
+        for sec, key in self.SECRETS:
+            field = out.get(sec, {}).get(key)
+            if field and field.get("value"):
+                field["value"] = "(set)"
+        resp.media = out
+
+
 class Workers:
     def __init__(self, sup):
         self.sup = sup
@@ -136,6 +154,7 @@ def make_app(sup) -> falcon.App:
     app.add_error_handler(Exception, _unexpected)
     app.add_route("/health", Health(sup))
     app.add_route("/v1/events", Events(sup))
+    app.add_route("/v1/config", Config(sup))
     workers = Workers(sup)
     app.add_route("/v1/workers", workers)
     app.add_route("/v1/workers/{name}", workers, suffix="one")
