@@ -161,7 +161,7 @@ def test_models_load_unload_and_activate_from_the_cli(budget_daemon):
     alpha = next(m for m in ps(d)["models"] if m["model"] == "alpha")
     assert alpha["n_ctx"] == 4096 and "8,192 trained" in alpha["context_why"], alpha
     shown = kiln(d.home, "ps").stdout
-    assert "4,096" in shown and "alpha: context 4,096 (of 8,192 trained" in shown, shown
+    assert "4,096" in shown and "context of alpha: 4,096 (of 8,192 trained" in shown, shown
     out = kiln(d.home, "activate", "beta")
     assert out.returncode == 0 and "beta" in out.stdout, out.stderr
     status, r = post(d, "/v1/chat/completions", {"messages": ASK, "max_tokens": 3})   # no model named

@@ -43,12 +43,12 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
             rows.append((str(m["model"]), m["worker"], m["state"] + (f"/{m['worker_state']}" if m.get("worker_state") else ""),
                          f"{m['n_ctx']:,}" if m.get("n_ctx") else "-", _mb(m.get("rss_bytes")), _mb(m.get("planned_bytes")), _mb(m.get("kv_cache_bytes")),
                          m.get("weights") or "-", _threads(m), until))
+        for m in out["models"]:                   # why each context is what it is, above the table
+            if m.get("n_ctx") and m.get("context_why"):
+                typer.echo(f"context of {m['model']}: {m['n_ctx']:,} ({m['context_why']})")
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        for m in out["models"]:                   # why each context is what it is
-            if m.get("n_ctx") and m.get("context_why"):
-                typer.echo(f"  {m['model']}: context {m['n_ctx']:,} ({m['context_why']})")
 
     @app.command()
     def activate(model: str = typer.Argument(..., help="a library model (name, file stem or path)")):
