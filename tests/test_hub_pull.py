@@ -130,6 +130,22 @@ def test_a_quant_tag_picks_the_file_as_llama_server_does(multi):
     assert out.returncode == 0, out.stderr
 
 
+def test_a_hub_listing_a_file_outside_the_repo_gets_nothing_written_there(hub):
+    """A hostile hub whose listing names ../ or absolute paths: those names are no files of the
+    repo; the pull takes the repo's real model file and writes only inside its snapshot."""
+    h, env = hub
+    h.add("tiny-org/evil-GGUF", {"../../evil-Q4_K_M.gguf": b"GGUF" + b"\0" * 60,
+                                  "/tmp/abs-Q4_K_M.gguf": b"GGUF" + b"\0" * 60,
+                                  "tiny-llama-Q8_0.gguf": tiny_path("llama").read_bytes()}, sha="c" * 40)
+    r = kiln(env, "models", "pull", "hf.co/tiny-org/evil-GGUF")
+    assert r.returncode == 0 and r.stdout.strip().endswith("tiny-llama-Q8_0.gguf"), r.stderr
+    cache = Path(env["HF_HUB_CACHE"])
+    assert not (cache / "evil-Q4_K_M.gguf").exists() and not (cache.parent / "evil-Q4_K_M.gguf").exists()
+    assert not [p for m, p, _ in h.requests if m == "GET" and "evil" in p and "Q4_K_M" in p]
+    r = kiln(env, "models", "pull", "hf:tiny-org/evil-GGUF/../../evil-Q4_K_M.gguf")
+    assert r.returncode == 1 and "no file" in r.stderr, r.stderr
+
+
 def test_a_split_model_is_pulled_whole_and_runs_as_the_unsplit_file(multi):
     h, env = multi
     r = kiln(env, "models", "pull", "hf.co/tiny-org/multi-GGUF:Q6_K")

@@ -132,3 +132,14 @@ def answer_of(call, op: str, timeout: float):
     except queue.Empty:
         call.cancel()
         raise JSONError(504, "timeout", f"{op} was not answered within {timeout:g} s") from None
+
+
+def token_logprobs(chunks: list[dict], ids: bool = False) -> list[dict]:
+    """Each generated token's log-probability entry, as OpenAI, Ollama, the Responses API and
+    llama-server (`ids`: with the token ids) give them: its text, bytes, logprob and alternatives.
+    Chunks without a logprob (text held back, a final) have none."""
+    def entry(token: str, lp: float, tid: int) -> dict:
+        return {**({"id": tid} if ids else {}), "token": token, "logprob": lp, "bytes": list(token.encode())}
+    return [{**entry(c["piece"], c["logprob"], c.get("token")),
+             "top_logprobs": [entry(t, lp, i) for i, lp, t in c["top_logprobs"]]} for c in chunks if "logprob" in c]
+

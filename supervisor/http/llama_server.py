@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 
+from .common import token_logprobs
 from .pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, KILN_ORDER, llama_params
 from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, messages, sampling_params, tools
@@ -92,14 +93,6 @@ def _probs(body: dict) -> dict:
         raise bad("post_sampling_probs", "post_sampling_probs is not supported: Kiln gives the model's "
                                          "log-probabilities before sampling; leave it out or set it false")
     return {"logprobs": n} if n else {}
-
-
-def _probabilities(parts: list[dict]) -> list[dict]:
-    """llama-server's completion_probabilities: per generated token, its id, text, bytes and
-    log-probability, and its alternatives'."""
-    return [{"id": p["token"], "token": p["piece"], "bytes": list(p["piece"].encode()), "logprob": p["logprob"],
-             "top_logprobs": [{"id": i, "token": t, "bytes": list(t.encode()), "logprob": lp}
-                              for i, lp, t in p["top_logprobs"]]} for p in parts if "logprob" in p]
 
 
 def _fields(out: dict, paths) -> dict:
@@ -193,7 +186,7 @@ class CompletionShape(Shape):
         self.n += 1
         yield self._data({"index": 0, "content": b.get("text", ""), "tokens": [b["token"]] if self.ids else [],
                           "stop": False, "tokens_predicted": self.n,
-                          **({"completion_probabilities": _probabilities([b])} if self.probs else {})})
+                          **({"completion_probabilities": token_logprobs([b], ids=True)} if self.probs else {})})
 
     def closing(self, final: dict):
         yield self._data(_closing(final, self.model, final.get("text", ""), []))
@@ -205,7 +198,7 @@ class CompletionShape(Shape):
         content = "".join(p.get("text", "") for p in parts) + final.get("text", "")
         out = _closing(final, self.model, content, [p["token"] for p in parts] if self.ids else [])
         if self.probs:
-            out["completion_probabilities"] = _probabilities(parts)
+            out["completion_probabilities"] = token_logprobs(parts, ids=True)
         return out if self.fields is None else _fields(out, self.fields)
 
 

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 import falcon
 
 from . import ollama_library
-from .common import JSONError, bus
+from .common import JSONError, bus, token_logprobs
 from .pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import llama_params
 from .ollama_library import details, file_digest, file_of, ndjson, ollama_name
@@ -344,10 +344,8 @@ class OllamaShape(Shape):
         """Ollama's `logprobs`: one entry per generated token (its alternatives when asked)."""
         if not self.with_lp:
             return {}
-        return {"logprobs": [{"token": p["piece"], "logprob": p["logprob"], "bytes": list(p["piece"].encode()),
-                              **({"top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                                                   for _, lp, t in p["top_logprobs"]]} if p["top_logprobs"] else {})}
-                             for p in parts if "logprob" in p]}
+        return {"logprobs": [{k: v for k, v in e.items() if k != "top_logprobs" or v}
+                             for e in token_logprobs(parts)]}
 
     def part(self, b: dict):
         if b.get("text") or b.get("reasoning") or b.get("tool_calls") or (self.with_lp and "logprob" in b):

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Iterator
 
-from .common import JSONError
+from .common import JSONError, token_logprobs
 from .pipeline import Shape
 
 LOGPROBS = "message.output_text.logprobs"
@@ -17,14 +17,6 @@ LOGPROBS = "message.output_text.logprobs"
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-def _token_logprobs(parts: list[dict]) -> list[dict]:
-    """output_text's logprobs: per generated token, its text, bytes and log-probability, and its
-    alternatives'."""
-    return [{"token": p["piece"], "logprob": p["logprob"], "bytes": list(p["piece"].encode()),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for _, lp, t in p["top_logprobs"]]}
-            for p in parts if "logprob" in p]
 
 
 class Output:
@@ -42,7 +34,7 @@ class Output:
         self.text.append(part.get("text", ""))
         self.calls += part.get("tool_calls", [])
         if self.logprobs is not None:
-            self.logprobs += _token_logprobs([part])
+            self.logprobs += token_logprobs([part])
 
     def reasoning_item(self, text: str) -> dict:
         return {"type": "reasoning", "id": self.ids["rs"], "summary": [{"type": "summary_text", "text": text}]}
@@ -180,8 +172,9 @@ class ResponseShape(Shape):
     def part(self, body: dict):
         out, ev = self.out, self._ev
         if self.with_lp:
-            self.unsaid += _token_logprobs([body])
-            out.logprobs += _token_logprobs([body])
+            mine = token_logprobs([body])
+            self.unsaid += mine
+            out.logprobs += mine
         if body.get("reasoning"):
             if self.open_kind != "reasoning":
                 yield from self._open_item("reasoning")

@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 
+from .common import token_logprobs
 from .pipeline import Shape
 
 
@@ -67,9 +68,7 @@ def usage(final: dict) -> dict:
 
 
 def chat_logprobs(toks: list[dict]) -> dict:
-    return {"content": [{"token": t["piece"], "logprob": t["logprob"], "bytes": list(t["piece"].encode()),
-                         "top_logprobs": [{"token": p, "logprob": l, "bytes": list(p.encode())}
-                                          for _, l, p in t["top_logprobs"]]} for t in toks]}
+    return {"content": token_logprobs(toks)}
 
 
 def completion_logprobs(toks: list[dict]) -> dict:
