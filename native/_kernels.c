@@ -63,13 +63,14 @@ done:
     PyBuffer_Release(&xb);
     return ret;
 }
-/* attention(q (T,H,d), k (S,Hkv,d), v (S,Hkv,d), out (T,H*d), T, H, Hkv, d, S, start, threads[, f16]):
- * causal; query t sits at position start+t; head h reads KV head h / (H/Hkv). */
+/* attention(q (T,H,d), k, v, out (T,H*d), T, H, Hkv, d, S, start, threads[, kt, vt, scale, window, sinks]):
+ * causal over caches of S x Hkv rows of d values of ggml types kt and vt (F32 0, F16 1, Q4_0 2,
+ * Q8_0 8); query t sits at position start+t; head h reads KV head h / (H/Hkv). */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_buffer qb, kb, vb, ob;
-    int T, H, Hkv, D, S, start, threads, f16 = 0, win = 0; float kq_scale = 0.f;
+    int T, H, Hkv, D, S, start, threads, kt = 0, vt = 0, win = 0; float kq_scale = 0.f;
     Py_buffer sb = {0};                        /* optional: one sink logit per head (gpt-oss) */
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|pfiy*", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &f16,
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|iifiy*", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &kt, &vt,
                           &kq_scale, &win, &sb))
         return NULL;
     PyObject *ret = NULL;
@@ -78,16 +79,17 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         if ((size_t)sb.len < (size_t)H * 4) { PyErr_SetString(PyExc_ValueError, "attention: sinks has fewer than H values"); goto done; }
         sinks = (const float *)sb.buf;
     }
-    size_t es = f16 ? 2 : 4;
-    if ((size_t)qb.len < (size_t)T * H * D * 4 || (size_t)kb.len < (size_t)S * Hkv * D * es ||
-        (size_t)vb.len < (size_t)S * Hkv * D * es || (size_t)ob.len < (size_t)T * H * D * 4 || start + T > S ||
+    if (D > 512) { PyErr_SetString(PyExc_ValueError, "attention: head_dim must be <= 512"); goto done; }
+    size_t kr = (size_t)kv_row_bytes(kt, D), vr = (size_t)kv_row_bytes(vt, D);
+    if (!kr || !vr) { PyErr_Format(PyExc_ValueError, "attention: no KV cache of types %d/%d with head_dim %d", kt, vt, D); goto done; }
+    if ((size_t)qb.len < (size_t)T * H * D * 4 || (size_t)kb.len < (size_t)S * Hkv * kr ||
+        (size_t)vb.len < (size_t)S * Hkv * vr || (size_t)ob.len < (size_t)T * H * D * 4 || start + T > S ||
         Hkv < 1 || H % Hkv) {
         PyErr_SetString(PyExc_ValueError, "attention: a buffer is smaller than its shape"); goto done;
     }
-    if (D > 512) { PyErr_SetString(PyExc_ValueError, "attention: head_dim must be <= 512"); goto done; }
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
-    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, f16, nt, S, kq_scale, win, sinks);
+    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, kt, vt, nt, S, kq_scale, win, sinks);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None); ret = Py_None;
 done:
@@ -95,6 +97,33 @@ done:
     if (sb.buf) PyBuffer_Release(&sb);
     return ret;
 }
+
+/* kv_store(x float32 (R, D), out, type, R, D): R rows written as a KV cache of ggml type `type`
+ * stores them (F32, F16, Q8_0, Q4_0 — as llama.cpp's set_rows); kv_load(x, out float32, type, R, D)
+ * widens them back. */
+static PyObject *kv_convert(PyObject *args, int store) {
+    Py_buffer xb, ob; int type, R, D;
+    if (!PyArg_ParseTuple(args, "y*w*iii", &xb, &ob, &type, &R, &D)) return NULL;
+    PyObject *ret = NULL;
+    size_t rb = (size_t)kv_row_bytes(type, D);
+    if (!rb || R < 0) { PyErr_Format(PyExc_ValueError, "kv: no KV cache of type %d with rows of %d values", type, D); goto done; }
+    size_t fb = (size_t)R * D * 4, qb = (size_t)R * rb;
+    if ((size_t)xb.len < (store ? fb : qb) || (size_t)ob.len < (store ? qb : fb)) {
+        PyErr_SetString(PyExc_ValueError, "kv: a buffer is smaller than its rows"); goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int r = 0; r < R; r++) {
+        if (store) kv_store_row(type, (const float *)xb.buf + (size_t)r * D, (uint8_t *)ob.buf + r * rb, D);
+        else kv_load_row(type, (const uint8_t *)xb.buf + r * rb, (float *)ob.buf + (size_t)r * D, D);
+    }
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&ob);
+    return ret;
+}
+static PyObject *py_kv_store(PyObject *self, PyObject *args) { return kv_convert(args, 1); }
+static PyObject *py_kv_load(PyObject *self, PyObject *args) { return kv_convert(args, 0); }
 
 /* rms_norm(x (T,n), w (n), out (T,n), T, n, eps): per row, double accumulation as ggml. */
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
@@ -193,12 +222,12 @@ done:
 
 /* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), qkv_type, wo, wo_type,
  *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
- *              kv_f16)
+ *              (kt, vt))
  *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
  *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff).
  * One decode step of B sequences through one layer (csrc/layer.c). Each sequence's K/V caches
- * (capacity, Hkv, D), float32 or fp16 (kv_f16) get its position written; attention reads
+ * (capacity x Hkv rows of D values of ggml types kt and vt: F32, F16, Q8_0, Q4_0) get its position written; attention reads
  * positions 0..pos. */
 #define MAX_BATCH 64
 typedef struct { Py_buffer b[2 * MAX_BATCH + 16]; int n; } Held;
@@ -215,8 +244,8 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOip|ff", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
-                          &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kv_f16,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOi(ii)|ff", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
+                          &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
                           &L.q_scale, &L.kq_scale))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
@@ -308,8 +337,9 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         PyObject *ko, *vo; Py_buffer *kb, *vb;
         if (!PyArg_ParseTuple(PyList_GET_ITEM(seqs, b), "OOi", &ko, &vo, &rows[b].pos)) goto done;
         if (!(kb = hold(h, ko, 1)) || !(vb = hold(h, vo, 1))) goto done;
-        size_t es = L.kv_f16 ? 2 : 4;
-        if (rows[b].pos < 0 || (size_t)kb->len < (size_t)(rows[b].pos + 1) * kvn * es || (size_t)vb->len < (size_t)(rows[b].pos + 1) * kvn * es) {
+        size_t kr = (size_t)kv_row_bytes(L.kt, L.D), vr = (size_t)kv_row_bytes(L.vt, L.D);
+        if (!kr || !vr) { PyErr_Format(PyExc_ValueError, "decode_layer: no KV cache of types %d/%d with head_dim %d", L.kt, L.vt, L.D); goto done; }
+        if (rows[b].pos < 0 || (size_t)kb->len < (size_t)(rows[b].pos + 1) * L.Hkv * kr || (size_t)vb->len < (size_t)(rows[b].pos + 1) * L.Hkv * vr) {
             PyErr_Format(PyExc_ValueError, "decode_layer: sequence %d's KV cache holds no position %d", b, rows[b].pos); goto done;
         }
         rows[b].k = kb->buf; rows[b].v = vb->buf;
@@ -400,6 +430,8 @@ static PyMethodDef methods[] = {
     {"decode_layer", py_decode_layer, METH_VARARGS, "one decode step of B sequences through a plain llama layer, in place"},
     {"moe_stream", py_moe_stream, METH_VARARGS, "moe_stream(x, ffn_norm, eps, gu_type, wd_type, n_ff, sel, wsel, ptrs, done, dn, threads) -> left"},
     {"route", py_route, METH_VARARGS, "route(logits, T, E, k, normalize, experts_out, weights_out)"},
+    {"kv_store", py_kv_store, METH_VARARGS, "kv_store(x, out, type, R, D): rows as a KV cache of that type stores them"},
+    {"kv_load", py_kv_load, METH_VARARGS, "kv_load(x, out, type, R, D): KV cache rows widened to float32"},
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},

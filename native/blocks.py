@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from . import ggml_round
-from .kernels import Weight, attention_compiled, compiled_module, matmul, matmul_many
+from .kernels import Weight, attention_compiled, compiled_module, kv_widen, matmul, matmul_many
 
 F32 = np.float32
 
@@ -168,7 +168,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
     compiled = attention_compiled(q, k, v, start, scale, window, sinks)
     if compiled is not None:
         return compiled
-    if k.dtype == np.float16:                   # the compiled kernel's (and ggml's) rounding
+    if k.dtype.fields is not None or v.dtype.fields is not None:
+        k, v = kv_widen(k), kv_widen(v)         # a quantized cache: its values, as float32
+    elif k.dtype == np.float16:                 # the compiled kernel's (and ggml's) rounding
         return ggml_round.attention_f16(q, k, v, start, scale, window, sinks)
     T, H, d = q.shape
     S, Hkv, _ = k.shape

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 
 from . import ggml_round
 from .gguf_file import GGUFError, GGUFFile, TensorInfo
+from .kv_types import KVType, decode, encode, kv_type
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
@@ -70,16 +71,46 @@ def max_threads() -> int:
 def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
                        scale: float | None = None, window: int = 0,
                        sinks: np.ndarray | None = None) -> np.ndarray | None:
-    """Causal attention in C (batch-invariant), or None when the numpy path runs."""
+    """Causal attention in C (batch-invariant) over a cache of any KV type (the type of k and of
+    v is their dtype), or None when the numpy path runs."""
     if not _compiled_on:
         return None
     T, H, d = q.shape
-    S, Hkv, _ = k.shape
+    S, Hkv = k.shape[:2]
     out = np.empty((T, H * d), np.float32)
-    f16 = k.dtype == np.float16
     _C.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out,
-                 T, H, Hkv, d, S, start, 0, f16, float(scale or 0.0), int(window),
+                 T, H, Hkv, d, S, start, 0, kv_type(k.dtype).ggml, kv_type(v.dtype).ggml,
+                 float(scale or 0.0), int(window),
                  *(() if sinks is None else (np.ascontiguousarray(sinks, np.float32),)))
+    return out
+
+
+def kv_store(t: KVType, x: np.ndarray, out: np.ndarray) -> None:
+    """Write x (..., head_dim) float32 into `out`, t's elements (..., head_dim / block) — as
+    llama.cpp writes a cache row of that type."""
+    if t.block == 1:
+        out[...] = x                       # numpy's cast: fp16 rounded to nearest even
+        return
+    if _C is None:
+        out[...] = encode(t, x)
+        return
+    x = np.ascontiguousarray(x, np.float32)
+    d = x.shape[-1]
+    if out.flags.c_contiguous:
+        _C.kv_store(x, out, t.ggml, x.size // d, d)
+    else:
+        tmp = np.empty(out.shape, out.dtype)
+        _C.kv_store(x, tmp, t.ggml, x.size // d, d)
+        out[...] = tmp
+
+
+def kv_widen(a: np.ndarray) -> np.ndarray:
+    """A cache's elements as float32 values (the numpy reference path's copy)."""
+    t = kv_type(a.dtype)
+    if t.block == 1 or _C is None:
+        return decode(a)
+    out = np.empty((*a.shape[:-1], a.shape[-1] * t.block), np.float32)
+    _C.kv_load(np.ascontiguousarray(a), out, t.ggml, out.size // out.shape[-1], out.shape[-1])
     return out
 
 

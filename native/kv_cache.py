@@ -2,12 +2,17 @@
 
 Grows in chunks; can be truncated to a prefix so that a follow-up turn reuses the shared part.
 Keys and values are fp16 by default, as llama.cpp stores them (half the memory and traffic of
-float32, and the rounding llama.cpp's outputs carry); float32 is there for comparisons.
+float32, and the rounding llama.cpp's outputs carry); q8_0 and q4_0 (kv_types.py) hold them in
+ggml's blocks for 1.9× and 3.6× less memory; float32 is there for comparisons. Keys and values
+may be of different types, as llama.cpp's -ctk/-ctv allow.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .kernels import kv_store
+from .kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
 
 _CHUNK = 256
 KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwise
@@ -15,9 +20,16 @@ KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwis
 
 class KVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int,
-                 dtype: type = KV_DTYPE, recurrent: dict | None = None, windows: dict | None = None):
+                 dtype=DEFAULT_KV_TYPE, recurrent: dict | None = None, windows: dict | None = None,
+                 v_dtype=None):
+        """dtype: the keys' type (a kv_types name such as "q8_0", or np.float16/np.float32);
+        v_dtype: the values' (default: the keys')."""
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
-        self.dtype = np.dtype(dtype)
+        self.k_type = kv_type(dtype)
+        self.v_type = kv_type(v_dtype if v_dtype is not None else dtype)
+        for t in (self.k_type, self.v_type):
+            check_head_dim(t, head_dim)
+        self.types = (self.k_type.name, self.v_type.name)
         self.max_tokens = max_tokens
         self.n = 0                         # positions filled
         self.adapter = None                # the LoRA the keys/values were computed with
@@ -49,17 +61,23 @@ class KVCache:
         if total <= self._cap:
             return
         cap = min(self.max_tokens, max(total, self._cap + _CHUNK, -(-total // _CHUNK) * _CHUNK))
-        shape = (cap, self.n_head_kv, self.head_dim)
         # a recurrent layer keeps a state instead of keys and values: no room for it
-        none = (0, self.n_head_kv, self.head_dim)
         skip = set(self._recurrent_shapes) | set(self._windows)
-        new_k = [np.empty(none if i in skip else shape, self.dtype) for i in range(self.n_layer)]
-        new_v = [np.empty(none if i in skip else shape, self.dtype) for i in range(self.n_layer)]
+        new_k = [self._rows(self.k_type, 0 if i in skip else cap) for i in range(self.n_layer)]
+        new_v = [self._rows(self.v_type, 0 if i in skip else cap) for i in range(self.n_layer)]
         for old, new in zip(self._k + self._v, new_k + new_v):
             if len(new):
                 new[:self.n] = old[:self.n]
         self._k, self._v = new_k, new_v
         self._cap = cap
+
+    def _rows(self, t, n: int) -> np.ndarray:
+        """Room for n positions of type t: (n, n_head_kv, head_dim / t.block) elements."""
+        return np.empty((n, self.n_head_kv, self.head_dim // t.block), t.dtype)
+
+    def _write(self, kb: np.ndarray, vb: np.ndarray, at: int, k: np.ndarray, v: np.ndarray) -> None:
+        kv_store(self.k_type, k, kb[at:at + k.shape[0]])
+        kv_store(self.v_type, v, vb[at:at + v.shape[0]])
 
     def begin(self, tokens: list[int]) -> None:
         """Make room for `tokens` about to be appended at positions n..n+len-1."""
@@ -69,8 +87,7 @@ class KVCache:
         """Write k, v (T, Hkv, d) at positions n..n+T-1 of `layer`; return the keys and values
         of positions 0..n+T-1."""
         T = k.shape[0]
-        self._k[layer][self.n:self.n + T] = k
-        self._v[layer][self.n:self.n + T] = v
+        self._write(self._k[layer], self._v[layer], self.n, k, v)
         return self._k[layer][:self.n + T], self._v[layer][:self.n + T]
 
     def store_window(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -89,8 +106,7 @@ class KVCache:
         need = have - drop + T
         if kb is None or need > len(kb) or len(kb) > 2 * max(need, W + _CHUNK):   # grow, or give back
             cap = max(need, W + _CHUNK)
-            nk = np.empty((cap, self.n_head_kv, self.head_dim), self.dtype)
-            nv = np.empty_like(nk)
+            nk, nv = self._rows(self.k_type, cap), self._rows(self.v_type, cap)
             if kb is not None and have - drop > 0:
                 nk[:have - drop], nv[:have - drop] = kb[drop:have], vb[drop:have]
             kb, vb = self._wk[layer], self._wv[layer] = nk, nv
@@ -98,11 +114,11 @@ class KVCache:
             kb[:have - drop], vb[:have - drop] = kb[drop:have].copy(), vb[drop:have].copy()
         off = self._off[layer] = keep_from
         start = self.n - off
-        kb[start:start + T], vb[start:start + T] = k, v
+        self._write(kb, vb, start, k, v)
         return kb[:start + T], vb[:start + T], start
 
     def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The whole key and value arrays of `layer` (capacity, Hkv, d), for a compiled step
+        """The whole key and value arrays of `layer` (capacity, Hkv, elements), for a compiled step
         that writes position n itself (after begin())."""
         return self._k[layer], self._v[layer]
 
@@ -160,4 +176,5 @@ class KVCache:
         kv_layers = self.n_layer - len(self._recurrent_shapes) - len(self._windows)
         states = sum(a.nbytes for st in self._states.values() for a in st.values())
         windows = sum(a.nbytes for a in list(self._wk.values()) + list(self._wv.values()))
-        return 2 * kv_layers * self._cap * self.n_head_kv * self.head_dim * self.dtype.itemsize + states + windows
+        row = self.k_type.row_bytes(self.head_dim) + self.v_type.row_bytes(self.head_dim)
+        return kv_layers * self._cap * self.n_head_kv * row + states + windows

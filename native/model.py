@@ -29,7 +29,8 @@ from .config import ModelConfig, check_tensors, read_config
 from .experts.source import IN_RAM, StreamedExperts
 from .gguf_file import GGUFError, GGUFFile, read_gguf
 from .kernels import Weight, matmul
-from .kv_cache import KV_DTYPE, KVCache
+from .kv_cache import KVCache
+from .kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
 from .runners import FUSED_RUN, choose_runners
 from .tokenizer import GGUFTokenizer
 
@@ -93,6 +94,7 @@ class Model:
         elif c.rope_attn_factor != 1.0:
             self.rope_yarn = (0.0, 0.0, 0.0, c.rope_attn_factor)   # no ramp: cos/sin times the factor
         self.use_context(c.n_ctx_train)
+        self.kv_types = (DEFAULT_KV_TYPE, DEFAULT_KV_TYPE)
         self.layers = []                 # each its family's dataclass (native/arch/parts.py)
         for i, (mats, vecs, fused) in enumerate(plan):
             t = {k: weights[n] for k, n in mats.items()}
@@ -139,14 +141,26 @@ class Model:
             long, short = self._rope_long_short
             self.rope_factors = long if n_ctx > (c.n_ctx_orig or c.n_ctx_train) else short
 
-    def new_cache(self, max_tokens: int | None = None, dtype: type = KV_DTYPE) -> KVCache:
-        """fp16 keys and values, as llama.cpp keeps them: half the memory and traffic of float32,
-        and — with the query and probabilities rounded as ggml rounds them — closer to llama.cpp
-        (the E8K2 variant meets its bars only so; float32 misses them, tests/data/README.md)."""
+    def use_kv_types(self, k: str, v: str | None = None) -> None:
+        """The types of the caches new_cache makes from now on: keys k, values v (default k) —
+        "f16", "q8_0" or "q4_0" (kv_types.py). Refused, naming why, when the model's head_dim is
+        not a multiple of a block."""
+        kt, vt = kv_type(k), kv_type(v or k)
+        for t in (kt, vt):
+            check_head_dim(t, self.config.head_dim)
+        self.kv_types = (kt.name, vt.name)
+
+    def new_cache(self, max_tokens: int | None = None, dtype=None, v_dtype=None) -> KVCache:
+        """A cache of the model's kv_types unless told otherwise: fp16 keys and values by
+        default, as llama.cpp keeps them — half the memory and traffic of float32, and, with the
+        query and probabilities rounded as ggml rounds them, closer to llama.cpp (the E8K2
+        variant meets its bars only so; float32 misses them, tests/data/README.md); q8_0/q4_0
+        when the worker asks for them (kv_types.py)."""
         c = self.config
         windows = {i: c.get("sliding_window") for i in range(c.n_layer) if self.family.sliding(c, i)}
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, dtype,
-                       self.family.recurrent_state(c), windows)
+        k, v = self.kv_types if dtype is None else (dtype, v_dtype)
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, k,
+                       self.family.recurrent_state(c), windows, v)
 
     # -- forward ------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ def one_call_rows(b) -> list | None:
     if "one_call_rows" not in b.scratch:
         segs = b.segments
         ok = b.n_rows <= ONE_CALL_ROWS and all(e - a <= FUSED_RUN for _, a, e in segs) and b.adapter is None \
-            and len({cache.dtype for cache, _, _ in segs}) == 1 and kernels.compiled_module() is not None
+            and len({cache.types for cache, _, _ in segs}) == 1 and kernels.compiled_module() is not None
         b.scratch["one_call_rows"] = [(cache, cache.n + r) for cache, a, e in segs for r in range(e - a)] if ok else None
     return b.scratch["one_call_rows"]
 
@@ -120,7 +120,7 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
     return kernels.compiled_module().decode_layer(
         x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), int(a.wq.qtype),
         a.wo.raw, int(a.wo.qtype), seqs, b.cos, b.sin, c.n_head, c.n_head_kv,
-        c.head_dim, c.rope_dim, c.rope_style != "normal", spec, 0, rows[0][0].dtype == np.float16,
+        c.head_dim, c.rope_dim, c.rope_style != "normal", spec, 0, (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml),
         *b.attn_scales)
 
 

@@ -1,14 +1,16 @@
 """Context policies through a real daemon (a worker of 512 tokens of context): a conversation of
 about twice the context is refused by default, and with truncation "auto" (chat completions and
 the Responses API) or Ollama's truncate the oldest turns go — the answer says how many, and it is
-the answer to the kept conversation sent as it is."""
+the answer to the kept conversation sent as it is. The worker keeps its KV cache in q8_0 (a
+long conversation on a laptop: half the memory), which its status, `kiln ps` and Ollama's
+/api/ps count at its real size."""
 
 import json
 import urllib.request
 
 import pytest
 
-from daemon_harness import Daemon, http_json
+from daemon_harness import Daemon, http_json, kiln
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 CTX = 512
@@ -17,7 +19,7 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
 @pytest.fixture(scope="module")
 def served(default_model_path, tmp_path_factory):
-    workers = {"default": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": CTX}}}
+    workers = {"default": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": CTX, "kv_type": "q8_0"}}}
     with Daemon(tmp_path_factory.mktemp("context"), workers) as d:
         d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=90, what="model loaded")
         yield d
@@ -90,3 +92,20 @@ def test_ollama_truncate_drops_the_oldest_turns_and_shift_is_refused(served):
     for field, value in (("shift", True), ("truncate", "yes")):
         status, err = http_json(served, "POST", "/api/chat", {**body, field: value})
         assert status == 400 and field in err["error"], err
+
+
+def test_the_q8_0_cache_is_what_the_worker_runs_and_what_ps_counts(served):
+    from kiln.native.models.inspect import inspect_model
+    status, _ = chat(served, {"messages": conversation(2)})
+    assert status == 200
+    st = served.wait(lambda s: next((w["stats"] for w in s["workers"] if w["name"] == "default" and
+                                     w["stats"].get("kv_cache_tokens")), None), timeout=30, what="the cache in a heartbeat")
+    assert st["kv_types"] == ["q8_0", "q8_0"]
+    per_token = inspect_model(st["path"])["memory"]["kv_cache_bytes_per_token_by_type"]
+    assert per_token["q8_0"] * 64 == per_token["f16"] * 34
+    # the caches grow in chunks of 256 positions: every byte held is a q8_0 position's
+    assert st["kv_cache_bytes"] > 0 and st["kv_cache_bytes"] % (per_token["q8_0"] * 256) == 0, st
+    m = next(m for m in served.command("ps")["models"] if m["worker"] == "default")
+    assert m["kv_types"] == ["q8_0", "q8_0"] and m["kv_cache_bytes"] == st["kv_cache_bytes"]
+    shown = kiln(served.home, "ps")
+    assert shown.returncode == 0 and "q8_0" in shown.stdout.strip().splitlines()[-1], shown.stdout + shown.stderr

@@ -25,7 +25,7 @@ GiB = 2**30
 LIBRARY = {"small": 1 * GiB, "medium": 2 * GiB, "another": 2 * GiB, "huge": 50 * GiB}
 
 
-def fake_plan(path: Path, ctx, parallel=None, draft=None, budget=None) -> dict:
+def fake_plan(path: Path, ctx, parallel=None, draft=None, budget=None, kv=("f16", "f16")) -> dict:
     size = LIBRARY[path.stem]
     return {"total_bytes": size + (LIBRARY[draft.stem] if draft else 0), "weights_bytes": size // 2,
             "kv_cache_bytes": size // 4, "runtime_bytes": size // 4, "context": 4096}
@@ -329,7 +329,7 @@ def test_a_plan_is_made_once_per_file_version_off_the_loop_and_errors_are_rememb
     from kiln.supervisor.core.plan_cache import PlanCache
     calls = []
 
-    def plan(path, ctx, parallel=None, draft=None, budget=None):
+    def plan(path, ctx, parallel=None, draft=None, budget=None, kv=("f16", "f16")):
         calls.append(Path(path).name)
         if Path(path).read_bytes() == b"bad":
             raise GGUFError(f"{path}: block_count 4294967294 is more than the file's 2 blk.N tensors")
@@ -352,3 +352,21 @@ def test_a_plan_is_made_once_per_file_version_off_the_loop_and_errors_are_rememb
     os.utime(bad, ns=(1, 1))
     cache(bad, None)
     assert calls[-1] == "bad.gguf" and len(calls) == 3
+
+
+def test_an_on_demand_model_gets_the_models_kv_type_in_its_plan_and_its_worker():
+    """[models] kv_type (or OLLAMA_KV_CACHE_TYPE, kiln up --kv-type): the plan is asked at that
+    type (the real bytes) and the worker is told it."""
+    asked = []
+
+    def plan(path, ctx, parallel=None, draft=None, budget=None, kv=("f16", "f16")):
+        asked.append(kv)
+        return fake_plan(path, ctx, parallel, draft, budget, kv)
+    r = Rig()
+    r.placer.plan, r.placer.kv = plan, ("q8_0", "q4_0")
+    r.ask("c1", "small")
+    assert asked == [("q8_0", "q4_0")]
+    assert r.table["small"].spec["settings"] == {"ctx": 4096, "kv_type_k": "q8_0", "kv_type_v": "q4_0"}
+    r2 = Rig()
+    r2.ask("c1", "small")
+    assert r2.table["small"].spec["settings"] == {"ctx": 4096}      # f16: nothing said, the default

@@ -25,6 +25,7 @@ from kiln.native.scheduler import DEFAULT_PARALLEL, Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model
+from kiln.native.kv_types import DEFAULT_KV_TYPE, KVTypeError
 from kiln.native.model import WEIGHTS, load_model
 from kiln.native.sampling import SamplingError, SamplingParams
 from kiln.native.tokenizer import TokenizerError, TooManyTokens
@@ -59,6 +60,11 @@ class InferenceWorker(Worker):
         c = self.model.config
         self.n_ctx = int(self.settings.get("ctx") or c.n_ctx_train)
         st = self.settings
+        try:                           # keys and values of the KV cache (f16 unless told: kv_types.py)
+            self.model.use_kv_types(st.get("kv_type_k") or st.get("kv_type") or DEFAULT_KV_TYPE,
+                                    st.get("kv_type_v") or st.get("kv_type") or DEFAULT_KV_TYPE)
+        except KVTypeError as e:
+            raise BootError(f"{self.model.path.name}: {e}") from None
         draft = None
         if st.get("draft_model"):
             try:
@@ -90,7 +96,7 @@ class InferenceWorker(Worker):
         m = getattr(self, "model", None)
         if m is None:
             return {"model_spec": self.settings.get("model")}
-        return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx,
+        return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx, "kv_types": list(m.kv_types),
                 "requests": self.served, "tokens_generated": self.tokens_out,
                 "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(), **self.scheduler.load(),
                 "weights": {"mode": "private", **m.gguf.private.stats()} if m.gguf.private is not None

@@ -129,13 +129,17 @@ class Family:
         rec = self.recurrent_state(c)
         return [i for i in range(c.n_layer) if i not in rec and not self.sliding(c, i)]
 
-    def kv_bytes_per_token(self, c, itemsize: int = 2) -> int:
-        return 2 * len(self.kv_layers(c)) * c.n_head_kv * c.head_dim * itemsize
+    def kv_bytes_per_token(self, c, k_bytes: float = 2, v_bytes: float | None = None) -> int:
+        """Bytes a position's keys and values take, at k_bytes and v_bytes a value (fp16 2,
+        q8_0 34/32, q4_0 18/32)."""
+        v_bytes = k_bytes if v_bytes is None else v_bytes
+        return round(len(self.kv_layers(c)) * c.n_head_kv * c.head_dim * (k_bytes + v_bytes))
 
-    def window_kv_bytes(self, c, itemsize: int = 2, chunk: int = 256) -> int:
+    def window_kv_bytes(self, c, k_bytes: float = 2, v_bytes: float | None = None, chunk: int = 256) -> int:
         """Keys and values the sliding-window layers hold at most: their window and one chunk."""
+        v_bytes = k_bytes if v_bytes is None else v_bytes
         n = sum(self.sliding(c, i) for i in range(c.n_layer))
-        return 2 * n * c.n_head_kv * c.head_dim * itemsize * (c.get("sliding_window", 0) + chunk) if n else 0
+        return round(n * c.n_head_kv * c.head_dim * (k_bytes + v_bytes) * (c.get("sliding_window", 0) + chunk)) if n else 0
 
     def recurrent_state_bytes(self, c) -> int:
         """Bytes of recurrent state one sequence holds (float32), whatever its length."""

@@ -204,11 +204,25 @@ static inline const float *kv_row(const void *cache, int f16, size_t at, int D, 
 }
 
 /* attention over T query rows (T, H, D) at positions start..start+T-1 of a cache of S positions
- * (S, Hkv, D), float32 or fp16 (f16); head h reads KV head h / (H/Hkv); out (T, H*D). */
+ * (S, Hkv, D) whose keys are of ggml type kt and values of vt (F32, F16, Q8_0, Q4_0); head h reads
+ * KV head h / (H/Hkv); out (T, H*D). */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S, float kq_scale, int win, const float *sinks) {
-    int G = H / Hkv;
+                    int start, int kt, int vt, int nt, int S, float kq_scale, int win, const float *sinks) {
+    int G = H / Hkv, f16 = kt == T_F16;
     float scale = kq_scale > 0.f ? kq_scale : 1.0f / sqrtf((float)D);   /* 0: ggml's default 1/sqrt(D) */
+    if (kt != vt || (kt != T_F32 && kt != T_F16)) {     /* a quantized or mixed cache (kv_quant.c) */
+        #pragma omp parallel num_threads(nt) if(T * H > 1)
+        {
+            float *sc = malloc(((size_t)S + 8) * sizeof(float));
+            #pragma omp for schedule(static, 1)
+            for (int task = 0; task < T * H; task++) {
+                int h = task / T, t = task % T;
+                attn_task_kv(Q, K, V, kt, vt, O, t, h, H, Hkv, D, start + t + 1, scale, sc, win, sinks);
+            }
+            free(sc);
+        }
+        return;
+    }
 #ifdef KILN_X86
     if (g_avx2) {
         #pragma omp parallel num_threads(nt) if(T * H > 1)

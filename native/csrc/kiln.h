@@ -185,7 +185,7 @@ void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int
 
 /* ---- attention.c ---------------------------------------------------------------------------- */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
-                    int start, int f16, int nt, int S, float kq_scale, int win, const float *sinks);
+                    int start, int kt, int vt, int nt, int S, float kq_scale, int win, const float *sinks);
 #ifdef KILN_X86
 void attn_task_avx2(const float *Q, const float *Kc, const float *V, float *O, int t, int h,
                     int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
@@ -202,6 +202,13 @@ void attn_f16_vlanes(const float *row, const uint16_t *V, int h, int H, int Hkv,
                      float *acc);
 void attn_reduce_lanes(const float *acc, float *o, int D);
 #endif
+
+/* ---- kv_quant.c ----------------------------------------------------------------------------- */
+int kv_row_bytes(int type, int D);          /* bytes of a cache row of D values; 0: not a KV type */
+void kv_store_row(int type, const float *x, uint8_t *y, int D);
+void kv_load_row(int type, const uint8_t *x, float *y, int D);
+void attn_task_kv(const float *Q, const uint8_t *K, const uint8_t *V, int kt, int vt, float *O, int t, int h,
+                  int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
 
 /* ---- layer.c -------------------------------------------------------------------------------- */
 void rms_row(const float *x, const float *w, float *o, int n, float eps);
@@ -225,7 +232,7 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     const float *ffn_norm, *router;       /* router: F32 (E, n) */
     const uint8_t *wg, *wu, *wd;          /* (E, n_ff, n), (E, n_ff, n), (E, n, n_ff); E = 1 dense */
     int gu_t, wd_t, n_ff, E, k, normalize;
-    int kv_f16;               /* the K/V caches hold fp16 (else float32) */
+    int kt, vt;               /* the K and V caches' ggml types (F32, F16, Q8_0, Q4_0) */
     float q_scale;            /* q multiplied by this after RoPE (phi3, gemma3); 0: not scaled */
     float kq_scale;           /* the attention scores' scale; 0: 1/sqrt(D) */
     const uint64_t *xtab;     /* FFN_MOE: per-expert addresses (gate, up, down) — experts streamed
@@ -235,7 +242,7 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */
-    void *k, *v;              /* the layer's K/V cache (capacity, Hkv, D), float32 or fp16 */
+    void *k, *v;              /* the layer's K/V cache: capacity x Hkv rows of D values of type kt/vt */
     int pos;                  /* the row's position: K/V written there, attention over 0..pos */
     const float *cos, *sin;   /* RoPE tables of that position (R/2) */
 } DecodeRow;

@@ -199,7 +199,8 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     act_alloc(&aq, &tq, a, B, n); act_alloc(&ao, &to, att, B, qn);
     if (L->ffn) { act_alloc(&ag, &tg, f, B, n); act_alloc(&ad, &td, g, fr, n_ff); act_alloc(&ar, &tf, f, B, n); }
     float scale = L->kq_scale > 0.f ? L->kq_scale : 1.0f / sqrtf((float)D);
-    int split = nt > 1 && (B * H) % nt != 0 && D % 64 == 0 && S >= SPLIT_ATTENTION_FROM;
+    int plain = L->kt == L->vt && (L->kt == T_F32 || L->kt == T_F16), kv_f16 = L->kt == T_F16;
+    int split = plain && nt > 1 && (B * H) % nt != 0 && D % 64 == 0 && S >= SPLIT_ATTENTION_FROM;
     float *rowbuf = split ? malloc((size_t)B * H * (S + 8) * sizeof(float)) : NULL;
     float *accbuf = split ? malloc((size_t)B * H * 8 * D * sizeof(float)) : NULL;
     #pragma omp parallel num_threads(nt)
@@ -216,13 +217,11 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             rope_row(kb, rows[b].cos, rows[b].sin, Hkv, D, L->R, L->neox);
             if (L->q_scale > 0.f)             /* ggml_scale of the roped q (phi3, gemma3) */
                 for (int i = 0; i < qn; i++) q[(size_t)b * qn + i] *= L->q_scale;
-            size_t at = (size_t)rows[b].pos * kvn;
-            if (L->kv_f16) {                  /* rounded to nearest even, as numpy's astype */
-                uint16_t *kc = (uint16_t *)rows[b].k + at, *vc = (uint16_t *)rows[b].v + at;
-                for (int i = 0; i < kvn; i++) { kc[i] = fp32_to_fp16(kb[i]); vc[i] = fp32_to_fp16(vb[i]); }
-            } else {
-                memcpy((float *)rows[b].k + at, kb, (size_t)kvn * 4);
-                memcpy((float *)rows[b].v + at, vb, (size_t)kvn * 4);
+            /* fp16 rounded to nearest even, as numpy's astype; Q8_0/Q4_0 as ggml's set_rows */
+            size_t kr = (size_t)kv_row_bytes(L->kt, D), vr = (size_t)kv_row_bytes(L->vt, D);
+            for (int j = 0; j < Hkv; j++) {
+                kv_store_row(L->kt, kb + (size_t)j * D, (uint8_t *)rows[b].k + ((size_t)rows[b].pos * Hkv + j) * kr, D);
+                kv_store_row(L->vt, vb + (size_t)j * D, (uint8_t *)rows[b].v + ((size_t)rows[b].pos * Hkv + j) * vr, D);
             }
         }
         if (split) {
@@ -234,13 +233,13 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 int task = c / nt, part = c % nt, b = task / H, m = rows[b].pos + 1;
                 int s0 = (int)((long)m * part / nt) & ~3, s1 = part == nt - 1 ? m : (int)((long)m * (part + 1) / nt) & ~3;
                 float *row = rowbuf + (size_t)task * (S + 8);
-                if (L->kv_f16) attn_f16_scores(q, rows[b].k, b, task % H, H, Hkv, D, s0, s1, scale, row);
+                if (kv_f16) attn_f16_scores(q, rows[b].k, b, task % H, H, Hkv, D, s0, s1, scale, row);
                 else attn_f32_scores(q, rows[b].k, b, task % H, H, Hkv, D, s0, s1, scale, row);
             }
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++) {
                 float *row = rowbuf + (size_t)task * (S + 8);
-                if (L->kv_f16) attn_f16_softmax(row, rows[task / H].pos + 1, 0, NULL);
+                if (kv_f16) attn_f16_softmax(row, rows[task / H].pos + 1, 0, NULL);
                 else attn_f32_softmax(row, rows[task / H].pos + 1, 0, NULL);
             }
             #pragma omp for schedule(static)
@@ -248,7 +247,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 int task = c / 2, b = task / H, i0 = 4 * (c % 2);
                 const float *row = rowbuf + (size_t)task * (S + 8);
                 float *acc = accbuf + (size_t)task * 8 * D;
-                if (L->kv_f16) attn_f16_vlanes(row, rows[b].v, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
+                if (kv_f16) attn_f16_vlanes(row, rows[b].v, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
                 else attn_f32_vlanes(row, rows[b].v, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
             }
             #pragma omp for schedule(static)
@@ -258,7 +257,8 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++) {
                 int b = task / H;
-                if (L->kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
+                if (!plain) attn_task_kv(q, rows[b].k, rows[b].v, L->kt, L->vt, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
+                else if (kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
                 else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
             }
         }

@@ -11,6 +11,7 @@ from ..config import read_config
 from ..gguf_file import read_gguf
 from ..kernels import COMPILED_TYPES, SUPPORTED_TYPES, kernel_info
 from ..kv_cache import KV_DTYPE
+from ..kv_types import KV_TYPE_NAMES, KV_TYPES
 
 
 def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) -> dict:
@@ -61,6 +62,10 @@ def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) 
         "memory": {
             "weights_bytes": engine_weights,
             "kv_cache_bytes_per_token": kv_per_token,
+            # what each KV cache type (a worker's kv_type) would take per position
+            "kv_cache_bytes_per_token_by_type": {
+                n: fam.kv_bytes_per_token(c, KV_TYPES[n].bytes_per_value)
+                for n in KV_TYPE_NAMES if c.head_dim % KV_TYPES[n].block == 0},
             "context": ctx,
             "kv_cache_bytes": kv_per_token * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize),
             "recurrent_state_bytes": fam.recurrent_state_bytes(c),

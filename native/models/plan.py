@@ -13,7 +13,7 @@ from ..arch import family
 from ..config import read_config
 from ..gguf_file import read_gguf
 from ..kernels import COMPILED_TYPES, kernel_info
-from ..kv_cache import KV_DTYPE
+from ..kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
 from ..scheduler import DEFAULT_PARALLEL
 
 RUNTIME_BYTES = 120 * 2**20      # Python, numpy, tokenizer, scratch activations (measured ~100 MB)
@@ -34,19 +34,27 @@ def _weights(g, compiled: bool) -> tuple[Counter, Counter, int]:
     return by_type, held, expert_bytes
 
 
-def _kv_per_sequence(c, ctx: int) -> int:
-    """Keys and values of the layers that keep every position, the sliding-window layers' window,
-    and the recurrent state of linear-attention layers."""
+DEFAULT_KV = (DEFAULT_KV_TYPE, DEFAULT_KV_TYPE)
+
+
+def _kv_per_sequence(c, ctx: int, kv: tuple = DEFAULT_KV) -> int:
+    """Keys and values of the layers that keep every position (at the cache's types: keys kv[0],
+    values kv[1]), the sliding-window layers' window, and the recurrent state of linear-attention
+    layers."""
     fam = family(c.arch)
-    return fam.kv_bytes_per_token(c, KV_DTYPE.itemsize) * ctx + fam.window_kv_bytes(c, KV_DTYPE.itemsize) \
-        + fam.recurrent_state_bytes(c)
+    kb, vb = (kv_type(t).bytes_per_value for t in kv)
+    return fam.kv_bytes_per_token(c, kb, vb) * ctx + fam.window_kv_bytes(c, kb, vb) + fam.recurrent_state_bytes(c)
+
+
+def _kv_name(kv: tuple) -> str:
+    return kv[0] if kv[0] == kv[1] else f"{kv[0]}/{kv[1]}"
 
 
 CONTEXT_STEPS = (32768, 16384, 8192, 4096, 2048, 1024, 512)   # what a model is given, at most its trained one
 PLAIN_CONTEXT = 4096                                          # without a budget to size it by
 
 
-def default_context(c, weights: int, budget: int | None, parallel: int) -> tuple[int, str]:
+def default_context(c, weights: int, budget: int | None, parallel: int, kv: tuple = DEFAULT_KV) -> tuple[int, str]:
     """The context a model gets when none is configured, and why. With a model memory budget, as
     Ollama sizes it by memory: the largest of its trained context (up to 32k), 16k, 8k, 4k, …
     whose weights, KV cache for `parallel` sequences and runtime fit the budget — the model could
@@ -57,43 +65,47 @@ def default_context(c, weights: int, budget: int | None, parallel: int) -> tuple
         return ctx, "trained" if ctx == trained else f"of {trained:,} trained: no memory budget to size it by"
     steps = sorted({min(trained, CONTEXT_STEPS[0])} | {s for s in CONTEXT_STEPS if s < trained}, reverse=True)
     for ctx in steps:
-        if weights + parallel * _kv_per_sequence(c, ctx) + RUNTIME_BYTES <= budget:
+        if weights + parallel * _kv_per_sequence(c, ctx, kv) + RUNTIME_BYTES <= budget:
             if ctx == trained:
                 return ctx, "trained"
             capped = " (at most 32,768 unless [models] ctx says more)" if ctx == CONTEXT_STEPS[0] else ""
-            return ctx, (f"of {trained:,} trained: the largest whose KV cache for {parallel} sequences fits the "
+            return ctx, (f"of {trained:,} trained: the largest whose {_kv_name(kv)} KV cache for {parallel} sequences fits the "
                          f"{budget / 2**30:.2f} GiB model memory budget beside the weights{capped}")
     return steps[-1], f"of {trained:,} trained: the smallest offered; even it does not fit the memory budget"
 
 
 def plan(path: Path, ctx: int | None = None, available: int | None = None, parallel: int | None = None,
-         draft: Path | None = None, budget: int | None = None) -> dict:
+         draft: Path | None = None, budget: int | None = None, kv: tuple = DEFAULT_KV) -> dict:
     """`parallel`: sequences decoded together (a worker's `parallel`, default 4) — each may grow its
     own KV cache to the whole context, so the plan counts that many. `draft`: a worker's
     `draft_model`, whose weights and one KV cache per sequence (the same context) it also holds.
-    `ctx` None: default_context's, sized by `budget` when there is one."""
+    `ctx` None: default_context's, sized by `budget` when there is one. `kv`: the KV cache's types
+    (keys, values): "f16", "q8_0" or "q4_0"."""
     parallel = max(1, int(parallel or DEFAULT_PARALLEL))
     g = read_gguf(path, skip_arrays=True)
     c = read_config(g)
+    kv = tuple(kv_type(t).name for t in kv)
+    for t in kv:
+        check_head_dim(kv_type(t), c.head_dim)
     compiled = kernel_info()["path"] == "compiled"
     by_type, held, expert_bytes = _weights(g, compiled)
     weights = sum(held.values())
-    ctx, why = (ctx, "configured") if ctx else default_context(c, weights, budget, parallel)
-    kv_seq = _kv_per_sequence(c, ctx)
-    kv = kv_seq * parallel
+    ctx, why = (ctx, "configured") if ctx else default_context(c, weights, budget, parallel, kv)
+    kv_seq = _kv_per_sequence(c, ctx, kv)
+    kv_bytes = kv_seq * parallel
     draft_bytes = 0
     if draft is not None:
         dg = read_gguf(draft, skip_arrays=True)
         draft_weights = sum(_weights(dg, compiled)[1].values())
-        draft_kv = _kv_per_sequence(read_config(dg), ctx) * parallel
+        draft_kv = _kv_per_sequence(read_config(dg), ctx) * parallel      # a draft's cache stays fp16
         draft_bytes = draft_weights + draft_kv
-    total = weights + kv + draft_bytes + RUNTIME_BYTES
+    total = weights + kv_bytes + draft_bytes + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
     out = {"model": str(path), "architecture": c.arch, "context": ctx, "context_why": why,
            "kernel_path": "compiled" if compiled else "numpy",
            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
-           "kv_cache_bytes": kv, "kv_per_sequence_bytes": kv_seq, "parallel": parallel,
+           "kv_cache_bytes": kv_bytes, "kv_per_sequence_bytes": kv_seq, "kv_types": list(kv), "parallel": parallel,
            "recurrent_state_bytes": family(c.arch).recurrent_state_bytes(c),
            "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
            "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
@@ -103,9 +115,9 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
         out["verdict"] = "fits"
         out["advice"] = f"needs {total / 2**30:.2f} GiB of {avail / 2**30:.2f} GiB available"
         return out
-    if c.is_moe and non_expert + kv + draft_bytes + RUNTIME_BYTES < 0.9 * avail:
+    if c.is_moe and non_expert + kv_bytes + draft_bytes + RUNTIME_BYTES < 0.9 * avail:
         per_expert = expert_bytes / max(1, c.n_layer * c.n_expert)
-        cache = 0.9 * avail - (non_expert + kv + draft_bytes + RUNTIME_BYTES)
+        cache = 0.9 * avail - (non_expert + kv_bytes + draft_bytes + RUNTIME_BYTES)
         slots = int(cache // per_expert)
         if slots >= MIN_EXPERT_CACHE_SLOTS * c.n_layer:
             frac = min(1.0, slots / (c.n_layer * c.n_expert))
@@ -121,8 +133,8 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
     out["verdict"] = "too_large"
     need = total - 0.9 * avail
     tips = [f"needs {total / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is available ({need / 2**30:.2f} GiB short)"]
-    if kv > need:
-        tips.append(f"a context of {max(256, int(ctx * (1 - need / kv)) // 256 * 256)} tokens would fit (--ctx)")
+    if kv_bytes > need:
+        tips.append(f"a context of {max(256, int(ctx * (1 - need / kv_bytes)) // 256 * 256)} tokens would fit (--ctx)")
         if parallel > 1 and kv_seq * (parallel - 1) >= need:
             fewer = max(1, parallel - int(-(-need // kv_seq)))
             tips.append(f"or {fewer} parallel sequence{'s' if fewer > 1 else ''} instead of {parallel} (--parallel)")

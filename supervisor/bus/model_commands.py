@@ -103,7 +103,7 @@ def plan_cmd(sup, args):
         path = p._resolve(str(args.get("model") or ""))
         loaded = p.find(path.stem)
         left = p.budget - p.used_bytes() + (p.loaded[loaded.name].planned_bytes if loaded else 0)
-        out = plan(path, p.ctx, available=max(0, left), budget=p.budget)     # the context a load would give it
+        out = plan(path, p.ctx, available=max(0, left), budget=p.budget, kv=p.kv)   # what a load would give it
     except PlaceError as e:
         raise _error(e) from None
     except (GGUFError, ValueError) as e:

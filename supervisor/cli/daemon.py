@@ -97,13 +97,17 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
                                         "measured now if it never was)"),
        weights: Optional[str] = typer.Option(None, "--weights", help="with --model: mapped (default: the file's page "
                                              "cache, shared) or private (copied into huge pages: faster decode "
-                                             "where the page cache holds 4 KiB pages)")):
+                                             "where the page cache holds 4 KiB pages)"),
+       kv_type: Optional[str] = typer.Option(None, "--kv-type", help="the KV cache of every model without its own: "
+                                             "f16 (default), q8_0 or q4_0 — about 1/2 or 1/4 of the memory, so a "
+                                             "longer context fits ([models] kv_type; OLLAMA_KV_CACHE_TYPE)")):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from ..bus.client import daemon_pid
     from ..core.run_files import AlreadyRunning
     from ..serve import make_supervisor
     paths = _paths()
-    cli = {"server.host": host, "server.port": port, "server.insecure_no_key": insecure_no_key or None}
+    cli = {"server.host": host, "server.port": port, "server.insecure_no_key": insecure_no_key or None,
+           "models.kv_type": kv_type.strip().lower() if kv_type else None}
     if stream and not model:
         fail("--stream needs --model", 2)
     if weights is not None and not model:
@@ -127,7 +131,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:
-        if detach and not any((config, host, port, model, stream, weights, insecure_no_key)):
+        if detach and not any((config, host, port, model, stream, weights, insecure_no_key, kv_type)):
             _already_up(paths, running)       # as `systemctl start`: the command's goal holds already
             return
         fail(f"kiln is already running (pid {running}); `kiln down` stops it")
@@ -140,7 +144,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         paths.ensure()
         args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
         for flag, val in (("--config", config), ("--host", host), ("--port", port), ("--model", model),
-                          ("--expert-cache", expert_cache if stream else None), ("--weights", weights)):
+                          ("--expert-cache", expert_cache if stream else None), ("--weights", weights),
+                          ("--kv-type", kv_type)):
             if val is not None:
                 args += [flag, str(val)]
         if stream:
@@ -205,6 +210,8 @@ def _preflight(cfg, home) -> None:
     from kiln.native.gguf_file import GGUFError
     from kiln.native.models.library import ModelNotFound, resolve_model
     from kiln.native.models.plan import plan
+
+    from ..core.placer import worker_kv
     for name, spec in cfg.workers.items():
         if spec["kind"] == "moe-stream" and cfg.workers_source == "cli":
             from ..core.segments import size_cache
@@ -220,7 +227,8 @@ def _preflight(cfg, home) -> None:
             budget = cfg["supervisor"]["memory_budget"] or None
             settings = spec.get("settings") or {}
             draft = resolve_model(settings["draft_model"]) if settings.get("draft_model") else None
-            p = plan(path, settings.get("ctx"), available=budget, parallel=settings.get("parallel"), draft=draft)
+            p = plan(path, settings.get("ctx"), available=budget, parallel=settings.get("parallel"), draft=draft,
+                     kv=worker_kv(settings))
         except (ModelNotFound, GGUFError, ValueError, KeyError) as e:
             if cfg.workers_source == "cli":   # `kiln up --model BAD`: nothing else to serve
                 fail(f"cannot serve {spec['model']}: {e}")

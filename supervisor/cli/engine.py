@@ -125,14 +125,16 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
                 stream: bool = typer.Option(False, "--stream", help="also measure which expert-cache size streams "
                                             "this MoE fastest here (kept for --expert-cache auto)"),
                 tokens: int = typer.Option(32, "--tokens", help="with --stream: decode steps measured per cache size"),
+                kv_type: str = typer.Option("f16", "--kv-type", help="the KV cache's type: f16, q8_0 or q4_0 "
+                                            "(a worker's kv_type)"),
                 as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Will it run here? Weights, KV cache and runtime against available RAM: fits / streams / too_large."""
     from kiln.native.gguf_file import GGUFError
     from kiln.native.models.plan import plan
     path = model_path(model)
     try:
-        p = plan(path, ctx, parallel=parallel, draft=model_path(draft) if draft else None)
-    except GGUFError as e:
+        p = plan(path, ctx, parallel=parallel, draft=model_path(draft) if draft else None, kv=(kv_type, kv_type))
+    except (GGUFError, ValueError) as e:
         fail(str(e))
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     if stream:
@@ -147,7 +149,7 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
 
     def human(p):
         typer.echo(f"{p['verdict']}: weights {gib(p['weights_bytes'])} ({p['kernel_path']} path) + KV cache "
-                   f"{gib(p['kv_cache_bytes'])} ({p['parallel']} × {p['context']} tokens)"
+                   f"{gib(p['kv_cache_bytes'])} ({p['parallel']} × {p['context']} tokens, {'/'.join(dict.fromkeys(p['kv_types']))})"
                    + (f" + draft model {gib(p['draft_weights_bytes'] + p['draft_kv_cache_bytes'])}" if 'draft_model' in p else "")
                    + f" + runtime {gib(p['runtime_bytes'])} = "
                    f"{gib(p['total_bytes'])}; available {gib(p['available_bytes'])}\n  {p['advice']}")

@@ -20,6 +20,12 @@ def _threads(m: dict) -> str:
     return f"{t} (others busy: {others:.1f} cores)" if others and others >= 0.5 else str(t)
 
 
+def _kv(m: dict) -> str:
+    """A model's KV cache: its bytes and, when known, its types (keys/values when they differ)."""
+    kinds = "/".join(dict.fromkeys(m.get("kv_types") or []))
+    return _mb(m.get("kv_cache_bytes")) + (f" {kinds}" if kinds else "")
+
+
 def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
     @app.command()
     def ps(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
@@ -41,7 +47,7 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
             if m.get("unloading"):
                 until = "unloading"
             rows.append((str(m["model"]), m["worker"], m["state"] + (f"/{m['worker_state']}" if m.get("worker_state") else ""),
-                         f"{m['n_ctx']:,}" if m.get("n_ctx") else "-", _mb(m.get("rss_bytes")), _mb(m.get("planned_bytes")), _mb(m.get("kv_cache_bytes")),
+                         f"{m['n_ctx']:,}" if m.get("n_ctx") else "-", _mb(m.get("rss_bytes")), _mb(m.get("planned_bytes")), _kv(m),
                          m.get("weights") or "-", _threads(m), until))
         for m in out["models"]:                   # why each context is what it is, above the table
             if m.get("n_ctx") and m.get("context_why"):

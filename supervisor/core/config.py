@@ -38,6 +38,8 @@ class Field:
 
 WEIGHTS = ("mapped", "private")   # a model worker's weights (kiln.native.model.WEIGHTS: the supervisor
                                   # does not import the engine to read it; a test keeps them equal)
+KV_TYPES = ("f16", "q8_0", "q4_0")  # a KV cache's types (kiln.native.kv_types.KV_TYPE_NAMES, kept equal too)
+KV_ENV_ALIAS = "OLLAMA_KV_CACHE_TYPE"   # Ollama's name for models.kv_type, honoured when Kiln's is not set
 
 SCHEMA: dict[str, dict[str, Field]] = {
     "server": {
@@ -96,6 +98,12 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                "unloaded (memory pressure); a size or a share of RAM"),
         "ctx": Field(int, 0, "context of an on-demand model (0: sized by the memory budget — the largest of its "
                      "trained context up to 32768, 16384, 8192, 4096, … whose KV cache fits)", 0, 1 << 24),
+        "kv_type": Field(str, "f16", "the KV cache of every model: f16, or q8_0 / q4_0 for about half / a "
+                         "quarter of its memory (a longer context in the same RAM) at a small cost in "
+                         "fidelity; a worker's settings.kv_type overrides it (also: OLLAMA_KV_CACHE_TYPE)",
+                         choices=KV_TYPES),
+        "kv_type_k": Field(str, "", "the keys' type only, as llama.cpp's -ctk (empty: kv_type)", choices=("",) + KV_TYPES),
+        "kv_type_v": Field(str, "", "the values' type only, as llama.cpp's -ctv (empty: kv_type)", choices=("",) + KV_TYPES),
         "weights": Field(str, "mapped", "an on-demand model's weights: mapped (the file's page cache, shared) or "
                          "private (copied into huge pages: faster decode where the page cache holds 4 KiB pages)",
                          choices=WEIGHTS),
@@ -125,7 +133,11 @@ _INFERENCE_SETTINGS = {
     "weights": "mapped (default: the file's page cache, shared between processes) or private (copied "
                "into huge pages: faster decode where the page cache holds 4 KiB pages; a moe-stream "
                "worker copies all but its experts)",
+    "kv_type": "the KV cache's type: f16, q8_0 or q4_0 (default: [models] kv_type)",
+    "kv_type_k": "the keys' type only (llama.cpp's -ctk)",
+    "kv_type_v": "the values' type only (llama.cpp's -ctv)",
 }
+KV_SETTINGS = ("kv_type", "kv_type_k", "kv_type_v")
 KIND_SETTINGS: dict[str, dict[str, str]] = {
     "inference": _INFERENCE_SETTINGS,
     "moe-stream": {**_INFERENCE_SETTINGS,
@@ -226,6 +238,10 @@ def _worker(name: str, table: Any) -> dict:
         if bad:
             allowed = "; ".join(f"{k}: {d}" for k, d in known.items()) or "none"
             raise ConfigError(f"[{where}] unknown setting(s) {bad} for kind {out['kind']!r}; allowed — {allowed}")
+    for k in KV_SETTINGS:
+        if k in out["settings"] and known is not None and k in known and out["settings"][k] not in KV_TYPES:
+            raise ConfigError(f"[{where}] settings.{k} = {out['settings'][k]!r} is not valid: must be one of "
+                              f"{', '.join(KV_TYPES)}")
     if not name.replace("-", "").replace("_", "").isalnum():
         raise ConfigError(f"[{where}] worker names use letters, digits, '-' and '_'")
     return out
@@ -245,6 +261,14 @@ def _check_models(m: dict) -> None:
         except ValueError:
             raise ConfigError(f"models.{k} = {m[k]!r} is not a size: use e.g. 8GiB, 500MB or 60%"
                               + (" or auto" if k == "memory_budget" else "")) from None
+
+
+def kv_types(models: dict, settings: dict | None = None) -> tuple[str, str]:
+    """The (keys, values) types of a model's KV cache: a worker's own kv_type_k / kv_type_v /
+    kv_type first, then [models] kv_type_k / kv_type_v / kv_type."""
+    s = settings or {}
+    return (s.get("kv_type_k") or s.get("kv_type") or models["kv_type_k"] or models["kv_type"],
+            s.get("kv_type_v") or s.get("kv_type") or models["kv_type_v"] or models["kv_type"])
 
 
 def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
@@ -280,6 +304,8 @@ def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
             if name in table:
                 value, src = _coerce(key, f, table[name], False), "file"
             env_key = f"KILN_{sec.upper()}_{name.upper()}"
+            if key == "models.kv_type" and KV_ENV_ALIAS in env and env_key not in env:
+                value, src = _coerce(f"{KV_ENV_ALIAS} ({key})", f, env[KV_ENV_ALIAS].strip().lower(), True), "env"
             if env_key in env:
                 value, src = _coerce(f"{env_key} ({key})", f, env[env_key], True), "env"
             if cli and key in cli and cli[key] is not None:
@@ -303,4 +329,9 @@ def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
     else:
         wtables, wsrc = DEFAULT_WORKERS, "default"
     parsed = {name: _worker(name, t) for name, t in wtables.items()}
+    for w in parsed.values():
+        # a model worker without its own KV types runs [models]' (kiln up --kv-type, the env alias)
+        if w["kind"] in ("inference", "moe-stream") and not w["module"] \
+                and not any(k in w["settings"] for k in KV_SETTINGS) and kv_types(values["models"]) != ("f16", "f16"):
+            w["settings"]["kv_type_k"], w["settings"]["kv_type_v"] = kv_types(values["models"])
     return Config(values, sources, parsed, wsrc, path)

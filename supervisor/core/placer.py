@@ -58,11 +58,12 @@ class Placer:
                  pressure_bytes: int, busy: Callable[[str], int], record: Callable[..., None],
                  resolve: Callable[[str], Path], plan: Callable[..., dict],
                  available: Callable[[], int], ctx: int | None = None, state_file: Path | None = None,
-                 weights: str = "mapped"):
+                 weights: str = "mapped", kv: tuple[str, str] = ("f16", "f16")):
         self.table, self.budget, self.max_loaded, self.keep_alive = table, budget, max_loaded, keep_alive
         self.pressure_bytes, self.busy, self.record = pressure_bytes, busy, record
         self.resolve_path, self.plan, self.available, self.ctx = resolve, plan, available, ctx
         self.state_file, self.weights = state_file, weights
+        self.kv = tuple(kv)            # an on-demand model's KV cache types ([models] kv_type)
         self.loaded: dict[str, Loaded] = {}
         now = table.clock.monotonic()
         for w in table:
@@ -119,7 +120,7 @@ class Placer:
         try:
             if self.find(model) is not None:
                 return
-            self.plan(self._resolve(model), self.ctx, budget=self.budget)
+            self.plan(self._resolve(model), self.ctx, budget=self.budget, kv=self.kv)
         except Exception:  # noqa: BLE001 - PlaceError, a bad file, the loop changing `loaded` meanwhile
             pass
 
@@ -166,7 +167,7 @@ class Placer:
             try:
                 draft = self.resolve_path(settings["draft_model"]) if settings.get("draft_model") else None
                 p = self.plan(self.resolve_path(l.path), settings.get("ctx"), parallel=settings.get("parallel"),
-                              draft=draft)
+                              draft=draft, kv=worker_kv(settings))
             except Exception:  # noqa: BLE001 - a bad path or a corrupt file: the boot reports it
                 continue
             need = int(p["total_bytes"])
@@ -186,13 +187,15 @@ class Placer:
         if w is not None:
             return w
         try:
-            p = self.plan(path, self.ctx, budget=self.budget)       # its context sized by the budget
+            p = self.plan(path, self.ctx, budget=self.budget, kv=self.kv)   # its context sized by the budget
         except Exception as e:  # noqa: BLE001 - a corrupt file: the reader's own words
             raise PlaceError("model_invalid", f"{path.name}: {e}") from None
         need = int(p["total_bytes"])
         kind, settings = "inference", {"ctx": p["context"]}
         if self.weights != "mapped":
             settings["weights"] = self.weights                       # [models] weights
+        if self.kv != ("f16", "f16"):
+            settings["kv_type_k"], settings["kv_type_v"] = self.kv    # [models] kv_type
         if p.get("verdict") == "streams":
             # the experts do not fit but the rest does: a moe-stream worker reads them from disk
             # into an expert cache of the planned size
@@ -319,13 +322,20 @@ class Placer:
                         "worker_state": w.worker_state, "pinned": l.pinned, "pid": w.pid,
                         "rss_bytes": w.rss if w.pid else None, "planned_bytes": l.planned_bytes or None,
                         "kv_cache_bytes": st.get("kv_cache_bytes"), "kv_cache_tokens": st.get("kv_cache_tokens"),
-                        "n_ctx": st.get("n_ctx"), "context_why": l.context_why or ("configured" if l.pinned else None),
+                        "n_ctx": st.get("n_ctx"), "kv_types": st.get("kv_types"), "context_why": l.context_why or ("configured" if l.pinned else None),
                         "busy": self.busy(name),
                         "weights": (st.get("weights") or {}).get("mode"),
                         "threads": st.get("threads"), "other_processes_cores": st.get("other_processes_cores"),
                         "keep_alive_s": l.keep_alive, "unloading": l.unloading,
                         "expires_at": None if l.expires_at is None else round(now_w + (l.expires_at - now_m), 3)})
         return out
+
+
+def worker_kv(settings: dict) -> tuple[str, str]:
+    """A model worker's KV cache types from its settings (config.load_config has given a worker
+    without its own the [models] ones)."""
+    return (settings.get("kv_type_k") or settings.get("kv_type") or "f16",
+            settings.get("kv_type_v") or settings.get("kv_type") or "f16")
 
 
 def streamed_need(p: dict, cache_bytes: int) -> int:

@@ -1,0 +1,177 @@
+/* A KV cache in 8 or 4 bits: rows stored as ggml stores them (Q8_0, Q4_0 blocks of 32 values
+ * with an fp16 scale) and attention that reads those blocks directly.
+ *
+ * llama.cpp writes a quantized cache row with the type's own CPU quantizer (set_rows →
+ * from_float: AVX2's quantize_row_q8_0, the reference quantize_row_q4_0) and, in its flash
+ * attention, quantizes the query to the key type's vec_dot_type (Q8_0 for both) so that a score
+ * is the integer dot product of two block rows; values are widened to float one row at a time.
+ * So here: a score is dot_row(K type, key row, query as Q8_0) — the weights' own kernels —, a
+ * value row is dequantized into a D-float buffer (never the cache) and summed in the lanes the
+ * fp16 path uses. Any K type with any V type (f32, f16, q8_0, q4_0), as llama.cpp allows. */
+#include "kiln.h"
+
+int kv_row_bytes(int type, int D) {
+    switch (type) {
+    case T_F32: return 4 * D;
+    case T_F16: return 2 * D;
+    case T_Q8_0: return D % 32 ? 0 : D / 32 * 34;
+    case T_Q4_0: return D % 32 ? 0 : D / 32 * 18;
+    }
+    return 0;
+}
+
+static void q8_0_row(const float *x, uint8_t *y, int D) {
+    for (int b = 0; b < D / 32; b++, x += 32, y += 34) {
+        float amax = 0.f;
+        int8_t *q = (int8_t *)(y + 2);
+#ifdef KILN_X86
+        if (g_avx2) quantize_q8_block_avx2(x, q, &amax);        /* ggml's AVX2 quantize_row_q8_0 */
+        else
+#endif
+        {
+            for (int i = 0; i < 32; i++) { float a = fabsf(x[i]); if (a > amax) amax = a; }
+            float id = amax != 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < 32; i++) q[i] = (int8_t)nearbyintf(x[i] * id);
+        }
+        uint16_t d = fp32_to_fp16(amax / 127.f);
+        memcpy(y, &d, 2);
+    }
+}
+
+static void q4_0_row(const float *x, uint8_t *y, int D) {     /* ggml's quantize_row_q4_0_ref */
+    for (int b = 0; b < D / 32; b++, x += 32, y += 18) {
+        float amax = 0.f, max = 0.f;
+        for (int i = 0; i < 32; i++)
+            if (amax < fabsf(x[i])) { amax = fabsf(x[i]); max = x[i]; }
+        const float d = max / -8, id = d ? 1.0f / d : 0.0f;
+        uint16_t h = fp32_to_fp16(d);
+        memcpy(y, &h, 2);
+        for (int j = 0; j < 16; j++) {
+            const float x0 = x[j] * id, x1 = x[16 + j] * id;
+            const uint8_t xi0 = (uint8_t)((int8_t)(x0 + 8.5f) < 15 ? (int8_t)(x0 + 8.5f) : 15);
+            const uint8_t xi1 = (uint8_t)((int8_t)(x1 + 8.5f) < 15 ? (int8_t)(x1 + 8.5f) : 15);
+            y[2 + j] = xi0 | (uint8_t)(xi1 << 4);
+        }
+    }
+}
+
+void kv_store_row(int type, const float *x, uint8_t *y, int D) {
+    switch (type) {
+    case T_F32: memcpy(y, x, (size_t)D * 4); break;
+    case T_F16: { uint16_t *h = (uint16_t *)y; for (int i = 0; i < D; i++) h[i] = fp32_to_fp16(x[i]); break; }
+    case T_Q8_0: q8_0_row(x, y, D); break;
+    case T_Q4_0: q4_0_row(x, y, D); break;
+    }
+}
+
+void kv_load_row(int type, const uint8_t *x, float *y, int D) {
+    switch (type) {
+    case T_F32: memcpy(y, x, (size_t)D * 4); break;
+    case T_F16: for (int i = 0; i < D; i++) y[i] = fp16_to_fp32(rd16(x + 2 * i)); break;
+    case T_Q8_0:
+        for (int b = 0; b < D / 32; b++, x += 34) {
+            const float d = fp16_to_fp32(rd16(x));
+            for (int i = 0; i < 32; i++) y[b * 32 + i] = d * (float)((const int8_t *)(x + 2))[i];
+        }
+        break;
+    case T_Q4_0:
+        for (int b = 0; b < D / 32; b++, x += 18) {
+            const float d = fp16_to_fp32(rd16(x));
+            for (int j = 0; j < 16; j++) {
+                y[b * 32 + j] = d * (float)((x[2 + j] & 0x0F) - 8);
+                y[b * 32 + 16 + j] = d * (float)((x[2 + j] >> 4) - 8);
+            }
+        }
+        break;
+    }
+}
+
+/* The scores of positions s0..s1-1 against query row t, head h, for a key cache of type kt. */
+static void kv_scores(const float *Q, const uint8_t *K, int kt, int t, int h, int H, int Hkv, int D,
+                      int s0, int s1, float scale, float *row) {
+    const int kb = kv_row_bytes(kt, D), kh = h / (H / Hkv);
+    const size_t ks = (size_t)Hkv * kb;
+    const float *q = Q + ((size_t)t * H + h) * D;
+#ifdef KILN_X86
+    if (g_avx2 && kt == T_F16) { attn_f16_scores(Q, (const uint16_t *)K, t, h, H, Hkv, D, s0, s1, scale, row); return; }
+    if (g_avx2 && kt == T_F32) { attn_f32_scores(Q, (const float *)K, t, h, H, Hkv, D, s0, s1, scale, row); return; }
+#endif
+    if (kt == T_F32 || kt == T_F16) {            /* portable: the row widened, q rounded as the cache */
+        float kr[512], qr[512];
+        for (int i = 0; i < D; i++) qr[i] = kt == T_F16 ? round_fp16(q[i]) : q[i];
+        for (int s = s0; s < s1; s++) {
+            kv_load_row(kt, K + s * ks + (size_t)kh * kb, kr, D);
+            float dot = 0.f;
+            for (int i = 0; i < D; i++) dot += qr[i] * kr[i];
+            row[s] = dot * scale;
+        }
+        return;
+    }
+    /* the query as Q8_0, as ggml's flash attention converts it to the key type's vec_dot_type */
+    int8_t qq[512]; float qd[16], qs[16], dT[16 + 8], sT[16 + 8];
+    Act a = {A_Q8_0, q, NULL, qq, qd, qs, NULL, dT, sT, 1};
+    act_row(&a, 0, D);
+    TypeInfo ti; type_info(kt, &ti);
+    for (int s = s0; s < s1; s++) row[s] = dot_row(kt, &ti, K + s * ks + (size_t)kh * kb, &a, 0, D) * scale;
+}
+
+#ifdef KILN_X86
+AVX2 static int fma_row_avx2(float *a, const float *v, float p, int D) {    /* a += v * p, 8 at a time */
+    __m256 pp = _mm256_set1_ps(p); int d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(v + d), pp, _mm256_loadu_ps(a + d)));
+    return d;
+}
+#endif
+
+/* out = sum over positions of p * v, lane i summing positions i mod 8 in order (the fp16 path's
+ * lanes), each value row widened from its blocks into a buffer of D floats. */
+static void kv_values(const float *row, const uint8_t *V, int vt, int h, int H, int Hkv, int D, int n, float *o) {
+    const int vb = kv_row_bytes(vt, D), kh = h / (H / Hkv);
+    const size_t vs = (size_t)Hkv * vb;
+    float acc[8 * 512], vr[512];
+    for (int i = 0; i < 8 * D; i++) acc[i] = 0.f;
+    for (int j = 0; j < n; j++) {
+        kv_load_row(vt, V + j * vs + (size_t)kh * vb, vr, D);
+        float *a = acc + (size_t)(j & 7) * D, p = row[j];
+        int d = 0;
+#ifdef KILN_X86
+        if (g_avx2) d = fma_row_avx2(a, vr, p, D);
+#endif
+        for (; d < D; d++) a[d] = fmaf(vr[d], p, a[d]);
+    }
+#ifdef KILN_X86
+    if (g_avx2 && D % 8 == 0) { attn_reduce_lanes(acc, o, D); return; }
+#endif
+    for (int d = 0; d < D; d++)
+        o[d] = ((acc[d] + acc[4 * D + d]) + (acc[2 * D + d] + acc[6 * D + d])) +
+               ((acc[D + d] + acc[5 * D + d]) + (acc[3 * D + d] + acc[7 * D + d]));
+}
+
+static void softmax_plain(float *row, int n, int win, const float *sink) {
+    int lo = win > 0 && n > win ? n - win : 0;
+    float mx = -INFINITY;
+    for (int s = 0; s < n; s++) { if (s < lo) row[s] = -INFINITY; if (row[s] > mx) mx = row[s]; }
+    if (sink && *sink > mx) mx = *sink;
+    double sum = 0.0;
+    for (int s = 0; s < n; s++) { row[s] = expf(row[s] - mx); sum += row[s]; }
+    if (sink) sum += expf(*sink - mx);
+    float inv = (float)(1.0 / sum);
+    for (int s = 0; s < n; s++) row[s] *= inv;
+}
+
+/* One (query row t, head h) over positions 0..n-1 of caches of types kt and vt. row: n + 8 floats. */
+void attn_task_kv(const float *Q, const uint8_t *K, const uint8_t *V, int kt, int vt, float *O, int t, int h,
+                  int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks) {
+    kv_scores(Q, K, kt, t, h, H, Hkv, D, 0, n, scale, row);
+    const float *sink = sinks ? sinks + h : NULL;
+#ifdef KILN_X86
+    /* an fp16 value cache gets probabilities rounded to fp16, as the all-fp16 path does */
+    if (g_avx2) { if (vt == T_F16) attn_f16_softmax(row, n, win, sink); else attn_f32_softmax(row, n, win, sink); }
+    else
+#endif
+    {
+        softmax_plain(row, n, win, sink);
+        if (vt == T_F16) for (int s = 0; s < n; s++) row[s] = round_fp16(row[s]);
+    }
+    kv_values(row, V, vt, h, H, Hkv, D, n, O + ((size_t)t * H + h) * D);
+}
