@@ -149,7 +149,7 @@ def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, defau
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", [np.float16, np.float32], ids=["fp16-kv", "f32-kv"])
+@pytest.mark.parametrize("kv", [np.float16, np.float32, "q8_0"], ids=["fp16-kv", "f32-kv", "q8_0-kv"])
 def test_a_long_decode_with_heads_split_between_threads_keeps_the_bits(kv, default_model):
     """Past SPLIT_ATTENTION_FROM positions a decode step whose rows x heads do not divide among
     the threads (9 heads, 1 or 3 rows, 2 threads) deals each head's scores, softmax and value

@@ -132,6 +132,17 @@ AVX2 static inline __m256 expf8(__m256 x) {
 
 #define H2F(p) _cvtsh_ss(rd16(p))      /* an fp16 in memory as a float (F16C) */
 
+AVX2 static inline __m256i nibbles32(const uint8_t *qs) {   /* 16 bytes -> 32 values 0..15 */
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    __m256i b = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+}
+AVX2 static inline __m256 sum_i8_pairs(__m256i x, __m256i y) {  /* signed x · signed y -> 8 floats */
+    __m256i ax = _mm256_sign_epi8(x, x), sy = _mm256_sign_epi8(y, x);
+    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(dot);
+}
+
 AVX2 static inline float hsum_avx(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -207,8 +218,15 @@ void attn_reduce_lanes(const float *acc, float *o, int D);
 int kv_row_bytes(int type, int D);          /* bytes of a cache row of D values; 0: not a KV type */
 void kv_store_row(int type, const float *x, uint8_t *y, int D);
 void kv_load_row(int type, const uint8_t *x, float *y, int D);
-void attn_task_kv(const float *Q, const uint8_t *K, const uint8_t *V, int kt, int vt, float *O, int t, int h,
+/* a (query row, head) task over caches of any types, whole or in the split phases (as attention.c's) */
+void attn_task_kv(const float *Q, const void *K, const void *V, int kt, int vt, float *O, int t, int h,
                   int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
+void attn_kv_scores(const float *Q, const void *K, int kt, int t, int h, int H, int Hkv, int D,
+                    int s0, int s1, float scale, float *row);
+void attn_kv_softmax(float *row, int n, int win, const float *sink, int vt);
+void attn_kv_vlanes(const float *row, const void *V, int vt, int h, int H, int Hkv, int D, int n,
+                    int i0, int i1, float *acc);
+void attn_kv_reduce(const float *acc, float *o, int D);
 
 /* ---- layer.c -------------------------------------------------------------------------------- */
 void rms_row(const float *x, const float *w, float *o, int n, float eps);

@@ -86,9 +86,84 @@ void kv_load_row(int type, const uint8_t *x, float *y, int D) {
     }
 }
 
+#ifdef KILN_X86
+/* a Q8_0 or Q4_0 block's 32 codes as signed bytes (Q4_0: its nibbles minus 8, as ggml's dot) */
+#define CODES_Q8_0(blk) _mm256_loadu_si256((const __m256i *)((blk) + 2))
+#define CODES_Q4_0(blk) _mm256_sub_epi8(nibbles32((blk) + 2), _mm256_set1_epi8(8))
+/* The scores of keys s0..s1-1 against a Q8_0 query (qq, qd): per key ggml's vec_dot_q8_0_q8_0 /
+ * vec_dot_q4_0_q8_0 — per block fmadd(dk·dq, Σ codes·codes) in 8 lanes, then their sum — four
+ * keys at a time (four independent chains, each reduced as a lone key's). */
+#define KV_SCORES(NAME, BYTES, CODES)                                                               \
+AVX2 static void NAME(const uint8_t *K0, size_t ks, const int8_t *qq, const float *qd, int nb,       \
+                      int s0, int s1, float scale, float *row) {                                    \
+    int s = s0;                                                                                     \
+    for (; s + 4 <= s1; s += 4) {                                                                   \
+        const uint8_t *k0 = K0 + s * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;               \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
+        for (int b = 0; b < nb; b++) {                                                              \
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(qq + 32 * b));                   \
+            const size_t o = (size_t)b * BYTES;                                                     \
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(H2F(k0 + o) * qd[b]), sum_i8_pairs(CODES(k0 + o), y), a0); \
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(H2F(k1 + o) * qd[b]), sum_i8_pairs(CODES(k1 + o), y), a1); \
+            a2 = _mm256_fmadd_ps(_mm256_set1_ps(H2F(k2 + o) * qd[b]), sum_i8_pairs(CODES(k2 + o), y), a2); \
+            a3 = _mm256_fmadd_ps(_mm256_set1_ps(H2F(k3 + o) * qd[b]), sum_i8_pairs(CODES(k3 + o), y), a3); \
+        }                                                                                           \
+        row[s] = hsum_avx(a0) * scale; row[s + 1] = hsum_avx(a1) * scale;                           \
+        row[s + 2] = hsum_avx(a2) * scale; row[s + 3] = hsum_avx(a3) * scale;                       \
+    }                                                                                               \
+    for (; s < s1; s++) {                                                                           \
+        const uint8_t *k = K0 + s * ks;                                                             \
+        __m256 a = _mm256_setzero_ps();                                                             \
+        for (int b = 0; b < nb; b++) {                                                              \
+            const size_t o = (size_t)b * BYTES;                                                     \
+            a = _mm256_fmadd_ps(_mm256_set1_ps(H2F(k + o) * qd[b]),                                 \
+                                sum_i8_pairs(CODES(k + o), _mm256_loadu_si256((const __m256i *)(qq + 32 * b))), a); \
+        }                                                                                           \
+        row[s] = hsum_avx(a) * scale;                                                               \
+    }                                                                                               \
+}
+KV_SCORES(scores_q8_0_avx2, 34, CODES_Q8_0)
+KV_SCORES(scores_q4_0_avx2, 18, CODES_Q4_0)
+
+AVX2 static inline __m256 widen8(__m128i c) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)); }
+/* Lanes i0..i1-1 of the value sums (lane i: positions i, i+8, … in order) into acc (8 x D), a
+ * value row widened block by block in registers — d·code, as ggml's dequantize_row — then
+ * fmadd'ed with its probability, as attn_kv_vlanes's generic path does it in memory. */
+#define KV_VLANES(NAME, BYTES, CODES)                                                               \
+AVX2 static void NAME(const float *row, const uint8_t *V0, size_t vs, int D, int n, int i0, int i1, \
+                      float *acc) {                                                                 \
+    for (int b = 0; b < D / 32; b++)                                                                \
+        for (int i = i0; i < i1; i++) {                                                             \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                             \
+            for (int j = i; j < n; j += 8) {                                                        \
+                const uint8_t *blk = V0 + j * vs + (size_t)b * BYTES;                               \
+                const __m256i c = CODES(blk);                                                       \
+                const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);  \
+                const __m256 d = _mm256_set1_ps(H2F(blk)), p = _mm256_set1_ps(row[j]);              \
+                a0 = _mm256_fmadd_ps(_mm256_mul_ps(widen8(lo), d), p, a0);                          \
+                a1 = _mm256_fmadd_ps(_mm256_mul_ps(widen8(_mm_srli_si128(lo, 8)), d), p, a1);       \
+                a2 = _mm256_fmadd_ps(_mm256_mul_ps(widen8(hi), d), p, a2);                          \
+                a3 = _mm256_fmadd_ps(_mm256_mul_ps(widen8(_mm_srli_si128(hi, 8)), d), p, a3);       \
+            }                                                                                       \
+            float *o = acc + (size_t)i * D + 32 * b;                                                \
+            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1);                                   \
+            _mm256_storeu_ps(o + 16, a2); _mm256_storeu_ps(o + 24, a3);                             \
+        }                                                                                           \
+}
+KV_VLANES(vlanes_q8_0_avx2, 34, CODES_Q8_0)
+KV_VLANES(vlanes_q4_0_avx2, 18, CODES_Q4_0)
+
+AVX2 static int fma_row_avx2(float *a, const float *v, float p, int D) {    /* a += v * p, 8 at a time */
+    __m256 pp = _mm256_set1_ps(p); int d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(v + d), pp, _mm256_loadu_ps(a + d)));
+    return d;
+}
+#endif
+
 /* The scores of positions s0..s1-1 against query row t, head h, for a key cache of type kt. */
-static void kv_scores(const float *Q, const uint8_t *K, int kt, int t, int h, int H, int Hkv, int D,
-                      int s0, int s1, float scale, float *row) {
+void attn_kv_scores(const float *Q, const void *Kc, int kt, int t, int h, int H, int Hkv, int D,
+                    int s0, int s1, float scale, float *row) {
+    const uint8_t *K = Kc;
     const int kb = kv_row_bytes(kt, D), kh = h / (H / Hkv);
     const size_t ks = (size_t)Hkv * kb;
     const float *q = Q + ((size_t)t * H + h) * D;
@@ -111,34 +186,46 @@ static void kv_scores(const float *Q, const uint8_t *K, int kt, int t, int h, in
     int8_t qq[512]; float qd[16], qs[16], dT[16 + 8], sT[16 + 8];
     Act a = {A_Q8_0, q, NULL, qq, qd, qs, NULL, dT, sT, 1};
     act_row(&a, 0, D);
+#ifdef KILN_X86
+    if (g_avx2) {
+        if (kt == T_Q8_0) scores_q8_0_avx2(K + (size_t)kh * kb, ks, qq, qd, D / 32, s0, s1, scale, row);
+        else scores_q4_0_avx2(K + (size_t)kh * kb, ks, qq, qd, D / 32, s0, s1, scale, row);
+        return;
+    }
+#endif
     TypeInfo ti; type_info(kt, &ti);
     for (int s = s0; s < s1; s++) row[s] = dot_row(kt, &ti, K + s * ks + (size_t)kh * kb, &a, 0, D) * scale;
 }
 
-#ifdef KILN_X86
-AVX2 static int fma_row_avx2(float *a, const float *v, float p, int D) {    /* a += v * p, 8 at a time */
-    __m256 pp = _mm256_set1_ps(p); int d = 0;
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(v + d), pp, _mm256_loadu_ps(a + d)));
-    return d;
-}
-#endif
-
-/* out = sum over positions of p * v, lane i summing positions i mod 8 in order (the fp16 path's
- * lanes), each value row widened from its blocks into a buffer of D floats. */
-static void kv_values(const float *row, const uint8_t *V, int vt, int h, int H, int Hkv, int D, int n, float *o) {
+/* Lanes i0..i1-1 of the value sums into acc (8 x D): lane i sums p · v over positions i, i+8, …
+ * in order (the fp16 path's lanes), each value row widened from its type. */
+void attn_kv_vlanes(const float *row, const void *Vc, int vt, int h, int H, int Hkv, int D, int n,
+                    int i0, int i1, float *acc) {
+    const uint8_t *V = Vc;
     const int vb = kv_row_bytes(vt, D), kh = h / (H / Hkv);
     const size_t vs = (size_t)Hkv * vb;
-    float acc[8 * 512], vr[512];
-    for (int i = 0; i < 8 * D; i++) acc[i] = 0.f;
-    for (int j = 0; j < n; j++) {
-        kv_load_row(vt, V + j * vs + (size_t)kh * vb, vr, D);
-        float *a = acc + (size_t)(j & 7) * D, p = row[j];
-        int d = 0;
 #ifdef KILN_X86
-        if (g_avx2) d = fma_row_avx2(a, vr, p, D);
+    if (g_avx2 && vt == T_Q8_0) { vlanes_q8_0_avx2(row, V + (size_t)kh * vb, vs, D, n, i0, i1, acc); return; }
+    if (g_avx2 && vt == T_Q4_0) { vlanes_q4_0_avx2(row, V + (size_t)kh * vb, vs, D, n, i0, i1, acc); return; }
+    if (g_avx2 && vt == T_F16 && D % 64 == 0) { attn_f16_vlanes(row, (const uint16_t *)V, h, H, Hkv, D, n, i0, i1, acc); return; }
+    if (g_avx2 && vt == T_F32 && D % 64 == 0) { attn_f32_vlanes(row, (const float *)V, h, H, Hkv, D, n, i0, i1, acc); return; }
 #endif
-        for (; d < D; d++) a[d] = fmaf(vr[d], p, a[d]);
+    float vr[512];
+    for (int i = i0; i < i1; i++) {
+        float *a = acc + (size_t)i * D;
+        for (int d = 0; d < D; d++) a[d] = 0.f;
+        for (int j = i; j < n; j += 8) {
+            kv_load_row(vt, V + j * vs + (size_t)kh * vb, vr, D);
+            int d = 0;
+#ifdef KILN_X86
+            if (g_avx2) d = fma_row_avx2(a, vr, row[j], D);
+#endif
+            for (; d < D; d++) a[d] = fmaf(vr[d], row[j], a[d]);
+        }
     }
+}
+
+void attn_kv_reduce(const float *acc, float *o, int D) {
 #ifdef KILN_X86
     if (g_avx2 && D % 8 == 0) { attn_reduce_lanes(acc, o, D); return; }
 #endif
@@ -159,19 +246,21 @@ static void softmax_plain(float *row, int n, int win, const float *sink) {
     for (int s = 0; s < n; s++) row[s] *= inv;
 }
 
-/* One (query row t, head h) over positions 0..n-1 of caches of types kt and vt. row: n + 8 floats. */
-void attn_task_kv(const float *Q, const uint8_t *K, const uint8_t *V, int kt, int vt, float *O, int t, int h,
-                  int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks) {
-    kv_scores(Q, K, kt, t, h, H, Hkv, D, 0, n, scale, row);
-    const float *sink = sinks ? sinks + h : NULL;
+void attn_kv_softmax(float *row, int n, int win, const float *sink, int vt) {
 #ifdef KILN_X86
     /* an fp16 value cache gets probabilities rounded to fp16, as the all-fp16 path does */
-    if (g_avx2) { if (vt == T_F16) attn_f16_softmax(row, n, win, sink); else attn_f32_softmax(row, n, win, sink); }
-    else
+    if (g_avx2) { if (vt == T_F16) attn_f16_softmax(row, n, win, sink); else attn_f32_softmax(row, n, win, sink); return; }
 #endif
-    {
-        softmax_plain(row, n, win, sink);
-        if (vt == T_F16) for (int s = 0; s < n; s++) row[s] = round_fp16(row[s]);
-    }
-    kv_values(row, V, vt, h, H, Hkv, D, n, O + ((size_t)t * H + h) * D);
+    softmax_plain(row, n, win, sink);
+    if (vt == T_F16) for (int s = 0; s < n; s++) row[s] = round_fp16(row[s]);
+}
+
+/* One (query row t, head h) over positions 0..n-1 of caches of types kt and vt. row: n + 8 floats. */
+void attn_task_kv(const float *Q, const void *K, const void *V, int kt, int vt, float *O, int t, int h,
+                  int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks) {
+    float acc[8 * 512] __attribute__((aligned(32)));
+    attn_kv_scores(Q, K, kt, t, h, H, Hkv, D, 0, n, scale, row);
+    attn_kv_softmax(row, n, win, sinks ? sinks + h : NULL, vt);
+    attn_kv_vlanes(row, V, vt, h, H, Hkv, D, n, 0, 8, acc);
+    attn_kv_reduce(acc, O + ((size_t)t * H + h) * D, D);
 }

@@ -200,7 +200,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     if (L->ffn) { act_alloc(&ag, &tg, f, B, n); act_alloc(&ad, &td, g, fr, n_ff); act_alloc(&ar, &tf, f, B, n); }
     float scale = L->kq_scale > 0.f ? L->kq_scale : 1.0f / sqrtf((float)D);
     int plain = L->kt == L->vt && (L->kt == T_F32 || L->kt == T_F16), kv_f16 = L->kt == T_F16;
-    int split = plain && nt > 1 && (B * H) % nt != 0 && D % 64 == 0 && S >= SPLIT_ATTENTION_FROM;
+    int split = nt > 1 && (B * H) % nt != 0 && D % 64 == 0 && S >= SPLIT_ATTENTION_FROM;
     float *rowbuf = split ? malloc((size_t)B * H * (S + 8) * sizeof(float)) : NULL;
     float *accbuf = split ? malloc((size_t)B * H * 8 * D * sizeof(float)) : NULL;
     #pragma omp parallel num_threads(nt)
@@ -233,22 +233,19 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 int task = c / nt, part = c % nt, b = task / H, m = rows[b].pos + 1;
                 int s0 = (int)((long)m * part / nt) & ~3, s1 = part == nt - 1 ? m : (int)((long)m * (part + 1) / nt) & ~3;
                 float *row = rowbuf + (size_t)task * (S + 8);
-                if (kv_f16) attn_f16_scores(q, rows[b].k, b, task % H, H, Hkv, D, s0, s1, scale, row);
-                else attn_f32_scores(q, rows[b].k, b, task % H, H, Hkv, D, s0, s1, scale, row);
+                attn_kv_scores(q, rows[b].k, L->kt, b, task % H, H, Hkv, D, s0, s1, scale, row);
             }
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++) {
                 float *row = rowbuf + (size_t)task * (S + 8);
-                if (kv_f16) attn_f16_softmax(row, rows[task / H].pos + 1, 0, NULL);
-                else attn_f32_softmax(row, rows[task / H].pos + 1, 0, NULL);
+                attn_kv_softmax(row, rows[task / H].pos + 1, 0, NULL, L->vt);
             }
             #pragma omp for schedule(static)
             for (int c = 0; c < B * H * 2; c++) {
                 int task = c / 2, b = task / H, i0 = 4 * (c % 2);
                 const float *row = rowbuf + (size_t)task * (S + 8);
                 float *acc = accbuf + (size_t)task * 8 * D;
-                if (kv_f16) attn_f16_vlanes(row, rows[b].v, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
-                else attn_f32_vlanes(row, rows[b].v, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
+                attn_kv_vlanes(row, rows[b].v, L->vt, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
             }
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++)
