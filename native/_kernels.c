@@ -98,14 +98,18 @@ done:
     return ret;
 }
 
-/* kv_store(x float32 (R, D), out, type, R, D): R rows written as a KV cache of ggml type `type`
- * stores them (F32, F16, Q8_0, Q4_0 — as llama.cpp's set_rows); kv_load(x, out float32, type, R, D)
- * widens them back. */
+/* kv_store(x float32 (R, D), out, type, R, D, rot): R rows written as a KV cache of ggml type
+ * `type` stores them (F32, F16, Q8_0, Q4_0 — as llama.cpp's set_rows), rotated first by the
+ * Walsh-Hadamard matrix of size rot (0: none; kv_quant.c); kv_load(x, out float32, type, R, D, rot)
+ * widens them back (and undoes the rotation). */
 static PyObject *kv_convert(PyObject *args, int store) {
-    Py_buffer xb, ob; int type, R, D;
-    if (!PyArg_ParseTuple(args, "y*w*iii", &xb, &ob, &type, &R, &D)) return NULL;
+    Py_buffer xb, ob; int type, R, D, rot = 0;
+    if (!PyArg_ParseTuple(args, "y*w*iii|i", &xb, &ob, &type, &R, &D, &rot)) return NULL;
     PyObject *ret = NULL;
     size_t rb = (size_t)kv_row_bytes(type, D);
+    if (rot && (rot < 2 || rot & (rot - 1) || D % rot || D > 512)) {
+        PyErr_Format(PyExc_ValueError, "kv: a rotation of %d does not divide rows of %d values", rot, D); goto done;
+    }
     if (!rb || R < 0) { PyErr_Format(PyExc_ValueError, "kv: no KV cache of type %d with rows of %d values", type, D); goto done; }
     size_t fb = (size_t)R * D * 4, qb = (size_t)R * rb;
     if ((size_t)xb.len < (store ? fb : qb) || (size_t)ob.len < (store ? qb : fb)) {
@@ -113,8 +117,8 @@ static PyObject *kv_convert(PyObject *args, int store) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (int r = 0; r < R; r++) {
-        if (store) kv_store_row(type, (const float *)xb.buf + (size_t)r * D, (uint8_t *)ob.buf + r * rb, D);
-        else kv_load_row(type, (const uint8_t *)xb.buf + r * rb, (float *)ob.buf + (size_t)r * D, D);
+        if (store) kv_store_row(type, (const float *)xb.buf + (size_t)r * D, (uint8_t *)ob.buf + r * rb, D, rot);
+        else kv_load_row(type, (const uint8_t *)xb.buf + r * rb, (float *)ob.buf + (size_t)r * D, D, rot);
     }
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None); ret = Py_None;

@@ -169,7 +169,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
     if compiled is not None:
         return compiled
     if k.dtype.fields is not None or v.dtype.fields is not None:
-        k, v = kv_widen(k), kv_widen(v)         # a quantized cache: its values, as float32
+        k, v = kv_widen(k), kv_widen(v, keys=False)     # a quantized cache: its values, as float32
     elif k.dtype == np.float16:                 # the compiled kernel's (and ggml's) rounding
         return ggml_round.attention_f16(q, k, v, start, scale, window, sinks)
     T, H, d = q.shape

@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 
 from . import ggml_round
 from .gguf_file import GGUFError, GGUFFile, TensorInfo
-from .kv_types import KVType, decode, encode, kv_type
+from .kv_types import KVType, decode, encode, kv_type, rotation
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
@@ -85,32 +85,35 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
     return out
 
 
-def kv_store(t: KVType, x: np.ndarray, out: np.ndarray) -> None:
+def kv_store(t: KVType, x: np.ndarray, out: np.ndarray, rot: int = 0) -> None:
     """Write x (..., head_dim) float32 into `out`, t's elements (..., head_dim / block) — as
-    llama.cpp writes a cache row of that type."""
+    llama.cpp writes a cache row of that type, rotated first by `rot` (kv_types.rotation)."""
     if t.block == 1:
         out[...] = x                       # numpy's cast: fp16 rounded to nearest even
         return
     if _C is None:
-        out[...] = encode(t, x)
+        out[...] = encode(t, x, rot)
         return
     x = np.ascontiguousarray(x, np.float32)
     d = x.shape[-1]
     if out.flags.c_contiguous:
-        _C.kv_store(x, out, t.ggml, x.size // d, d)
+        _C.kv_store(x, out, t.ggml, x.size // d, d, rot)
     else:
         tmp = np.empty(out.shape, out.dtype)
-        _C.kv_store(x, tmp, t.ggml, x.size // d, d)
+        _C.kv_store(x, tmp, t.ggml, x.size // d, d, rot)
         out[...] = tmp
 
 
-def kv_widen(a: np.ndarray) -> np.ndarray:
-    """A cache's elements as float32 values (the numpy reference path's copy)."""
+def kv_widen(a: np.ndarray, keys: bool = True) -> np.ndarray:
+    """A cache's keys (or values) as float32 values, their rotation undone (the numpy reference
+    path's copy)."""
     t = kv_type(a.dtype)
+    d = a.shape[-1] * t.block
+    rot = rotation(t, d, keys)
     if t.block == 1 or _C is None:
-        return decode(a)
-    out = np.empty((*a.shape[:-1], a.shape[-1] * t.block), np.float32)
-    _C.kv_load(np.ascontiguousarray(a), out, t.ggml, out.size // out.shape[-1], out.shape[-1])
+        return decode(a, rot)
+    out = np.empty((*a.shape[:-1], d), np.float32)
+    _C.kv_load(np.ascontiguousarray(a), out, t.ggml, out.size // d, d, rot)
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import kv_store
-from .kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
+from .kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type, rotation
 
 _CHUNK = 256
 KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwise
@@ -30,6 +30,8 @@ class KVCache:
         for t in (self.k_type, self.v_type):
             check_head_dim(t, head_dim)
         self.types = (self.k_type.name, self.v_type.name)
+        # a quantized cache's rows are stored rotated, as llama.cpp stores them (kv_types.py)
+        self.k_rot, self.v_rot = rotation(self.k_type, head_dim, True), rotation(self.v_type, head_dim, False)
         self.max_tokens = max_tokens
         self.n = 0                         # positions filled
         self.adapter = None                # the LoRA the keys/values were computed with
@@ -76,8 +78,8 @@ class KVCache:
         return np.empty((n, self.n_head_kv, self.head_dim // t.block), t.dtype)
 
     def _write(self, kb: np.ndarray, vb: np.ndarray, at: int, k: np.ndarray, v: np.ndarray) -> None:
-        kv_store(self.k_type, k, kb[at:at + k.shape[0]])
-        kv_store(self.v_type, v, vb[at:at + v.shape[0]])
+        kv_store(self.k_type, k, kb[at:at + k.shape[0]], self.k_rot)
+        kv_store(self.v_type, v, vb[at:at + v.shape[0]], self.v_rot)
 
     def begin(self, tokens: list[int]) -> None:
         """Make room for `tokens` about to be appended at positions n..n+len-1."""

@@ -216,8 +216,10 @@ void attn_reduce_lanes(const float *acc, float *o, int D);
 
 /* ---- kv_quant.c ----------------------------------------------------------------------------- */
 int kv_row_bytes(int type, int D);          /* bytes of a cache row of D values; 0: not a KV type */
-void kv_store_row(int type, const float *x, uint8_t *y, int D);
-void kv_load_row(int type, const uint8_t *x, float *y, int D);
+int kv_rot(int type, int D, int keys);     /* the Hadamard rotation of a quantized cache's rows; 0: none */
+void kv_fwht(float *x, int D, int n);
+void kv_store_row(int type, const float *x, uint8_t *y, int D, int rot);
+void kv_load_row(int type, const uint8_t *x, float *y, int D, int rot);
 /* a (query row, head) task over caches of any types, whole or in the split phases (as attention.c's) */
 void attn_task_kv(const float *Q, const void *K, const void *V, int kt, int vt, float *O, int t, int h,
                   int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks);
@@ -226,7 +228,9 @@ void attn_kv_scores(const float *Q, const void *K, int kt, int t, int h, int H, 
 void attn_kv_softmax(float *row, int n, int win, const float *sink, int vt);
 void attn_kv_vlanes(const float *row, const void *V, int vt, int h, int H, int Hkv, int D, int n,
                     int i0, int i1, float *acc);
-void attn_kv_reduce(const float *acc, float *o, int D);
+void attn_kv_reduce(const float *acc, float *o, int D, int vt);
+void attn_kv_fa_pass(float *row, const void *V, int vt, int h, int H, int Hkv, int D, int n, int win,
+                     const float *sinks, float *o);
 
 /* ---- layer.c -------------------------------------------------------------------------------- */
 void rms_row(const float *x, const float *w, float *o, int n, float eps);

@@ -10,6 +10,34 @@
  * fp16 path uses. Any K type with any V type (f32, f16, q8_0, q4_0), as llama.cpp allows. */
 #include "kiln.h"
 
+/* llama.cpp rotates what a quantized cache holds: keys (and the queries) by an orthonormal
+ * Walsh-Hadamard matrix of the largest power of two (from 64) dividing head_dim, values by one of
+ * 64, the attention's output back by the same (H·H = I) — outliers spread over the block, so 4 bits
+ * lose less (its PR 21038; LLAMA_ATTN_ROT_DISABLE turns it off there). Heads whose size is not a
+ * multiple of 64 are not rotated. Returns the rotation's size, 0 for none. */
+int kv_rot(int type, int D, int keys) {
+    if ((type != T_Q8_0 && type != T_Q4_0) || D % 64) return 0;
+    if (!keys) return 64;
+    int n = 64;
+    while (D % (2 * n) == 0) n *= 2;
+    return n;
+}
+
+/* x (D values) times the Walsh-Hadamard matrix of size n, block by block, in place, as ggml's
+ * fwht: scaled by 1/sqrt(n) first, then the butterflies (u + v, u - v) from stride 1 up. */
+void kv_fwht(float *x, int D, int n) {
+    const float scale = 1.0f / sqrtf((float)n);
+    for (int i = 0; i < D; i++) x[i] *= scale;
+    for (int c = 0; c < D; c += n)
+        for (int len = 1; len < n; len <<= 1)
+            for (int i = c; i < c + n; i += 2 * len)
+                for (int j = 0; j < len; j++) {
+                    const float u = x[i + j], v = x[i + len + j];
+                    x[i + j] = u + v;
+                    x[i + len + j] = u - v;
+                }
+}
+
 int kv_row_bytes(int type, int D) {
     switch (type) {
     case T_F32: return 4 * D;
@@ -55,7 +83,10 @@ static void q4_0_row(const float *x, uint8_t *y, int D) {     /* ggml's quantize
     }
 }
 
-void kv_store_row(int type, const float *x, uint8_t *y, int D) {
+/* a row of D values as the cache stores it (rot: the rotation applied first, 0 for none) */
+void kv_store_row(int type, const float *x, uint8_t *y, int D, int rot) {
+    float r[512];
+    if (rot) { memcpy(r, x, (size_t)D * 4); kv_fwht(r, D, rot); x = r; }
     switch (type) {
     case T_F32: memcpy(y, x, (size_t)D * 4); break;
     case T_F16: { uint16_t *h = (uint16_t *)y; for (int i = 0; i < D; i++) h[i] = fp32_to_fp16(x[i]); break; }
@@ -64,7 +95,8 @@ void kv_store_row(int type, const float *x, uint8_t *y, int D) {
     }
 }
 
-void kv_load_row(int type, const uint8_t *x, float *y, int D) {
+/* a stored row's values (rot: its rotation, undone after widening) */
+void kv_load_row(int type, const uint8_t *x, float *y, int D, int rot) {
     switch (type) {
     case T_F32: memcpy(y, x, (size_t)D * 4); break;
     case T_F16: for (int i = 0; i < D; i++) y[i] = fp16_to_fp32(rd16(x + 2 * i)); break;
@@ -84,6 +116,7 @@ void kv_load_row(int type, const uint8_t *x, float *y, int D) {
         }
         break;
     }
+    if (rot) kv_fwht(y, D, rot);
 }
 
 #ifdef KILN_X86
@@ -175,14 +208,18 @@ void attn_kv_scores(const float *Q, const void *Kc, int kt, int t, int h, int H,
         float kr[512], qr[512];
         for (int i = 0; i < D; i++) qr[i] = kt == T_F16 ? round_fp16(q[i]) : q[i];
         for (int s = s0; s < s1; s++) {
-            kv_load_row(kt, K + s * ks + (size_t)kh * kb, kr, D);
+            kv_load_row(kt, K + s * ks + (size_t)kh * kb, kr, D, 0);
             float dot = 0.f;
             for (int i = 0; i < D; i++) dot += qr[i] * kr[i];
             row[s] = dot * scale;
         }
         return;
     }
-    /* the query as Q8_0, as ggml's flash attention converts it to the key type's vec_dot_type */
+    /* the query rotated as the keys were, then as Q8_0, as ggml's flash attention converts it
+       to the key type's vec_dot_type */
+    float qr[512];
+    const int rot = kv_rot(kt, D, 1);
+    if (rot) { memcpy(qr, q, (size_t)D * 4); kv_fwht(qr, D, rot); q = qr; }
     int8_t qq[512]; float qd[16], qs[16], dT[16 + 8], sT[16 + 8];
     Act a = {A_Q8_0, q, NULL, qq, qd, qs, NULL, dT, sT, 1};
     act_row(&a, 0, D);
@@ -215,7 +252,7 @@ void attn_kv_vlanes(const float *row, const void *Vc, int vt, int h, int H, int 
         float *a = acc + (size_t)i * D;
         for (int d = 0; d < D; d++) a[d] = 0.f;
         for (int j = i; j < n; j += 8) {
-            kv_load_row(vt, V + j * vs + (size_t)kh * vb, vr, D);
+            kv_load_row(vt, V + j * vs + (size_t)kh * vb, vr, D, 0);
             int d = 0;
 #ifdef KILN_X86
             if (g_avx2) d = fma_row_avx2(a, vr, row[j], D);
@@ -225,13 +262,17 @@ void attn_kv_vlanes(const float *row, const void *Vc, int vt, int h, int H, int 
     }
 }
 
-void attn_kv_reduce(const float *acc, float *o, int D) {
+/* the lanes' sum into o, rotated back when the values were stored rotated (type vt) */
+void attn_kv_reduce(const float *acc, float *o, int D, int vt) {
 #ifdef KILN_X86
-    if (g_avx2 && D % 8 == 0) { attn_reduce_lanes(acc, o, D); return; }
+    if (g_avx2 && D % 8 == 0) attn_reduce_lanes(acc, o, D);
+    else
 #endif
     for (int d = 0; d < D; d++)
         o[d] = ((acc[d] + acc[4 * D + d]) + (acc[2 * D + d] + acc[6 * D + d])) +
                ((acc[D + d] + acc[5 * D + d]) + (acc[3 * D + d] + acc[7 * D + d]));
+    const int rot = kv_rot(vt, D, 0);
+    if (rot) kv_fwht(o, D, rot);
 }
 
 static void softmax_plain(float *row, int n, int win, const float *sink) {
@@ -246,6 +287,94 @@ static void softmax_plain(float *row, int n, int win, const float *sink) {
     for (int s = 0; s < n; s++) row[s] *= inv;
 }
 
+#ifdef KILN_X86
+/* The value sums of flash attention's pass, 64 dimensions at a time in eight registers: per key
+ * the sums scaled by ms when the key raised the maximum (ggml's vec_scale_f32), then its row
+ * widened, d·code (to_float), and added times vs (vec_mad_f32: fused). w[s]: the key's vs, or -ms
+ * for a key that raised the maximum (sign bit set, -0.0 included; vs is then 1). Each dimension's
+ * sum sees the same operations in the same order as ggml's loop over the whole row. */
+#define FA_BLOCK(BLK, A0)                                                                           \
+    {                                                                                               \
+        const __m256i c = vt == T_Q8_0 ? CODES_Q8_0(BLK) : CODES_Q4_0(BLK);                         \
+        const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);          \
+        const __m256 d = _mm256_set1_ps(H2F(BLK));                                                  \
+        a[A0] = _mm256_fmadd_ps(_mm256_mul_ps(widen8(lo), d), p, a[A0]);                            \
+        a[A0 + 1] = _mm256_fmadd_ps(_mm256_mul_ps(widen8(_mm_srli_si128(lo, 8)), d), p, a[A0 + 1]); \
+        a[A0 + 2] = _mm256_fmadd_ps(_mm256_mul_ps(widen8(hi), d), p, a[A0 + 2]);                    \
+        a[A0 + 3] = _mm256_fmadd_ps(_mm256_mul_ps(widen8(_mm_srli_si128(hi, 8)), d), p, a[A0 + 3]); \
+    }
+AVX2 static void fa_values_avx2(const float *w, const uint8_t *V0, size_t vstride, int vt, int D, int lo, int n,
+                                float *acc) {
+    const int bytes = vt == T_Q8_0 ? 34 : 18;
+    for (int g = 0; g < D; g += 64) {
+        __m256 a[8];
+        for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+        const uint8_t *vg = V0 + (size_t)(g / 32) * bytes;
+        for (int s = lo; s < n; s++) {
+            const float ws = w[s];
+            __m256 p;
+            if (signbit(ws)) {
+                const __m256 m = _mm256_set1_ps(-ws);
+                for (int k = 0; k < 8; k++) a[k] = _mm256_mul_ps(a[k], m);
+                p = _mm256_set1_ps(1.0f);
+            } else p = _mm256_set1_ps(ws);
+            const uint8_t *v = vg + s * vstride;
+            FA_BLOCK(v, 0)
+            FA_BLOCK(v + bytes, 4)
+        }
+        for (int k = 0; k < 8; k++) _mm256_storeu_ps(acc + g + 8 * k, a[k]);
+    }
+}
+#endif
+
+/* A quantized value cache takes llama.cpp's flash-attention arithmetic, the only one llama.cpp has
+ * for it (ggml's flash_attn_ext one_chunk): keys in order, a running maximum M and sum S, the
+ * accumulated values rescaled by expf(Mold - M) when the maximum grows, each value row widened
+ * (to_float) and added times expf(s - M); the sink logit after the keys; then / S.
+ * attn_kv_fa_pass is that pass over scores already computed (row: scaled, as llama.cpp's s; they
+ * may be computed split between threads, attn_kv_scores): the running maximum is known from the
+ * scores alone, so every expf is taken first in a loop of its own (the same arguments, the same
+ * values) and the sequential part is the value sums. */
+void attn_kv_fa_pass(float *row, const void *V, int vt, int h, int H, int Hkv, int D, int n, int win,
+                     const float *sinks, float *o) {
+    float acc[512], vr[512];
+    const int vb = kv_row_bytes(vt, D), kh = h / (H / Hkv), lo = win > 0 && n > win ? n - win : 0;
+    const size_t vstride = (size_t)Hkv * vb;
+    const uint8_t *V0 = (const uint8_t *)V + (size_t)kh * vb;
+    /* row[s] becomes the key's weight vs; a key that raises the maximum has vs 1 and scales what
+       came before by ms = expf(Mold - M), kept as -ms (sign bit set, -0.0 for the first key) */
+    float M = -INFINITY, S = 0.f;
+    for (int s = lo; s < n; s++) {
+        const float sc = row[s];
+        if (sc > M) { const float ms = expf(M - sc); row[s] = -ms; M = sc; S = S * ms + 1.0f; }
+        else { const float vs = expf(sc - M); row[s] = vs; S = S + vs; }      /* S·1 + vs */
+    }
+#ifdef KILN_X86
+    if (g_avx2 && D % 64 == 0) fa_values_avx2(row, V0, vstride, vt, D, lo, n, acc);
+    else
+#endif
+    {
+        for (int d = 0; d < D; d++) acc[d] = 0.f;
+        for (int s = lo; s < n; s++) {
+            const int raised = signbit(row[s]) != 0;
+            const float ms = raised ? -row[s] : 1.0f, vs = raised ? 1.0f : row[s];
+            kv_load_row(vt, V0 + s * vstride, vr, D, 0);
+            for (int d = 0; d < D; d++) acc[d] = fmaf(vr[d], vs, raised ? acc[d] * ms : acc[d]);
+        }
+    }
+    if (sinks) {
+        const float sk = sinks[h];
+        float ms = 1.0f, vs = 1.0f;
+        if (sk > M) { ms = expf(M - sk); M = sk; for (int d = 0; d < D; d++) acc[d] *= ms; }
+        else vs = expf(sk - M);
+        S = S * ms + vs;
+    }
+    const float inv = S == 0.0f ? 0.0f : 1.0f / S;
+    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+    const int rot = kv_rot(vt, D, 0);
+    if (rot) kv_fwht(o, D, rot);
+}
+
 void attn_kv_softmax(float *row, int n, int win, const float *sink, int vt) {
 #ifdef KILN_X86
     /* an fp16 value cache gets probabilities rounded to fp16, as the all-fp16 path does */
@@ -258,9 +387,14 @@ void attn_kv_softmax(float *row, int n, int win, const float *sink, int vt) {
 /* One (query row t, head h) over positions 0..n-1 of caches of types kt and vt. row: n + 8 floats. */
 void attn_task_kv(const float *Q, const void *K, const void *V, int kt, int vt, float *O, int t, int h,
                   int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks) {
+    if (vt == T_Q8_0 || vt == T_Q4_0) {
+        attn_kv_scores(Q, K, kt, t, h, H, Hkv, D, 0, n, scale, row);
+        attn_kv_fa_pass(row, V, vt, h, H, Hkv, D, n, win, sinks, O + ((size_t)t * H + h) * D);
+        return;
+    }
     float acc[8 * 512] __attribute__((aligned(32)));
     attn_kv_scores(Q, K, kt, t, h, H, Hkv, D, 0, n, scale, row);
     attn_kv_softmax(row, n, win, sinks ? sinks + h : NULL, vt);
     attn_kv_vlanes(row, V, vt, h, H, Hkv, D, n, 0, 8, acc);
-    attn_kv_reduce(acc, O + ((size_t)t * H + h) * D, D);
+    attn_kv_reduce(acc, O + ((size_t)t * H + h) * D, D, vt);
 }

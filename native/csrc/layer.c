@@ -201,6 +201,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     float scale = L->kq_scale > 0.f ? L->kq_scale : 1.0f / sqrtf((float)D);
     int plain = L->kt == L->vt && (L->kt == T_F32 || L->kt == T_F16), kv_f16 = L->kt == T_F16;
     int split = nt > 1 && (B * H) % nt != 0 && D % 64 == 0 && S >= SPLIT_ATTENTION_FROM;
+    int fa = L->vt == T_Q8_0 || L->vt == T_Q4_0;  /* flash attention's pass after the scores (kv_quant.c) */
     float *rowbuf = split ? malloc((size_t)B * H * (S + 8) * sizeof(float)) : NULL;
     float *accbuf = split ? malloc((size_t)B * H * 8 * D * sizeof(float)) : NULL;
     #pragma omp parallel num_threads(nt)
@@ -220,8 +221,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             /* fp16 rounded to nearest even, as numpy's astype; Q8_0/Q4_0 as ggml's set_rows */
             size_t kr = (size_t)kv_row_bytes(L->kt, D), vr = (size_t)kv_row_bytes(L->vt, D);
             for (int j = 0; j < Hkv; j++) {
-                kv_store_row(L->kt, kb + (size_t)j * D, (uint8_t *)rows[b].k + ((size_t)rows[b].pos * Hkv + j) * kr, D);
-                kv_store_row(L->vt, vb + (size_t)j * D, (uint8_t *)rows[b].v + ((size_t)rows[b].pos * Hkv + j) * vr, D);
+                kv_store_row(L->kt, kb + (size_t)j * D, (uint8_t *)rows[b].k + ((size_t)rows[b].pos * Hkv + j) * kr, D,
+                             kv_rot(L->kt, D, 1));
+                kv_store_row(L->vt, vb + (size_t)j * D, (uint8_t *)rows[b].v + ((size_t)rows[b].pos * Hkv + j) * vr, D,
+                             kv_rot(L->vt, D, 0));
             }
         }
         if (split) {
@@ -235,21 +238,28 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 float *row = rowbuf + (size_t)task * (S + 8);
                 attn_kv_scores(q, rows[b].k, L->kt, b, task % H, H, Hkv, D, s0, s1, scale, row);
             }
-            #pragma omp for schedule(static)
-            for (int task = 0; task < B * H; task++) {
-                float *row = rowbuf + (size_t)task * (S + 8);
-                attn_kv_softmax(row, rows[task / H].pos + 1, 0, NULL, L->vt);
+            if (fa) {                 /* a quantized value cache: one sequential pass per task */
+                #pragma omp for schedule(static)
+                for (int task = 0; task < B * H; task++)
+                    attn_kv_fa_pass(rowbuf + (size_t)task * (S + 8), rows[task / H].v, L->vt, task % H, H, Hkv, D,
+                                    rows[task / H].pos + 1, 0, NULL, att + (size_t)task * D);
+            } else {
+                #pragma omp for schedule(static)
+                for (int task = 0; task < B * H; task++) {
+                    float *row = rowbuf + (size_t)task * (S + 8);
+                    attn_kv_softmax(row, rows[task / H].pos + 1, 0, NULL, L->vt);
+                }
+                #pragma omp for schedule(static)
+                for (int c = 0; c < B * H * 2; c++) {
+                    int task = c / 2, b = task / H, i0 = 4 * (c % 2);
+                    const float *row = rowbuf + (size_t)task * (S + 8);
+                    float *acc = accbuf + (size_t)task * 8 * D;
+                    attn_kv_vlanes(row, rows[b].v, L->vt, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
+                }
+                #pragma omp for schedule(static)
+                for (int task = 0; task < B * H; task++)
+                    attn_kv_reduce(accbuf + (size_t)task * 8 * D, att + (size_t)task * D, D, L->vt);
             }
-            #pragma omp for schedule(static)
-            for (int c = 0; c < B * H * 2; c++) {
-                int task = c / 2, b = task / H, i0 = 4 * (c % 2);
-                const float *row = rowbuf + (size_t)task * (S + 8);
-                float *acc = accbuf + (size_t)task * 8 * D;
-                attn_kv_vlanes(row, rows[b].v, L->vt, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
-            }
-            #pragma omp for schedule(static)
-            for (int task = 0; task < B * H; task++)
-                attn_reduce_lanes(accbuf + (size_t)task * 8 * D, att + (size_t)task * D, D);
         } else {
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++) {

@@ -2,12 +2,14 @@
 position, margins, 32 greedy tokens; the last position's logits in the .npz), so that
 tests/fidelity.py can hold Kiln to it — e.g. for a model re-quantized to K-quants:
 
-    python tests/tools/make_reference.py MODEL.gguf tests/data/prompts.json OUT_PREFIX [N_BATCH [N_CTX]]
+    python tests/tools/make_reference.py MODEL.gguf tests/data/prompts.json OUT_PREFIX [N_BATCH [N_CTX [KV]]]
 
 Same settings as the shared references: 2 threads, n_ctx 2048, default graph. N_BATCH (default
 512) below 8 keeps llama.cpp off its tiled K-quant matmul, which it takes for batches of >= 8
 rows (its vec_dot, which Kiln computes, for fewer) — llama.cpp's own batch dependence. Needs
 llama-cpp-python (0.3.36 made the shared references); session tool, not a test dependency.
+KV (e.g. q8_0 or q8_0/q4_0): the keys'/values' cache types (`-ctk`/`-ctv`), with flash attention
+on, which llama.cpp needs for a quantized V cache (default: f16, its default graph).
 """
 
 import json
@@ -17,13 +19,18 @@ import numpy as np
 from llama_cpp import Llama
 
 
+GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
+
+
 def main(model: str, prompts_path: str, out: str, n_batch: str = "512", n_ctx: str = "2048",
-         n_greedy: int = 32) -> None:
+         kv: str = "f16", n_greedy: int = 32) -> None:
     spec = json.load(open(prompts_path))
+    k, v = (kv.split("/") + kv.split("/"))[:2]
+    extra = {} if kv == "f16" else {"type_k": GGML_TYPES[k], "type_v": GGML_TYPES[v], "flash_attn": True}
     llm = Llama(model, n_ctx=int(n_ctx), n_threads=2, logits_all=True, verbose=False,
-                n_batch=int(n_batch), n_ubatch=int(n_batch))
+                n_batch=int(n_batch), n_ubatch=int(n_batch), **extra)
     add_bos = bool(llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true")
-    ref, arrays = {"model": model, "n_threads": 2, "n_ctx": int(n_ctx), "prompts": []}, {}
+    ref, arrays = {"model": model, "n_threads": 2, "n_ctx": int(n_ctx), "kv": kv, "prompts": []}, {}
     for i, text in enumerate(spec["prompts"]):
         text = text["text"] if isinstance(text, dict) else text
         ids = llm.tokenize(text.encode(), add_bos=add_bos, special=True)
@@ -50,4 +57,4 @@ def main(model: str, prompts_path: str, out: str, n_batch: str = "512", n_ctx: s
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])
