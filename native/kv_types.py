@@ -67,6 +67,13 @@ def kv_type(spec) -> KVType:
     raise KVTypeError(f"no KV cache type holds {dt}")
 
 
+def settings_kv(settings: dict) -> tuple[str, str]:
+    """A model worker's (keys, values) types from its settings: kv_type_k / kv_type_v, else
+    kv_type, else f16 (the supervisor has given a worker without its own the [models] ones)."""
+    both = settings.get("kv_type") or DEFAULT_KV_TYPE
+    return settings.get("kv_type_k") or both, settings.get("kv_type_v") or both
+
+
 def rotation(t: KVType, head_dim: int, keys: bool) -> int:
     """The Walsh-Hadamard rotation (its size; 0: none) a cache of type t applies to its keys or
     values — llama.cpp's attn_rot_k / attn_rot_v (csrc/kv_quant.c kv_rot)."""

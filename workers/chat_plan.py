@@ -132,3 +132,15 @@ def plan(body: dict, model, template) -> ChatPlan:
     markers = _MARKERS + (HARMONY_SHOWN if harmony else ())
     show = frozenset(i for i in map(tok.id_of, markers) if i is not None and tok.is_control(i))
     return ChatPlan(ids, grammar, fmt, tools, (opens if thinks else None), show, harmony)
+
+
+def wire_delta(delta: dict) -> dict:
+    """A ChatOutput delta as message fields: text, reasoning, tool_calls [{index, id, name,
+    arguments}]."""
+    out = {"text": delta.get("text", "")}
+    if delta.get("reasoning"):
+        out["reasoning"] = delta["reasoning"]
+    if delta.get("tool_calls"):
+        out["tool_calls"] = [{"index": c.index, "id": c.id, "name": c.name, "arguments": c.arguments}
+                             for c in delta["tool_calls"]]
+    return out

@@ -25,7 +25,7 @@ from kiln.native.scheduler import DEFAULT_PARALLEL, Scheduler
 from kiln.native import kernels
 from kiln.native.gguf_file import GGUFError
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model
-from kiln.native.kv_types import DEFAULT_KV_TYPE, KVTypeError
+from kiln.native.kv_types import KVTypeError, settings_kv
 from kiln.native.model import WEIGHTS, load_model
 from kiln.native.sampling import SamplingError, SamplingParams
 from kiln.native.tokenizer import TokenizerError, TooManyTokens
@@ -61,8 +61,7 @@ class InferenceWorker(Worker):
         self.n_ctx = int(self.settings.get("ctx") or c.n_ctx_train)
         st = self.settings
         try:                           # keys and values of the KV cache (f16 unless told: kv_types.py)
-            self.model.use_kv_types(st.get("kv_type_k") or st.get("kv_type") or DEFAULT_KV_TYPE,
-                                    st.get("kv_type_v") or st.get("kv_type") or DEFAULT_KV_TYPE)
+            self.model.use_kv_types(*settings_kv(st))
         except KVTypeError as e:
             raise BootError(f"{self.model.path.name}: {e}") from None
         draft = None
@@ -260,7 +259,7 @@ class InferenceWorker(Worker):
                     said_usage = True
                     chunk.update(prompt_tokens=len(prompt), cached_tokens=job.gen.cached if job.gen else 0)
                 if outputs[ev.index] is not None:
-                    chunk.update(_wire(outputs[ev.index].feed(ev.text)))
+                    chunk.update(chat_plan.wire_delta(outputs[ev.index].feed(ev.text)))
                 if n > 1:
                     chunk["index"] = ev.index
                 if params.logprobs is not None:
@@ -293,7 +292,7 @@ class InferenceWorker(Worker):
         if ev.stop_string is not None:
             final["stop_string"] = ev.stop_string
         if output is not None:
-            final.update(_wire(output.finish(ev.text)))
+            final.update(chat_plan.wire_delta(output.finish(ev.text)))
             final.setdefault("text", "")
             final["tool_calls_total"] = len(output.calls)
             if output.calls and ev.reason == "stop":
@@ -387,18 +386,6 @@ class InferenceWorker(Worker):
                 "chat_template": self.template.source if self.template else None,
                 "created": int(os.path.getmtime(m.path)), "slots": len(self.scheduler.seqs),
                 "fill_in_the_middle": tok.fim.can_infill}
-
-
-def _wire(delta: dict) -> dict:
-    """A ChatOutput delta as message fields: text, reasoning, tool_calls [{index, id, name,
-    arguments}]."""
-    out = {"text": delta.get("text", "")}
-    if delta.get("reasoning"):
-        out["reasoning"] = delta["reasoning"]
-    if delta.get("tool_calls"):
-        out["tool_calls"] = [{"index": c.index, "id": c.id, "name": c.name, "arguments": c.arguments}
-                             for c in delta["tool_calls"]]
-    return out
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ MAX_STOP_GRACE = 120.0          # the longest a worker may ask to wind down
 # counts as working: a hung one's idle threads (poll wake-ups) use well under 0.1 %, a computing
 # one ~20 % under load 9 on 2 cores — and none at all in some 0.2 s stretches, hence the window
 PROGRESS_SHARE = 0.02
+MIN_PROGRESS_S = 0.02       # two of /proc's 10 ms CPU-time ticks
 
 
 class ProcessTable:
@@ -209,8 +210,13 @@ class ProcessTable:
             samples.append((now, cpu))
             while len(samples) > 2 and samples[1][0] <= now - window:
                 samples.popleft()                 # the oldest kept one starts the window
+            # and starts an interval after the last heartbeat: what the worker did as it fell
+            # silent (finishing the very call that then blocks it) is not progress in silence
+            while len(samples) > 1 and samples[0][0] < w.last_heartbeat + every:
+                samples.popleft()
             (_, cpu0), span = samples[0], now - samples[0][0]
-            w.advancing = span > 0 and cpu - cpu0 >= PROGRESS_SHARE * span
+            # /proc counts CPU time in 10 ms ticks: one tick is no evidence of a computation
+            w.advancing = span > 0 and cpu - cpu0 >= max(PROGRESS_SHARE * span, MIN_PROGRESS_S)
         live = {w.pid for w in self.workers.values() if w.pid}
         for pid in [p for p in self._procs if p not in live]:
             del self._procs[pid]
