@@ -1,7 +1,8 @@
 /* Kiln's compiled kernels: what the parts share (types, activation rows, the dot products and
  * the pieces of a layer). Parts: quant.c (activation quantization and every weight type's dot
  * product, rows_dot/matmul_core), attention.c (causal attention over a KV cache), layer.c (norm,
- * RoPE, routing, and the one-call decode of a layer for B sequences); ../_kernels.c is the
+ * RoPE, routing, and the one-call decode of a layer for B sequences), kv_quant.c (8- and 4-bit KV
+ * caches and their attention); ../_kernels.c and py_layer.c are the
  * Python glue. No Python API is used outside the glue: the parts run without the GIL. */
 #ifndef KILN_KERNELS_H
 #define KILN_KERNELS_H

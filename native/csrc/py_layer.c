@@ -1,0 +1,185 @@
+/* Kiln's compiled kernels, the Python side of a layer in one call: decode_layer and moe_stream
+ * (csrc/layer.c) — their many buffers held, sized and checked, the GIL released while they run.
+ * Registered by ../_kernels.c, which holds the rest of the module. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include "kiln.h"
+
+/* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), qkv_type, wo, wo_type,
+ *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
+ *              (kt, vt))
+ *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
+ *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
+ *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff).
+ * One decode step of B sequences through one layer (csrc/layer.c). Each sequence's K/V caches
+ * (capacity x Hkv rows of D values of ggml types kt and vt: F32, F16, Q8_0, Q4_0) get its position written; attention reads
+ * positions 0..pos. */
+#define MAX_BATCH 64
+typedef struct { Py_buffer b[2 * MAX_BATCH + 16]; int n; } Held;
+
+static Py_buffer *hold(Held *h, PyObject *o, int writable) {
+    Py_buffer *b = &h->b[h->n];
+    if (PyObject_GetBuffer(o, b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
+    h->n++;
+    return b;
+}
+
+PyObject *py_decode_layer(PyObject *self, PyObject *args) {
+    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj;
+    LayerSpec L = {0};
+    double eps;
+    int threads, neox;
+    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOi(ii)|ff", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
+                          &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
+                          &L.q_scale, &L.kq_scale))
+        return NULL;
+    Held *h = calloc(1, sizeof(Held));
+    DecodeRow *rows = NULL;
+    PyObject *ret = NULL;
+    Py_buffer *xb, *anb, *wb[4], *cb, *sb, *fnb = NULL, *rtb = NULL, *gb = NULL, *ub = NULL, *db = NULL;
+    int B = (int)PyList_GET_SIZE(seqs);
+    if (!h) { PyErr_NoMemory(); return NULL; }
+    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "decode_layer: 1 to %d sequences, not %d", MAX_BATCH, B); goto done; }
+    if (!(xb = hold(h, xo, 1)) || !(anb = hold(h, ano, 0)) || !(wb[0] = hold(h, wqo, 0)) || !(wb[1] = hold(h, wko, 0)) ||
+        !(wb[2] = hold(h, wvo, 0)) || !(wb[3] = hold(h, woo, 0)) || !(cb = hold(h, co, 0)) || !(sb = hold(h, so, 0)))
+        goto done;
+    L.neox = neox; L.eps = (float)eps; L.E = 1; L.k = 1;
+    if (ffn_obj != Py_None) {
+        PyObject *fno, *rto = NULL, *go, *uo, *dwo, *xto = Py_None, *cho = Py_None, *cwo = Py_None;
+        int ok;
+        Py_ssize_t nf = PyTuple_Check(ffn_obj) ? PyTuple_GET_SIZE(ffn_obj) : 0;
+        if (nf == 11 || nf == 13 || nf == 14) {
+            L.ffn = FFN_MOE;
+            ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip|OOO", &fno, &rto, &go, &uo, &L.gu_t, &dwo, &L.wd_t,
+                                  &L.n_ff, &L.E, &L.k, &L.normalize, &xto, &cho, &cwo);
+            /* streamed experts: a table of E (gate, up, down) addresses the caller keeps valid
+               for the call, and where to write each row's chosen experts */
+            if (ok && xto != Py_None) {
+                Py_buffer *xtb = hold(h, xto, 0);
+                if (!xtb) goto done;
+                if ((size_t)xtb->len < (size_t)L.E * 3 * 8) {
+                    PyErr_SetString(PyExc_ValueError, "decode_layer: the expert table holds fewer than E x 3 addresses");
+                    goto done;
+                }
+                L.xtab = xtb->buf;
+            }
+            if (ok && cho != Py_None) {
+                Py_buffer *chb = hold(h, cho, 1);
+                if (!chb) goto done;
+                if ((size_t)chb->len < (size_t)B * L.k * 4) {
+                    PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-experts output is smaller than B x k");
+                    goto done;
+                }
+                L.chosen = chb->buf;
+            }
+            if (ok && cwo != Py_None) {
+                Py_buffer *cwb = hold(h, cwo, 1);
+                if (!cwb) goto done;
+                if ((size_t)cwb->len < (size_t)B * L.k * 4) {
+                    PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-weights output is smaller than B x k");
+                    goto done;
+                }
+                L.chosen_w = cwb->buf;
+            }
+        } else {
+            L.ffn = FFN_DENSE;
+            ok = PyArg_ParseTuple(ffn_obj, "OOOiOii", &fno, &go, &uo, &L.gu_t, &dwo, &L.wd_t, &L.n_ff);
+        }
+        if (!ok || !(fnb = hold(h, fno, 0)) || (rto && !(rtb = hold(h, rto, 0))) || !(gb = hold(h, go, 0)) ||
+            !(ub = hold(h, uo, 0)) || !(db = hold(h, dwo, 0)))
+            goto done;
+    }
+    int n = L.n = (int)(xb->len / 4 / B), qn = L.H * L.D, kvn = L.Hkv * L.D;
+    TypeInfo tq, to, tg = {1, 4, A_F32}, td = {1, 4, A_F32};
+    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_layer needs the AVX2 kernels"); goto done; }
+    if (!type_info(L.qkv_t, &tq) || !type_info(L.wo_t, &to) || (L.ffn && (!type_info(L.gu_t, &tg) || !type_info(L.wd_t, &td)))) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: a weight type has no compiled kernel"); goto done;
+    }
+    if ((size_t)xb->len != (size_t)B * n * 4 || n % tq.block || qn % to.block || L.Hkv < 1 || L.H % L.Hkv ||
+        L.R > L.D || L.D > 512 ||
+        (size_t)wb[0]->len < (size_t)qn * (n / tq.block) * tq.bytes || (size_t)wb[1]->len < (size_t)kvn * (n / tq.block) * tq.bytes ||
+        (size_t)wb[2]->len < (size_t)kvn * (n / tq.block) * tq.bytes || (size_t)wb[3]->len < (size_t)n * (qn / to.block) * to.bytes ||
+        (size_t)cb->len < (size_t)B * (L.R / 2) * 4 || (size_t)sb->len < (size_t)B * (L.R / 2) * 4 || (size_t)anb->len < (size_t)n * 4) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: a buffer is smaller than its shape"); goto done;
+    }
+    if (L.ffn == FFN_MOE && (L.E < 1 || L.E > MAX_EXPERTS || L.k < 1 || L.k > L.E || L.k > MAX_K || (size_t)rtb->len < (size_t)L.E * n * 4)) {
+        PyErr_Format(PyExc_ValueError, "decode_layer: %d of %d experts, or a router smaller than its shape "
+                     "(the one-call path takes 1 <= k <= %d, k <= E <= %d)", L.k, L.E, MAX_K, MAX_EXPERTS);
+        goto done;
+    }
+    if (L.ffn) {
+        size_t gu_row = (size_t)(n / tg.block) * tg.bytes, d_row = (size_t)(L.n_ff / td.block) * td.bytes;
+        if (n % tg.block || L.n_ff % td.block || (size_t)fnb->len < (size_t)n * 4 ||
+            (size_t)gb->len < (size_t)L.E * L.n_ff * gu_row || (size_t)ub->len < (size_t)L.E * L.n_ff * gu_row ||
+            (size_t)db->len < (size_t)L.E * n * d_row) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN buffer is smaller than its shape"); goto done;
+        }
+        L.ffn_norm = fnb->buf; L.router = rtb ? rtb->buf : NULL; L.wg = gb->buf; L.wu = ub->buf; L.wd = db->buf;
+    }
+    L.attn_norm = anb->buf; L.wq = wb[0]->buf; L.wk = wb[1]->buf; L.wv = wb[2]->buf; L.wo = wb[3]->buf;
+    if (!(rows = calloc(B, sizeof(DecodeRow)))) { PyErr_NoMemory(); goto done; }
+    for (int b = 0; b < B; b++) {
+        PyObject *ko, *vo; Py_buffer *kb, *vb;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(seqs, b), "OOi", &ko, &vo, &rows[b].pos)) goto done;
+        if (!(kb = hold(h, ko, 1)) || !(vb = hold(h, vo, 1))) goto done;
+        size_t kr = (size_t)kv_row_bytes(L.kt, L.D), vr = (size_t)kv_row_bytes(L.vt, L.D);
+        if (!kr || !vr) { PyErr_Format(PyExc_ValueError, "decode_layer: no KV cache of types %d/%d with head_dim %d", L.kt, L.vt, L.D); goto done; }
+        if (rows[b].pos < 0 || (size_t)kb->len < (size_t)(rows[b].pos + 1) * L.Hkv * kr || (size_t)vb->len < (size_t)(rows[b].pos + 1) * L.Hkv * vr) {
+            PyErr_Format(PyExc_ValueError, "decode_layer: sequence %d's KV cache holds no position %d", b, rows[b].pos); goto done;
+        }
+        rows[b].k = kb->buf; rows[b].v = vb->buf;
+        rows[b].cos = (const float *)cb->buf + (size_t)b * (L.R / 2); rows[b].sin = (const float *)sb->buf + (size_t)b * (L.R / 2);
+    }
+    int nt = pick_threads(threads);
+    int missing;
+    Py_BEGIN_ALLOW_THREADS
+    missing = decode_layer_rows(&L, xb->buf, B, rows, nt);
+    Py_END_ALLOW_THREADS
+    ret = PyBool_FromLong(!missing);          /* False: a streamed expert was missing, FFN not run */
+done:
+    while (h->n) PyBuffer_Release(&h->b[--h->n]);
+    free(h); free(rows);
+    return ret;
+}
+
+/* moe_stream(x, ffn_norm, eps, gu_type, wd_type, n_ff, sel, wsel, ptrs, done, dn, threads): a routed
+ * FFN over streamed experts in steps (csrc/layer.c moe_stream_rows); returns how many are left. */
+PyObject *py_moe_stream(PyObject *self, PyObject *args) {
+    PyObject *xo, *fno, *selo, *wso, *po, *dno, *dneo;
+    LayerSpec L = {0};
+    double eps;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOdiiiOOOOOi", &xo, &fno, &eps, &L.gu_t, &L.wd_t, &L.n_ff, &selo, &wso, &po,
+                          &dno, &dneo, &threads))
+        return NULL;
+    Held *h = calloc(1, sizeof(Held));
+    PyObject *ret = NULL;
+    Py_buffer *xb, *fnb, *sb, *wb, *pb, *db, *dnb;
+    if (!h) { PyErr_NoMemory(); return NULL; }
+    if (!(xb = hold(h, xo, 1)) || !(fnb = hold(h, fno, 0)) || !(sb = hold(h, selo, 0)) || !(wb = hold(h, wso, 0)) ||
+        !(pb = hold(h, po, 0)) || !(db = hold(h, dno, 1)) || !(dnb = hold(h, dneo, 1)))
+        goto done;
+    TypeInfo tg, td;
+    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "moe_stream needs the AVX2 kernels"); goto done; }
+    if (!type_info(L.gu_t, &tg) || !type_info(L.wd_t, &td)) {
+        PyErr_SetString(PyExc_ValueError, "moe_stream: a weight type has no compiled kernel"); goto done;
+    }
+    int n = L.n = (int)(fnb->len / 4);              /* x (B, n), done (B, k): the shapes from the buffers */
+    int B = n ? (int)(xb->len / 4 / n) : 0, k = L.k = B ? (int)(db->len / B) : 0;
+    if (n < 1 || B < 1 || B > MAX_BATCH || k < 1 || k > MAX_K || (size_t)xb->len != (size_t)B * n * 4 ||
+        (size_t)db->len != (size_t)B * k || (size_t)sb->len < (size_t)B * k * 4 || (size_t)wb->len < (size_t)B * k * 4 ||
+        (size_t)pb->len < (size_t)B * k * 3 * 8 || (size_t)dnb->len < (size_t)B * k * n * 4 ||
+        n % tg.block || L.n_ff % td.block || L.n_ff < 1) {
+        PyErr_SetString(PyExc_ValueError, "moe_stream: a buffer is smaller than its shape"); goto done;
+    }
+    L.ffn = FFN_MOE; L.eps = (float)eps; L.ffn_norm = fnb->buf;
+    int nt = pick_threads(threads), left;
+    Py_BEGIN_ALLOW_THREADS
+    left = moe_stream_rows(&L, xb->buf, B, sb->buf, wb->buf, pb->buf, db->buf, dnb->buf, nt);
+    Py_END_ALLOW_THREADS
+    ret = PyLong_FromLong(left);
+done:
+    while (h->n) PyBuffer_Release(&h->b[--h->n]);
+    free(h);
+    return ret;
+}
