@@ -150,6 +150,8 @@ class KVCache:
     def copy_from(self, other: "KVCache") -> None:
         """Become a copy of `other` (same model): the n sequences of one request share the
         prompt's keys, values and recurrent states, computed once."""
+        if other.types != self.types:
+            raise ValueError(f"a cache of {'/'.join(self.types)} cannot copy one of {'/'.join(other.types)}")
         self.n, self.tokens, self.adapter, self._cap = other.n, list(other.tokens), other.adapter, other._cap
         self._k = [a.copy() for a in other._k]
         self._v = [a.copy() for a in other._v]

@@ -77,12 +77,12 @@ def settings_kv(settings: dict) -> tuple[str, str]:
 def rotation(t: KVType, head_dim: int, keys: bool) -> int:
     """The Walsh-Hadamard rotation (its size; 0: none) a cache of type t applies to its keys or
     values — llama.cpp's attn_rot_k / attn_rot_v (csrc/kv_quant.c kv_rot)."""
-    if t.block == 1 or head_dim % 64:
+    if t.block == 1 or head_dim <= 0 or head_dim % 64:
         return 0
     if not keys:
         return 64
     n = 64
-    while head_dim % (2 * n) == 0:
+    while 2 * n <= head_dim and head_dim % (2 * n) == 0:
         n *= 2
     return n
 

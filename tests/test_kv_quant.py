@@ -64,6 +64,8 @@ def test_the_types_say_their_size_and_refuse_what_does_not_fit():
     mixed = KVCache(2, 2, 64, 1024, "q8_0", v_dtype="f16")
     for c in (f16, q8, q4, mixed):
         c.begin([0] * 300)
+    with pytest.raises(ValueError, match="a cache of q8_0/q8_0 cannot copy one of f16/f16"):
+        q8.copy_from(f16)
     assert (q8.nbytes, q4.nbytes, mixed.nbytes) == (f16.nbytes * 34 // 64, f16.nbytes * 18 // 64,
                                                     f16.nbytes * (34 + 64) // 128)
 
@@ -117,6 +119,7 @@ def test_the_compiled_attention_is_the_definition_over_the_rotated_blocks():
     k, v = rng.standard_normal((2, S, Hkv, d)).astype(np.float32)
     assert (rotation(kv_type("q4_0"), 128, True), rotation(kv_type("q4_0"), 128, False)) == (128, 64)
     assert rotation(kv_type("q8_0"), 96, True) == 0 and rotation(kv_type("f16"), 128, True) == 0
+    assert rotation(kv_type("q8_0"), 0, True) == 0 and rotation(kv_type("q8_0"), 512, True) == 512
     assert np.allclose(fwht(fwht(k, 128), 128), k, atol=1e-5)                # H·H = I
     for kt, vt in (("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_0", "q8_0"), ("q8_0", "f16")):
         rk, rv = rotation(kv_type(kt), d, True), rotation(kv_type(vt), d, False)

@@ -16,10 +16,10 @@
  * lose less (its PR 21038; LLAMA_ATTN_ROT_DISABLE turns it off there). Heads whose size is not a
  * multiple of 64 are not rotated. Returns the rotation's size, 0 for none. */
 int kv_rot(int type, int D, int keys) {
-    if ((type != T_Q8_0 && type != T_Q4_0) || D % 64) return 0;
+    if ((type != T_Q8_0 && type != T_Q4_0) || D <= 0 || D % 64) return 0;
     if (!keys) return 64;
     int n = 64;
-    while (D % (2 * n) == 0) n *= 2;
+    while (2 * n <= D && D % (2 * n) == 0) n *= 2;
     return n;
 }
 
