@@ -25,6 +25,7 @@ from typing import Callable
 from kiln.protocol.vocab import ALIVE, FATAL, STOPPED
 
 from . import policy
+from .config import kv_types
 from .process_table import ProcessTable, WorkerProcess
 
 MODEL_KINDS = ("inference", "moe-stream")
@@ -333,9 +334,8 @@ class Placer:
 
 def worker_kv(settings: dict) -> tuple[str, str]:
     """A model worker's KV cache types from its settings (config.load_config has given a worker
-    without its own the [models] ones)."""
-    return (settings.get("kv_type_k") or settings.get("kv_type") or "f16",
-            settings.get("kv_type_v") or settings.get("kv_type") or "f16")
+    without its own the [models] ones, so the rest default to f16)."""
+    return kv_types({"kv_type": "f16", "kv_type_k": "", "kv_type_v": ""}, settings)
 
 
 def streamed_need(p: dict, cache_bytes: int) -> int:
