@@ -163,16 +163,17 @@ done:
     return ret;
 }
 
-/* rope_table(n, half, base, freq_scale, factors (half), cos (n, half), sin (n, half)) */
+/* rope_table(n, half, base, freq_scale, factors (half), cos (n, half), sin (n, half)
+ *            [, ext_factor, corr0, corr1, mscale [, p0]]): positions p0 .. p0 + n - 1 */
 static PyObject *py_rope_table(PyObject *self, PyObject *args) {
-    Py_buffer fb, cb, sb; int n, half; float base, fs, ext = 0.f, c0 = 0.f, c1 = 0.f, ms = 1.f;
-    if (!PyArg_ParseTuple(args, "iiffy*w*w*|ffff", &n, &half, &base, &fs, &fb, &cb, &sb, &ext, &c0, &c1, &ms)) return NULL;
+    Py_buffer fb, cb, sb; int n, half, p0 = 0; float base, fs, ext = 0.f, c0 = 0.f, c1 = 0.f, ms = 1.f;
+    if (!PyArg_ParseTuple(args, "iiffy*w*w*|ffffi", &n, &half, &base, &fs, &fb, &cb, &sb, &ext, &c0, &c1, &ms, &p0)) return NULL;
     PyObject *ret = NULL;
     if (n < 0 || half < 0 || (size_t)fb.len < (size_t)half * 4 || (size_t)cb.len < (size_t)n * half * 4
             || (size_t)sb.len < (size_t)n * half * 4) {
         PyErr_SetString(PyExc_ValueError, "rope_table: a buffer is smaller than its shape"); goto done;
     }
-    rope_table(n, half, base, fs, (const float *)fb.buf, ext, c0, c1, ms, (float *)cb.buf, (float *)sb.buf);
+    rope_table(p0, n, half, base, fs, (const float *)fb.buf, ext, c0, c1, ms, (float *)cb.buf, (float *)sb.buf);
     Py_INCREF(Py_None); ret = Py_None;
 done:
     PyBuffer_Release(&fb); PyBuffer_Release(&cb); PyBuffer_Release(&sb);
@@ -264,7 +265,7 @@ static PyMethodDef methods[] = {
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},
-    {"rope_table", py_rope_table, METH_VARARGS, "rope_table(n, half, base, freq_scale, factors, cos, sin)"},
+    {"rope_table", py_rope_table, METH_VARARGS, "rope_table(n, half, base, freq_scale, factors, cos, sin[, ext, corr0, corr1, mscale[, p0]])"},
     {"expf", py_expf, METH_VARARGS, "expf(x) in place, the C library's"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
     {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},

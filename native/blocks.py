@@ -78,18 +78,28 @@ def rope_tables(positions: np.ndarray, rope_dim: int, base: float, scale: float,
     return cos[positions], sin[positions]
 
 
+def rope_shift_table(delta: int, rope_dim: int, base: float, scale: float,
+                     factors: np.ndarray | None = None, yarn: tuple | None = None):
+    """cos/sin (1, rope_dim/2) of the angle `delta` positions make — a context shift turns every
+    kept key by it (native/kv_cache.py shift), as llama.cpp's K-shift ropes its keys with the
+    position delta: the same rope cache, made from position `delta` instead of a position."""
+    half = rope_dim // 2
+    ff = np.ones(half, F32) if factors is None else np.ascontiguousarray(factors, F32)
+    return _rope_table(1, half, float(base), 1.0 / scale, ff, yarn, p0=delta)
+
+
 def _rope_table(n: int, half: int, base: float, freq_scale: float,
-                factors: np.ndarray, yarn: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) (n, half) float32 as ggml's rope cache: compiled, else libm through ctypes, else
-    numpy in float64 (which differs from glibc's cosf in ~2 % of entries by an ulp)."""
+                factors: np.ndarray, yarn: tuple | None = None, p0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) (n, half) float32 of positions p0.. as ggml's rope cache: compiled, else libm
+    through ctypes, else numpy in float64 (which differs from glibc's cosf in ~2 % of entries by an ulp)."""
     cos, sin = np.empty((n, half), F32), np.empty((n, half), F32)
     C = compiled_module()
     if C is not None:
-        C.rope_table(n, half, base, freq_scale, factors, cos, sin, *(yarn or ()))
+        C.rope_table(n, half, base, freq_scale, factors, cos, sin, *(yarn or (0.0, 0.0, 0.0, 1.0)), p0)
         return cos, sin
     libm = _libm()
     theta_scale = F32(libm.powf(base, -2.0 / (2 * half))) if libm else F32(base ** (-2.0 / (2 * half)))
-    theta = np.arange(n).astype(F32)
+    theta = np.arange(p0, p0 + n).astype(F32)
     angles = np.empty((n, half), F32)
     ext, c0, c1, mscale = yarn or (0.0, 0.0, 0.0, 1.0)
     for i in range(half):

@@ -41,14 +41,45 @@ class Finish:
     drafted: int = 0                            # speculative draft tokens checked
     accepted: int = 0                           # … and kept
     stop_string: str | None = None              # the stop string that ended it, if one did
+    context_shifts: int = 0                     # how often the context shifted (shift_plan)
 
 
 class ContextLengthError(ValueError):
-    def __init__(self, n_prompt: int, max_tokens: int, n_ctx: int):
+    def __init__(self, n_prompt: int, max_tokens: int, n_ctx: int, why: str = ""):
         super().__init__(f"this request needs {n_prompt} prompt tokens + {max_tokens} to generate "
                          f"= {n_prompt + max_tokens} tokens, but the context holds {n_ctx}; "
-                         f"shorten the prompt or lower max_tokens")
+                         f"shorten the prompt or lower max_tokens{why}")
         self.n_prompt, self.max_tokens, self.n_ctx = n_prompt, max_tokens, n_ctx
+
+
+def check_context(prompt: list[int], params: SamplingParams, n_ctx: int, can_shift: bool) -> None:
+    """Refuse a request that cannot be answered in `n_ctx` positions: its prompt and max_tokens
+    must fit — or, with context_shift, the prompt must leave room to generate and the cache must
+    be one that can shift."""
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if len(prompt) + params.max_tokens <= n_ctx:
+        return
+    if not params.context_shift:
+        raise ContextLengthError(len(prompt), params.max_tokens, n_ctx)
+    if not can_shift:
+        raise ContextLengthError(len(prompt), params.max_tokens, n_ctx, "; the context cannot shift on this "
+                                 "model (its sliding-window or recurrent layers keep no earlier keys)")
+    if len(prompt) >= n_ctx - 4:
+        raise ContextLengthError(len(prompt), params.max_tokens, n_ctx, "; a context shift makes room for "
+                                 "what is generated, not for the prompt, which must fit with a few tokens to spare")
+
+
+def shift_plan(n_held: int, n_prompt: int, n_ctx: int, params: SamplingParams, add_bos: bool) -> tuple[int, int]:
+    """llama-server's context shift, decided as it decides it (pre_decode): when the cache holds
+    n_ctx - 1 positions, keep the first n_keep (-1: the whole prompt; one more with a BOS; at most
+    n_ctx - 4) and drop n_discard of the rest (0: half), clamped to leave one. (n_keep, n_discard);
+    n_discard 0: nothing can go."""
+    n_keep = n_prompt if params.n_keep < 0 else params.n_keep
+    n_keep = min(n_ctx - 4, n_keep + (1 if add_bos else 0))
+    n_left = n_held - n_keep
+    n_discard = params.n_discard or n_left // 2
+    return n_keep, max(0, min(n_discard, n_left - 1))
 
 
 def _stop_hold(text: str, stops: list[str]) -> int:
@@ -87,6 +118,7 @@ class Generation:
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
         self.drafted = self.accepted = 0        # speculative decoding (native/speculate.py)
+        self.shifts = 0                         # context shifts so far
         # code infilling's line rules (llama-server's n_indent, t_max_predict_ms): what was
         # generated, where the line being checked starts, and whether a line has ended
         self.text, self.line_at, self.had_newline, self.released = "", 0, False, 0
@@ -176,7 +208,21 @@ class Generation:
         now = time.perf_counter()
         first = self.t_first or now
         return Finish(self.reason, self.n_prompt, self.n_out, self.cached, tail, first - self.t_start, now - first,
-                      self.index, self.drafted, self.accepted, self.stop_string)
+                      self.index, self.drafted, self.accepted, self.stop_string, self.shifts)
+
+    def shift(self, model: Model, cache: KVCache, n_ctx: int) -> bool:
+        """Before running the next token: shift the context if it is at its end (shift_plan).
+        False when the context is full and nothing can go (the generation ends, "length")."""
+        if cache.n + 1 < n_ctx:
+            return True
+        if not self.params.context_shift:
+            return False
+        n_keep, n_discard = shift_plan(cache.n, self.n_prompt, n_ctx, self.params, self.tok.special.add_bos)
+        if n_discard <= 0:
+            return False
+        model.shift_cache(cache, n_keep, n_discard)
+        self.shifts += 1
+        return True
 
 
 class Sequence:
@@ -188,10 +234,7 @@ class Sequence:
         self.cache: KVCache = model.new_cache(self.n_ctx)
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if len(prompt) + params.max_tokens > self.n_ctx:
-            raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
+        check_context(prompt, params, self.n_ctx, self.cache.can_shift)
 
     def start(self, prompt: list[int], adapter=None) -> int:
         """Keep the cache's longest prefix shared with `prompt` (at least one token is left to
@@ -231,6 +274,8 @@ class Sequence:
             tok = gen.step(logits)
             yield tok
             if gen.done:
+                break
+            if not gen.shift(self.model, self.cache, self.n_ctx):
                 break
             logits = self.model.forward([tok.id], self.cache, adapter=adapter)
         yield gen.finish()

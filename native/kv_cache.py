@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import kv_store
-from .kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type, rotation
+from .kv_types import DEFAULT_KV_TYPE, check_head_dim, decode, kv_type, rotation
 
 _CHUNK = 256
 KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwise
@@ -36,6 +36,9 @@ class KVCache:
         self.n = 0                         # positions filled
         self.adapter = None                # the LoRA the keys/values were computed with
         self.tokens: list[int] = []        # the token at each filled position
+        # leading positions that hold what a plain run of their tokens gives (after a context
+        # shift the later ones saw tokens since dropped: no other prompt may reuse them)
+        self.exact = 0
         self._cap = 0
         self._k: list[np.ndarray] = []
         self._v: list[np.ndarray] = []
@@ -125,6 +128,8 @@ class KVCache:
         return self._k[layer], self._v[layer]
 
     def commit(self, tokens: list[int]) -> None:
+        if self.exact == self.n:
+            self.exact += len(tokens)
         self.n += len(tokens)
         self.tokens.extend(tokens)
 
@@ -139,6 +144,7 @@ class KVCache:
         elif n < self.n and any(n < off for off in self._off.values()):
             raise ValueError(f"a sliding-window layer no longer holds position {n}")
         self.n = min(self.n, n)
+        self.exact = min(self.exact, self.n)
         del self.tokens[self.n:]
 
     @property
@@ -147,12 +153,45 @@ class KVCache:
         with sliding-window layers that drop keys as they go."""
         return not self._recurrent_shapes and not self._windows
 
+    @property
+    def can_shift(self) -> bool:
+        """Can the context shift (shift())? Not with a recurrent state, nor with sliding-window
+        layers (they keep only their window's rows)."""
+        return self.can_rewind
+
+    def shift(self, n_keep: int, n_discard: int, rope_keys) -> None:
+        """llama-server's context shift: forget positions n_keep .. n_keep+n_discard-1 and move
+        every later one down by n_discard. `rope_keys(layer, keys)` turns those keys (float32,
+        (T, Hkv, head_dim), unrotated) back by n_discard positions in place — what llama.cpp's
+        K-shift does to them (a quantized row: decoded, turned, encoded again). The rows after
+        n_keep now hold what tokens since dropped made: no later prompt reuses them."""
+        if not self.can_shift:
+            raise ValueError("the context cannot shift: this model's sliding-window or recurrent layers "
+                             "do not keep every position's keys")
+        if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > self.n:
+            raise ValueError(f"a context shift drops positions {n_keep}..{n_keep + n_discard - 1} "
+                             f"of the {self.n} held")
+        src, end = n_keep + n_discard, self.n
+        rows = end - src
+        for i in range(self.n_layer):
+            kb, vb = self._k[i], self._v[i]
+            if not len(kb):
+                continue
+            k = np.ascontiguousarray(decode(kb[src:end], self.k_rot))
+            rope_keys(i, k)
+            kv_store(self.k_type, k, kb[n_keep:n_keep + rows], self.k_rot)
+            vb[n_keep:n_keep + rows] = vb[src:end].copy()
+        self.n -= n_discard
+        del self.tokens[n_keep:src]
+        self.exact = min(self.exact, n_keep)
+
     def copy_from(self, other: "KVCache") -> None:
         """Become a copy of `other` (same model): the n sequences of one request share the
         prompt's keys, values and recurrent states, computed once."""
         if other.types != self.types:
             raise ValueError(f"a cache of {'/'.join(self.types)} cannot copy one of {'/'.join(other.types)}")
         self.n, self.tokens, self.adapter, self._cap = other.n, list(other.tokens), other.adapter, other._cap
+        self.exact = other.exact
         self._k = [a.copy() for a in other._k]
         self._v = [a.copy() for a in other._v]
         self._off = dict(other._off)
@@ -165,7 +204,7 @@ class KVCache:
         if adapter is not self.adapter:
             return 0
         n = 0
-        for a, b in zip(self.tokens, tokens):
+        for a, b in zip(self.tokens[:self.exact], tokens):
             if a != b:
                 break
             n += 1

@@ -24,7 +24,7 @@ from . import kernels
 from .arch import family
 from .arch.parts import arrays
 from .batch import Batch
-from .blocks import rms_norm, yarn_params
+from .blocks import apply_rope, rms_norm, rope_shift_table, yarn_params
 from .config import ModelConfig, check_tensors, read_config
 from .experts.source import IN_RAM, StreamedExperts
 from .gguf_file import GGUFError, GGUFFile, read_gguf
@@ -161,6 +161,22 @@ class Model:
         k, v = self.kv_types if dtype is None else (dtype, v_dtype)
         return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, k,
                        self.family.recurrent_state(c), windows, v)
+
+    def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
+        """A context shift on `cache` (KVCache.shift): the keys after the dropped positions
+        turned back by n_discard positions with each layer's rope, as llama.cpp's K-shift."""
+        c = self.config
+        tables: dict = {}
+
+        def rope_keys(i: int, k: np.ndarray) -> None:
+            base = getattr(getattr(self.layers[i], "attn", None), "rope_base", None) or c.rope_base
+            if base not in tables:
+                tables[base] = rope_shift_table(-n_discard, c.rope_dim, base, c.rope_scale,
+                                                self.rope_factors, self.rope_yarn)
+            cos, sin = tables[base]
+            apply_rope(k, np.repeat(cos, len(k), 0), np.repeat(sin, len(k), 0), c.rope_style)
+
+        cache.shift(n_keep, n_discard, rope_keys)
 
     # -- forward ------------------------------------------------------------------------------
 

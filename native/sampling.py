@@ -49,6 +49,11 @@ class SamplingParams:
     samplers: list[str] | None = None
     n_indent: int = 0               # stop at a new line indented less than this (code infilling)
     t_max_predict_ms: float = 0.0   # once a line has ended, stop after this long generating (0: off)
+    # llama-server's context shift (native/generate.py shift_plan): at the context's end, drop
+    # the older half of what follows the first n_keep tokens and go on (off: stop, "length")
+    context_shift: bool = False
+    n_keep: int = 0                 # -1: the whole prompt
+    n_discard: int = 0              # 0: half of what follows n_keep
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -75,6 +80,8 @@ class SamplingParams:
              "a chain with 'infill' after 'top_k' (top_k 1 to 1000): infill compares every pair of candidates"),
             ("n_indent", self.n_indent >= 0, "≥ 0"),
             ("t_max_predict_ms", self.t_max_predict_ms >= 0, "≥ 0"),
+            ("n_keep", self.n_keep >= -1, "≥ -1 (-1 = the whole prompt)"),
+            ("n_discard", self.n_discard >= 0, "≥ 0 (0 = half of what follows n_keep)"),
         ]
         for name, ok, allowed in checks:
             if not ok:

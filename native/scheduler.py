@@ -28,7 +28,7 @@ import numpy as np
 from . import kernels
 from .core_share import CoreShare
 from .draft_model import DraftModel, DraftState
-from .generate import PREFILL_CHUNK, ContextLengthError, Finish, Generation, Sequence
+from .generate import PREFILL_CHUNK, Finish, Generation, Sequence, check_context
 from .model import FUSED_RUN, Model
 from .sampling import SamplingParams
 from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, verify
@@ -96,10 +96,7 @@ class Scheduler:
                adapter=None, n: int = 1, show: frozenset = frozenset()) -> Job:
         """Queue a generation; with n > 1, n sequences that share the prompt (prefilled once)
         and put their events, each carrying its index, on the first job's queue."""
-        if not prompt:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if len(prompt) + params.max_tokens > self.n_ctx:
-            raise ContextLengthError(len(prompt), params.max_tokens, self.n_ctx)
+        check_context(prompt, params, self.n_ctx, self.seqs[0].cache.can_shift)
         if not 1 <= n <= len(self.seqs):
             raise ValueError(f"n = {n} sequences do not fit: this worker runs at most {len(self.seqs)} "
                              f"at once (its `parallel` setting)")
@@ -272,15 +269,23 @@ class Scheduler:
                 self._end(job, job.gen.finish("cancelled"))
                 continue
             if job.carry is not None:          # chosen last step (already sent): run it now
-                going.append((job, job.carry))
-                job.carry = None
-                continue
-            tok = job.gen.step(job.logits)
-            job.events.put(tok)
-            if job.gen.done:
-                self._end(job, job.gen.finish())
+                t, job.carry = job.carry, None
             else:
-                going.append((job, tok.id))
+                tok = job.gen.step(job.logits)
+                job.events.put(tok)
+                if job.gen.done:
+                    self._end(job, job.gen.finish())
+                    continue
+                t = tok.id
+            try:                               # at the context's end: shift it, or stop there
+                room = job.gen.shift(self.model, self.seqs[job.slot].cache, self.n_ctx)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the worker's
+                self._end(job, e)
+                continue
+            if room:
+                going.append((job, t))
+            else:
+                self._end(job, job.gen.finish("length"))
         rider = self._rider() if going else None
         if rider is None and len(going) == 1 and self._speculate(*going[0]):
             return False
@@ -331,6 +336,8 @@ class Scheduler:
         cache = self.seqs[job.slot].cache
         if not (self.speculative and job.params.speculative and cache.can_rewind):
             return False
+        if job.gen.shifts and self.draft_model is not None:
+            return False            # the draft model's cache holds the whole history: past a shift it would not fit
         if job.draft is None:
             job.draft = DraftControl(self.draft_min, prior=self.kept)
         gen = job.gen

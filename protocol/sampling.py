@@ -28,6 +28,8 @@ BOUNDS: dict[str, tuple[tuple, float, float]] = {
     "logprobs": ((int,), 0, 20),
     "n_indent": ((int,), 0, 1 << 20),
     "t_max_predict_ms": (NUM, 0, 1e9),
+    "n_keep": ((int,), -1, 1 << 30),           # a context shift keeps these first tokens (-1: the prompt)
+    "n_discard": ((int,), 0, 1 << 30),         # … and drops this many after them (0: half the rest)
 }
 
 

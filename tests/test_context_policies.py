@@ -79,7 +79,7 @@ def test_responses_truncation_auto_answers_as_the_chat_route(served):
     assert out["output"][0]["content"][0]["text"] == ref["choices"][0]["message"]["content"]
 
 
-def test_ollama_truncate_drops_the_oldest_turns_and_shift_is_refused(served):
+def test_ollama_truncate_drops_the_oldest_turns(served):
     msgs = conversation()
     body = {"model": "default", "messages": msgs, "stream": False, "options": {"temperature": 0, "num_predict": 16}}
     status, err = http_json(served, "POST", "/api/chat", body)
@@ -89,9 +89,34 @@ def test_ollama_truncate_drops_the_oldest_turns_and_shift_is_refused(served):
     _, ref = chat(served, {"messages": msgs, "truncation": "auto"})
     assert out["truncated_messages"] == ref["truncated_messages"]
     assert out["message"]["content"] == ref["choices"][0]["message"]["content"]
-    for field, value in (("shift", True), ("truncate", "yes")):
+    for field, value in (("shift", 1), ("truncate", "yes")):
         status, err = http_json(served, "POST", "/api/chat", {**body, field: value})
         assert status == 400 and field in err["error"], err
+
+
+def test_an_answer_longer_than_the_context_shifts_when_asked(served):
+    """Past the context's end: refused by default; with context_shift (chat), shift (Ollama) or
+    llama-server's n_keep/n_discard the context shifts and the answer says how often."""
+    msgs = [{"role": "user", "content": "Count from one to one thousand in words."}]
+    long = {"messages": msgs, "max_tokens": CTX + 40, "ignore_eos": True}
+    status, err = chat(served, long)
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    status, out = chat(served, {**long, "context_shift": True})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+    assert out["usage"]["completion_tokens"] == CTX + 40 and out["context_shifts"] == 1, out
+    status, err = chat(served, {**long, "context_shift": "yes"})
+    assert status == 400 and err["error"]["param"] == "context_shift", err
+    status, out = http_json(served, "POST", "/completion", {
+        "prompt": "One, two, three,", "n_predict": CTX + 200, "ignore_eos": True, "temperature": 0,
+        "context_shift": True, "n_keep": 4, "n_discard": 100})
+    assert status == 200 and out["truncated"] is True and out["tokens_predicted"] == CTX + 200, out
+    status, out = http_json(served, "POST", "/api/generate", {
+        "model": "default", "prompt": "One, two, three,", "stream": False, "shift": True,
+        "options": {"temperature": 0, "num_predict": 8, "num_keep": 4}})
+    assert status == 200 and out["done_reason"] == "length" and "context_shifts" not in out, out
+    status, err = http_json(served, "POST", "/api/generate", {
+        "model": "default", "prompt": "x", "stream": False, "options": {"num_keep": "all"}})
+    assert status == 400 and "num_keep" in err["error"], err
 
 
 def test_the_q8_0_cache_is_what_the_worker_runs_and_what_ps_counts(served):

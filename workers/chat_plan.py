@@ -144,3 +144,24 @@ def wire_delta(delta: dict) -> dict:
         out["tool_calls"] = [{"index": c.index, "id": c.id, "name": c.name, "arguments": c.arguments}
                              for c in delta["tool_calls"]]
     return out
+
+
+def final(ev, output) -> dict:
+    """A generation's end on the wire: why it ended, the tail of its text, its counts — and, for a
+    chat, what the tail completes (content, reasoning, tool calls)."""
+    out = {"finish_reason": ev.reason, "text": ev.text, "index": ev.index,
+           "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                     "cached_tokens": ev.cached_tokens, "draft_tokens": ev.drafted,
+                     "accepted_tokens": ev.accepted},
+           "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
+    if ev.stop_string is not None:
+        out["stop_string"] = ev.stop_string
+    if ev.context_shifts:
+        out["context_shifts"] = ev.context_shifts
+    if output is not None:
+        out.update(wire_delta(output.finish(ev.text)))
+        out.setdefault("text", "")
+        out["tool_calls_total"] = len(output.calls)
+        if output.calls and ev.reason == "stop":
+            out["finish_reason"] = "tool_calls"
+    return out

@@ -64,6 +64,14 @@ class InferenceWorker(Worker):
             self.model.use_kv_types(*settings_kv(st))
         except KVTypeError as e:
             raise BootError(f"{self.model.path.name}: {e}") from None
+        # llama-server's --context-shift: answers may go past the context's end (a request's
+        # context_shift says otherwise for itself)
+        self.context_shift = st.get("context_shift", False)
+        if not isinstance(self.context_shift, bool):
+            raise BootError(f"context_shift = {self.context_shift!r} must be true or false")
+        if self.context_shift and not self.model.new_cache(8).can_shift:
+            raise BootError(f"context_shift: {self.model.path.name} cannot shift its context (its sliding-window "
+                            f"or recurrent layers keep no earlier keys); leave context_shift out for this model")
         draft = None
         if st.get("draft_model"):
             try:
@@ -96,6 +104,7 @@ class InferenceWorker(Worker):
         if m is None:
             return {"model_spec": self.settings.get("model")}
         return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx, "kv_types": list(m.kv_types),
+                "context_shift": self.context_shift,
                 "requests": self.served, "tokens_generated": self.tokens_out,
                 "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(), **self.scheduler.load(),
                 "weights": {"mode": "private", **m.gguf.private.stats()} if m.gguf.private is not None
@@ -228,9 +237,12 @@ class InferenceWorker(Worker):
             raw["grammar"] = plan.grammar
         if req.body.get("grammar"):
             raw["grammar"] = self._grammar(req.body["grammar"], plan)
+        if self.context_shift:
+            raw.setdefault("context_shift", True)
         if raw.get("max_tokens") == -1:        # to the end of the context
             raw["max_tokens"] = max(1, self.n_ctx - len(prompt))
-        elif req.body.get("clip_max_tokens") and isinstance(raw.get("max_tokens"), int):
+        elif req.body.get("clip_max_tokens") and isinstance(raw.get("max_tokens"), int) and \
+                not raw.get("context_shift"):
             raw["max_tokens"] = max(1, min(raw["max_tokens"], self.n_ctx - len(prompt)))
         try:
             params = SamplingParams.from_dict(raw)
@@ -268,7 +280,7 @@ class InferenceWorker(Worker):
                     chunk["top_logprobs"] = [[i, lp, self._piece(i)] for i, lp in ev.top_logprobs]
                 yield chunk
             elif isinstance(ev, Finish):
-                finals[ev.index] = self._final(ev, outputs[ev.index])
+                finals[ev.index] = chat_plan.final(ev, outputs[ev.index])
             else:
                 raise ev
         if dropped:                        # the answer says what truncation left out
@@ -279,25 +291,9 @@ class InferenceWorker(Worker):
         usage = {"prompt_tokens": finals[0]["usage"]["prompt_tokens"],
                  "completion_tokens": sum(f["usage"]["completion_tokens"] for f in finals),
                  "cached_tokens": finals[0]["usage"]["cached_tokens"], "draft_tokens": 0, "accepted_tokens": 0}
+        shifts = sum(f.get("context_shifts", 0) for f in finals)
         return {"choices": finals, "usage": usage, "timings": finals[0]["timings"],
-                **({"truncated_messages": dropped} if dropped else {})}
-
-    @staticmethod
-    def _final(ev: Finish, output) -> dict:
-        final = {"finish_reason": ev.reason, "text": ev.text, "index": ev.index,
-                 "usage": {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                           "cached_tokens": ev.cached_tokens, "draft_tokens": ev.drafted,
-                           "accepted_tokens": ev.accepted},
-                 "timings": {"prefill_s": ev.prefill_s, "decode_s": ev.decode_s}}
-        if ev.stop_string is not None:
-            final["stop_string"] = ev.stop_string
-        if output is not None:
-            final.update(chat_plan.wire_delta(output.finish(ev.text)))
-            final.setdefault("text", "")
-            final["tool_calls_total"] = len(output.calls)
-            if output.calls and ev.reason == "stop":
-                final["finish_reason"] = "tool_calls"
-        return final
+                **({"truncated_messages": dropped} if dropped else {}), **({"context_shifts": shifts} if shifts else {})}
 
     @op("score")
     def score(self, req):

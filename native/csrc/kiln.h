@@ -236,7 +236,7 @@ void attn_kv_fa_pass(float *row, const void *V, int vt, int h, int H, int Hkv, i
 /* ---- layer.c -------------------------------------------------------------------------------- */
 void rms_row(const float *x, const float *w, float *o, int n, float eps);
 void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int neox);
-void rope_table(int n, int half, float base, float freq_scale, const float *ff, float ext_factor,
+void rope_table(int p0, int n, int half, float base, float freq_scale, const float *ff, float ext_factor,
                 float corr0, float corr1, float mscale, float *c, float *s);
 void swiglu_row(float *g, const float *u, size_t n);
 void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w);

@@ -18,15 +18,15 @@ void rms_row(const float *x, const float *w, float *o, int n, float eps) {
     for (int i = 0; i < n; i++) o[i] = x[i] * scale * w[i];
 }
 
-/* cos/sin of positions [0, n) for R/2 pairs as ggml's rope cache makes them: the angle of pair i
+/* cos/sin of positions [p0, p0 + n) for R/2 pairs as ggml's rope cache makes them: the angle of pair i
  * is the previous pair's times powf(base, -2/R) in float32 (from the position), then the C library's
  * cosf/sinf — glibc's, like llama.cpp's; they differ from correctly rounded values in ~2 % of
  * entries, enough to move a query or key by an ulp. */
-void rope_table(int n, int half, float base, float freq_scale, const float *ff, float ext_factor,
+void rope_table(int p0, int n, int half, float base, float freq_scale, const float *ff, float ext_factor,
                 float corr0, float corr1, float mscale, float *c, float *s) {
     const float theta_scale = powf(base, -2.0f / (float)(2 * half));
     for (int p = 0; p < n; p++) {
-        float theta = (float)p;
+        float theta = (float)(p0 + p);      /* a negative p0: a context shift's re-rope (kv_cache.py) */
         for (int i = 0; i < half; i++) {
             /* ggml's rope cache (rope_yarn): theta/ff, the linear scale, and with YaRN a ramp
              * between interpolated and extrapolated angles; the products fused as gcc fuses them */

@@ -136,6 +136,8 @@ _INFERENCE_SETTINGS = {
     "kv_type": "the KV cache's type: f16, q8_0 or q4_0 (default: [models] kv_type)",
     "kv_type_k": "the keys' type only (llama.cpp's -ctk)",
     "kv_type_v": "the values' type only (llama.cpp's -ctv)",
+    "context_shift": "an answer reaching the context's end drops the older half after the first tokens and "
+                     "goes on (llama-server's --context-shift; default false: it stops, \"length\")",
 }
 KV_SETTINGS = ("kv_type", "kv_type_k", "kv_type_v")
 KIND_SETTINGS: dict[str, dict[str, str]] = {

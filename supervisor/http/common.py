@@ -134,6 +134,13 @@ def answer_of(call, op: str, timeout: float):
         raise JSONError(504, "timeout", f"{op} was not answered within {timeout:g} s") from None
 
 
+def context_notes(final: dict) -> dict:
+    """Kiln's word on what was done to fit the context, if anything was: `truncation: "auto"`
+    (Ollama's truncate) dropped the oldest messages (truncated_messages: how many), and the
+    context shifted during the answer (context_shifts: how often)."""
+    return {k: final[k] for k in ("truncated_messages", "context_shifts") if final.get(k)}
+
+
 def token_logprobs(chunks: list[dict], ids: bool = False) -> list[dict]:
     """Each generated token's log-probability entry, as OpenAI, Ollama, the Responses API and
     llama-server (`ids`: with the token ids) give them: its text, bytes, logprob and alternatives.

@@ -27,14 +27,15 @@ import json
 from .common import token_logprobs
 from .pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, KILN_ORDER, llama_params
-from .openai_validate import adapter, bad, grammar, keep_alive, known_fields, messages, sampling_params, tools
+from .openai_validate import (adapter, bad, context_shift, grammar, keep_alive, known_fields, messages,
+                              sampling_params, tools)
 from .work import Work, model_of
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
 _COMMON = {"model", "stream", "n_predict", "max_tokens", "adapter", "keep_alive", "n_indent", "t_max_predict_ms",
            "t_max_prompt_ms", "response_fields", "grammar", "json_schema", "return_tokens",
-           "post_sampling_probs"} | _SAMPLING | LLAMA_FIELDS
+           "post_sampling_probs", "context_shift", "n_keep", "n_discard"} | _SAMPLING | LLAMA_FIELDS
 FIELDS = _COMMON | {"input_prefix", "input_suffix", "input_extra", "prompt"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 def infill_work(body: dict) -> dict:
@@ -67,6 +68,7 @@ def _params(body: dict) -> dict:
         raise bad(which, f"{which} must be -1 (until the model stops or the context ends), 0 (only cache "
                          f"the prompt) or a number of tokens")
     params = sampling_params({k: v for k, v in body.items() if k in _SAMPLING})
+    params.update(context_shift(body))      # n_keep / n_discard: what a shift keeps and drops
     params["max_tokens"] = -1 if n is None else n
     # nothing is sampled with n_predict 0; n_probs is this route's own (below)
     params.update(llama_params({k: v for k, v in body.items() if k != "n_probs"}, sampling=n != 0))
@@ -159,7 +161,9 @@ def _closing(final: dict, model: str, content: str, tokens: list[int]) -> dict:
     prefill_ms, decode_ms = 1000 * tm.get("prefill_s", 0.0), 1000 * tm.get("decode_s", 0.0)
     return {"index": 0, "content": content, "tokens": tokens, "stop": True, "model": model,
             "tokens_predicted": u["completion_tokens"], "tokens_evaluated": u["prompt_tokens"],
-            "tokens_cached": u.get("cached_tokens", 0), "truncated": False, "stop_type": stop_type,
+            "tokens_cached": u.get("cached_tokens", 0),
+            # llama-server's word that the context shifted during the answer
+            "truncated": bool(final.get("context_shifts")), "stop_type": stop_type,
             "stopping_word": final.get("stop_string") or "", "has_new_line": "\n" in content,
             "timings": {"prompt_n": n_prompt, "prompt_ms": prefill_ms,
                         "prompt_per_token_ms": prefill_ms / n_prompt if n_prompt else 0.0,

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 import falcon
 
 from . import ollama_library
-from .common import JSONError, bus, token_logprobs
+from .common import JSONError, bus, context_notes, token_logprobs
 from .pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import llama_params
 from .ollama_library import details, file_digest, file_of, ndjson, ollama_name
@@ -38,7 +38,7 @@ _LLAMA_OPTIONS = ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
 _CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive", "logprobs",
                 "top_logprobs", "truncate", "shift"}
 _GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "stream", "format", "options", "think", "keep_alive", "raw",
-                    "logprobs", "top_logprobs"}
+                    "logprobs", "top_logprobs", "shift"}
 
 
 def _now() -> str:
@@ -76,17 +76,22 @@ class Ollama:
         for k, v in opts.items():
             if k in HARDWARE_OPTIONS:
                 continue
-            if k == "num_ctx":
-                continue                          # checked against the worker's context below
+            if k in ("num_ctx", "num_keep"):
+                continue                          # num_ctx: checked against the worker's context below
             if k in _LLAMA_OPTIONS:
                 continue                          # below
             if k not in _OPTIONS:
                 raise bad(f"options.{k}", f"option {k!r} is not supported (supported: "
-                          f"{', '.join(sorted(set(_OPTIONS) | {'num_ctx', 'repeat_last_n', 'mirostat'}))})")
+                          f"{', '.join(sorted(set(_OPTIONS) | {'num_ctx', 'num_keep', 'repeat_last_n', 'mirostat'}))})")
             if k == "num_predict" and isinstance(v, int) and v < 0:
                 continue                          # -1: until the context ends (Kiln's default)
             out[_OPTIONS[k]] = v
         p = sampling_params(out)
+        keep = opts.get("num_keep")             # what a context shift keeps (shift: true)
+        if keep is not None:
+            if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1:
+                raise bad("options.num_keep", "num_keep must be an integer ≥ -1 (-1: the whole prompt)")
+            p["n_keep"] = keep
         # repeat_last_n, and mirostat only at 0 (off)
         p.update(llama_params({k: opts[k] for k in _LLAMA_OPTIONS if k in opts}))
         return p
@@ -140,6 +145,7 @@ class Ollama:
         """Generate and answer in Ollama's shape: NDJSON chunks, or one object."""
         params = self._options(body)              # first: it checks that options is an object
         params.update(self._logprobs(body))
+        params.update(self._shift(body))
         work = Work(**given, model=body["model"], params=params, **self._min_ctx(body), **keep_alive(body))
         shape = OllamaShape(kind, body["model"], with_lp=body.get("logprobs") is True)
         self.pipe.generate(req, resp, work, shape, stream_flag(body, default=True))
@@ -193,15 +199,19 @@ class Ollama:
     @staticmethod
     def _truncate(body: dict) -> dict:
         """truncate: true drops the oldest messages (after the system ones) until the prompt fits,
-        as Ollama's chat does; Kiln's default (false) is the 400 that says the prompt is too long.
-        shift (sliding the context during generation) is not done here: refused when asked."""
-        for k in ("truncate", "shift"):
-            if body.get(k) is not None and not isinstance(body[k], bool):
-                raise bad(k, f"{k} must be a boolean", "invalid_type")
-        if body.get("shift"):
-            raise bad("shift", "shift is not supported: Kiln does not slide the context during generation; an answer "
-                               "stops at the context's end (done_reason \"length\"); leave it out or set it false")
+        as Ollama's chat does; Kiln's default (false) is the 400 that says the prompt is too long."""
+        if body.get("truncate") is not None and not isinstance(body["truncate"], bool):
+            raise bad("truncate", "truncate must be a boolean", "invalid_type")
         return {"truncation": "auto"} if body.get("truncate") else {}
+
+    @staticmethod
+    def _shift(body: dict) -> dict:
+        """shift: true slides the context when an answer reaches its end (keeping options.num_keep
+        tokens, dropping half of the rest) instead of stopping there — Kiln's context_shift; off
+        unless asked (or the worker's context_shift setting is on)."""
+        if body.get("shift") is not None and not isinstance(body["shift"], bool):
+            raise bad("shift", "shift must be a boolean", "invalid_type")
+        return {} if body.get("shift") is None else {"context_shift": body["shift"]}
 
     def on_post_generate(self, req, resp):
         body = self._body(req, _GENERATE_FIELDS)
@@ -337,8 +347,7 @@ class OllamaShape(Shape):
                 "prompt_eval_count": u["prompt_tokens"] - u.get("cached_tokens", 0),
                 "prompt_eval_duration": _ns(tm.get("prefill_s", 0)),
                 "eval_count": u["completion_tokens"], "eval_duration": _ns(tm.get("decode_s", 0)),
-                # Kiln's word that truncate dropped the oldest messages (how many), if it did
-                **({"truncated_messages": final["truncated_messages"]} if final.get("truncated_messages") else {})}
+                **context_notes(final)}
 
     def _logprobs(self, parts: list[dict]) -> dict:
         """Ollama's `logprobs`: one entry per generated token (its alternatives when asked)."""

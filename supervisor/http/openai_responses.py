@@ -20,7 +20,7 @@ from .work import Work, model_of
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "stream", "temperature",
           "top_p", "max_output_tokens", "text", "reasoning", "store", "truncation", "adapter", "keep_alive",
-          "include", "top_logprobs"} | IGNORED
+          "include", "top_logprobs", "context_shift"} | IGNORED
 _STATEFUL = {"previous_response_id": "Kiln keeps no responses: send the whole conversation in input",
              "conversation": "Kiln keeps no conversations: send the whole conversation in input",
              "background": "Kiln answers in the foreground only; use stream for long answers",
@@ -107,7 +107,8 @@ def chat_body(body: dict) -> dict:
     if body.get("store") not in (None, False):
         raise bad("store", "store must be false: Kiln keeps no responses (leave it out or set it false)")
     chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "parallel_tool_calls",
-                                                  "tool_choice", "adapter", "keep_alive", "truncation") if k in body}
+                                                  "tool_choice", "adapter", "keep_alive", "truncation", "context_shift")
+                              if k in body}
     chat["messages"] = input_messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Iterator
 
-from .common import JSONError, token_logprobs
+from .common import JSONError, context_notes, token_logprobs
 from .pipeline import Shape
 
 LOGPROBS = "message.output_text.logprobs"
@@ -73,8 +73,7 @@ def _finished(shell: dict, items: list[dict], final: dict) -> dict:
     cut = final.get("finish_reason") == "length"
     return {**shell, "status": "incomplete" if cut else "completed", "output": items, "usage": _usage(final),
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            # Kiln's word that truncation "auto" dropped the oldest input items (how many), if it did
-            **({"truncated_messages": final["truncated_messages"]} if final.get("truncated_messages") else {})}
+            **context_notes(final)}
 
 
 class ResponseShape(Shape):

@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 
-from .common import token_logprobs
+from .common import context_notes, token_logprobs
 from .pipeline import Shape
 
 
@@ -83,12 +83,7 @@ def completion_logprobs(toks: list[dict]) -> dict:
 def whole(meta: dict, chat: bool, choices: list[Choice], usage_of: dict, with_lp: bool) -> dict:
     return {**meta, "object": "chat.completion" if chat else "text_completion",
             "choices": [c.whole(chat, with_lp) for c in choices], "usage": usage(usage_of),
-            "system_fingerprint": "kiln", **truncated(usage_of)}
-
-
-def truncated(final: dict) -> dict:
-    """Kiln's word that `truncation: "auto"` dropped the oldest messages (how many), if it did."""
-    return {"truncated_messages": final["truncated_messages"]} if final.get("truncated_messages") else {}
+            "system_fingerprint": "kiln", **context_notes(usage_of)}
 
 
 def sse(payload: dict | str) -> bytes:
@@ -146,7 +141,7 @@ class StreamShapes:
             i = f.get("index", 0)
             if self.chat:
                 out.append(self.event({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(f)},
-                                      **truncated(f)))
+                                      **context_notes(f)))
             else:
                 out.append(self.event({"index": i, "text": "", "logprobs": None, "finish_reason": finish_reason(f)}))
         if include_usage:

@@ -16,7 +16,7 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
              "seed", "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "n", "logit_bias", "typical_p"}
-_COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "speculative"} | _SAMPLING
+_COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "speculative", "context_shift"} | _SAMPLING
 # grammar (GBNF) and json_schema: llama-server's, on its OpenAI-style routes too
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "response_format", "chat_template_kwargs", "reasoning_effort", "grammar", "json_schema",
@@ -97,6 +97,7 @@ def sampling_params(body: dict, min_tokens: int = 1, unbounded: bool = False) ->
         if not isinstance(body["ignore_eos"], bool):
             raise bad("ignore_eos", "ignore_eos must be a boolean", "invalid_type")
         p["ignore_eos"] = body["ignore_eos"]
+    p.update(context_shift(body))
     n = _number(body, "n", *BOUNDS["n"][1:], int)
     if n is not None and n > 1:
         p["n"] = n
@@ -119,6 +120,24 @@ def sampling_params(body: dict, min_tokens: int = 1, unbounded: bool = False) ->
         p["logit_bias"] = pairs
     if "seed" in p:
         p["seed"] = p["seed"] % (2**63)
+    return p
+
+
+def context_shift(body: dict) -> dict:
+    """Kiln's `context_shift` (llama-server's --context-shift, per request; Ollama's `shift`): an
+    answer that reaches the context's end drops the older half of what follows the first n_keep
+    tokens and goes on (native/generate.py shift_plan); false: it stops there ("length"), whatever
+    the worker's context_shift setting says. n_keep / n_discard: llama-server's, where a dialect
+    admits them."""
+    p: dict[str, Any] = {}
+    if body.get("context_shift") is not None:
+        if not isinstance(body["context_shift"], bool):
+            raise bad("context_shift", "context_shift must be a boolean", "invalid_type")
+        p["context_shift"] = body["context_shift"]
+    for name in ("n_keep", "n_discard"):
+        v = _number(body, name, *BOUNDS[name][1:], int)
+        if v is not None:
+            p[name] = v
     return p
 
 
