@@ -153,6 +153,34 @@ class KVCache:
         with sliding-window layers that drop keys as they go."""
         return not self._recurrent_shapes and not self._windows
 
+    def row_bytes(self) -> int:
+        """Bytes one position takes in every layer that keeps keys and values."""
+        kv_layers = self.n_layer - len(self._recurrent_shapes) - len(self._windows)
+        return kv_layers * self.n_head_kv * (self.k_type.row_bytes(self.head_dim) + self.v_type.row_bytes(self.head_dim))
+
+    def export_rows(self, a: int, b: int) -> np.ndarray:
+        """Positions a..b-1 of every layer, keys then values, as one uint8 array (a prefix
+        cache's block, native/prefix_cache.py). Only for caches that keep every position."""
+        if not self.can_rewind or not 0 <= a <= b <= self.n:
+            raise ValueError(f"positions {a}..{b - 1} cannot be exported from a cache of {self.n}")
+        return np.concatenate([np.ascontiguousarray(buf[a:b]).view(np.uint8).reshape(-1)
+                               for i in range(self.n_layer) for buf in (self._k[i], self._v[i])])
+
+    def import_rows(self, tokens: list[int], payload: np.ndarray) -> None:
+        """Append len(tokens) positions whose rows export_rows() gave (same model, same types)."""
+        T = len(tokens)
+        if not self.can_rewind or payload.nbytes != T * self.row_bytes():
+            raise ValueError(f"{payload.nbytes} bytes are not {T} positions of this cache")
+        self._reserve(self.n + T)
+        at = 0
+        for i in range(self.n_layer):
+            for buf in (self._k[i], self._v[i]):
+                dst = buf[self.n:self.n + T]
+                n = dst.nbytes
+                dst.view(np.uint8).reshape(-1)[:] = payload[at:at + n]
+                at += n
+        self.commit(tokens)
+
     @property
     def can_shift(self) -> bool:
         """Can the context shift (shift())? Not with a recurrent state, nor with sliding-window

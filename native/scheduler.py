@@ -2,7 +2,9 @@
 
 A `Scheduler` thread owns `slots` sequences (each with its own KV cache). New requests wait in
 FIFO order for a free slot — the one whose cache shares the longest prefix with the prompt, so
-a follow-up turn reuses its conversation — and are prefilled on admission. Then every active
+a follow-up turn reuses its conversation, and further along from the worker's prefix cache
+(native/prefix_cache.py: blocks any sequence computed, in RAM or on disk) — and are prefilled
+on admission. Then every active
 request advances by one token in a single `forward_batch` step, which reads the weights once
 for the whole batch. On the compiled kernels each row is bit-identical to running that request
 alone, so batching never changes an answer.
@@ -64,8 +66,9 @@ class Scheduler:
 
     def __init__(self, model: Model, n_ctx: int, slots: int = DEFAULT_PARALLEL, prefill_ratio: float = 3.0,
                  prefill_chunk: int = 0, speculative: bool = True, threads: int | None = None,
-                 draft_model: DraftModel | None = None, draft_min: int = 0):
+                 draft_model: DraftModel | None = None, draft_min: int = 0, prefix=None):
         self.model, self.n_ctx = model, n_ctx
+        self.prefix = prefix                    # a PrefixCache shared by the sequences, or None
         self.draft_model = draft_model          # drafts from a second model, else prompt lookup
         self.draft_min = draft_min              # check at least this many draft tokens (0: as they pay)
         # compute threads: fixed when given, else as many as the cores other processes leave
@@ -113,6 +116,7 @@ class Scheduler:
             return {"active": len(self.active), "prefilling": len(self.prefilling), "waiting": len(self.waiting),
                     "slots": len(self.seqs), "speculative": dict(self.spec), "threads": self.threads,
                     "prefill_rides": self.rides,
+                    "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
                     "other_processes_cores": round(self.share.others, 2) if self.share else None}
 
     # -- the scheduler thread ------------------------------------------------------------------
@@ -169,12 +173,33 @@ class Scheduler:
             if job.cancelled():
                 raise _Cancelled()
             job.gen = Generation(self.model, job.prompt, job.params, index=job.index, show=job.show)
-            job.pos = job.gen.cached = self.seqs[job.slot].start(job.prompt, job.adapter)
+            seq = self.seqs[job.slot]
+            job.pos = job.gen.cached = self._from_prefix_cache(seq.cache, job.prompt, seq.start(job.prompt, job.adapter))
             self.prefilling.append(job)
         except _Cancelled:
             self._end_group(job, None)
         except Exception as e:  # noqa: BLE001 - reported to the request, the scheduler goes on
             self._end_group(job, e)
+
+    def _from_prefix_cache(self, cache, prompt: list[int], reuse: int) -> int:
+        prefix = self.prefix
+        if prefix is None:
+            return reuse
+        try:
+            return prefix.extend(cache, prompt, reuse)
+        except Exception as e:  # noqa: BLE001 - a cache's fault costs a prefill, never the request
+            prefix.log(f"reading cached blocks failed ({type(e).__name__}: {e}); the prompt is computed instead")
+            cache.truncate(0)
+            return 0
+
+    def _to_prefix_cache(self, cache) -> None:
+        prefix = self.prefix
+        if prefix is None:
+            return
+        try:
+            prefix.publish(cache)
+        except Exception as e:  # noqa: BLE001
+            prefix.log(f"keeping the prompt's blocks failed ({type(e).__name__}: {e})")
 
     def _prefill_budget(self) -> int:
         if not self.active:
@@ -222,6 +247,8 @@ class Scheduler:
 
     def _prefilled(self, job: Job, logits: np.ndarray) -> None:
         job.logits = logits
+        if job.slot is not None:
+            self._to_prefix_cache(self.seqs[job.slot].cache)
         self._ready(job)
         for follower in job.group[1:]:
             self._follow(follower, job)

@@ -125,7 +125,9 @@ print(maps, psutil.Process().memory_info().rss)
                                         check=True).stdout.split()[-2:])
     assert maps == 1
     from kiln.native.models.plan import plan
-    planned = plan(default_model_path, ctx=256)["total_bytes"]
+    p = plan(default_model_path, ctx=256)
+    planned = p["total_bytes"] - p["prefix_cache_bytes"]          # a bare generation keeps no prefix cache
+    assert 0 < p["prefix_cache_bytes"] <= 2 * p["kv_cache_bytes"] // p["parallel"]
     assert abs(planned - rss) / rss <= 0.15, (planned, rss)
 
 
@@ -165,7 +167,7 @@ def test_inspect_and_plan_on_the_moe_variants(e8k8_path, e8k2_path):
         assert info["moe"]["experts"] == 8 and info["moe"]["experts_used"] == k and info["moe"]["expert_bytes"] == 30 * 3 * 1536 * 576 * 20 // 32
         p = plan(path, ctx=1024)
         assert p["verdict"] == "fits" and p["expert_bytes"] == info["moe"]["expert_bytes"]
-        room = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["runtime_bytes"] + 70 * p["expert_bytes"] // (30 * 8)
+        room = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["prefix_cache_bytes"] + p["runtime_bytes"] + 70 * p["expert_bytes"] // (30 * 8)
         tight = plan(path, ctx=1024, available=int(room / 0.9))          # 70 of the 240 experts fit
         assert tight["verdict"] == "streams" and tight["expert_cache_slots"] >= 2 * 30
 

@@ -32,7 +32,7 @@ from kiln.native.tokenizer import TokenizerError, TooManyTokens
 
 from kiln.protocol import vocab
 
-from . import chat_plan
+from . import chat_plan, prefix_setup
 from .chat_plan import ChatPlan, PlanError
 from .context_fit import answer_room, fit_turns
 from .runtime import main
@@ -85,6 +85,10 @@ class InferenceWorker(Worker):
                                    speculative=bool(st.get("speculative", True)),
                                    threads=int(st["threads"]) if st.get("threads") else None,
                                    draft_model=draft, draft_min=int(st.get("draft_min") or 0))
+        try:                           # blocks of prompts any sequence computed, in RAM and on disk
+            prefix_setup.attach(self.scheduler, self.model, self.n_ctx, st)
+        except prefix_setup.PrefixSettingError as e:
+            raise BootError(str(e)) from None
         try:
             self.template = template_for(self.model)
         except TemplateError:

@@ -14,6 +14,7 @@ from ..config import read_config
 from ..gguf_file import read_gguf
 from ..kernels import COMPILED_TYPES, kernel_info
 from ..kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
+from ..prefix_cache import auto_ram_bytes
 from ..scheduler import DEFAULT_PARALLEL
 
 RUNTIME_BYTES = 120 * 2**20      # Python, numpy, tokenizer, scratch activations (measured ~100 MB)
@@ -46,6 +47,16 @@ def _kv_per_sequence(c, ctx: int, kv: tuple = DEFAULT_KV) -> int:
     return fam.kv_bytes_per_token(c, kb, vb) * ctx + fam.window_kv_bytes(c, kb, vb) + fam.recurrent_state_bytes(c)
 
 
+def _prefix_cache_bytes(c, ctx: int, kv: tuple = DEFAULT_KV) -> int:
+    """A worker's prefix cache at its default budget (workers/prefix_setup.py) — none for a model
+    with sliding-window or recurrent layers, which it does not cache."""
+    fam = family(c.arch)
+    kb, vb = (kv_type(t).bytes_per_value for t in kv)
+    if fam.window_kv_bytes(c, kb, vb) or fam.recurrent_state_bytes(c):
+        return 0
+    return auto_ram_bytes(int(fam.kv_bytes_per_token(c, kb, vb) * ctx))
+
+
 def _kv_name(kv: tuple) -> str:
     return kv[0] if kv[0] == kv[1] else f"{kv[0]}/{kv[1]}"
 
@@ -65,7 +76,7 @@ def default_context(c, weights: int, budget: int | None, parallel: int, kv: tupl
         return ctx, "trained" if ctx == trained else f"of {trained:,} trained: no memory budget to size it by"
     steps = sorted({min(trained, CONTEXT_STEPS[0])} | {s for s in CONTEXT_STEPS if s < trained}, reverse=True)
     for ctx in steps:
-        if weights + parallel * _kv_per_sequence(c, ctx, kv) + RUNTIME_BYTES <= budget:
+        if weights + parallel * _kv_per_sequence(c, ctx, kv) + _prefix_cache_bytes(c, ctx, kv) + RUNTIME_BYTES <= budget:
             if ctx == trained:
                 return ctx, "trained"
             capped = " (at most 32,768 unless [models] ctx says more)" if ctx == CONTEXT_STEPS[0] else ""
@@ -93,19 +104,21 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
     ctx, why = (ctx, "configured") if ctx else default_context(c, weights, budget, parallel, kv)
     kv_seq = _kv_per_sequence(c, ctx, kv)
     kv_bytes = kv_seq * parallel
+    prefix_bytes = _prefix_cache_bytes(c, ctx, kv)
     draft_bytes = 0
     if draft is not None:
         dg = read_gguf(draft, skip_arrays=True)
         draft_weights = sum(_weights(dg, compiled)[1].values())
         draft_kv = _kv_per_sequence(read_config(dg), ctx) * parallel      # a draft's cache stays fp16
         draft_bytes = draft_weights + draft_kv
-    total = weights + kv_bytes + draft_bytes + RUNTIME_BYTES
+    total = weights + kv_bytes + prefix_bytes + draft_bytes + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
     out = {"model": str(path), "architecture": c.arch, "context": ctx, "context_why": why,
            "kernel_path": "compiled" if compiled else "numpy",
            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
            "kv_cache_bytes": kv_bytes, "kv_per_sequence_bytes": kv_seq, "kv_types": list(kv), "parallel": parallel,
+           "prefix_cache_bytes": prefix_bytes,
            "recurrent_state_bytes": family(c.arch).recurrent_state_bytes(c),
            "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
            "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
@@ -115,9 +128,9 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
         out["verdict"] = "fits"
         out["advice"] = f"needs {total / 2**30:.2f} GiB of {avail / 2**30:.2f} GiB available"
         return out
-    if c.is_moe and non_expert + kv_bytes + draft_bytes + RUNTIME_BYTES < 0.9 * avail:
+    if c.is_moe and non_expert + kv_bytes + prefix_bytes + draft_bytes + RUNTIME_BYTES < 0.9 * avail:
         per_expert = expert_bytes / max(1, c.n_layer * c.n_expert)
-        cache = 0.9 * avail - (non_expert + kv_bytes + draft_bytes + RUNTIME_BYTES)
+        cache = 0.9 * avail - (non_expert + kv_bytes + prefix_bytes + draft_bytes + RUNTIME_BYTES)
         slots = int(cache // per_expert)
         if slots >= MIN_EXPERT_CACHE_SLOTS * c.n_layer:
             frac = min(1.0, slots / (c.n_layer * c.n_expert))

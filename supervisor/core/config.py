@@ -136,6 +136,10 @@ _INFERENCE_SETTINGS = {
     "kv_type": "the KV cache's type: f16, q8_0 or q4_0 (default: [models] kv_type)",
     "kv_type_k": "the keys' type only (llama.cpp's -ctk)",
     "kv_type_v": "the values' type only (llama.cpp's -ctv)",
+    "prefix_cache": "RAM for blocks of prompts any sequence computed, shared by all of them: auto (one "
+                    "sequence's whole-context KV, at most 1 GiB), a size, or off",
+    "prefix_cache_disk": "disk for those blocks under KILN_HOME/cache/prefix, read back after a restart "
+                         "and by other workers of the model: auto (4 GiB), a size, or off",
     "context_shift": "an answer reaching the context's end drops the older half after the first tokens and "
                      "goes on (llama-server's --context-shift; default false: it stops, \"length\")",
 }
