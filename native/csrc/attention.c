@@ -2,6 +2,8 @@
  * result depends only on its position and the cache — batch-invariant. */
 #include "kiln.h"
 
+#define GROUP_ROWS 4        /* rows of a prompt whose queries walk the keys together */
+
 #ifdef KILN_X86
 /* attention helpers */
 AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
@@ -22,9 +24,7 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
 #define RND_F16(x) _cvtsh_ss(_cvtss_sh((x), 0))
 #define RND8_NONE(x) (x)
 #define RND8_F16(x) _mm256_cvtph_ps(_mm256_cvtps_ph((x), 0))
-#define LD8_F32(p) _mm256_loadu_ps(p)
 #define LD1_F32(x) (x)
-#define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define LD1_F16(x) _cvtsh_ss(x)
 /* The pieces of a task, each usable alone so that a long decode can deal one (row, head)
  * between the threads (attention_decode_split): scores of keys s0..s1-1 (four at a time, each
@@ -224,6 +224,34 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
         return;
     }
 #ifdef KILN_X86
+    if (g_avx2 && D % 64 == 0 && D <= 512 && G <= 64) {
+        /* a KV head's query heads and GROUP_ROWS rows at once (attention_group.c): each key and
+           value row read once for all of them; head-major blocks dealt round-robin */
+        int nb = (T + GROUP_ROWS - 1) / GROUP_ROWS, nqm = GROUP_ROWS * G;
+        size_t ks = (size_t)Hkv * D;
+        #pragma omp parallel num_threads(nt) if(T * Hkv > 1)
+        {
+            float *rows = malloc((size_t)nqm * ((size_t)S + 8) * sizeof(float));
+            float *acc = aligned_alloc(32, (size_t)nqm * 8 * D * sizeof(float));
+            float *qr = malloc((size_t)nqm * D * sizeof(float));
+            AttnQuery qs[GROUP_ROWS * 64];
+            #pragma omp for schedule(static, 1)
+            for (int task = 0; task < Hkv * nb; task++) {
+                int kh = task / nb, t0 = (task % nb) * GROUP_ROWS, t1 = t0 + GROUP_ROWS < T ? t0 + GROUP_ROWS : T, nq = 0;
+                for (int t = t0; t < t1; t++)
+                    for (int g = 0; g < G; g++, nq++) {
+                        int h = kh * G + g;
+                        qs[nq] = (AttnQuery){Q + ((size_t)t * H + h) * D, qr + (size_t)nq * D, start + t + 1,
+                                             rows + (size_t)nq * ((size_t)S + 8), acc + (size_t)nq * 8 * D,
+                                             O + ((size_t)t * H + h) * D, sinks ? sinks + h : NULL};
+                    }
+                attn_group(qs, nq, (const uint8_t *)K + (size_t)kh * D * (f16 ? 2 : 4),
+                           (const uint8_t *)V + (size_t)kh * D * (f16 ? 2 : 4), ks, D, f16, scale, win);
+            }
+            free(rows); free(acc); free(qr);
+        }
+        return;
+    }
     if (g_avx2) {
         #pragma omp parallel num_threads(nt) if(T * H > 1)
         {

@@ -213,6 +213,28 @@ void attn_f32_vlanes(const float *row, const float *V, int h, int H, int Hkv, in
 void attn_f16_vlanes(const float *row, const uint16_t *V, int h, int H, int Hkv, int D, int n, int i0, int i1,
                      float *acc);
 void attn_reduce_lanes(const float *acc, float *o, int D);
+#define LD8_F32(p) _mm256_loadu_ps(p)
+#define LD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#endif
+
+/* ---- attention_group.c: the query heads of one KV head, and a sequence's rows, at once -------- */
+typedef struct {
+    const float *q;       /* the query (D values) */
+    float *qr;            /* scratch: it rounded as the cache's type (attn_group_prepare) */
+    int n;                /* the keys it sees: positions 0..n-1 */
+    float *row;           /* its scores (n + 8) */
+    float *acc;           /* 8 lanes x D */
+    float *out;           /* its output (D) */
+    const float *sink;    /* its head's sink logit, or NULL */
+} AttnQuery;
+#ifdef KILN_X86
+void attn_group_prepare(AttnQuery *qs, int nq, int D, int f16);
+void attn_group_scores(AttnQuery *qs, int nq, const void *K0, size_t ks, int D, int f16, int s0, int s1, float scale);
+void attn_group_softmax(AttnQuery *qs, int nq, int f16, int win);
+void attn_group_values(AttnQuery *qs, int nq, const void *V0, size_t ks, int D, int f16, int i0, int i1);
+void attn_group_reduce(AttnQuery *qs, int nq, int D);
+void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks, int D, int f16, float scale,
+                int win);
 #endif
 
 /* ---- kv_quant.c ----------------------------------------------------------------------------- */

@@ -1,0 +1,109 @@
+/* Attention for the query heads that share one KV head, and the rows of one sequence, at once.
+ *
+ * attention.c's task reads a head's keys and values for each (row, head): with grouped-query
+ * attention (three to eight query heads per KV head) and a prompt's rows, every key is read from
+ * memory that many times — at a long context, where keys and values are megabytes per layer,
+ * attention is then bound by memory, not arithmetic. Here a group of queries walks the keys
+ * once: each key row is widened once and dotted with every query that sees it, each value row
+ * added into every query's lanes. Each query's arithmetic is exactly attention.c's task — a
+ * key's dot one FMA chain over the dimensions then hsum_avx, the softmax as ggml's, lane
+ * (position mod 8) sums in position order, the lanes reduced alike — so the bits do not depend
+ * on what else is in the group: batch-invariant as before. Plain caches (float32, fp16) with
+ * D % 64 == 0; the others take attention.c's and kv_quant.c's tasks. */
+#include "kiln.h"
+
+#ifdef KILN_X86
+/* the query, rounded as the cache's type rounds it (fp16: as ggml rounds it before its fp16 dot) */
+AVX2 void attn_group_prepare(AttnQuery *qs, int nq, int D, int f16) {
+    for (int j = 0; j < nq; j++)
+        for (int i = 0; i < D; i++) qs[j].qr[i] = f16 ? _cvtsh_ss(_cvtss_sh(qs[j].q[i], 0)) : qs[j].q[i];
+}
+
+/* the bodies take the number of 8-wide pieces of a row (D / 8) as a constant where they can
+ * (64 and 128 dimensions): a key then lives in registers and the loops unroll */
+#define GROUP_PHASES(NAME, T, LD8)                                                                   \
+AVX2 static inline __attribute__((always_inline)) void NAME##_scores_nv(                            \
+        AttnQuery *qs, int nq, const T *K0, size_t ks, int nv, int s0, int s1, float scale) {     \
+    __m256 kk[64];                                  /* D <= 512 */                               \
+    for (int s = s0; s < s1; s++) {                                                               \
+        const T *k = K0 + (size_t)s * ks;                                                         \
+        for (int i = 0; i < nv; i++) kk[i] = LD8(k + 8 * i);                                      \
+        for (int j = 0; j < nq; j++) {                                                            \
+            if (s >= qs[j].n) continue;                                                           \
+            const float *q = qs[j].qr;                                                            \
+            __m256 a = _mm256_setzero_ps();                                                       \
+            for (int i = 0; i < nv; i++) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), kk[i], a); \
+            qs[j].row[s] = hsum_avx(a) * scale;                                                   \
+        }                                                                                         \
+    }                                                                                             \
+}                                                                                                 \
+AVX2 static void NAME##_scores(AttnQuery *qs, int nq, const T *K0, size_t ks, int D, int s0, int s1, \
+                               float scale) {                                                     \
+    if (D == 64) NAME##_scores_nv(qs, nq, K0, ks, 8, s0, s1, scale);                              \
+    else if (D == 128) NAME##_scores_nv(qs, nq, K0, ks, 16, s0, s1, scale);                       \
+    else NAME##_scores_nv(qs, nq, K0, ks, D / 8, s0, s1, scale);                                  \
+}                                                                                                 \
+AVX2 static inline __attribute__((always_inline)) void NAME##_values_nv(                            \
+        AttnQuery *qs, int nq, const T *V0, size_t ks, int D, int i0, int i1, int nmax) {         \
+    for (int base = 0; base < nmax; base += 8)                                                    \
+        for (int l = i0; l < i1 && base + l < nmax; l++) {                                        \
+            int p = base + l;                                                                     \
+            const T *v = V0 + (size_t)p * ks;                                                     \
+            __m256 vv[64];                                                                        \
+            for (int d = 0; d < D / 8; d++) vv[d] = LD8(v + 8 * d);                               \
+            for (int j = 0; j < nq; j++) {                                                        \
+                if (p >= qs[j].n) continue;                                                       \
+                __m256 pr = _mm256_set1_ps(qs[j].row[p]);                                         \
+                float *a = qs[j].acc + (size_t)l * D;                                             \
+                for (int d = 0; d < D / 8; d++)                                                   \
+                    _mm256_store_ps(a + 8 * d, _mm256_fmadd_ps(vv[d], pr, _mm256_load_ps(a + 8 * d))); \
+            }                                                                                     \
+        }                                                                                         \
+}                                                                                                 \
+AVX2 static void NAME##_values(AttnQuery *qs, int nq, const T *V0, size_t ks, int D, int i0, int i1) { \
+    int nmax = 0;                                                                                 \
+    for (int j = 0; j < nq; j++) {                                                                \
+        if (qs[j].n > nmax) nmax = qs[j].n;                                                       \
+        for (int i = i0 * D; i < i1 * D; i += 8) _mm256_store_ps(qs[j].acc + i, _mm256_setzero_ps()); \
+    }                                                                                             \
+    if (D == 64) NAME##_values_nv(qs, nq, V0, ks, 64, i0, i1, nmax);                              \
+    else if (D == 128) NAME##_values_nv(qs, nq, V0, ks, 128, i0, i1, nmax);                       \
+    else NAME##_values_nv(qs, nq, V0, ks, D, i0, i1, nmax);                                       \
+}
+GROUP_PHASES(group_f32, float, LD8_F32)
+GROUP_PHASES(group_f16, uint16_t, LD8_F16)
+
+void attn_group_scores(AttnQuery *qs, int nq, const void *K0, size_t ks, int D, int f16, int s0, int s1,
+                       float scale) {
+    if (f16) group_f16_scores(qs, nq, (const uint16_t *)K0, ks, D, s0, s1, scale);
+    else group_f32_scores(qs, nq, (const float *)K0, ks, D, s0, s1, scale);
+}
+
+void attn_group_softmax(AttnQuery *qs, int nq, int f16, int win) {
+    for (int j = 0; j < nq; j++) {
+        if (f16) attn_f16_softmax(qs[j].row, qs[j].n, win, qs[j].sink);
+        else attn_f32_softmax(qs[j].row, qs[j].n, win, qs[j].sink);
+    }
+}
+
+void attn_group_values(AttnQuery *qs, int nq, const void *V0, size_t ks, int D, int f16, int i0, int i1) {
+    if (f16) group_f16_values(qs, nq, (const uint16_t *)V0, ks, D, i0, i1);
+    else group_f32_values(qs, nq, (const float *)V0, ks, D, i0, i1);
+}
+
+void attn_group_reduce(AttnQuery *qs, int nq, int D) {
+    for (int j = 0; j < nq; j++) attn_reduce_lanes(qs[j].acc, qs[j].out, D);
+}
+
+/* the whole of it, for one thread */
+void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks, int D, int f16, float scale,
+                int win) {
+    int nmax = 0;
+    for (int j = 0; j < nq; j++) if (qs[j].n > nmax) nmax = qs[j].n;
+    attn_group_prepare(qs, nq, D, f16);
+    attn_group_scores(qs, nq, K0, ks, D, f16, 0, nmax, scale);
+    attn_group_softmax(qs, nq, f16, win);
+    attn_group_values(qs, nq, V0, ks, D, f16, 0, 8);
+    attn_group_reduce(qs, nq, D);
+}
+#endif
