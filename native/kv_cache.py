@@ -166,6 +166,19 @@ class KVCache:
         return np.concatenate([np.ascontiguousarray(buf[a:b]).view(np.uint8).reshape(-1)
                                for i in range(self.n_layer) for buf in (self._k[i], self._v[i])])
 
+    def reserve(self, total: int) -> None:
+        """Room for `total` positions at once (a prefix cache bringing in many blocks: one
+        allocation, not one per chunk)."""
+        self._reserve(total)
+
+    def row_views(self, T: int) -> list[np.ndarray]:
+        """uint8 views of positions n..n+T-1 of every layer, keys then values — export_rows()'s
+        order — to be filled in place and then commit()ted (after reserve())."""
+        if not self.can_rewind or self.n + T > self._cap:
+            raise ValueError(f"no room reserved for {T} more positions")
+        return [buf[self.n:self.n + T].view(np.uint8).reshape(-1)
+                for i in range(self.n_layer) for buf in (self._k[i], self._v[i])]
+
     def import_rows(self, tokens: list[int], payload: np.ndarray) -> None:
         """Append len(tokens) positions whose rows export_rows() gave (same model, same types)."""
         T = len(tokens)
@@ -173,12 +186,9 @@ class KVCache:
             raise ValueError(f"{payload.nbytes} bytes are not {T} positions of this cache")
         self._reserve(self.n + T)
         at = 0
-        for i in range(self.n_layer):
-            for buf in (self._k[i], self._v[i]):
-                dst = buf[self.n:self.n + T]
-                n = dst.nbytes
-                dst.view(np.uint8).reshape(-1)[:] = payload[at:at + n]
-                at += n
+        for dst in self.row_views(T):
+            dst[:] = payload[at:at + dst.nbytes]
+            at += dst.nbytes
         self.commit(tokens)
 
     @property

@@ -11,7 +11,8 @@ a position's keys and values the same whether its prompt was run in one piece or
 In RAM: the most recently used blocks under a byte budget. On disk: one file per block under
 KILN_HOME/cache/prefix/MODEL-SHA256-KTYPE-VTYPE/, written by a background thread (tmp, then
 rename), the least recently used deleted past a byte budget. A file names its model's sha256,
-the cache types and shapes, its tokens and parent, and a sha256 of its rows: a file that is
+the cache types and shapes, its tokens and parent, and a sha256 of its rows (native/kv_file.py),
+read straight into the cache and committed only when it checks out: a file that is
 not exactly the block asked for — another model's, truncated, a flipped bit, garbage — is
 ignored with a log line, deleted, and the positions computed instead. Only what a plain run of
 a prompt holds is published: no adapter's keys, nothing after a context shift; caches with
@@ -24,7 +25,6 @@ import hashlib
 import json
 import os
 import queue
-import struct
 import sys
 import threading
 from collections import OrderedDict
@@ -32,14 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
+from . import kv_file
 from .kv_cache import KVCache
 
-BLOCK = 64                   # positions per block: what a prompt's tail recomputes at most
+BLOCK = 32                   # positions per block: what a prompt's tail recomputes at most
 RAM_CAP = 1 << 30            # "auto" RAM budget: one sequence's whole-context KV, at most this
-MAGIC = b"KILNKVB\0"
-VERSION = 1
-_HEAD = struct.Struct("<8sII")          # magic, version, header length
-MAX_HEADER = 64 * 1024
 
 
 def chain_keys(tokens: list[int], n_blocks: int, root: bytes) -> list[bytes]:
@@ -79,26 +76,34 @@ class PrefixCache:
 
     def extend(self, cache: KVCache, prompt: list[int], reuse: int) -> int:
         """Bring `cache` (which holds `reuse` positions of `prompt`) further along `prompt` with
-        cached blocks, leaving at least one position to run; the positions it now holds."""
+        cached blocks, leaving at least one position to run; the positions it now holds. Blocks
+        on disk are read straight into the cache's rows and checked there (a bad one is left
+        uncommitted, and the positions from it on are computed)."""
         n_blocks = (len(prompt) - 1) // BLOCK
         first = reuse // BLOCK
         if n_blocks <= first or cache.adapter is not None or not cache.can_rewind:
             return reuse
         keys = chain_keys(prompt, n_blocks, self.root)
-        got = []
-        for i in range(first, n_blocks):
-            payload = self._get(keys[i], keys[i - 1] if i else None, prompt[i * BLOCK:(i + 1) * BLOCK])
-            if payload is None:
-                break
-            got.append(payload)
-        if not got or (first + len(got)) * BLOCK <= reuse:
+        last = first
+        while last < n_blocks and (keys[last] in self.blocks or self._on_disk(keys[last])):
+            last += 1
+        if last * BLOCK <= reuse:
             return reuse
         cache.truncate(first * BLOCK)
-        for i, payload in enumerate(got):
-            at = (first + i) * BLOCK
-            cache.import_rows(prompt[at:at + BLOCK], payload)
+        cache.reserve(last * BLOCK)
+        for i in range(first, last):
+            toks = prompt[i * BLOCK:(i + 1) * BLOCK]
+            with self.lock:
+                payload = self.blocks.get(keys[i])
+                if payload is not None:
+                    self.blocks.move_to_end(keys[i])
+                    self.counts["hits_ram"] += 1
+            if payload is not None:
+                cache.import_rows(toks, payload)
+            elif not self._read_into(cache, keys[i], keys[i - 1] if i else None, toks):
+                break
         with self.lock:
-            self.counts["reused_tokens"] += cache.n - reuse
+            self.counts["reused_tokens"] += max(0, cache.n - reuse)
         return cache.n
 
     def publish(self, cache: KVCache) -> int:
@@ -145,48 +150,24 @@ class PrefixCache:
                 _, old = self.blocks.popitem(last=False)
                 self.held -= old.nbytes
 
-    def _get(self, key: bytes, parent: bytes | None, tokens: list[int]) -> np.ndarray | None:
-        with self.lock:
-            payload = self.blocks.get(key)
-            if payload is not None:
-                self.blocks.move_to_end(key)
-                self.counts["hits_ram"] += 1
-                return payload
-        if self.dir is None:
-            return None
-        payload = self._read(key, parent, tokens)
-        if payload is not None:
-            self._put(key, payload)
-            with self.lock:
-                self.counts["hits_disk"] += 1
-        return payload
-
     # -- disk --------------------------------------------------------------------------------
 
-    def _header(self, key: bytes, parent: bytes | None, tokens: list[int], payload: np.ndarray) -> dict:
+    def _header(self, key: bytes, parent: bytes | None, tokens: list[int]) -> dict:
         return {"layout": self.layout, "key": key.hex(), "parent": parent.hex() if parent else None,
-                "tokens": [int(t) for t in tokens], "payload_bytes": int(payload.nbytes),
-                "payload_sha256": hashlib.sha256(payload).hexdigest()}
+                "tokens": [int(t) for t in tokens]}
 
     def _writer(self) -> None:
         used = self._scan()
         while True:
             key, parent, tokens, payload = self._writes.get()
             path = self.dir / key.hex()
-            head = json.dumps(self._header(key, parent, tokens, payload)).encode()
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
             try:
-                with open(tmp, "wb") as f:
-                    f.write(_HEAD.pack(MAGIC, VERSION, len(head)) + head)
-                    f.write(payload.data)
-                os.replace(tmp, path)
+                used += kv_file.write(path, self._header(key, parent, tokens), payload)
             except OSError as e:
                 self.log(f"cannot write {path}: {e}; the block stays in RAM only")
-                tmp.unlink(missing_ok=True)
                 continue
             with self.lock:
                 self.counts["written"] += 1
-            used += _HEAD.size + len(head) + payload.nbytes
             if used > self.disk_bytes:
                 used = self._trim()
 
@@ -211,39 +192,42 @@ class PrefixCache:
             used -= size
         return used
 
-    def _read(self, key: bytes, parent: bytes | None, tokens: list[int]) -> np.ndarray | None:
+    def _on_disk(self, key: bytes) -> bool:
+        return self.dir is not None and (self.dir / key.hex()).is_file()
+
+    def _read_into(self, cache: KVCache, key: bytes, parent: bytes | None, tokens: list[int]) -> bool:
+        """Read a block file into the cache's next rows and commit them — only when its header
+        is this block's and its rows are whole and match their checksum."""
         path = self.dir / key.hex()
+        want = {**self._header(key, parent, tokens), "payload_bytes": self.layout["block_bytes"]}
         try:
             with open(path, "rb") as f:
-                raw = f.read()
+                head = kv_file.read_header(f, want)
+                h = hashlib.sha256()
+                for dst in cache.row_views(BLOCK):
+                    if f.readinto(dst) != dst.nbytes:
+                        raise kv_file.KVFileError("holds fewer rows than its header says (truncated)")
+                    h.update(dst)
+                if f.read(1):
+                    raise kv_file.KVFileError("holds more bytes than its header says")
+            if h.hexdigest() != head.get("payload_sha256"):
+                raise kv_file.KVFileError("does not match its checksum (damaged)")
         except FileNotFoundError:
-            return None
+            return False
         except OSError as e:
-            return self._reject(path, f"cannot be read ({e})")
-        if len(raw) < _HEAD.size:
-            return self._reject(path, "is shorter than its header")
-        magic, version, n = _HEAD.unpack_from(raw)
-        if magic != MAGIC or version != VERSION or not 0 < n <= MAX_HEADER or len(raw) < _HEAD.size + n:
-            return self._reject(path, "is not a Kiln KV block of this version")
-        try:
-            head = json.loads(raw[_HEAD.size:_HEAD.size + n])
-        except (ValueError, UnicodeDecodeError):
-            return self._reject(path, "has a header that is not JSON")
-        payload = np.frombuffer(raw, np.uint8, offset=_HEAD.size + n)
-        want = {"layout": self.layout, "key": key.hex(), "parent": parent.hex() if parent else None,
-                "tokens": [int(t) for t in tokens], "payload_bytes": self.layout["block_bytes"]}
-        for field, value in want.items():
-            if not isinstance(head, dict) or head.get(field) != value:
-                return self._reject(path, f"is not this block ({field} differs: another model, cache type or prompt)")
-        if payload.nbytes != self.layout["block_bytes"]:
-            return self._reject(path, f"holds {payload.nbytes} bytes of rows, not {self.layout['block_bytes']} (truncated)")
-        if hashlib.sha256(payload).hexdigest() != head.get("payload_sha256"):
-            return self._reject(path, "does not match its checksum (damaged)")
+            self._reject(path, f"cannot be read ({e.strerror or e})")
+            return False
+        except kv_file.KVFileError as e:
+            self._reject(path, str(e))
+            return False
+        cache.commit(tokens)
         try:
             os.utime(path)                          # recently used: the last to be trimmed
         except OSError:
             pass
-        return payload
+        with self.lock:
+            self.counts["hits_disk"] += 1
+        return True
 
     def _reject(self, path: Path, why: str) -> None:
         self.log(f"ignored {path}: it {why}; those positions are computed instead")

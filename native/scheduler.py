@@ -69,6 +69,8 @@ class Scheduler:
                  draft_model: DraftModel | None = None, draft_min: int = 0, prefix=None):
         self.model, self.n_ctx = model, n_ctx
         self.prefix = prefix                    # a PrefixCache shared by the sequences, or None
+        self.rounds = 0                         # loop iterations (a prompt's blocks are kept a round later)
+        self.to_publish: list = []              # (round, cache) whose prompt's blocks go to the prefix cache
         self.draft_model = draft_model          # drafts from a second model, else prompt lookup
         self.draft_min = draft_min              # check at least this many draft tokens (0: as they pay)
         # compute threads: fixed when given, else as many as the cores other processes leave
@@ -119,6 +121,45 @@ class Scheduler:
                     "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
                     "other_processes_cores": round(self.share.others, 2) if self.share else None}
 
+    # -- slots (llama-server's /slots: workers/slots.py) -----------------------------------------
+
+    def slots_info(self) -> list[dict]:
+        with self.cond:
+            return [{"id": i, "is_processing": i not in self.free, "tokens_cached": s.cache.n}
+                    for i, s in enumerate(self.seqs)]
+
+    def _idle(self, i: int):
+        """Slot i's cache, when no request is using it (the caller holds model_lock and cond)."""
+        if i not in self.free:
+            raise SlotError(f"slot {i} is processing a request; try again when it is idle")
+        return self.seqs[i].cache
+
+    def slot_rows(self, i: int) -> tuple[list[int], np.ndarray]:
+        """The tokens and rows of slot i's plainly computed positions (kv_cache.py export_rows)."""
+        with self.model_lock, self.cond:
+            cache = self._idle(i)
+            if cache.adapter is not None or not cache.can_rewind:
+                raise SlotError(f"slot {i} cannot be saved: it holds a LoRA adapter's keys or this model's "
+                                f"cache drops positions (sliding-window or recurrent layers)")
+            return list(cache.tokens[:cache.exact]), cache.export_rows(0, cache.exact)
+
+    def slot_restore(self, i: int, tokens: list[int], payload: np.ndarray) -> None:
+        with self.model_lock, self.cond:
+            cache = self._idle(i)
+            if not cache.can_rewind:
+                raise SlotError("this model's cache drops positions (sliding-window or recurrent layers): "
+                                "a slot cannot be restored into it")
+            cache.truncate(0)
+            cache.adapter = None
+            cache.import_rows(tokens, payload)
+
+    def slot_erase(self, i: int) -> int:
+        with self.model_lock, self.cond:
+            cache = self._idle(i)
+            n = cache.n
+            cache.truncate(0)
+            return n
+
     # -- the scheduler thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -146,6 +187,7 @@ class Scheduler:
                         self._start(lead)
                     if not self._step():          # a step that carried a chunk was this round's prefill
                         self._prefill_some()
+                    self._publish_due()
                 except Exception as e:  # noqa: BLE001 - a fault of ours must not hang every request
                     self._fail_all(admit, e)
 
@@ -192,14 +234,22 @@ class Scheduler:
             cache.truncate(0)
             return 0
 
-    def _to_prefix_cache(self, cache) -> None:
+    def _publish_due(self) -> None:
+        """Keep the blocks of prompts prefilled before this round's step — after it, so that a
+        prompt's first token never waits for its copy into the prefix cache."""
+        self.rounds += 1
         prefix = self.prefix
         if prefix is None:
+            self.to_publish.clear()
             return
-        try:
-            prefix.publish(cache)
-        except Exception as e:  # noqa: BLE001
-            prefix.log(f"keeping the prompt's blocks failed ({type(e).__name__}: {e})")
+        idle = not (self.active or self.prefilling or self.waiting)     # nothing waits: all of them now
+        due = [c for r, c in self.to_publish if idle or r < self.rounds - 1]
+        self.to_publish = [(r, c) for r, c in self.to_publish if not idle and r >= self.rounds - 1]
+        for cache in due:
+            try:
+                prefix.publish(cache)
+            except Exception as e:  # noqa: BLE001
+                prefix.log(f"keeping the prompt's blocks failed ({type(e).__name__}: {e})")
 
     def _prefill_budget(self) -> int:
         if not self.active:
@@ -247,8 +297,8 @@ class Scheduler:
 
     def _prefilled(self, job: Job, logits: np.ndarray) -> None:
         job.logits = logits
-        if job.slot is not None:
-            self._to_prefix_cache(self.seqs[job.slot].cache)
+        if job.slot is not None and self.prefix is not None:
+            self.to_publish.append((self.rounds, self.seqs[job.slot].cache))
         self._ready(job)
         for follower in job.group[1:]:
             self._follow(follower, job)
@@ -429,3 +479,7 @@ class Scheduler:
 
 class _Cancelled(Exception):
     pass
+
+
+class SlotError(ValueError):
+    """A slot action that cannot be done now or on this cache (said to the caller)."""

@@ -47,6 +47,8 @@ SCHEMAS: dict[str, Schema] = {
                  "template_hints": (dict, False)},
     "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False), "pieces": (bool, False)},
+    # llama-server's slots: list, or save / restore / erase slot `id` (a file of slot_save_path)
+    "slots": {"action": (str, True), "id": (int, False), "filename": (str, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
               "adapter": (str, False)},
     # evaluator

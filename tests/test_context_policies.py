@@ -20,7 +20,9 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 @pytest.fixture(scope="module")
 def served(default_model_path, tmp_path_factory):
     workers = {"default": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": CTX, "kv_type": "q8_0"}}}
-    with Daemon(tmp_path_factory.mktemp("context"), workers) as d:
+    home = tmp_path_factory.mktemp("context")
+    workers["default"]["settings"]["slot_save_path"] = str(home / "slots")
+    with Daemon(home, workers) as d:
         d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=90, what="model loaded")
         yield d
 
@@ -134,3 +136,62 @@ def test_the_q8_0_cache_is_what_the_worker_runs_and_what_ps_counts(served):
     assert m["kv_types"] == ["q8_0", "q8_0"] and m["kv_cache_bytes"] == st["kv_cache_bytes"]
     shown = kiln(served.home, "ps")
     assert shown.returncode == 0 and "q8_0" in shown.stdout.strip().splitlines()[-1], shown.stdout + shown.stderr
+
+
+def _prefix(d) -> dict:
+    w = next(w for w in d.status()["workers"] if w["name"] == "default")
+    return {**(w["stats"].get("prefix_cache") or {}), "pid": w.get("pid"), "state": w.get("worker_state")}
+
+
+def test_a_prompt_comes_back_from_the_disk_cache_after_its_worker_is_killed(served):
+    """The prompt's whole blocks are written under KILN_HOME/cache/prefix; the worker killed and
+    restarted, the same request reuses them (cached_tokens) and answers the same."""
+    served.wait(lambda s: _prefix(served).get("disk"), timeout=60, what="the model identified for the disk cache")
+    system = {"role": "system", "content": " ".join(f"Rule {i}: answer in one short sentence." for i in range(36))}
+    body = {"messages": [system, {"role": "user", "content": "What is rule 3?"}]}
+    status, first = chat(served, body)
+    assert status == 200, first
+    blocks = first["usage"]["prompt_tokens"] // 64
+    assert blocks >= 4
+    before = served.wait(lambda s: (p := _prefix(served))["written"] >= blocks and p, timeout=60,
+                         what="the prompt's blocks on disk")
+    import os
+    import signal
+    os.kill(before["pid"], signal.SIGKILL)
+    served.wait(lambda s: (p := _prefix(served))["pid"] != before["pid"] and p["state"] == "ready" and p.get("disk"),
+                timeout=90, what="the worker restarted")
+    status, again = chat(served, body)
+    assert status == 200, again
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 64 - (64 if first["usage"]["prompt_tokens"] % 64 == 0 else 0)
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    assert _prefix(served)["hits_disk"] >= blocks - 1
+
+
+def test_llama_server_slots_save_restore_and_erase(served):
+    """GET /slots lists the worker's sequences; a slot's cache saved to a file of slot_save_path,
+    erased, and restored holds the same positions; names with folders, unknown actions, missing
+    and foreign files are refused with what is wrong."""
+    status, out = http_json(served, "POST", "/completion", {"prompt": "Slot test. " * 30, "n_predict": 1,
+                                                            "temperature": 0})
+    assert status == 200, out
+    status, slots = http_json(served, "GET", "/slots")
+    assert status == 200 and len(slots) == 4 and all(s["n_ctx"] == CTX for s in slots), slots
+    i = max(slots, key=lambda s: s["tokens_cached"])["id"]
+    held = slots[i]["tokens_cached"]
+    assert held >= out["tokens_evaluated"]
+    status, saved = http_json(served, "POST", f"/slots/{i}?action=save", {"filename": "conv.bin"})
+    assert status == 200 and saved["n_saved"] == held and saved["n_written"] > 0, saved
+    status, erased = http_json(served, "POST", f"/slots/{i}?action=erase")
+    assert status == 200 and erased["n_erased"] == held, erased
+    assert http_json(served, "GET", "/slots")[1][i]["tokens_cached"] == 0
+    status, restored = http_json(served, "POST", f"/slots/{i}?action=restore", {"filename": "conv.bin"})
+    assert status == 200 and restored["n_restored"] == held, restored
+    assert http_json(served, "GET", "/slots")[1][i]["tokens_cached"] == held
+    (served.home / "slots" / "junk.bin").write_bytes(b"KILNKVB\0" + b"\xff" * 40)
+    for path, body, code, word in ((f"/slots/{i}?action=restore", {"filename": "junk.bin"}, 400, "junk.bin"),
+                                   (f"/slots/{i}?action=restore", {"filename": "none.bin"}, 404, "none.bin"),
+                                   (f"/slots/{i}?action=save", {"filename": "../up.bin"}, 400, "plain file name"),
+                                   (f"/slots/{i}?action=dump", {"filename": "a.bin"}, 400, "action"),
+                                   ("/slots/99?action=erase", None, 400, "slot id")):
+        status, err = http_json(served, "POST", path, body)
+        assert status == code and word in err["error"]["message"], (path, err)

@@ -36,10 +36,11 @@ from . import chat_plan, prefix_setup
 from .chat_plan import ChatPlan, PlanError
 from .context_fit import answer_room, fit_turns
 from .runtime import main
+from .slots import SlotOps
 from .worker import BootError, OpError, Worker, op, state_dir
 
 
-class InferenceWorker(Worker):
+class InferenceWorker(SlotOps, Worker):
     kind = "inference"
 
     def boot(self):

@@ -140,6 +140,8 @@ _INFERENCE_SETTINGS = {
                     "sequence's whole-context KV, at most 1 GiB), a size, or off",
     "prefix_cache_disk": "disk for those blocks under KILN_HOME/cache/prefix, read back after a restart "
                          "and by other workers of the model: auto (4 GiB), a size, or off",
+    "slot_save_path": "a folder where llama-server's POST /slots/{id}?action=save|restore keeps a slot's "
+                      "KV cache (its --slot-save-path; without it those actions are refused)",
     "context_shift": "an answer reaching the context's end drops the older half after the first tokens and "
                      "goes on (llama-server's --context-shift; default false: it stops, \"length\")",
 }
