@@ -33,7 +33,8 @@ from .draft_model import DraftModel, DraftState
 from .generate import PREFILL_CHUNK, Finish, Generation, Sequence, check_context
 from .model import FUSED_RUN, Model
 from .sampling import SamplingParams
-from .speculate import MAX_DRAFT, DraftControl, ForwardCosts, ema, verify
+from .scheduler_slots import SlotAccess
+from .speculate import DraftControl, ForwardCosts, Speculation, ema
 
 MIN_CHUNK = 4           # rows: an interleaved prefill chunk smaller than this is mostly fixed cost
 DEFAULT_PARALLEL = 4    # sequences a worker decodes together (its `parallel` setting)
@@ -58,7 +59,7 @@ class Job:
     carry: int | None = None        # a token chosen but not yet run (after a rejected draft)
 
 
-class Scheduler:
+class Scheduler(SlotAccess, Speculation):
     """`prefill_ratio`: while other requests are decoding, a prompt is prefilled in chunks that
     run in the same forward as their decode step, the chunk steered so that this forward takes
     about this many plain steps' time (measured as it runs) — so a long prompt never freezes a
@@ -120,45 +121,6 @@ class Scheduler:
                     "prefill_rides": self.rides,
                     "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
                     "other_processes_cores": round(self.share.others, 2) if self.share else None}
-
-    # -- slots (llama-server's /slots: workers/slots.py) -----------------------------------------
-
-    def slots_info(self) -> list[dict]:
-        with self.cond:
-            return [{"id": i, "is_processing": i not in self.free, "tokens_cached": s.cache.n}
-                    for i, s in enumerate(self.seqs)]
-
-    def _idle(self, i: int):
-        """Slot i's cache, when no request is using it (the caller holds model_lock and cond)."""
-        if i not in self.free:
-            raise SlotError(f"slot {i} is processing a request; try again when it is idle")
-        return self.seqs[i].cache
-
-    def slot_rows(self, i: int) -> tuple[list[int], np.ndarray]:
-        """The tokens and rows of slot i's plainly computed positions (kv_cache.py export_rows)."""
-        with self.model_lock, self.cond:
-            cache = self._idle(i)
-            if cache.adapter is not None or not cache.can_rewind:
-                raise SlotError(f"slot {i} cannot be saved: it holds a LoRA adapter's keys or this model's "
-                                f"cache drops positions (sliding-window or recurrent layers)")
-            return list(cache.tokens[:cache.exact]), cache.export_rows(0, cache.exact)
-
-    def slot_restore(self, i: int, tokens: list[int], payload: np.ndarray) -> None:
-        with self.model_lock, self.cond:
-            cache = self._idle(i)
-            if not cache.can_rewind:
-                raise SlotError("this model's cache drops positions (sliding-window or recurrent layers): "
-                                "a slot cannot be restored into it")
-            cache.truncate(0)
-            cache.adapter = None
-            cache.import_rows(tokens, payload)
-
-    def slot_erase(self, i: int) -> int:
-        with self.model_lock, self.cond:
-            cache = self._idle(i)
-            n = cache.n
-            cache.truncate(0)
-            return n
 
     # -- the scheduler thread ------------------------------------------------------------------
 
@@ -407,58 +369,6 @@ class Scheduler:
                     self._prefilled(ride, logits[-1])
         return rode
 
-    def _speculate(self, job: Job, t: int) -> bool:
-        """Run `t` and a prompt-lookup draft in one forward; sample each position as plain
-        decoding would and keep the draft as far as it matches. False: no draft was tried."""
-        cache = self.seqs[job.slot].cache
-        if not (self.speculative and job.params.speculative and cache.can_rewind):
-            return False
-        if job.gen.shifts and self.draft_model is not None:
-            return False            # the draft model's cache holds the whole history: past a shift it would not fit
-        if job.draft is None:
-            job.draft = DraftControl(self.draft_min, prior=self.kept)
-        gen = job.gen
-        room = min(job.params.max_tokens - gen.n_out - 1, self.n_ctx - cache.n - 2)
-        if self.draft_model is not None:
-            k = job.draft.choose(min(MAX_DRAFT, room), self.costs,
-                                 self.draft_model.cost_per_token(self.costs.seconds(1)) or 0.0)
-            if k and job.draft_state is None:
-                job.draft_state = self.draft_model.new_state(self.n_ctx)
-            try:
-                draft, source = (self.draft_model.propose(job.draft_state, gen.history, k) if k else []), None
-            except Exception as e:  # noqa: BLE001 - the draft model failing ends the request, not the worker
-                self._end(job, e)
-                return True
-        else:
-            draft, source = job.draft.lookup(gen.history, room, self.costs)
-        if not draft:
-            return False
-        base = cache.n
-        t0 = time.perf_counter()
-        try:
-            rows = self.model.forward([t] + draft, cache, all_logits=True, adapter=job.adapter)
-            took = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001
-            self._end(job, e)
-            return True
-        accepted, nxt = verify(gen, rows, draft, job.events.put)
-        cache.truncate(base + 1 + accepted)          # t and the accepted draft tokens
-        self.costs.record(1 + len(draft), took)
-        job.draft.update(len(draft), accepted)
-        if source is not None:
-            job.draft.cursor = source + accepted
-        gen.drafted += len(draft)
-        gen.accepted += accepted
-        self.spec["drafted"] += len(draft)
-        self.spec["accepted"] += accepted
-        if gen.done:
-            self._end(job, gen.finish())
-        elif nxt is None:
-            job.logits = rows[len(draft)]             # every draft token held: sample after the last
-        else:
-            job.carry = nxt.id                        # the correction runs with the next draft
-        return True
-
     def _end_group(self, job: Job, error) -> None:
         for j in job.group or [job]:
             if error is None:
@@ -480,6 +390,3 @@ class Scheduler:
 class _Cancelled(Exception):
     pass
 
-
-class SlotError(ValueError):
-    """A slot action that cannot be done now or on this cache (said to the caller)."""

@@ -15,6 +15,7 @@ does not pay, except for a one-token probe now and then.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from typing import Callable, NamedTuple
 
@@ -212,3 +213,60 @@ def _scaled(counts: list) -> list:
     kept, tried = counts
     f = min(1.0, PRIOR_WEIGHT / tried) if tried > 0 else 1.0
     return [kept * f, tried * f]
+
+
+class Speculation:
+    """A request decoding alone checks a draft in the same forward as its next token (mixed
+    into native/scheduler.py's Scheduler: its model, caches, costs and counters)."""
+
+    def _speculate(self, job, t: int) -> bool:
+        """Run `t` and a prompt-lookup draft in one forward; sample each position as plain
+        decoding would and keep the draft as far as it matches. False: no draft was tried."""
+        cache = self.seqs[job.slot].cache
+        if not (self.speculative and job.params.speculative and cache.can_rewind):
+            return False
+        if job.gen.shifts and self.draft_model is not None:
+            return False            # the draft model's cache holds the whole history: past a shift it would not fit
+        if job.draft is None:
+            job.draft = DraftControl(self.draft_min, prior=self.kept)
+        gen = job.gen
+        room = min(job.params.max_tokens - gen.n_out - 1, self.n_ctx - cache.n - 2)
+        if self.draft_model is not None:
+            k = job.draft.choose(min(MAX_DRAFT, room), self.costs,
+                                 self.draft_model.cost_per_token(self.costs.seconds(1)) or 0.0)
+            if k and job.draft_state is None:
+                job.draft_state = self.draft_model.new_state(self.n_ctx)
+            try:
+                draft, source = (self.draft_model.propose(job.draft_state, gen.history, k) if k else []), None
+            except Exception as e:  # noqa: BLE001 - the draft model failing ends the request, not the worker
+                self._end(job, e)
+                return True
+        else:
+            draft, source = job.draft.lookup(gen.history, room, self.costs)
+        if not draft:
+            return False
+        base = cache.n
+        t0 = time.perf_counter()
+        try:
+            rows = self.model.forward([t] + draft, cache, all_logits=True, adapter=job.adapter)
+            took = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001
+            self._end(job, e)
+            return True
+        accepted, nxt = verify(gen, rows, draft, job.events.put)
+        cache.truncate(base + 1 + accepted)          # t and the accepted draft tokens
+        self.costs.record(1 + len(draft), took)
+        job.draft.update(len(draft), accepted)
+        if source is not None:
+            job.draft.cursor = source + accepted
+        gen.drafted += len(draft)
+        gen.accepted += accepted
+        self.spec["drafted"] += len(draft)
+        self.spec["accepted"] += accepted
+        if gen.done:
+            self._end(job, gen.finish())
+        elif nxt is None:
+            job.logits = rows[len(draft)]             # every draft token held: sample after the last
+        else:
+            job.carry = nxt.id                        # the correction runs with the next draft
+        return True

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kiln.native import kv_file
 from kiln.native.prefix_cache import layout_of
-from kiln.native.scheduler import SlotError
+from kiln.native.scheduler_slots import SlotError
 
 from .worker import OpError, op
 
