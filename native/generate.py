@@ -257,6 +257,7 @@ class Sequence:
             if cancelled():
                 return None, reuse
             logits = self.model.forward(prompt[start:start + chunk], self.cache, adapter=adapter)
+        self.cache.checkpoint()              # recurrent layers: their states at the prompt's end
         return logits, reuse
 
     def generate(self, prompt: list[int], params: SamplingParams,

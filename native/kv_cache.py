@@ -15,6 +15,7 @@ from .kernels import kv_store
 from .kv_types import DEFAULT_KV_TYPE, check_head_dim, decode, kv_type, rotation
 
 _CHUNK = 256
+CHECKPOINTS = 2            # recurrent states kept per sequence (checkpoint())
 KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwise
 
 
@@ -51,6 +52,9 @@ class KVCache:
         self._wk: dict[int, np.ndarray] = {}
         self._wv: dict[int, np.ndarray] = {}
         self._states: dict[int, dict[str, np.ndarray]] = {}
+        # recurrent layers: their states at a few earlier positions (checkpoint()), so that a
+        # prompt that leaves this one's path after such a position restarts there, not from zero
+        self._checkpoints: dict[int, dict[int, dict[str, np.ndarray]]] = {}
 
     def recurrent_state(self, layer: int) -> dict[str, np.ndarray]:
         """The state arrays of a recurrent layer (zero before the first token), updated in place."""
@@ -133,11 +137,25 @@ class KVCache:
         self.n += len(tokens)
         self.tokens.extend(tokens)
 
+    def checkpoint(self) -> None:
+        """Keep the recurrent layers' states at this position (a prompt's end: the next turn of
+        its conversation may leave this path right after it). The newest CHECKPOINTS are kept."""
+        if not self._recurrent_shapes or self.exact != self.n or self.n == 0 or self.n in self._checkpoints:
+            return
+        self._checkpoints[self.n] = {i: {k: a.copy() for k, a in st.items()} for i, st in self._states.items()}
+        while len(self._checkpoints) > CHECKPOINTS:
+            del self._checkpoints[min(self._checkpoints)]
+
     def truncate(self, n: int) -> None:
         """Forget every position from n on. A recurrent state cannot be rolled back: with
-        recurrent layers only n == 0 (start over) or n >= the filled positions are possible."""
+        recurrent layers only n == 0 (start over), n >= the filled positions, or a position
+        with a checkpoint are possible."""
         if self._recurrent_shapes and 0 < n < self.n:
-            raise ValueError(f"a recurrent state cannot be rolled back from {self.n} to {n} positions")
+            if n not in self._checkpoints:
+                raise ValueError(f"a recurrent state cannot be rolled back from {self.n} to {n} positions")
+            self._states = {i: {k: a.copy() for k, a in st.items()} for i, st in self._checkpoints[n].items()}
+        if n < self.n:
+            self._checkpoints = {p: st for p, st in self._checkpoints.items() if p <= n}
         if n == 0:
             self._states.clear()
             self._off = {i: 0 for i in self._windows}
@@ -236,6 +254,7 @@ class KVCache:
         self._wk = {i: a.copy() for i, a in other._wk.items()}
         self._wv = {i: a.copy() for i, a in other._wv.items()}
         self._states = {i: {k: a.copy() for k, a in st.items()} for i, st in other._states.items()}
+        self._checkpoints = {}
 
     def common_prefix(self, tokens: list[int], adapter=None) -> int:
         """How many leading positions can be reused for `tokens` run with `adapter`."""
@@ -247,7 +266,9 @@ class KVCache:
                 break
             n += 1
         if self._recurrent_shapes and (n < self.n or n >= len(tokens)):
-            return 0               # recurrent layers: only an exact extension of what is cached
+            # recurrent layers: an exact extension of what is cached, else the latest checkpoint
+            # on the shared path that leaves a token to run
+            return max((p for p in self._checkpoints if p <= n and p < len(tokens)), default=0)
         if n < self.n and any(n - w + 1 < self._off[i] for i, w in self._windows.items()):
             return 0               # a window layer dropped keys the shorter prefix's next query needs
         return n
@@ -255,7 +276,8 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         kv_layers = self.n_layer - len(self._recurrent_shapes) - len(self._windows)
-        states = sum(a.nbytes for st in self._states.values() for a in st.values())
+        states = sum(a.nbytes for st in [*self._states.values(), *(s for c in self._checkpoints.values()
+                                                                    for s in c.values())] for a in st.values())
         windows = sum(a.nbytes for a in list(self._wk.values()) + list(self._wv.values()))
         row = self.k_type.row_bytes(self.head_dim) + self.v_type.row_bytes(self.head_dim)
         return kv_layers * self._cap * self.n_head_kv * row + states + windows

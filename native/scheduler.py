@@ -259,6 +259,8 @@ class Scheduler(SlotAccess, Speculation):
 
     def _prefilled(self, job: Job, logits: np.ndarray) -> None:
         job.logits = logits
+        if job.slot is not None:                 # recurrent layers: their states at the prompt's end
+            self.seqs[job.slot].cache.checkpoint()
         if job.slot is not None and self.prefix is not None:
             self.to_publish.append((self.rounds, self.seqs[job.slot].cache))
         self._ready(job)

@@ -107,12 +107,15 @@ def test_plan_counts_only_the_layers_that_keep_keys_and_the_recurrent_state():
     dense = plan(tiny_path("llama"), ctx=1024, available=2**40, parallel=1)
     hybrid = plan(tiny_path("qwen35"), ctx=1024, available=2**40, parallel=1)
     assert dense["kv_cache_bytes"] == 2 * 2 * 2 * 32 * 2 * 1024            # 2 layers, K and V, 2 heads of 32, fp16
-    assert hybrid["recurrent_state_bytes"] == 6 * 4 * (3 * 256 + 4 * 32 * 32)
+    state = 6 * 4 * (3 * 256 + 4 * 32 * 32)
+    assert hybrid["recurrent_state_bytes"] == 3 * state         # the live states and two checkpoints
     assert hybrid["kv_cache_bytes"] == 2 * 2 * 2 * 64 * 2 * 1024 + hybrid["recurrent_state_bytes"]   # 2 attention layers
     m = load_model(tiny_path("qwen35"))
     cache = m.new_cache(64)
     m.forward(list(range(5, 25)), cache)
-    assert cache.nbytes == 2 * 2 * 2 * 64 * 2 * 64 + hybrid["recurrent_state_bytes"]
+    assert cache.nbytes == 2 * 2 * 2 * 64 * 2 * 64 + state
+    cache.checkpoint()                                          # a prompt's end: its states kept
+    assert cache.nbytes == 2 * 2 * 2 * 64 * 2 * 64 + 2 * state
 
 
 def test_sliding_window_layers_hold_only_their_window_and_compute_the_same_bits():

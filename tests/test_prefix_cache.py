@@ -169,3 +169,23 @@ def test_the_scheduler_reuses_another_slot_s_prompt(default_model, system, tmp_p
         stop.append(1)
     assert got[-1].cached_tokens == 3 * BLOCK and want[-1].cached_tokens == 0, sched.load()["prefix_cache"]
     assert [e.id for e in got[:-1]] == [e.id for e in want[:-1]]
+
+
+def test_a_recurrent_model_restarts_from_the_last_prompt_s_end_not_from_zero():
+    """Qwen3.5's delta-net states cannot be rolled back, so a next turn that leaves the cached
+    path (the answer rendered otherwise, another question) used to recompute everything: now
+    it restarts from the states kept at the previous prompt's end, with the same logits."""
+    from conftest import tiny_path
+    from kiln.native.generate import Sequence
+    from kiln.native.model import load_model
+    m = load_model(tiny_path("qwen35"))
+    rng = np.random.default_rng(3)
+    a = [int(t) for t in rng.integers(3, m.config.n_vocab, 70)]
+    seq = Sequence(m, 256)
+    list(seq.generate(a, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    b = a + [int(t) for t in rng.integers(3, m.config.n_vocab, 20)]
+    assert seq.cache.n == len(a) + 5 and seq.cache.common_prefix(b) == len(a)
+    logits, reused = seq.prefill(b)
+    assert reused == len(a) and np.array_equal(logits, m.forward(b, m.new_cache(256)))
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        seq.cache.truncate(len(a) - 1)                    # no checkpoint there

@@ -13,6 +13,7 @@ from ..arch import family
 from ..config import read_config
 from ..gguf_file import read_gguf
 from ..kernels import COMPILED_TYPES, kernel_info
+from ..kv_cache import CHECKPOINTS
 from ..kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
 from ..prefix_cache import auto_ram_bytes
 from ..scheduler import DEFAULT_PARALLEL
@@ -40,11 +41,16 @@ DEFAULT_KV = (DEFAULT_KV_TYPE, DEFAULT_KV_TYPE)
 
 def _kv_per_sequence(c, ctx: int, kv: tuple = DEFAULT_KV) -> int:
     """Keys and values of the layers that keep every position (at the cache's types: keys kv[0],
-    values kv[1]), the sliding-window layers' window, and the recurrent state of linear-attention
+    values kv[1]), the sliding-window layers' window, and the recurrent states of linear-attention
     layers."""
     fam = family(c.arch)
     kb, vb = (kv_type(t).bytes_per_value for t in kv)
-    return fam.kv_bytes_per_token(c, kb, vb) * ctx + fam.window_kv_bytes(c, kb, vb) + fam.recurrent_state_bytes(c)
+    return fam.kv_bytes_per_token(c, kb, vb) * ctx + fam.window_kv_bytes(c, kb, vb) + _recurrent_bytes(c)
+
+
+def _recurrent_bytes(c) -> int:
+    """A sequence's recurrent states: the live one and its checkpoints (kv_cache.py)."""
+    return family(c.arch).recurrent_state_bytes(c) * (1 + CHECKPOINTS)
 
 
 def _prefix_cache_bytes(c, ctx: int, kv: tuple = DEFAULT_KV) -> int:
@@ -119,7 +125,7 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
            "kv_cache_bytes": kv_bytes, "kv_per_sequence_bytes": kv_seq, "kv_types": list(kv), "parallel": parallel,
            "prefix_cache_bytes": prefix_bytes,
-           "recurrent_state_bytes": family(c.arch).recurrent_state_bytes(c),
+           "recurrent_state_bytes": _recurrent_bytes(c),
            "runtime_bytes": RUNTIME_BYTES, "total_bytes": total,
            "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
     if draft is not None:
