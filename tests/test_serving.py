@@ -379,3 +379,29 @@ def test_batched_prompts_get_one_choice_each(served):
     assert status == 200, r
     assert [c["index"] for c in r["choices"]] == [0, 1]
     assert r["choices"][1]["text"].startswith("The sky is") and r["usage"]["completion_tokens"] == 6
+
+
+def test_completions_batch_samples_each_prompt_n_times_in_order(served):
+    """POST /v1/completions/batch: every prompt's n samples, in the prompts' order, reproducible
+    with a seed; greedy samples of one prompt agree; a bad prompt is named."""
+    url = served.http + "/v1/completions/batch"
+    prompts = ["The capital of France is", "Water boils at", [504, 1463, 282]]
+    body = {"prompts": prompts, "n": 3, "max_tokens": 6, "temperature": 0.9, "seed": 11}
+    status, out, _ = post(url, body)
+    assert status == 200, out
+    assert out["object"] == "text_completion.batch" and [r["index"] for r in out["results"]] == [0, 1, 2]
+    assert all([c["index"] for c in r["choices"]] == [0, 1, 2] for r in out["results"])
+    assert all(0 < r["usage"]["completion_tokens"] <= 3 * 6 for r in out["results"])
+    assert out["usage"]["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in out["results"])
+    again = post(url, body)[1]
+    assert [[c["text"] for c in r["choices"]] for r in again["results"]] == \
+           [[c["text"] for c in r["choices"]] for r in out["results"]]
+    greedy = post(url, {**body, "temperature": 0, "logprobs": 2})[1]
+    for r in greedy["results"]:
+        assert len({c["text"] for c in r["choices"]}) == 1
+        assert all(len(c["logprobs"]["tokens"]) == len(c["logprobs"]["token_logprobs"]) > 0 for c in r["choices"])
+    for bad_body, param in (({**body, "prompts": ["ok", ""]}, "prompts[1]"), ({**body, "prompts": []}, "prompts"),
+                            ({**body, "prompt": "x"}, "prompt"), ({**body, "n": 99}, "n"),
+                            ({**body, "prompts": ["ok", "x " * 9000]}, "prompts[1]")):
+        status, err, _ = post(url, bad_body)
+        assert status == 400 and err["error"]["param"] == param, (param, err)

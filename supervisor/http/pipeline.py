@@ -227,15 +227,16 @@ class Pipeline:
             yield from shape.failed(error_from(e.msg, shape.param))
 
     def answer(self, req, op: str, body: dict, whole: bool = False, shape: Shape | None = None,
-               checked: bool = False) -> Answer:
+               checked: bool = False, stop=None) -> Answer:
         """A routed request's Answer, its first message in: a refusal is raised as the HTTP error.
         `whole`: the response is sent once the answer is complete (not streamed); a stream starts
         after FIRST_WAIT seconds without its first message. `checked`: the model reference is
-        known to be allowed."""
+        known to be allowed. `stop`: another reason to give up on it (a batch's other prompt failed)."""
         model = body.get("model")
         if model is not None and not checked:
             check_model_ref(self.sup, model)
-        a = Answer(self.sup, op, body, _disconnected(req), self._observer(req), whole,
+        gone = _disconnected(req)
+        a = Answer(self.sup, op, body, gone if stop is None else (lambda: gone() or stop()), self._observer(req), whole,
                    None if whole else min(FIRST_WAIT, self.keepalive))
         req.context.model = a.worker or req.context.get("model")
         if a.first is None:
