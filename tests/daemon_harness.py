@@ -72,8 +72,10 @@ def kiln(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedPro
 
 class Daemon:
     def __init__(self, home: Path, workers: dict, supervisor: dict | None = None,
-                 server: dict | None = None, extra_args: tuple = (), blocked_signals: frozenset = frozenset()):
+                 server: dict | None = None, extra_args: tuple = (), blocked_signals: frozenset = frozenset(),
+                 command: str = "up"):
         self.home = Path(home)
+        self.command_name = command              # `kiln up`, or `kiln serve MODEL`
         self.blocked_signals = blocked_signals   # a signal mask `kiln up` inherits, as from some CI runners
         self.config = write_config(self.home, workers, supervisor, server)
         self.extra_args = extra_args
@@ -84,7 +86,7 @@ class Daemon:
     def start(self, wait_for=None, timeout: float = 30.0) -> "Daemon":
         env = env_for(self.home)
         log = open(self.home / "daemon.out", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.supervisor.cli", "up", "--config",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.supervisor.cli", self.command_name, "--config",
                                       str(self.config), *self.extra_args],
                                      env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.home,
                                      preexec_fn=(lambda: signal.pthread_sigmask(signal.SIG_BLOCK, self.blocked_signals))

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from daemon_harness import Daemon, kiln, spec
+from daemon_harness import Daemon, http_json, kiln, spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -184,3 +184,19 @@ def test_detach_then_down(tmp_path):
     # down returns once the daemon's process is gone, not only its pidfile (issue 42)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert kiln(tmp_path, "status").returncode == 1
+
+
+def test_kiln_serve_runs_one_model_under_its_served_id(tmp_path, default_model_path):
+    """`kiln serve FILE --served-model-id smol`: one inference worker (no trainer or evaluator),
+    listed by /v1/models as smol, answering requests that name it and those that name none."""
+    with Daemon(tmp_path, {}, command="serve", extra_args=(str(default_model_path), "--served-model-id", "smol")) as d:
+        d.wait(lambda st: [w["name"] for w in st["workers"]] == ["smol"] and st["workers"][0]["worker_state"] == "ready",
+               timeout=90, what="smol served alone")
+        status, models = http_json(d, "GET", "/v1/models")
+        assert status == 200 and models["data"][0]["id"] == "smol", models
+        for named in ({"model": "smol"}, {}):
+            status, out = http_json(d, "POST", "/v1/chat/completions", {
+                **named, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0})
+            assert status == 200 and out["usage"]["completion_tokens"] >= 1, out
+    r = kiln(tmp_path, "serve", str(default_model_path), "--served-model-id", "bad name!")
+    assert r.returncode == 2 and "--served-model-id" in r.stderr

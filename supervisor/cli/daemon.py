@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,7 +101,10 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
                                              "where the page cache holds 4 KiB pages)"),
        kv_type: Optional[str] = typer.Option(None, "--kv-type", help="the KV cache of every model without its own: "
                                              "f16 (default), q8_0 or q4_0 — about 1/2 or 1/4 of the memory, so a "
-                                             "longer context fits ([models] kv_type; OLLAMA_KV_CACHE_TYPE)")):
+                                             "longer context fits ([models] kv_type; OLLAMA_KV_CACHE_TYPE)"),
+       served_model_id: Optional[str] = typer.Option(None, "--served-model-id", help="with --model: the name "
+                                                     "/v1/models shows for it and clients send (default: default)"),
+       only_model: bool = typer.Option(False, "--only-model", hidden=True)):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from ..bus.client import daemon_pid
     from ..core.run_files import AlreadyRunning
@@ -112,6 +116,11 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         fail("--stream needs --model", 2)
     if weights is not None and not model:
         fail("--weights needs --model (for configured workers, set weights in their settings)", 2)
+    if served_model_id is not None and not model:
+        fail("--served-model-id needs --model (a configured worker is served under its own name)", 2)
+    name = served_model_id if served_model_id is not None else "default"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}", name) or name in ("trainer", "evaluator"):
+        fail(f"--served-model-id {name!r}: a name of letters, digits and . _ : / - (not trainer or evaluator)", 2)
     from ..core.config import WEIGHTS
     if weights is not None and weights not in WEIGHTS:
         fail(f"--weights {weights!r}: must be {' or '.join(WEIGHTS)}", 2)
@@ -124,14 +133,14 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
             parse_size(expert_cache, 1)
         except ValueError as e:
             fail(f"--expert-cache: {e}", 2)
-    workers = ({"default": {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache, **own}}}
-               if stream else {"default": {"kind": "inference", "model": model, "settings": own},
-                               "trainer": {"kind": "trainer", "model": model},
-                               "evaluator": {"kind": "evaluator"}}) if model else None
+    workers = ({name: {"kind": "moe-stream", "model": model, "settings": {"expert_cache": expert_cache, **own}}}
+               if stream else {name: {"kind": "inference", "model": model, "settings": own},
+                               **({} if only_model else {"trainer": {"kind": "trainer", "model": model},
+                                                         "evaluator": {"kind": "evaluator"}})}) if model else None
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:
-        if detach and not any((config, host, port, model, stream, weights, insecure_no_key, kv_type)):
+        if detach and not any((config, host, port, model, stream, weights, insecure_no_key, kv_type, served_model_id)):
             _already_up(paths, running)       # as `systemctl start`: the command's goal holds already
             return
         fail(f"kiln is already running (pid {running}); `kiln down` stops it")
@@ -145,13 +154,15 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
         for flag, val in (("--config", config), ("--host", host), ("--port", port), ("--model", model),
                           ("--expert-cache", expert_cache if stream else None), ("--weights", weights),
-                          ("--kv-type", kv_type)):
+                          ("--kv-type", kv_type), ("--served-model-id", served_model_id)):
             if val is not None:
                 args += [flag, str(val)]
         if stream:
             args.append("--stream")
         if insecure_no_key:
             args.append("--insecure-no-key")
+        if only_model:
+            args.append("--only-model")
         with open(paths.daemon_log, "ab") as logf:
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=os.getcwd())
@@ -278,6 +289,26 @@ def _alive(pid) -> bool:
         return False
 
 
+
+
+def serve(model: Optional[str] = typer.Argument(None, help="a GGUF file, a library name or 'default' (default: "
+                                                "KILN_MODEL_PATH when it names a file, else the default model)"),
+          served_model_id: Optional[str] = typer.Option(None, "--served-model-id", help="the name /v1/models shows "
+                                                        "and clients send (default: default)"),
+          host: Optional[str] = typer.Option(None, "--host", help="HTTP address (server.host)"),
+          port: Optional[int] = typer.Option(None, "--port", help="HTTP port (server.port)"),
+          kv_type: Optional[str] = typer.Option(None, "--kv-type", help="f16 (default), q8_0 or q4_0"),
+          config: Optional[str] = typer.Option(None, "--config", "-c", help="kiln.toml for everything else")):
+    """Serve one model in the foreground, as llama-server does: the HTTP API and that model's
+    inference worker (no trainer or evaluator) until Ctrl-C."""
+    if model is None:
+        env = os.environ.get("KILN_MODEL_PATH", "")
+        model = env if env and os.path.isfile(env) else "default"
+    up(detach=False, config=config, host=host, port=port, insecure_no_key=False, model=model, stream=False,
+       expert_cache="25%", weights=None, kv_type=kv_type, served_model_id=served_model_id, only_model=True)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(up)
+    app.command()(serve)
     app.command()(down)
