@@ -104,7 +104,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
                                              "longer context fits ([models] kv_type; OLLAMA_KV_CACHE_TYPE)"),
        served_model_id: Optional[str] = typer.Option(None, "--served-model-id", help="with --model: the name "
                                                      "/v1/models shows for it and clients send (default: default)"),
-       only_model: bool = typer.Option(False, "--only-model", hidden=True)):
+       only_model: bool = typer.Option(False, "--only-model", help="with --model: serve only it (no trainer or "
+                                       "evaluator), as `kiln serve` does")):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from ..bus.client import daemon_pid
     from ..core.run_files import AlreadyRunning
@@ -116,6 +117,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         fail("--stream needs --model", 2)
     if weights is not None and not model:
         fail("--weights needs --model (for configured workers, set weights in their settings)", 2)
+    if only_model and not model:
+        fail("--only-model needs --model", 2)
     if served_model_id is not None and not model:
         fail("--served-model-id needs --model (a configured worker is served under its own name)", 2)
     name = served_model_id if served_model_id is not None else "default"
