@@ -71,24 +71,10 @@ def read(path: Path, want: dict, max_bytes: int) -> tuple[dict, np.ndarray]:
         if size > max_bytes + MAX_HEADER + _HEAD.size:
             raise KVFileError(f"is {size} bytes, more than rows of this cache can be")
         with open(path, "rb") as f:
-            raw = f.read()
+            head = read_header(f, want)
+            payload = np.frombuffer(f.read(), np.uint8)
     except OSError as e:
         raise KVFileError(f"cannot be read ({e.strerror or e})") from None
-    if len(raw) < _HEAD.size:
-        raise KVFileError("is shorter than its header")
-    magic, version, n = _HEAD.unpack_from(raw)
-    if magic != MAGIC or version != VERSION or not 0 < n <= MAX_HEADER or len(raw) < _HEAD.size + n:
-        raise KVFileError("is not a Kiln KV file of this version")
-    try:
-        head = json.loads(raw[_HEAD.size:_HEAD.size + n])
-    except (ValueError, UnicodeDecodeError):
-        raise KVFileError("has a header that is not JSON") from None
-    if not isinstance(head, dict):
-        raise KVFileError("has a header that is not an object")
-    for field, value in want.items():
-        if head.get(field) != value:
-            raise KVFileError(f"is not what was asked for ({field} differs: another model, cache type or prompt)")
-    payload = np.frombuffer(raw, np.uint8, offset=_HEAD.size + n)
     if payload.nbytes != head.get("payload_bytes"):
         raise KVFileError(f"holds {payload.nbytes} bytes of rows, not the {head.get('payload_bytes')} it says (truncated)")
     if hashlib.sha256(payload).hexdigest() != head.get("payload_sha256"):

@@ -41,6 +41,16 @@ def wait_written(pc, n, timeout=20):
         time.sleep(0.01)
 
 
+def on_disk(m, prompt, tmp_path) -> PrefixCache:
+    """A prefix cache that has written `prompt`'s whole blocks to tmp_path."""
+    pc = cache_for(m, tmp_path)
+    c = m.new_cache(512)
+    m.forward(prompt, c)
+    pc.publish(c)
+    wait_written(pc, len(prompt) // BLOCK)
+    return pc
+
+
 def test_a_second_conversation_reuses_the_shared_blocks_bit_for_bit(default_model, system, tmp_path):
     m = default_model
     _, a, b = system
@@ -58,11 +68,7 @@ def test_a_second_conversation_reuses_the_shared_blocks_bit_for_bit(default_mode
 def test_blocks_come_back_from_disk_in_another_process_s_cache(default_model, system, tmp_path):
     m = default_model
     _, a, _ = system
-    pc = cache_for(m, tmp_path)
-    c = m.new_cache(512)
-    m.forward(a, c)
-    pc.publish(c)
-    wait_written(pc, len(a) // BLOCK)
+    on_disk(m, a, tmp_path)
     again = cache_for(m, tmp_path)                        # a restarted worker: empty RAM
     c2 = m.new_cache(512)
     n = again.extend(c2, a, 0)
@@ -102,11 +108,7 @@ def _corrupt(kind: str, path, pc_other):
 def test_a_hostile_or_stale_block_file_is_ignored_said_and_deleted(default_model, system, tmp_path, kind):
     m = default_model
     _, a, _ = system
-    pc = cache_for(m, tmp_path)
-    c = m.new_cache(512)
-    m.forward(a, c)
-    pc.publish(c)
-    wait_written(pc, len(a) // BLOCK)
+    pc = on_disk(m, a, tmp_path)
     second = pc.dir / chain_keys(a, 2, pc.root)[1].hex()
     _corrupt(kind, second, cache_for(m, tmp_path / "x", sha="7" * 64))
     said = io.StringIO()
