@@ -237,3 +237,19 @@ def test_a_grpo_job_on_six_groups_completes_and_its_adapter_is_listed(daemon, tm
     assert "greeter" in [a["name"] for a in listed]
     status = kiln(daemon.home, "train", "status").stdout
     assert "reward 0.500" in status
+
+
+def test_adapter_smoke_test_answers_with_and_without_the_new_adapter(daemon, tmp_path):
+    """--adapter-smoke-test follows the job, then answers each prompt greedily with the base model
+    and with the adapter it made (a one-step job: the point is the handoff, not the learning)."""
+    one = tmp_path / "one.jsonl"
+    one.write_text((DATA / "zorblax.jsonl").read_text().splitlines()[0] + "\n")
+    r = kiln(daemon.home, "train", "sft", "--file", str(one), "--adapter", "smoke", "--lr", "1e-3",
+             "--adapter-smoke-test", QUESTION, "--adapter-smoke-test", "Say hi", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    smoke = json.loads(r.stdout.strip().splitlines()[-1])["smoke_test"]
+    assert [s["prompt"] for s in smoke] == [QUESTION, "Say hi"]
+    assert all(s["base"] and s["adapter"] for s in smoke)
+    base = kiln(daemon.home, "run", "-t", "0", "--max-tokens", "64", "--adapter", "", QUESTION, timeout=120)
+    assert base.returncode == 0 and base.stdout.strip() == smoke[0]["base"], (base.stdout, smoke[0])
+    assert kiln(daemon.home, "adapters", "delete", "smoke").returncode == 0

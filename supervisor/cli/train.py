@@ -69,6 +69,9 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
         weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW weight decay"),
         model: Optional[str] = typer.Option(None, "--model", "-m", help="base model (default: the trainer's)"),
         follow: bool = typer.Option(False, "--follow", help="then follow the job until it ends"),
+        smoke: list[str] = typer.Option([], "--adapter-smoke-test", help="after the job: answer this prompt with "
+                                        "the base model and with the new adapter, side by side (repeatable; "
+                                        "follows the job)"),
         as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Queue a LoRA fine-tuning job. The whole file is checked first; problems are listed with
     their line numbers and nothing is queued."""
@@ -78,12 +81,14 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
                "checkpoint_interval": checkpoint_interval, "seed": seed, "grad_accum": grad_accum,
                "warmup": warmup, "schedule": schedule, "weight_decay": weight_decay,
                "targets": [t.strip() for t in targets.split(",") if t.strip()] if targets else None}
-    _queue("sft", file, adapter, options, model, follow, as_json, "conversations", "target tokens")
+    _queue("sft", file, adapter, options, model, follow, as_json, "conversations", "target tokens", smoke)
 
 
 def _queue(method: str, file: Path, adapter: str, options: dict, model: Optional[str], follow: bool,
-           as_json: bool, items: str, tokens: str) -> None:
-    """Submit a training job (the trainer checks the whole file first) and report or follow it."""
+           as_json: bool, items: str, tokens: str, smoke: list[str] = ()) -> None:
+    """Submit a training job (the trainer checks the whole file first) and report or follow it;
+    with smoke prompts, follow it and then answer them with and without the adapter."""
+    follow = follow or bool(smoke)
     from ..bus.client import CommandFailed
     body = {"file": str(file.resolve()), "adapter": adapter, "method": method,
             "options": {k: v for k, v in options.items() if v is not None}}
@@ -101,6 +106,34 @@ def _queue(method: str, file: Path, adapter: str, options: dict, model: Optional
                    f"{job['spec']['target_tokens']} {tokens}")
         if follow:
             _follow(c, job["id"], as_json)
+        if smoke:
+            _smoke(c, adapter, model, list(smoke), as_json)
+
+
+SMOKE_TOKENS = 64
+
+
+def _smoke(c, adapter: str, model: Optional[str], prompts: list[str], as_json: bool) -> None:
+    """--adapter-smoke-test: each prompt answered greedily by the base model and with the adapter."""
+    from ..bus.client import CommandFailed
+    rows = []
+    for prompt in prompts:
+        row = {"prompt": prompt}
+        for label, name in (("base", ""), ("adapter", adapter)):
+            body = {"messages": [{"role": "user", "content": prompt}], "adapter": name,
+                    "params": {"max_tokens": SMOKE_TOKENS, "temperature": 0}, **({"model": model} if model else {})}
+            try:
+                msgs = list(c.stream("generate", body, timeout=300))
+            except (CommandFailed, TimeoutError) as e:
+                fail(f"smoke test {prompt!r} ({label}): {getattr(e, 'message', e)}")
+            row[label] = "".join(m.body.get("text", "") for m in msgs if isinstance(m.body, dict)).strip()
+        rows.append(row)
+    if as_json:
+        typer.echo(json.dumps({"smoke_test": rows}))
+        return
+    typer.echo(f"smoke test (greedy, up to {SMOKE_TOKENS} tokens):")
+    for row in rows:
+        typer.echo(f"  {row['prompt']}\n    base:    {row['base']}\n    {adapter}: {row['adapter']}")
 
 
 @train_app.command("grpo")
@@ -120,6 +153,9 @@ def grpo(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"promp
                                                    "(default 512)"),
          model: Optional[str] = typer.Option(None, "--model", "-m", help="base model (default: the trainer's)"),
          follow: bool = typer.Option(False, "--follow", help="then follow the job until it ends"),
+         smoke: list[str] = typer.Option([], "--adapter-smoke-test", help="after the job: answer this prompt with "
+                                         "the base model and with the new adapter, side by side (repeatable; "
+                                         "follows the job)"),
          as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Queue a GRPO job: LoRA updates from groups of scored completions (group-relative
     advantages, clipped ratio, KL to the base model). The whole file is checked first."""
@@ -127,7 +163,7 @@ def grpo(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"promp
         fail(f"{file}: no such file")
     options = {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "beta": beta, "clip": clip,
                "grad_accum": grad_accum, "seed": seed, "max_seq_len": max_seq_len}
-    _queue("grpo", file, adapter, options, model, follow, as_json, "groups", "completion tokens")
+    _queue("grpo", file, adapter, options, model, follow, as_json, "groups", "completion tokens", smoke)
 
 
 def _fmt_eta(s) -> str:
