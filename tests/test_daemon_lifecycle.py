@@ -200,3 +200,21 @@ def test_kiln_serve_runs_one_model_under_its_served_id(tmp_path, default_model_p
             assert status == 200 and out["usage"]["completion_tokens"] >= 1, out
     r = kiln(tmp_path, "serve", str(default_model_path), "--served-model-id", "bad name!")
     assert r.returncode == 2 and "--served-model-id" in r.stderr
+
+
+@pytest.mark.parametrize("level,admitted,frames", [("1", True, False), ("2", True, True), ("-1", False, False)])
+def test_verbosity_sets_what_the_daemon_logs(tmp_path, monkeypatch, level, admitted, frames):
+    """`kiln -v up` logs each request's routing, `-vv` every worker message too, `-q` warnings
+    only (the level travels in KILN_VERBOSITY, as the root options set it)."""
+    monkeypatch.setenv("KILN_VERBOSITY", level)
+    d = Daemon(tmp_path, {"a": spec()}).start()
+    try:
+        d.wait_state("a", "running")
+        with d.client() as c:
+            assert [m.body for m in c.call("a", "echo", {"value": 3})][-1]["value"] == 3
+    finally:
+        d.stop()
+    out = d.output()
+    assert ("admitted echo" in out) == admitted, out[-2000:]
+    assert ("from worker" in out) == frames, out[-2000:]
+    assert ("kiln is up" in out) == (level != "-1")

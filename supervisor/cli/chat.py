@@ -12,7 +12,7 @@ import typer
 from kiln.protocol import vocab
 from kiln.protocol.sampling import DEFAULT_MAX_TOKENS
 
-from .engine import fail
+from .engine import fail, note
 
 
 def _ensure_daemon(model: Optional[str]):
@@ -22,7 +22,7 @@ def _ensure_daemon(model: Optional[str]):
         return ControlClient(Paths.from_env())
     except DaemonNotRunning:
         pass
-    typer.echo("kiln: no daemon running; starting `kiln up --detach`" + (f" --model {model}" if model else ""), err=True)
+    note("kiln: no daemon running; starting `kiln up --detach`" + (f" --model {model}" if model else ""))
     args = [sys.executable, "-m", "kiln.supervisor.cli", "up", "--detach"] + (["--model", model] if model else [])
     r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode != 0:
@@ -41,8 +41,8 @@ def _pick_worker(client, model: Optional[str]) -> str:
     if r["state"] == vocab.FATAL:
         fail(f"worker {r['worker']} is fatal: {r['reason']} (`kiln restart {r['worker']}` once fixed)")
     if not vocab.serving(r["state"], r["worker_state"]):
-        typer.echo(f"kiln: worker {r['worker']} is {r['worker_state'] or r['state']}; the answer starts when it "
-                   f"is ready", err=True)
+        note(f"kiln: worker {r['worker']} is {r['worker_state'] or r['state']}; the answer starts when it "
+             f"is ready")
     return r["worker"]
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .engine import fail
+from .engine import fail, note, verbosity
 
 
 def _paths():
@@ -59,14 +59,14 @@ def _tuned_expert_cache(home, model: str) -> str:
         fail(str(e))
     tuned = load_tuned(home, path)
     if tuned is None:
-        typer.echo(f"--expert-cache auto: measuring {path.name} with expert caches of several sizes "
-                   f"(once; kept in {home}/expert-cache-tuning.json)", err=True)
+        note(f"--expert-cache auto: measuring {path.name} with expert caches of several sizes "
+             f"(once; kept in {home}/expert-cache-tuning.json)")
         try:
-            tuned = tune(path, progress=lambda m: typer.echo(f"  {m}", err=True))
+            tuned = tune(path, progress=lambda m: note(f"  {m}"))
         except (GGUFError, ValueError) as e:
             fail(str(e))
         save_tuned(home, path, tuned)
-    typer.echo(f"--expert-cache auto: {tuned['suggested_bytes'] // 2**20} MiB ({tuned['rule']})", err=True)
+    note(f"--expert-cache auto: {tuned['suggested_bytes'] // 2**20} MiB ({tuned['rule']})")
     return f"{tuned['suggested_bytes'] // 2**20}MiB"
 
 
@@ -185,7 +185,10 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
                     pass
             time.sleep(0.1)
         fail(f"the daemon (pid {proc.pid}) did not become ready within 30 s; see {paths.daemon_log}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s kiln %(message)s", stream=sys.stderr)
+    v = verbosity()
+    logging.basicConfig(level={-1: logging.WARNING, 0: logging.INFO}.get(v, logging.DEBUG),
+                        format="%(asctime)s kiln %(message)s", stream=sys.stderr)
+    logging.getLogger("kiln.frames").setLevel(logging.DEBUG if v >= 2 else logging.INFO)
     _log_to_file(paths)
     try:
         from setproctitle import setproctitle
@@ -194,8 +197,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         pass
     sup = make_supervisor(cfg, paths)
     try:
-        sup.serve(on_ready=lambda: typer.echo(
-            f"kiln is up (pid {os.getpid()}); http://{sup.http_address[0]}:{sup.http_address[1]}", err=True))
+        sup.serve(on_ready=lambda: note(
+            f"kiln is up (pid {os.getpid()}); http://{sup.http_address[0]}:{sup.http_address[1]}"))
     except AlreadyRunning as e:
         fail(f"{e}; `kiln down` stops it")
     except OSError as e:
@@ -251,8 +254,8 @@ def _preflight(cfg, home) -> None:
             fail(f"worker {name}: model {path.name} will not run here: {p['advice']} (`kiln models plan` has the numbers)")
         if p["verdict"] == "streams":
             cache = f"{p['expert_cache_bytes'] // 2**20}MiB"
-            typer.echo(f"kiln: worker {name}: the experts of {path.name} do not fit in memory; streaming them "
-                       f"from disk with a {cache} expert cache (moe-stream)", err=True)
+            note(f"kiln: worker {name}: the experts of {path.name} do not fit in memory; streaming them "
+                 f"from disk with a {cache} expert cache (moe-stream)")
             spec.update(kind="moe-stream", settings={**(spec.get("settings") or {}), "expert_cache": cache})
 
 
@@ -268,8 +271,8 @@ def down(timeout: float = typer.Option(30.0, "--timeout", help="seconds to wait 
     res = _command("shutdown", {"reason": "kiln down", **({"drain": 0} if now else {})})
     pid = res.get("pid", pid)
     if res.get("draining"):
-        typer.echo(f"kiln: waiting up to {res['drain_s']:g} s for {res['draining']} request(s) in flight to finish "
-                   f"(`kiln down --now` cuts them)", err=True)
+        note(f"kiln: waiting up to {res['drain_s']:g} s for {res['draining']} request(s) in flight to finish "
+             f"(`kiln down --now` cuts them)")
     deadline = time.monotonic() + timeout + res.get("drain_s", 0)
     while time.monotonic() < deadline:
         # gone means the process too, not only its pidfile: a `kiln up` right after must not

@@ -12,7 +12,7 @@ import typer
 
 from kiln.protocol.sampling import DEFAULT_MAX_TOKENS
 
-from .engine import emit, fail, load_or_exit
+from .engine import emit, fail, load_or_exit, note
 
 debug_app = typer.Typer(help="Run the engine directly (no daemon): tokenize, logits, generate.",
                         no_args_is_help=True)
@@ -117,7 +117,7 @@ def eval_perplexity(model: str = typer.Argument(..., help="path, name in a model
 
     def show(i, n, running):
         if not as_json:
-            typer.echo(f"[{i}/{n}] {running:.4f}", err=True)
+            note(f"[{i}/{n}] {running:.4f}")
     try:
         r = perplexity(m, text, ctx, show, max_chunks=chunks or None)
     except ValueError as e:

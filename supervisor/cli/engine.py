@@ -4,6 +4,7 @@ command that loads a model here shares (cli/debug.py's too)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,6 +12,21 @@ from typing import Optional
 import typer
 
 models_app = typer.Typer(help="Find, inspect and fetch GGUF models.", no_args_is_help=True)
+
+
+def verbosity() -> int:
+    """-1 (kiln -q), 0, 1 (-v) or 2 (-vv): the root options, kept in KILN_VERBOSITY so that a
+    detached daemon and the commands it runs inherit them."""
+    try:
+        return max(-1, min(2, int(os.environ.get("KILN_VERBOSITY", "0"))))
+    except ValueError:
+        return 0
+
+
+def note(message: str) -> None:
+    """Something worth knowing on stderr that is not the command's result: silent with -q."""
+    if verbosity() >= 0:
+        typer.echo(message, err=True)
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -22,7 +38,7 @@ def model_path(spec: str):
     from kiln.native.models.library import ModelNotFound, PullError, resolve_model
     try:
         return resolve_model(spec, pull=(spec == "default"),
-                             progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+                             progress=lambda m: note(f"kiln: {m}"))
     except (ModelNotFound, PullError) as e:
         fail(str(e))
 
@@ -140,7 +156,7 @@ def models_plan(model: str = typer.Argument(..., help="path, name, or 'default'"
     if stream:
         from kiln.native.models.tune import save_tuned, tune
         from ..core.paths import Paths
-        say = (lambda m: None) if as_json else (lambda m: typer.echo(f"  measuring: {m}", err=True))
+        say = (lambda m: None) if as_json else (lambda m: note(f"  measuring: {m}"))
         try:
             p["expert_cache_tuning"] = t = tune(path, tokens=tokens, progress=say)
         except (GGUFError, ValueError) as e:
@@ -239,11 +255,13 @@ def _workers_using(match) -> list[str]:
 
 
 def _progress_bar():
-    """A progress line on stderr, updated at most ten times a second."""
+    """A progress line on stderr, updated at most ten times a second (none with -q)."""
     last = [0.0]
 
     def show(done: int, total: int) -> None:
         import time
+        if verbosity() < 0:
+            return
         now = time.monotonic()
         if now - last[0] < 0.1 and done < total:
             return
@@ -334,7 +352,7 @@ def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-
              f"stop it first (`kiln stop {users[0]}`)")
     try:
         if ref is None:
-            path = pull_default(progress=lambda m: typer.echo(f"kiln: {m}", err=True))
+            path = pull_default(progress=lambda m: note(f"kiln: {m}"))
         else:
             import psutil
 
@@ -346,7 +364,7 @@ def models_pull(model: str = typer.Argument("default", help="'default' (SmolLM2-
                 budget = 0
             avail = budget or psutil.virtual_memory().available
             path = pull_hf(model, _progress_bar(), room=lambda name, size: check_room(name, size, _hub_cache(), avail, force),
-                           say=lambda m: typer.echo(f"kiln: {m}", err=True))
+                           say=lambda m: note(f"kiln: {m}"))
     except PullError as e:
         fail(str(e))
     except KeyboardInterrupt:

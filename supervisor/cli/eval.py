@@ -14,7 +14,7 @@ import typer
 from kiln.protocol import vocab
 
 from .debug import eval_app
-from .engine import fail
+from .engine import fail, note
 from .train import _client, _cmd
 
 
@@ -103,7 +103,7 @@ def run(suite: Optional[str] = typer.Option(None, "--suite", "-s", help="registe
     with _client() as c:
         job = _submit(c, "eval.submit", body)
         if not as_json:
-            typer.echo(f"{job['id']} queued ({job['total']} completions)", err=True)
+            note(f"{job['id']} queued ({job['total']} completions)")
         _finish(_wait(c, job["id"], watch and not as_json), as_json)
 
 

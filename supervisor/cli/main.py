@@ -47,8 +47,17 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                            help="print Kiln's version and exit")):
+                                            help="print Kiln's version and exit"),
+          verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="more detail: with `up`, -v logs "
+                                      "every request's routing (admitted, answered, retried), -vv every worker "
+                                      "message too"),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="results and errors only: no progress or notes "
+                                     "on stderr; with `up`, the daemon logs warnings only")):
     """Kiln: a local LLM runtime that keeps crash-isolated workers alive."""
+    if verbose and quiet:
+        fail("-v and -q contradict each other: give one", 2)
+    if verbose or quiet:          # kept in the environment: a detached daemon inherits it
+        os.environ["KILN_VERBOSITY"] = str(-1 if quiet else min(verbose, 2))
     # what Kiln writes (sessions, training data, results, logs) is the user's alone
     os.umask(0o077)
 

@@ -13,7 +13,7 @@ import typer
 
 from kiln.protocol import vocab
 
-from .engine import fail
+from .engine import fail, verbosity
 
 train_app = typer.Typer(help="Fine-tune the model with LoRA (jobs run in the trainer worker).", no_args_is_help=True)
 adapters_app = typer.Typer(help="LoRA adapters: list, load (make active), unload, delete.", no_args_is_help=True)
@@ -197,7 +197,7 @@ def _follow(c, job_id: str, as_json: bool) -> None:
             first_loss = first_loss if first_loss is not None else rec["loss"]
             if as_json:
                 typer.echo(json.dumps(rec))
-        if not as_json and job.get("total_steps"):
+        if not as_json and job.get("total_steps") and verbosity() >= 0:
             total = job["total_steps"]
             width = 30
             done = int(width * job["step"] / total)
@@ -207,7 +207,8 @@ def _follow(c, job_id: str, as_json: bool) -> None:
                              f"{job['tokens_per_s'] or 0:.0f} tok/s ETA {_fmt_eta(job['eta_s'])}   ")
             sys.stderr.flush()
         if job["state"] in vocab.JOB_FINISHED:
-            sys.stderr.write("\n")
+            if verbosity() >= 0:
+                sys.stderr.write("\n")
             if as_json:
                 typer.echo(json.dumps({k: v for k, v in job.items() if k != "losses"}))
             else:

@@ -16,6 +16,7 @@ Workers may send requests up; `WORKER_ALLOWED` says which ops each kind may ask 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +24,8 @@ from kiln.protocol import Message, make, new_id
 from kiln.protocol.vocab import FATAL, retryable
 
 from .process_table import ProcessTable, WorkerProcess
+
+log = logging.getLogger("kiln.router")        # DEBUG lines: `kiln -v up`
 
 MAX_ATTEMPTS = 3                  # a request that produced nothing is sent at most this often
 MODEL_KINDS = ("inference", "moe-stream")
@@ -137,6 +140,7 @@ class Router:
                     keep_alive=keep_alive, min_ctx=min_ctx)
         self.pending[p.id] = p
         self.counts["admitted"] += 1
+        log.debug("admitted %s %s for %s (%d pending)", p.op, p.id, w.name, len(self.pending))
         if client.wants_admission:
             client.deliver(make("admitted", id=client.id, worker=w.name,
                                 model=w.status.get("model") or w.spec.get("model")))
@@ -294,6 +298,8 @@ class Router:
             return
         del self.pending[p.id]
         self.counts["completed" if msg.type == "reply" else "failed"] += 1
+        log.debug("%s %s %s on %s%s", p.op, p.id, "answered" if msg.type == "reply" else "failed", w.name,
+                  "" if msg.type == "reply" else f": {msg.get('code')} {msg.get('message')}")
         self._used(p)
         p.client.deliver(self._for_client(p, msg))
 
@@ -310,6 +316,7 @@ class Router:
         p.worker = None
         p.retried_after.append(reason)
         self.counts["retried"] += 1
+        log.debug("retry %s %s: %s", p.op, p.id, reason)
         self.record("request_retried", w.name, f"{p.op} {p.id}: {what} "
                     + ("after output its client had not shown yet" if had_output else "before any output"))
 
@@ -376,6 +383,7 @@ class Router:
         self.pending.pop(p.id, None)
         self._used(p)
         self.counts["failed"] += 1
+        log.debug("%s %s failed: %s %s", p.op, p.id, code, message)
         self._error(p.client, code, message, retry_after)
 
     @staticmethod

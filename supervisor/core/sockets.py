@@ -15,7 +15,8 @@ from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, 
 from . import registry as commands
 from .router import KIND_OPS, MODEL_OPS, Client, Target
 
-request_log = logging.getLogger("kiln.requests")      # the daemon log's request lines (http/observe.py too)
+request_log = logging.getLogger("kiln.requests")
+frame_log = logging.getLogger("kiln.frames")          # every worker message: `kiln -vv up`      # the daemon log's request lines (http/observe.py too)
 
 
 def routed_target(op: str, body: Any) -> tuple[str, Any, Target]:
@@ -72,6 +73,8 @@ class SocketTraffic:
         identity, msg = self._decode(self.worker_sock, frames)
         if msg is None:
             return
+        if frame_log.isEnabledFor(logging.DEBUG):
+            frame_log.debug("from worker %s: %s %s", identity.hex()[:8], msg.type, msg.id or "")
         if msg.type == "hello":
             hello = {k: msg.get(k) for k in ("kind", "ops", "protocol", "stop_grace")}
             if self.table.on_hello(identity, msg.get("name"), msg.get("pid"), hello, msg.body) is None:
