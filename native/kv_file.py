@@ -1,6 +1,6 @@
 """The file a cache's rows are kept in — a prefix cache's block (native/prefix_cache.py) or a
 whole saved slot (llama-server's /slots save/restore): a header that says what the rows are
-(the model's sha256, cache types and shapes, the tokens they hold) and a sha256 of them, then
+(the model file's identity, cache types and shapes, the tokens they hold) and a sha256 of them, then
 the rows. Written to a temporary name and renamed, so a reader never sees half a file; read
 back only when every byte checks out — a file is an input like any other."""
 

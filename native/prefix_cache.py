@@ -9,9 +9,9 @@ a position's keys and values the same whether its prompt was run in one piece or
 (batch invariance), so a block copied in is what prefilling would have made, bit for bit.
 
 In RAM: the most recently used blocks under a byte budget. On disk: one file per block under
-KILN_HOME/cache/prefix/MODEL-SHA256-KTYPE-VTYPE/, written by a background thread (tmp, then
-rename), the least recently used deleted past a byte budget. A file names its model's sha256,
-the cache types and shapes, its tokens and parent, and a sha256 of its rows (native/kv_file.py),
+KILN_HOME/cache/prefix/MODEL-ID-KTYPE-VTYPE/, written by a background thread (tmp, then
+rename), the least recently used deleted past a byte budget. A file names its model (sha256 or
+fingerprint), the cache types and shapes, its tokens and parent, and a sha256 of its rows (native/kv_file.py),
 read straight into the cache and committed only when it checks out: a file that is
 not exactly the block asked for — another model's, truncated, a flipped bit, garbage — is
 ignored with a log line, deleted, and the positions computed instead. Only what a plain run of
@@ -53,7 +53,7 @@ def chain_keys(tokens: list[int], n_blocks: int, root: bytes) -> list[bytes]:
 class PrefixCache:
     def __init__(self, layout: dict, ram_bytes: int, disk_dir: Path | None = None, disk_bytes: int = 0,
                  log=None):
-        """`layout`: what a block's rows are — model (its sha256, or a name when none is known:
+        """`layout`: what a block's rows are — model_id (the file's sha256 or fingerprint, or None:
         then nothing goes to disk), k_type, v_type, n_layer, n_head_kv, head_dim and
         block_bytes (a block's payload); see layout_of()."""
         self.layout = layout
@@ -66,8 +66,8 @@ class PrefixCache:
         self.counts = {"hits_ram": 0, "hits_disk": 0, "published": 0, "written": 0, "rejected": 0,
                        "reused_tokens": 0}
         self.dir = None
-        if disk_dir is not None and disk_bytes > 0 and layout.get("model_sha256"):
-            self.dir = Path(disk_dir) / f"{layout['model_sha256']}-{layout['k_type']}-{layout['v_type']}"
+        if disk_dir is not None and disk_bytes > 0 and layout.get("model_id"):
+            self.dir = Path(disk_dir) / f"{layout['model_id']}-{layout['k_type']}-{layout['v_type']}"
             self.dir.mkdir(parents=True, exist_ok=True)
             self._writes: queue.Queue = queue.Queue(maxsize=4096)
             threading.Thread(target=self._writer, name="kiln-prefix-writer", daemon=True).start()
@@ -245,9 +245,9 @@ def auto_ram_bytes(kv_bytes_per_sequence: int) -> int:
     return min(RAM_CAP, kv_bytes_per_sequence)
 
 
-def layout_of(cache: KVCache, model_sha256: str | None, model_name: str) -> dict:
+def layout_of(cache: KVCache, model_id: str | None, model_name: str) -> dict:
     """What a block of `cache`'s rows is, for keys and file headers."""
-    return {"model_sha256": model_sha256, "model": model_name if not model_sha256 else None,
+    return {"model_id": model_id, "model": model_name if not model_id else None,
             "k_type": cache.k_type.name, "v_type": cache.v_type.name, "n_layer": cache.n_layer,
             "n_head_kv": cache.n_head_kv, "head_dim": cache.head_dim, "block": BLOCK,
             "block_bytes": cache.row_bytes() * BLOCK}

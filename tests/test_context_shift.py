@@ -4,12 +4,13 @@ their new positions, and goes on.
 
 Held to llama.cpp's own shift (tests/data/shift, made by tests/tools/make_shift_reference.py
 through llama-cpp-python's llama_memory_seq_rm / seq_add, as llama-server's pre_decode calls
-them): with a q8_0 cache — where Kiln's attention is llama.cpp's flash attention bit for bit —
-every greedy token of 300–400, through one and two shifts, is llama.cpp's. An fp16 cache follows
-llama.cpp's graph without flash attention (the shared references), which llama-server does not
-run on a CPU: there the check is what a shift must leave behind — layer 0's keys as a fresh
-run at the new positions makes them (to the rounding of turning a key twice), its values the
-same bytes."""
+them): with a q8_0 cache (llama.cpp's flash attention, which Kiln's reproduces bit for bit)
+every greedy token of 300–400, through one and two shifts, is llama.cpp's; with the default fp16
+cache (llama.cpp's default graph) every token through the first shift and 50 past it — after
+which the two engines' fp16 arithmetic, equal only to within rounding after a shift (llama.cpp
+keeps the kept cells where they were and refills the holes; Kiln moves them down), may part at
+a close margin. And what a shift must leave behind: layer 0's keys as a fresh run at the new
+positions makes them (to the rounding of turning a key twice), its values the same bytes."""
 
 import json
 
@@ -40,7 +41,7 @@ def run(seq: Sequence, prompt: list[int], params: SamplingParams) -> tuple[list[
     return ids, fin
 
 
-@pytest.mark.parametrize("name", ["smollm2-q8_0", "smollm2-q8_0-keep"])
+@pytest.mark.parametrize("name", ["smollm2-q8_0", "smollm2-q8_0-keep", "smollm2-f16", "smollm2-f16-long"])
 def test_greedy_text_through_the_shifts_is_llama_cpps(default_model, name):
     ref = json.loads((SHIFT / f"{name}.json").read_text())
     default_model.use_kv_types(ref["kv"])
@@ -49,7 +50,8 @@ def test_greedy_text_through_the_shifts_is_llama_cpps(default_model, name):
     finally:
         default_model.use_kv_types("f16")
     assert ref["shifts"] and fin.context_shifts == len(ref["shifts"]) and fin.reason == "length"
-    first = next((i for i, (a, b) in enumerate(zip(ids, ref["greedy_ids"])) if a != b), None)
+    upto = len(ids) if ref["kv"] != "f16" else ref["shifts"][0]["step"] + 50
+    first = next((i for i, (a, b) in enumerate(zip(ids[:upto], ref["greedy_ids"])) if a != b), None)
     assert first is None, f"token {first} differs (llama.cpp shifted at steps {[s['step'] for s in ref['shifts']]})"
 
 

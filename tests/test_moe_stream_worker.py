@@ -204,7 +204,8 @@ def test_kiln_up_stream_refuses_a_dense_model_and_a_bad_cache_size_before_starti
 def test_kiln_up_streams_an_moe_model_whose_experts_do_not_fit(e8k2_path, tmp_path):
     from kiln.native.models.plan import plan
     p = plan(e8k2_path, ctx=2048)
-    budget = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["runtime_bytes"] + 40 * 2**20   # experts: ~69 MB
+    budget = p["non_expert_bytes"] + p["kv_cache_bytes"] + p["prefix_cache_bytes"] + p["runtime_bytes"] + 40 * 2**20
+    # (experts: ~69 MB)
     d = Daemon(tmp_path, {"default": {"kind": "inference", "model": str(e8k2_path), "settings": {"ctx": 2048}}},
                supervisor={"memory_budget": int(budget / 0.9)})
     d.start()

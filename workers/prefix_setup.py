@@ -5,9 +5,8 @@
 - `prefix_cache_disk`: the budget of its folder under KILN_HOME/cache/prefix — "auto" (4 GiB),
   a size, or 0 / "off".
 
-Blocks on disk are filed under the model's sha256: from the file's pull manifest when it has one
-(checked against its size), else hashed once in the background (remembered by path, size and
-mtime) — until then the cache works in RAM only.
+Blocks on disk are filed under the model file's identity: its pull manifest's sha256 when it has
+one, else a fingerprint of its content (model_identity).
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-import threading
 from pathlib import Path
 
 import psutil
@@ -55,51 +52,33 @@ def attach(scheduler, model, n_ctx: int, settings: dict) -> None:
     disk = budget(settings.get("prefix_cache_disk"), AUTO_DISK, "prefix_cache_disk")
     if not ram and not disk:
         return
-    folder = kiln_home() / "cache" / "prefix"
     path = Path(model.path)
-
-    def make(sha: str | None) -> PrefixCache:
-        return PrefixCache(layout_of(cache, sha, path.name), max(ram, 1), folder if sha else None, disk)
-
-    sha = manifest_sha256(path)
-    scheduler.prefix = make(sha)
-    if sha is None and disk:
-        def hashed():
-            digest = file_sha256(path, folder)
-            if digest:
-                scheduler.prefix = make(digest)     # from now on blocks go to disk too
-        threading.Thread(target=hashed, name="kiln-model-hash", daemon=True).start()
+    scheduler.prefix = PrefixCache(layout_of(cache, model_identity(path), path.name), max(ram, 1),
+                                   kiln_home() / "cache" / "prefix", disk)
 
 
-def manifest_sha256(path: Path) -> str | None:
+def model_identity(path: Path) -> str:
+    """What names a model file's blocks: its pull manifest's sha256 (checked against the file's
+    size), else a fingerprint — the sha256 of its size, its first MiB (header, metadata, tensor
+    table) and 64 KiB at each of 32 places through it. A whole-file hash would read a model of
+    tens of GB at every boot and fill the page cache with the experts a stream worker keeps out
+    of it; the samples are dropped from the page cache again once read."""
     try:
         doc = json.loads(manifest_path(path).read_text())
-        return doc["sha256"] if doc.get("size") == path.stat().st_size else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def file_sha256(path: Path, folder: Path) -> str | None:
-    """The file's sha256, remembered in folder/identities.json by path, size and mtime."""
-    memo = folder / "identities.json"
+        if doc.get("size") == path.stat().st_size and isinstance(doc.get("sha256"), str):
+            return "sha256-" + doc["sha256"]
+    except (OSError, ValueError, TypeError):
+        pass
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    fd = os.open(path, os.O_RDONLY)
     try:
-        st = path.stat()
-        key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-        known = json.loads(memo.read_text()) if memo.exists() else {}
-        if not isinstance(known, dict):
-            known = {}
-        if isinstance(known.get(key), str):
-            return known[key]
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        known[key] = h.hexdigest()
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f".identities.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, memo)
-        return known[key]
-    except (OSError, ValueError) as e:
-        print(f"kiln prefix cache: cannot identify {path} ({e}); blocks stay in RAM only", file=sys.stderr)
-        return None
+        spots = [(0, min(size, 1 << 20))] + [(size * i // 32, 1 << 16) for i in range(1, 32)]
+        for off, n in spots:
+            h.update(os.pread(fd, n, off))
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return "fp-" + h.hexdigest()

@@ -42,8 +42,8 @@ class SlotOps:
 
     def _slot_layout(self) -> dict:
         cache = self.scheduler.seqs[0].cache
-        from .prefix_setup import manifest_sha256
-        return layout_of(cache, manifest_sha256(Path(self.model.path)), Path(self.model.path).name)
+        from .prefix_setup import model_identity
+        return layout_of(cache, model_identity(Path(self.model.path)), Path(self.model.path).name)
 
     @op("slots")
     def slots(self, req):

@@ -2,7 +2,6 @@
  * result depends only on its position and the cache — batch-invariant. */
 #include "kiln.h"
 
-#define GROUP_ROWS 4        /* rows of a prompt whose queries walk the keys together */
 
 #ifdef KILN_X86
 /* attention helpers */

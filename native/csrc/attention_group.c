@@ -106,4 +106,72 @@ void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks
     attn_group_values(qs, nq, V0, ks, D, f16, 0, 8);
     attn_group_reduce(qs, nq, D);
 }
+
+/* The fused decode layer's attention over plain caches (layer.c): rows b of B, each of the
+ * sequence whose cache rows[b] is; queries q (B, H, D) -> att. A sequence's consecutive rows
+ * (GROUP_ROWS at most) and a KV head's query heads walk the keys together. */
+AttnGroupPlan *attn_group_plan(const DecodeRow *rows, int B, int H, int D, int S, float *q, float *rowbuf,
+                               float *accbuf, float *att) {
+    AttnGroupPlan *p = malloc(sizeof(AttnGroupPlan));
+    p->qs = malloc((size_t)B * H * sizeof(AttnQuery));
+    p->qr = malloc((size_t)B * H * D * sizeof(float));
+    p->run0 = malloc((size_t)B * sizeof(int));
+    p->nruns = 0;
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < H; h++) {
+            size_t i = (size_t)b * H + h;
+            p->qs[i] = (AttnQuery){q + i * D, p->qr + i * D, rows[b].pos + 1, rowbuf + i * (S + 8), accbuf + i * 8 * D,
+                                   att + i * D, NULL};
+        }
+        if (b == 0 || rows[b].k != rows[b - 1].k || b - p->run0[p->nruns - 1] >= GROUP_ROWS) p->run0[p->nruns++] = b;
+    }
+    return p;
+}
+
+void attn_group_free(AttnGroupPlan *p) {
+    if (!p) return;
+    free(p->qs); free(p->qr); free(p->run0); free(p);
+}
+
+/* Called by every thread of the layer's parallel region (orphaned `omp for`s). `split`: a long
+ * decode whose KV heads do not divide among the threads — each (row, KV head) in phases: scores
+ * by positions, the softmax, the value lanes by halves (every piece a whole task's arithmetic). */
+void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H, int Hkv, int D, int f16,
+                     float scale, int split, int nt) {
+    int G = H / Hkv;
+    size_t ks = (size_t)Hkv * D, esz = f16 ? 2 : 4;
+    AttnQuery *qs = p->qs;
+    #pragma omp for schedule(static)
+    for (int i = 0; i < B * H; i += G) attn_group_prepare(qs + i, G, D, f16);
+    if (split) {
+        #pragma omp for schedule(static)
+        for (int c = 0; c < B * Hkv * nt; c++) {
+            int grp = c / nt, part = c % nt, b = grp / Hkv, kh = grp % Hkv, m = rows[b].pos + 1;
+            int s0 = (int)((long)m * part / nt) & ~3, s1 = part == nt - 1 ? m : (int)((long)m * (part + 1) / nt) & ~3;
+            attn_group_scores(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].k + kh * D * esz, ks, D, f16, s0, s1,
+                              scale);
+        }
+        #pragma omp for schedule(static)
+        for (int grp = 0; grp < B * Hkv; grp++) attn_group_softmax(qs + (size_t)grp * G, G, f16, 0);
+        #pragma omp for schedule(static)
+        for (int c = 0; c < B * Hkv * 2; c++) {
+            int grp = c / 2, b = grp / Hkv, kh = grp % Hkv, i0 = 4 * (c % 2);
+            attn_group_values(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].v + kh * D * esz, ks, D, f16, i0, i0 + 4);
+        }
+        #pragma omp for schedule(static)
+        for (int grp = 0; grp < B * Hkv; grp++) attn_group_reduce(qs + (size_t)grp * G, G, D);
+        return;
+    }
+    #pragma omp for schedule(static, 1)
+    for (int task = 0; task < p->nruns * Hkv; task++) {
+        int r = task / Hkv, kh = task % Hkv, b0 = p->run0[r], b1 = r + 1 < p->nruns ? p->run0[r + 1] : B, nq = 0;
+        AttnQuery grp[GROUP_ROWS * 64];
+        for (int b = b0; b < b1; b++)
+            for (int g = 0; g < G; g++) grp[nq++] = qs[(size_t)b * H + kh * G + g];
+        attn_group_scores(grp, nq, (const uint8_t *)rows[b0].k + kh * D * esz, ks, D, f16, 0, rows[b1 - 1].pos + 1, scale);
+        attn_group_softmax(grp, nq, f16, 0);
+        attn_group_values(grp, nq, (const uint8_t *)rows[b0].v + kh * D * esz, ks, D, f16, 0, 8);
+        attn_group_reduce(grp, nq, D);
+    }
+}
 #endif

@@ -292,6 +292,17 @@ typedef struct {              /* one sequence's row of a decode step */
     const float *cos, *sin;   /* RoPE tables of that position (R/2) */
 } DecodeRow;
 
+/* attention_group.c: the fused layer's attention over plain caches, grouped (see there) */
+#define GROUP_ROWS 4              /* a sequence's rows whose queries walk the keys together */
+typedef struct { AttnQuery *qs; float *qr; int *run0; int nruns; } AttnGroupPlan;
+AttnGroupPlan *attn_group_plan(const DecodeRow *rows, int B, int H, int D, int S, float *q, float *rowbuf,
+                               float *accbuf, float *att);
+void attn_group_free(AttnGroupPlan *p);
+#ifdef KILN_X86
+void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H, int Hkv, int D, int f16,
+                     float scale, int split, int nt);
+#endif
+
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
 int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
                     const uint64_t *ptrs, uint8_t *done, float *dn, int nt);

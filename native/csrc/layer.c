@@ -10,7 +10,6 @@
 /* positions from which a decode step whose heads do not divide among the threads splits each
  * head's attention between them (below, three more barriers cost more than the imbalance) */
 #define SPLIT_ATTENTION_FROM 256
-#define GROUP_ROWS 4             /* a sequence's rows whose queries walk the keys together */
 
 void rms_row(const float *x, const float *w, float *o, int n, float eps) {
     double sum = 0.0;                       /* double accumulation, as ggml */
@@ -208,21 +207,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     int fa = L->vt == T_Q8_0 || L->vt == T_Q4_0;  /* flash attention's pass after the scores (kv_quant.c) */
     float *rowbuf = split || grouped ? malloc((size_t)B * H * (S + 8) * sizeof(float)) : NULL;
     float *accbuf = split || grouped ? aligned_alloc(32, (size_t)B * H * 8 * D * sizeof(float)) : NULL;
-    float *qrbuf = grouped ? malloc((size_t)B * H * D * sizeof(float)) : NULL;
-    AttnQuery *qs = grouped ? malloc((size_t)B * H * sizeof(AttnQuery)) : NULL;
-    int *run0 = grouped ? malloc((size_t)B * sizeof(int)) : NULL, nruns = 0;
-    if (grouped) {
-        for (int b = 0; b < B; b++) {
-            for (int h = 0; h < H; h++) {
-                size_t i = (size_t)b * H + h;
-                qs[i] = (AttnQuery){q + i * D, qrbuf + i * D, rows[b].pos + 1, rowbuf + i * (S + 8),
-                                    accbuf + i * 8 * D, att + i * D, NULL};
-            }
-            /* runs of rows of one sequence (the same cache), GROUP_ROWS at most */
-            if (b == 0 || rows[b].k != rows[b - 1].k || b - run0[nruns - 1] >= GROUP_ROWS) run0[nruns++] = b;
-        }
-    }
-    size_t ks = (size_t)Hkv * D, esz = kv_f16 ? 2 : 4;
+    AttnGroupPlan *gp = grouped ? attn_group_plan(rows, B, H, D, S, q, rowbuf, accbuf, att) : NULL;
     #pragma omp parallel num_threads(nt)
     {
         float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
@@ -247,42 +232,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             }
         }
         if (grouped) {
-            #pragma omp for schedule(static)
-            for (int i = 0; i < B * H; i += G) attn_group_prepare(qs + i, G, D, kv_f16);
-        }
-        if (grouped && split) {
-            /* a long decode whose KV heads do not divide among the threads: each (row, KV head)
-               in phases — scores by positions, softmax, value lanes by halves — same bits */
-            #pragma omp for schedule(static)
-            for (int c = 0; c < B * Hkv * nt; c++) {
-                int grp = c / nt, part = c % nt, b = grp / Hkv, kh = grp % Hkv, m = rows[b].pos + 1;
-                int s0 = (int)((long)m * part / nt) & ~3, s1 = part == nt - 1 ? m : (int)((long)m * (part + 1) / nt) & ~3;
-                attn_group_scores(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].k + kh * D * esz, ks, D, kv_f16,
-                                  s0, s1, scale);
-            }
-            #pragma omp for schedule(static)
-            for (int grp = 0; grp < B * Hkv; grp++) attn_group_softmax(qs + (size_t)grp * G, G, kv_f16, 0);
-            #pragma omp for schedule(static)
-            for (int c = 0; c < B * Hkv * 2; c++) {
-                int grp = c / 2, b = grp / Hkv, kh = grp % Hkv, i0 = 4 * (c % 2);
-                attn_group_values(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].v + kh * D * esz, ks, D, kv_f16,
-                                  i0, i0 + 4);
-            }
-            #pragma omp for schedule(static)
-            for (int grp = 0; grp < B * Hkv; grp++) attn_group_reduce(qs + (size_t)grp * G, G, D);
-        } else if (grouped) {
-            #pragma omp for schedule(static, 1)
-            for (int task = 0; task < nruns * Hkv; task++) {
-                int r = task / Hkv, kh = task % Hkv, b0 = run0[r], b1 = r + 1 < nruns ? run0[r + 1] : B, nq = 0;
-                AttnQuery grp[GROUP_ROWS * 64];
-                for (int b = b0; b < b1; b++)
-                    for (int g = 0; g < G; g++) grp[nq++] = qs[(size_t)b * H + kh * G + g];
-                int nmax = rows[b1 - 1].pos + 1;
-                attn_group_scores(grp, nq, (const uint8_t *)rows[b0].k + kh * D * esz, ks, D, kv_f16, 0, nmax, scale);
-                attn_group_softmax(grp, nq, kv_f16, 0);
-                attn_group_values(grp, nq, (const uint8_t *)rows[b0].v + kh * D * esz, ks, D, kv_f16, 0, 8);
-                attn_group_reduce(grp, nq, D);
-            }
+            attn_group_rows(gp, rows, B, H, Hkv, D, kv_f16, scale, split, nt);
         } else if (split) {
             /* a long decode with heads that do not divide among the threads (9 on 2): each
                (row, head) dealt in phases — scores by positions, the softmax whole, the value
@@ -374,7 +324,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     act_free(&aq); act_free(&ao);
     if (L->ffn) { act_free(&ag); act_free(&ad); act_free(&ar); }
     free(a); free(q); free(kt); free(vt); free(att); free(o); free(f); free(g); free(u); free(dn); free(logits);
-    free(wsel_all); free(sel_all); free(rowbuf); free(accbuf); free(qrbuf); free(qs); free(run0);
+    free(wsel_all); free(sel_all); free(rowbuf); free(accbuf); attn_group_free(gp);
 #endif
     return missing;
 }

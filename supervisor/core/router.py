@@ -298,8 +298,7 @@ class Router:
             return
         del self.pending[p.id]
         self.counts["completed" if msg.type == "reply" else "failed"] += 1
-        log.debug("%s %s %s on %s%s", p.op, p.id, "answered" if msg.type == "reply" else "failed", w.name,
-                  "" if msg.type == "reply" else f": {msg.get('code')} {msg.get('message')}")
+        log.debug("%s %s %s on %s %s", p.op, p.id, msg.type, w.name, msg.get("code") or "")
         self._used(p)
         p.client.deliver(self._for_client(p, msg))
 

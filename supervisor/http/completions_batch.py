@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .common import JSONError
 from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
-from .openai_validate import (COMPLETION_FIELDS, adapter, bad, keep_alive, known_fields, logprobs, prompts,
-                              sampling_params)
+from .inputs import prompts
+from .openai_validate import COMPLETION_FIELDS, adapter, bad, keep_alive, known_fields, logprobs, sampling_params
 from .pipeline import Pipeline, WorkerGone, refusal
 from .work import Work
 

@@ -24,9 +24,9 @@ from .common import JSONError, bus
 from .pipeline import Pipeline, WorkerGone, refusal, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
 from .openai_shapes import Answer as AnswerShape
-from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, bad, embedding_inputs,
-                              grammar, keep_alive, known_fields, logprobs, messages, prompts, sampling_params, tools,
-                              truncation)
+from .inputs import embedding_inputs, prompts
+from .openai_validate import (CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, adapter, bad, grammar, keep_alive,
+                              known_fields, logprobs, messages, sampling_params, tools, truncation)
 from .work import Work, model_of
 
 

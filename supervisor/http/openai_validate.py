@@ -51,7 +51,7 @@ def bad(param: str, message: str, code: str = "invalid_value") -> JSONError:
 
 # -- request validation ------------------------------------------------------------------------
 
-def _number(body: dict, name: str, low: float, high: float, kind=(int, float)):
+def number(body: dict, name: str, low: float, high: float, kind=(int, float)):
     v = body.get(name)
     if v is None:
         return None
@@ -71,7 +71,7 @@ def sampling_params(body: dict, min_tokens: int = 1, unbounded: bool = False) ->
                  "repeat_penalty", "seed"):
         kinds, low, high = BOUNDS[name]
         kind = int if kinds == (int,) else (int, float)
-        v = _number(body, name, low, high, kind)
+        v = number(body, name, low, high, kind)
         if v is not None:
             p[name] = float(v) if kind != int else v
     if p.get("top_p") == 0:
@@ -81,7 +81,7 @@ def sampling_params(body: dict, min_tokens: int = 1, unbounded: bool = False) ->
         p["max_tokens"] = -1
     elif mt is not None:
         which = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        _number({which: mt}, which, min_tokens, BOUNDS["max_tokens"][2], int)
+        number({which: mt}, which, min_tokens, BOUNDS["max_tokens"][2], int)
         p["max_tokens"] = mt
     stop = body.get("stop")
     if stop is not None:
@@ -98,10 +98,10 @@ def sampling_params(body: dict, min_tokens: int = 1, unbounded: bool = False) ->
             raise bad("ignore_eos", "ignore_eos must be a boolean", "invalid_type")
         p["ignore_eos"] = body["ignore_eos"]
     p.update(context_shift(body))
-    n = _number(body, "n", *BOUNDS["n"][1:], int)
+    n = number(body, "n", *BOUNDS["n"][1:], int)
     if n is not None and n > 1:
         p["n"] = n
-    tp = _number(body, "typical_p", *BOUNDS["typical_p"][1:])
+    tp = number(body, "typical_p", *BOUNDS["typical_p"][1:])
     if tp is not None:
         if tp == 0:
             raise bad("typical_p", "typical_p must be greater than 0")
@@ -135,7 +135,7 @@ def context_shift(body: dict) -> dict:
             raise bad("context_shift", "context_shift must be a boolean", "invalid_type")
         p["context_shift"] = body["context_shift"]
     for name in ("n_keep", "n_discard"):
-        v = _number(body, name, *BOUNDS[name][1:], int)
+        v = number(body, name, *BOUNDS[name][1:], int)
         if v is not None:
             p[name] = v
     return p
@@ -263,11 +263,11 @@ def logprobs(body: dict, chat: bool) -> int | None:
         lp = body.get("logprobs")
         if lp is not None and not isinstance(lp, bool):
             raise bad("logprobs", "logprobs must be a boolean", "invalid_type")
-        top = _number(body, "top_logprobs", 0, 20, int)
+        top = number(body, "top_logprobs", 0, 20, int)
         if top is not None and not lp:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
         return (top or 0) if lp else None
-    return _number(body, "logprobs", 0, 20, int)
+    return number(body, "logprobs", 0, 20, int)
 
 
 def keep_alive(body: dict) -> dict:
@@ -359,57 +359,3 @@ def _tool_calls(calls, where: str) -> list[dict]:
         out.append({"id": str(c.get("id") or f"call_{j}"), "type": "function",
                     "function": {"name": f["name"], "arguments": f.get("arguments", "{}")}})
     return out
-
-
-def prompts(body: dict) -> list[dict]:
-    """A completions prompt — a string, token ids, or a batch of either — as work items; with a
-    `suffix`, one fill-in-the-middle item (the prompt is the code before the gap)."""
-    prompt, suffix = body.get("prompt"), body.get("suffix")
-    if suffix not in (None, ""):
-        if not isinstance(suffix, str):
-            raise bad("suffix", "suffix must be a string (the text after the gap to fill)", "invalid_type")
-        if not isinstance(prompt, str):
-            raise bad("prompt", "with a suffix, prompt must be one string: the text before the gap", "invalid_type")
-        if body.get("echo"):
-            raise bad("echo", "echo cannot be combined with suffix")
-        return [{"infill": {"prefix": prompt, "suffix": suffix}}]
-    is_ids = lambda p: isinstance(p, list) and bool(p) and all(  # noqa: E731
-        isinstance(t, int) and not isinstance(t, bool) for t in p)
-    batch = prompt if isinstance(prompt, list) and prompt and all(
-        isinstance(p, str) or is_ids(p) for p in prompt) and not is_ids(prompt) else [prompt]
-    works = []
-    for i, p in enumerate(batch):
-        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            if not p:
-                raise bad(where, "prompt is empty")
-            works.append({"text": p, "special": True})
-        elif is_ids(p):
-            works.append({"prompt": p})
-        else:
-            raise bad(where, "prompt must be a non-empty string, a list of token ids, or a list of those",
-                      "invalid_type")
-    if len(works) > 64:
-        raise bad("prompt", f"at most 64 prompts per request, got {len(works)}")
-    return works
-
-
-def embedding_inputs(body: dict) -> list:
-    """input: a string, a list of strings, a list of token ids, or a list of those."""
-    x = body.get("input")
-    is_ids = lambda p: isinstance(p, list) and bool(p) and all(  # noqa: E731
-        isinstance(t, int) and not isinstance(t, bool) for t in p)
-    items = [x] if isinstance(x, str) or is_ids(x) else x
-    if not isinstance(items, list) or not items:
-        raise bad("input", "input must be a non-empty string, a list of strings, token ids, or lists of token ids",
-                  "invalid_type")
-    for i, it in enumerate(items):
-        if not ((isinstance(it, str) and it) or is_ids(it)):
-            raise bad(f"input[{i}]", "each input must be a non-empty string or a non-empty list of token ids")
-    if len(items) > 256:
-        raise bad("input", f"at most 256 inputs per request, got {len(items)}")
-    fmt = body.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise bad("encoding_format", 'encoding_format must be "float" or "base64"')
-    _number(body, "dimensions", 1, 1 << 16, int)     # its type here; the worker refuses any but the model's own
-    return items

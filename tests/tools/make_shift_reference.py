@@ -7,11 +7,10 @@ of -n_discard to the later ones (llama.cpp re-ropes their keys at the next decod
 
 When the cache holds n_ctx - 1 tokens and the next one is to be decoded, n_keep (plus one with
 a BOS, at most n_ctx - 4) stay and half of the rest go. Writes the prompt, every greedy id with
-its margin (top-1 minus top-2 logit) and the step of each shift. 2 threads, flash attention on —
-what llama-server's `-fa auto` picks on a CPU (llama-cpp-python's default is off, where llama.cpp's
-one-token decode and its batched evaluation of the same positions differ by up to 0.6 in a logit
-on this prompt; with it on they agree). KV: the keys'/values' cache types. Session tool, not a
-test dependency (needs llama-cpp-python 0.3.36).
+its margin (top-1 minus top-2 logit) and the step of each shift. 2 threads; KV (the keys'/values'
+cache types) as make_reference.py takes it: f16 on llama.cpp's default graph (the shared
+references'), a quantized cache with flash attention (which llama.cpp needs for a quantized V).
+Session tool, not a test dependency (needs llama-cpp-python 0.3.36).
 """
 
 import json
@@ -28,7 +27,7 @@ GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
 def main(model: str, out: str, n_ctx: str = "256", n_gen: str = "400", kv: str = "f16", n_keep: str = "0",
          prompt: str = PROMPT) -> None:
     k, v = (kv.split("/") + kv.split("/"))[:2]
-    llm = Llama(model, n_ctx=int(n_ctx), n_threads=2, logits_all=True, verbose=False, flash_attn=True,
+    llm = Llama(model, n_ctx=int(n_ctx), n_threads=2, logits_all=True, verbose=False, flash_attn=kv != "f16",
                 type_k=GGML_TYPES[k], type_v=GGML_TYPES[v])
     ctx = llm.n_ctx()
     add_bos = llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
