@@ -37,6 +37,7 @@ from .kv_cache import KVCache
 
 BLOCK = 32                   # positions per block: what a prompt's tail recomputes at most
 RAM_CAP = 1 << 30            # "auto" RAM budget: one sequence's whole-context KV, at most this
+WRITE_BEHIND = 256 << 20     # blocks waiting for the disk, at most (bytes)
 
 
 def chain_keys(tokens: list[int], n_blocks: int, root: bytes) -> list[bytes]:
@@ -63,13 +64,14 @@ class PrefixCache:
         self.blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()     # key -> payload (uint8)
         self.held = 0
         self.lock = threading.Lock()
-        self.counts = {"hits_ram": 0, "hits_disk": 0, "published": 0, "written": 0, "rejected": 0,
-                       "reused_tokens": 0}
+        self.counts = {"hits_ram": 0, "hits_disk": 0, "published": 0, "written": 0, "not_written": 0,
+                       "rejected": 0, "reused_tokens": 0}
         self.dir = None
         if disk_dir is not None and disk_bytes > 0 and layout.get("model_id"):
             self.dir = Path(disk_dir) / f"{layout['model_id']}-{layout['k_type']}-{layout['v_type']}"
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._writes: queue.Queue = queue.Queue(maxsize=4096)
+            self._writes: queue.Queue = queue.Queue()
+            self.queued = 0                     # bytes waiting for the disk (held beside the RAM budget)
             threading.Thread(target=self._writer, name="kiln-prefix-writer", daemon=True).start()
 
     # -- the scheduler's side ---------------------------------------------------------------
@@ -121,11 +123,15 @@ class PrefixCache:
             payload = cache.export_rows(i * BLOCK, (i + 1) * BLOCK)
             self._put(key, payload)
             if self.dir is not None and not (self.dir / key.hex()).exists():
-                try:
-                    self._writes.put_nowait((key, keys[i - 1] if i else None, cache.tokens[i * BLOCK:(i + 1) * BLOCK],
-                                             payload))
-                except queue.Full:
-                    pass                       # the disk is behind: this block stays in RAM only
+                with self.lock:                # a slow disk may hold back at most WRITE_BEHIND bytes
+                    room = self.queued + payload.nbytes <= WRITE_BEHIND
+                    if room:
+                        self.queued += payload.nbytes
+                if room:
+                    self._writes.put((key, keys[i - 1] if i else None, cache.tokens[i * BLOCK:(i + 1) * BLOCK], payload))
+                else:
+                    with self.lock:
+                        self.counts["not_written"] += 1     # the disk is behind: this block stays in RAM only
             new += 1
         with self.lock:
             self.counts["published"] += new
@@ -166,6 +172,9 @@ class PrefixCache:
             except OSError as e:
                 self.log(f"cannot write {path}: {e}; the block stays in RAM only")
                 continue
+            finally:
+                with self.lock:
+                    self.queued -= payload.nbytes
             with self.lock:
                 self.counts["written"] += 1
             if used > self.disk_bytes:

@@ -191,3 +191,24 @@ def test_a_recurrent_model_restarts_from_the_last_prompt_s_end_not_from_zero():
     assert reused == len(a) and np.array_equal(logits, m.forward(b, m.new_cache(256)))
     with pytest.raises(ValueError, match="cannot be rolled back"):
         seq.cache.truncate(len(a) - 1)                    # no checkpoint there
+
+
+def test_a_slow_disk_holds_back_at_most_write_behind_bytes(default_model, system, tmp_path, monkeypatch):
+    """Blocks wait for the disk in a bounded queue: past WRITE_BEHIND bytes a block stays in RAM
+    only (counted), so a slow or stuck disk never grows the worker's memory."""
+    import threading
+    from kiln.native import prefix_cache
+    m = default_model
+    _, a, _ = system
+    block = layout_of(m.new_cache(8), SHA, "m")["block_bytes"]
+    monkeypatch.setattr(prefix_cache, "WRITE_BEHIND", 2 * block)
+    gate, real = threading.Event(), prefix_cache.kv_file.write
+    monkeypatch.setattr(prefix_cache.kv_file, "write", lambda *args: gate.wait(20) and real(*args))
+    pc = cache_for(m, tmp_path)
+    c = m.new_cache(512)
+    m.forward(a, c)
+    assert pc.publish(c) == len(a) // BLOCK >= 4
+    assert pc.stats()["not_written"] == len(a) // BLOCK - 2 and pc.queued <= 2 * block
+    gate.set()
+    wait_written(pc, 2)
+    assert pc.queued == 0
