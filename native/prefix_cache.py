@@ -68,8 +68,13 @@ class PrefixCache:
                        "rejected": 0, "reused_tokens": 0}
         self.dir = None
         if disk_dir is not None and disk_bytes > 0 and layout.get("model_id"):
-            self.dir = Path(disk_dir) / f"{layout['model_id']}-{layout['k_type']}-{layout['v_type']}"
-            self.dir.mkdir(parents=True, exist_ok=True)
+            folder = Path(disk_dir) / f"{layout['model_id']}-{layout['k_type']}-{layout['v_type']}"
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                self.dir = folder
+            except OSError as e:           # a read-only or full home: the cache works in RAM
+                self.log(f"cannot use {folder} ({e.strerror or e}); prompts are cached in RAM only")
+        if self.dir is not None:
             self._writes: queue.Queue = queue.Queue()
             self.queued = 0                     # bytes waiting for the disk (held beside the RAM budget)
             threading.Thread(target=self._writer, name="kiln-prefix-writer", daemon=True).start()
@@ -181,7 +186,10 @@ class PrefixCache:
                 used = self._trim()
 
     def _scan(self) -> int:
-        return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
+        try:
+            return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
+        except OSError:
+            return 0
 
     def _trim(self) -> int:
         """Delete the least recently used block files until the folder is under 90 % of its budget."""

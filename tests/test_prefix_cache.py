@@ -212,3 +212,19 @@ def test_a_slow_disk_holds_back_at_most_write_behind_bytes(default_model, system
     gate.set()
     wait_written(pc, 2)
     assert pc.queued == 0
+
+
+def test_a_folder_that_cannot_be_made_leaves_the_cache_in_ram(default_model, system, tmp_path):
+    """KILN_HOME read-only, full, or its cache path a file: said once, and prompts are still
+    cached in RAM — a worker never fails to start over its cache."""
+    m = default_model
+    _, a, b = system
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the folder would go")
+    said = []
+    pc = cache_for(m, blocker / "prefix", log=said.append)
+    assert pc.dir is None and "prompts are cached in RAM only" in said[0]
+    c = m.new_cache(512)
+    m.forward(a, c)
+    assert pc.publish(c) == len(a) // BLOCK
+    assert pc.extend(m.new_cache(512), b, 0) == 3 * BLOCK
