@@ -108,6 +108,12 @@ def test_an_answer_longer_than_the_context_shifts_when_asked(served):
     assert out["usage"]["completion_tokens"] == CTX + 40 and out["context_shifts"] == 1, out
     status, err = chat(served, {**long, "context_shift": "yes"})
     assert status == 400 and err["error"]["param"] == "context_shift", err
+    for field, value in (("n_keep", -2), ("n_discard", -1), ("n_keep", "all"), ("n_discard", 1 << 40)):
+        status, err = http_json(served, "POST", "/completion", {"prompt": "x", "n_predict": 2, "context_shift": True,
+                                                                field: value})
+        assert status == 400 and err["error"]["param"] == field, (field, value, err)
+    status, err = chat(served, {**long, "context_shift": True, "n_keep": 4})      # llama-server's field only
+    assert status == 400 and err["error"]["param"] == "n_keep", err
     status, out = http_json(served, "POST", "/completion", {
         "prompt": "One, two, three,", "n_predict": CTX + 200, "ignore_eos": True, "temperature": 0,
         "context_shift": True, "n_keep": 4, "n_discard": 100})

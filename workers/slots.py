@@ -41,9 +41,16 @@ class SlotOps:
         return self._slot_dir() / name
 
     def _slot_layout(self) -> dict:
-        cache = self.scheduler.seqs[0].cache
-        from .prefix_setup import model_identity
-        return layout_of(cache, model_identity(Path(self.model.path)), Path(self.model.path).name)
+        """What a saved slot's rows are: the prefix cache's layout (the same model file, types and
+        shapes), or worked out once when this worker keeps no prefix cache."""
+        prefix = self.scheduler.prefix
+        if prefix is not None and prefix.layout.get("model_id"):
+            return prefix.layout
+        if getattr(self, "_layout", None) is None:
+            from .prefix_setup import model_identity
+            self._layout = layout_of(self.scheduler.seqs[0].cache, model_identity(Path(self.model.path)),
+                                     Path(self.model.path).name)
+        return self._layout
 
     @op("slots")
     def slots(self, req):
