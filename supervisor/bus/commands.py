@@ -58,7 +58,7 @@ def events(sup, args):
 @command("route")
 def route(sup, args):
     """Which worker serves a model (`model`, default: the default model) — without waiting."""
-    from ..core.router import RouteError, Target
+    from ..core.routing import RouteError, Target
     try:
         w = sup.router.resolve(Target(model=args.get("model")))
     except RouteError as e:

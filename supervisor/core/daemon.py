@@ -22,14 +22,12 @@ import signal
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import msgpack
 import zmq
 
 from kiln.protocol.store.adapter_registry import AdapterRegistry
-from kiln.protocol import make, new_id
+from kiln.protocol import make
 
 from . import registry as commands
 from . import policy, segments
@@ -38,26 +36,15 @@ from .events import EventLog
 from .paths import Paths
 from .process_table import ProcessTable, SystemClock, WorkerProcess
 from .processes import ProcessSpawner
-from .router import Client, Router, Target
+from .router import Router
 from .run_files import AlreadyRunning, RunFiles, read_pid  # noqa: F401  (re-exported for the CLI)
-from .sockets import SocketTraffic, routed_target
+from .sockets import SocketTraffic
 
 HANDLED_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 LOOP_WAIT = 0.1          # the loop's longest wait for traffic, seconds
 # a loop on time ticks the table at least this often; a longer gap is the supervisor's own lateness
 # (not scheduled, or a blocking call), which the table does not count as the workers' silence
 MAX_TICK_GAP = 2.5 * LOOP_WAIT
-
-
-@dataclass
-class LocalCall:
-    """A request from an in-process front end (HTTP); its messages arrive on `events`."""
-    supervisor: Any
-    id: str = field(default_factory=new_id)
-    events: queue.Queue = field(default_factory=queue.Queue)
-
-    def cancel(self) -> None:
-        self.supervisor.submit(lambda: self.supervisor.router.cancel_client(self.id, "http"))
 
 
 def make_placer(table, m: dict, busy, record, state_file):
@@ -108,7 +95,8 @@ class Supervisor(SocketTraffic):
             on_ready=lambda w: self.router.pump())
         self.router = Router(self.table, lambda w, m: self._send(self.worker_sock, w.identity, m),
                              max_queue=srv["max_queue"], wait_for_worker=srv["wait_for_worker"],
-                             request_timeout=srv["request_timeout"], adapters=self.adapters, record=self.record)
+                             request_timeout=srv["request_timeout"], adapters=self.adapters, record=self.record,
+                             on_loop=self.submit)
         self.placer = self.router.placer = make_placer(self.table, config["models"], self.router.busy, self.record,
                                                        paths.home / "state" / "models.json")
         self.bad_frames: Counter = Counter()
@@ -156,43 +144,6 @@ class Supervisor(SocketTraffic):
         if name == "load" and self.placer is not None and isinstance((args or {}).get("model"), str):
             self.placer.prepare(args["model"])
         return self.submit(lambda: commands.run(self, name, args or {})).result(timeout)
-
-    def request(self, op: str, body: Any = None, timeout: float | None = None, replayable: bool = False,
-                admission: bool = False) -> LocalCall:
-        """A routed op (generate, score, tokenize, train.submit, …) for an in-process front end.
-        `replayable`: the front end shows nothing before the reply, so a worker's death after
-        output reruns the request (a "restart" message first) instead of failing it.
-        `admission`: an "admitted" message (the worker that took it) comes first."""
-        c = LocalCall(self)
-        worker_op, body, target = routed_target(op, body)
-        client = Client(c.id, c.events.put, "http", replayable, admission)
-        if not self._sendable(body, client):
-            return c
-        if target.model and self.placer is not None:
-            self.placer.prepare(target.model)          # here, on the caller's thread: not on the loop
-        self.submit(lambda: self.router.submit(worker_op, body, client, target, timeout))
-        return c
-
-    def call(self, worker: str, op: str, body: Any = None, timeout: float | None = None) -> LocalCall:
-        """An op of one named worker, through the router (it waits for that worker, too)."""
-        c = LocalCall(self)
-        client = Client(c.id, c.events.put, "http")
-        if self._sendable(body, client):
-            self.submit(lambda: self.router.submit(op, body, client, Target(worker=worker), timeout))
-        return c
-
-    @staticmethod
-    def _sendable(body: Any, client: Client) -> bool:
-        """Whether `body` can cross the wire; if not, the caller is answered at once. A body that
-        cannot be packed would otherwise fail on the loop thread, after the caller began waiting."""
-        try:
-            msgpack.packb(body, use_bin_type=True)
-            return True
-        except (TypeError, ValueError, OverflowError) as e:   # UnicodeEncodeError is a ValueError
-            client.deliver(make("error", id=client.id, code="bad_request", retryable=False,
-                                message=f"the request holds a value that cannot be sent to a worker "
-                                        f"({type(e).__name__}: {str(e)[:200]})"))
-            return False
 
     def _wake(self) -> None:
         try:

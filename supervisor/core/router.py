@@ -17,88 +17,30 @@ Workers may send requests up; `WORKER_ALLOWED` says which ops each kind may ask 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import msgpack
 
 from kiln.protocol import Message, make, new_id
 from kiln.protocol.vocab import FATAL, retryable
 
 from .process_table import ProcessTable, WorkerProcess
+from .routing import (MAX_ATTEMPTS, MODEL_KINDS, MODEL_OPS, MODEL_RUNS,  # noqa: F401 (re-exported)
+                      WORKER_ALLOWED, Client, LocalCall, Pending, RouteError, Target,
+                      routed_target)
 
 log = logging.getLogger("kiln.router")        # DEBUG lines: `kiln -v up`
-
-MAX_ATTEMPTS = 3                  # a request that produced nothing is sent at most this often
-MODEL_KINDS = ("inference", "moe-stream")
-
-# Ops a front end may name, and how each is routed: to a model's worker, or to a kind's.
-MODEL_OPS = ("generate", "score", "embed", "tokenize", "detokenize", "apply_template", "info", "slots")
-MODEL_RUNS = ("generate", "score", "embed")     # ops that run the model (and take an adapter)
-KIND_OPS = {"train.submit": ("trainer", "train_submit"), "train.cancel": ("trainer", "job_cancel"),
-            "eval.submit": ("evaluator", "eval_submit"), "eval.register": ("evaluator", "eval_register"),
-            "eval.cancel": ("evaluator", "job_cancel")}
-ROUTED_OPS = MODEL_OPS + tuple(KIND_OPS)
-
-# What a worker may ask the router for (anything else is `forbidden`).
-WORKER_ALLOWED: dict[str, frozenset] = {
-    "evaluator": frozenset({"generate", "score", "tokenize", "detokenize", "apply_template", "info"}),
-    "trainer": frozenset(),
-}
-
-
-@dataclass(frozen=True)
-class Target:
-    worker: str | None = None     # a worker by name
-    model: str | None = None      # a model (worker name, model stem or spec); None: the default
-    kind: str | None = None       # the first enabled worker of a kind
-
-
-@dataclass
-class Client:
-    """Where a request's messages go. `deliver` gets messages whose id is the client's own id."""
-    id: str
-    deliver: Callable[[Message], None]
-    origin: str = "local"          # "http" | "control" | "worker:<name>" — for logs
-    # shows nothing before the reply (a non-streamed HTTP answer): output it got may be dropped
-    # (a "restart" message) and the request run again when its worker dies
-    replayable: bool = False
-    # told which worker took the request (an "admitted" message before any other): the HTTP
-    # front end names the model in its answer and logs without asking the loop a second time
-    wants_admission: bool = False
-
-
-@dataclass
-class Pending:
-    id: str                        # the router's id, as the worker sees it
-    op: str
-    body: Any
-    client: Client
-    target: Target
-    deadline: float                # monotonic: the request's whole life
-    timeout: float                 # seconds, for messages
-    wait_until: float              # monotonic: the longest it may wait for a worker
-    worker: str | None = None      # where it is running now (None: waiting)
-    target_worker: str = ""        # the worker its target resolved to at admission
-    got_output: bool = False
-    attempts: int = 0
-    adapter: str | None = None
-    retried_after: list = field(default_factory=list)   # why it was sent again (shown in the reply)
-    keep_alive: Any = "default"    # seconds its model stays loaded after it (None: forever)
-    min_ctx: int | None = None     # the context the client asked for (Ollama's num_ctx): a worker
-                                   # whose context is shorter refuses it
-
-
-class RouteError(Exception):
-    def __init__(self, code: str, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.code, self.message, self.retry_after = code, message, retry_after
 
 
 class Router:
     def __init__(self, table: ProcessTable, send: Callable[[WorkerProcess, Message], None], *,
                  max_queue: int = 64, wait_for_worker: float = 60.0, request_timeout: float = 600.0,
                  adapters=None, record: Callable[[str, str | None, str], None] = lambda *a: None,
-                 placer=None):
+                 placer=None, on_loop: Callable[[Callable[[], Any]], Any] | None = None):
+        """`on_loop(fn)` runs `fn` on the daemon's loop thread (the daemon's `submit`); the
+        front ends' door, `request`, hands its work there."""
         self.table, self.send, self.record = table, send, record
+        self.on_loop = on_loop or (lambda fn: fn())
         self.placer = placer             # models at run time (supervisor/placer.py); None: a fixed set
         self.max_queue, self.wait_for_worker, self.request_timeout = max_queue, wait_for_worker, request_timeout
         self.adapters = adapters
@@ -106,7 +48,38 @@ class Router:
         self.closed = False
         self.counts = {"admitted": 0, "retried": 0, "busy": 0, "completed": 0, "failed": 0}
 
-    # -- admission ----------------------------------------------------------------------------
+    # -- the front ends' door (any thread) -----------------------------------------------------
+
+    def request(self, op: str, body: Any = None, timeout: float | None = None, replayable: bool = False,
+                admission: bool = False) -> LocalCall:
+        """A routed op (generate, score, tokenize, train.submit, …) from an in-process front end.
+        The one method called off the loop: it checks the
+        body can be sent, lets the placer plan on the caller's thread, and queues `submit`.
+        `replayable`: the front end shows nothing before the reply, so a worker's death after
+        output reruns the request (a "restart" message first) instead of failing it.
+        `admission`: an "admitted" message (the worker that took it) comes first."""
+        c = LocalCall(self.on_loop, self.cancel_client)
+        worker_op, body, target = routed_target(op, body)
+        client = Client(c.id, c.events.put, "http", replayable, admission)
+        if not self._sendable(body, client):
+            return c
+        if target.model and self.placer is not None:
+            self.placer.prepare(target.model)          # here, on the caller's thread: not on the loop
+        self.on_loop(lambda: self.submit(worker_op, body, client, target, timeout))
+        return c
+
+    def _sendable(self, body: Any, client: Client) -> bool:
+        """Whether `body` can cross the wire; if not, the caller is answered at once. A body that
+        cannot be packed would otherwise fail on the loop thread, after the caller began waiting."""
+        try:
+            msgpack.packb(body, use_bin_type=True)
+            return True
+        except (TypeError, ValueError, OverflowError) as e:   # UnicodeEncodeError is a ValueError
+            self._error(client, "bad_request", f"the request holds a value that cannot be sent to a worker "
+                        f"({type(e).__name__}: {str(e)[:200]})")
+            return False
+
+    # -- admission (the loop) -------------------------------------------------------------------
 
     def submit(self, op: str, body: Any, client: Client, target: Target,
                timeout: float | None = None) -> str | None:

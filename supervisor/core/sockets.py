@@ -8,27 +8,15 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Callable
 
 from kiln.protocol import Message, ProtocolError, decode_frames, encode_frames, make, version_error
 
 from . import registry as commands
-from .router import KIND_OPS, MODEL_OPS, Client, Target
+from .routing import KIND_OPS, MODEL_OPS, Client, Target, routed_target  # noqa: F401
 
 request_log = logging.getLogger("kiln.requests")
 frame_log = logging.getLogger("kiln.frames")          # every worker message: `kiln -vv up`      # the daemon log's request lines (http/observe.py too)
-
-
-def routed_target(op: str, body: Any) -> tuple[str, Any, Target]:
-    """A routed bus op's worker op, body and target: model ops take an optional "model" (or
-    "worker") from the body; job ops go to the worker of their kind."""
-    body = dict(body) if isinstance(body, dict) else {}
-    if op in KIND_OPS:
-        kind, worker_op = KIND_OPS[op]
-        return worker_op, body, Target(kind=kind)
-    model, worker = body.pop("model", None), body.pop("worker", None)
-    return op, body, Target(model=model if isinstance(model, str) else None,
-                            worker=worker if isinstance(worker, str) else None)
 
 
 def _logged(op: str, body: dict, deliver: Callable[[Message], None]) -> Callable[[Message], None]:

@@ -118,7 +118,7 @@ def error_from(msg, param: str = "messages") -> JSONError:
 def routed(sup, op: str, body: dict, timeout: float = 600, param: str = "messages") -> dict:
     """One routed op (train.submit, eval.cancel, tokenize, …) through the router: its reply body,
     or its error as a JSONError."""
-    msg = answer_of(sup.request(op, body, timeout), op, timeout)
+    msg = answer_of(sup.router.request(op, body, timeout), op, timeout)
     if msg.type == "error":
         raise error_from(msg, param)
     return msg.body

@@ -44,7 +44,7 @@ class Answer:
                  first_wait: float | None = None):
         # whole: the caller answers only once it has everything (not streamed), so the router may
         # rerun the request when its worker dies after output — what came before is dropped
-        self.call = sup.request(op, body, replayable=whole, admission=True)
+        self.call = sup.router.request(op, body, replayable=whole, admission=True)
         self.whole = whole
         self.disconnected = disconnected
         self.seen = seen                       # timing and usage, for the request log and metrics
@@ -253,7 +253,7 @@ class Pipeline:
         model = body.get("model")
         if model is not None:
             check_model_ref(self.sup, model)
-        msg = answer_of(self.sup.request(op, body, timeout), op, timeout)
+        msg = answer_of(self.sup.router.request(op, body, timeout), op, timeout)
         if msg.type == "error":
             err = refusal(msg, param)
             raise shape.refused(err) if shape is not None else err
