@@ -319,25 +319,6 @@ def test_models_and_health_routes(served, client):
         assert json.loads(r.read())["status"] == "ok"
 
 
-def test_full_queue_answers_503(default_model_path, tmp_path):
-    with Daemon(tmp_path, {"default": inference(default_model_path)}, server={"max_queue": 1}) as d:
-        d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready")
-        c, r = _open_stream(d, max_tokens=300)
-        r.fp.readline()
-        status, err, headers = post(d.http + "/v1/chat/completions",
-                                    {"model": "default", "messages": QUESTION, "max_tokens": 2})
-        assert status == 503 and err["error"]["code"] == "server_busy" and "Retry-After" in headers
-        c.close()
-
-
-def test_a_bad_model_path_is_fatal_with_its_reason(tmp_path):
-    with Daemon(tmp_path, {"default": inference(tmp_path / "missing.gguf")}) as d:
-        w = d.wait_state("default", "fatal")
-        assert "missing.gguf" in w["reason"] and w["restarts"] == 0
-        status, err, _ = post(d.http + "/v1/chat/completions", {"messages": QUESTION})
-        assert status == 503 and "fatal" in err["error"]["message"]
-
-
 def test_disconnect_during_a_long_prefill_frees_the_worker(served):
     served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=60, what="ready")
     host, port = served.http.removeprefix("http://").split(":")
