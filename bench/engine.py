@@ -4,6 +4,10 @@ run, interleaved with ours run by run, and the ratios are medians of the run pai
 printed and marked as measured elsewhere.
 
     python bench/engine.py [--model default|PATH] [--runs 5] [--threads 2] [--kernels compiled|numpy]
+    python bench/engine.py --suite sizes [--runs 3] [--shape S ...] [--quant Q ...] [--table FILE]
+
+`--suite sizes` runs every model bench/bench_models.py made (shapes of real models, quantized by
+llama.cpp) against llama.cpp, each engine in processes of its own: bench/engine_sizes.py.
 """
 
 from __future__ import annotations
@@ -86,7 +90,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--kernels", choices=["compiled", "numpy"], default="compiled")
+    ap.add_argument("--suite", choices=["sizes"], help="sizes: the bench_models.py models against llama.cpp")
+    ap.add_argument("--shape", nargs="*", help="--suite sizes: only these shapes")
+    ap.add_argument("--quant", nargs="*", help="--suite sizes: only these quants")
+    ap.add_argument("--prompts", default="512,2048", help="--suite sizes: prompt lengths, comma-separated")
+    ap.add_argument("--table", type=Path, help="--suite sizes: also write the markdown table here")
     args = ap.parse_args()
+    if args.suite == "sizes":
+        import engine_sizes
+        from bench_models import OUT
+        decode = args.decode if args.decode != 128 else 32
+        engine_sizes.suite(OUT, args.runs if args.runs != 5 else 3, args.threads,
+                           [int(x) for x in args.prompts.split(",")], decode, args.shape, args.quant, args.table)
+        return
     from kiln.native import kernels
     from kiln.native.models.library import resolve_model
     kernels.use_compiled(args.kernels == "compiled")

@@ -12,11 +12,6 @@
  */
 #include "kiln.h"
 
-/* batches up to this many activation rows take the weight rows in pairs (rows_dot); from 5 rows
- * the one-weight-row kernels of 5 to 8 rows are faster (measured: 5 rows as 3 + 2 or 4 + 1 in
- * pairs cost 4-20 % more) */
-#define PAIRED_ROWS_UP_TO 4
-
 /* ---- type table ----------------------------------------------------------------------------- */
 
 int type_info(int t, TypeInfo *ti) {
@@ -318,86 +313,4 @@ Act act_view(const Act *a, int t, int K) {
     if (a->bs) v.bs = a->bs + (size_t)t * (K / 16);
     if (a->dT) { v.dT = a->dT + t; v.sT = a->sT + t; }      /* the same stride: row t is lane 0 */
     return v;
-}
-
-/* Weight row n (its bytes at w; o: its weight's output, Ni columns) against the T activation
- * rows: up to 8 rows at a time share each weight block's unpacking; a last single row takes the
- * one-row kernel (the same bits either way). */
-static void weight_row(const Act *a, int T, int K, int type, const TypeInfo *ti, const uint8_t *w, float *o,
-                       int Ni, int n) {
-    int t = 0;
-#ifdef KILN_X86
-    if (g_avx2 && has_dot4_avx2(type, K)) {
-        int nb = K / ti->block; float res[8];
-        for (int R; (R = T - t < 8 ? T - t : 8) >= 2 && dotR_avx2(type, w, a, t, nb, R, res); t += R)
-            for (int j = 0; j < R; j++) o[(size_t)(t + j) * Ni + n] = res[j];
-        for (; t + 4 <= T; t += 4) {
-            dot4_avx2(type, w, a, t, K, nb, res);
-            for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
-        }
-    }
-#endif
-    for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, a, t, K);
-}
-
-/* Every output row of nw weights (one type, one Act) as one worksharing loop: call it inside a
- * parallel region (it is an orphaned `omp for`), or alone. */
-void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
-                     const uint8_t **W, const int *N, float **out) {
-    size_t row_bytes = (size_t)(K / ti->block) * ti->bytes;
-    int total = 0;
-    for (int i = 0; i < nw; i++) total += N[i];
-#ifdef KILN_X86
-    if (T <= PAIRED_ROWS_UP_TO && g_avx2 &&
-        (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0)) {
-        /* a decode step, a few sequences, a short draft: weight rows in pairs (twice the chains
-           in flight, each activation block loaded once for both); a pair that would straddle two
-           weights, and an odd last row, go one weight row at a time (the same bits: every
-           (weight row, activation row) is the one-row kernel's arithmetic) */
-        const int nb = K / ti->block;
-        #pragma omp for schedule(static)
-        for (int p = 0; p < (total + 1) / 2; p++) {
-            int r = 2 * p, i = 0, n = r;
-            while (n >= N[i]) n -= N[i++];
-            if (n + 1 < N[i]) {
-                const uint8_t *w = W[i] + (size_t)n * row_bytes;
-                float res[8], *o = out[i];
-                const int Ni = N[i];
-                for (int t = 0, R; t < T; t += R) {
-                    R = T - t < PAIRED_ROWS_UP_TO ? T - t : PAIRED_ROWS_UP_TO;
-                    if (R == 1) dotW2_avx2(type, w, row_bytes, a, t, nb, res);
-                    else dotRW2_avx2(type, w, row_bytes, a, t, nb, R, res);
-                    for (int j = 0; j < R; j++) {
-                        o[(size_t)(t + j) * Ni + n] = res[j];
-                        o[(size_t)(t + j) * Ni + n + 1] = res[R + j];
-                    }
-                }
-                continue;
-            }
-            weight_row(a, T, K, type, ti, W[i] + (size_t)n * row_bytes, out[i], N[i], n);
-            if (r + 1 < total) weight_row(a, T, K, type, ti, W[i + 1], out[i + 1], N[i + 1], 0);
-        }
-        return;
-    }
-#endif
-    #pragma omp for schedule(static)
-    for (int r = 0; r < total; r++) {
-        int i = 0, n = r;
-        while (n >= N[i]) n -= N[i++];
-        weight_row(a, T, K, type, ti, W[i] + (size_t)n * row_bytes, out[i], N[i], n);
-    }
-}
-
-/* y_i = x W_i^T for nw weights of one type that share the input x (T, K): the activations are
- * quantized once and every output row of every weight is one task of one parallel loop. A row's
- * arithmetic is the same whichever call computes it, so fusing changes no bit. */
-void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
-                        const uint8_t **W, const int *N, float **out, int nt) {
-    Act a;
-    act_alloc(&a, ti, x, T, K);
-    #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
-    for (int t = 0; t < T; t++) act_row(&a, t, K);
-    #pragma omp parallel num_threads(nt)
-    rows_dot(&a, T, K, type, ti, nw, W, N, out);
-    act_free(&a);
 }

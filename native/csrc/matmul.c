@@ -1,0 +1,123 @@
+/* The matrix product of quantized weights with a batch of activation rows (quant.c quantizes
+ * the activations and holds the one-row kernels; dot_avx2.c and dot_kquants_avx2.c the AVX2
+ * ones): which kernel takes which (weight row, activation rows), and how the rows are shared
+ * among threads and tiled for the caches. Every (weight row, activation row) is one kernel's
+ * arithmetic in its fixed order, whatever the tiling — so no choice made here changes a bit.
+ */
+#include "kiln.h"
+
+/* batches up to this many activation rows take the weight rows in pairs (rows_dot); from 5 rows
+ * the one-weight-row kernels of 5 to 8 rows are faster (measured: 5 rows as 3 + 2 or 4 + 1 in
+ * pairs cost 4-20 % more) */
+#define PAIRED_ROWS_UP_TO 4
+
+/* an activation tile's quantized bytes (rows × K): L2-sized, so that it stays cached while a
+ * thread's weight rows pass over it (measured on a 1 B Q4_K_M prefill: see docs/engine.md) */
+#define ACT_TILE_BYTES (32 * 1024)
+/* a block of weight rows (their bytes) that passes over every activation tile while in L2 */
+#define WEIGHT_BLOCK_BYTES (512 * 1024)
+
+/* Weight row n (its bytes at w; o: its weight's output, Ni columns) against activation rows
+ * t … t + tn - 1: up to 8 rows at a time share each weight block's unpacking; a last single row takes the
+ * one-row kernel (the same bits either way). */
+static void weight_row(const Act *a, int t, int tn, int K, int type, const TypeInfo *ti, const uint8_t *w,
+                       float *o, int Ni, int n) {
+    const int T = t + tn;
+#ifdef KILN_X86
+    if (g_avx2 && has_dot4_avx2(type, K)) {
+        int nb = K / ti->block; float res[8];
+        for (int R; (R = T - t < 8 ? T - t : 8) >= 2 && dotR_avx2(type, w, a, t, nb, R, res); t += R)
+            for (int j = 0; j < R; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+        for (; t + 4 <= T; t += 4) {
+            dot4_avx2(type, w, a, t, K, nb, res);
+            for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+        }
+    }
+#endif
+    for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, a, t, K);
+}
+
+/* Every output row of nw weights (one type, one Act) as one worksharing loop: call it inside a
+ * parallel region (it is an orphaned `omp for`), or alone. */
+void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
+                     const uint8_t **W, const int *N, float **out) {
+    size_t row_bytes = (size_t)(K / ti->block) * ti->bytes;
+    int total = 0;
+    for (int i = 0; i < nw; i++) total += N[i];
+#ifdef KILN_X86
+    if (T <= PAIRED_ROWS_UP_TO && g_avx2 &&
+        (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0)) {
+        /* a decode step, a few sequences, a short draft: weight rows in pairs (twice the chains
+           in flight, each activation block loaded once for both); a pair that would straddle two
+           weights, and an odd last row, go one weight row at a time (the same bits: every
+           (weight row, activation row) is the one-row kernel's arithmetic) */
+        const int nb = K / ti->block;
+        #pragma omp for schedule(static)
+        for (int p = 0; p < (total + 1) / 2; p++) {
+            int r = 2 * p, i = 0, n = r;
+            while (n >= N[i]) n -= N[i++];
+            if (n + 1 < N[i]) {
+                const uint8_t *w = W[i] + (size_t)n * row_bytes;
+                float res[8], *o = out[i];
+                const int Ni = N[i];
+                for (int t = 0, R; t < T; t += R) {
+                    R = T - t < PAIRED_ROWS_UP_TO ? T - t : PAIRED_ROWS_UP_TO;
+                    if (R == 1) dotW2_avx2(type, w, row_bytes, a, t, nb, res);
+                    else dotRW2_avx2(type, w, row_bytes, a, t, nb, R, res);
+                    for (int j = 0; j < R; j++) {
+                        o[(size_t)(t + j) * Ni + n] = res[j];
+                        o[(size_t)(t + j) * Ni + n + 1] = res[R + j];
+                    }
+                }
+                continue;
+            }
+            weight_row(a, 0, T, K, type, ti, W[i] + (size_t)n * row_bytes, out[i], N[i], n);
+            if (r + 1 < total) weight_row(a, 0, T, K, type, ti, W[i + 1], out[i + 1], N[i + 1], 0);
+        }
+        return;
+    }
+#endif
+    /* A thread's weight rows (the static schedule's share) meet the activations in tiles: a block
+       of weight rows small enough for L2 passes over the activations a tile of rows at a time, the
+       tile small enough for L1. A weight row against all T rows at once streamed the whole
+       activation matrix (4 MiB for 512 rows of an 8192-wide FFN) from memory per weight row. */
+    int nth = 1, me = 0;
+#ifdef _OPENMP
+    nth = omp_get_num_threads(); me = omp_get_thread_num();
+#endif
+    const int r0 = (int)((long)total * me / nth), r1 = (int)((long)total * (me + 1) / nth);
+    int tile = T, block = r1 - r0;
+    if (a->q) {
+        tile = (int)(ACT_TILE_BYTES / (size_t)K) & ~7;
+        tile = tile < 8 ? 8 : tile > T ? T : tile;
+        block = (int)(WEIGHT_BLOCK_BYTES / row_bytes);
+        if (block < 1) block = 1;
+    }
+    for (int b0 = r0; b0 < r1; b0 += block) {
+        const int b1 = b0 + block < r1 ? b0 + block : r1;
+        int i0 = 0, n0 = b0;
+        while (i0 < nw && n0 >= N[i0]) n0 -= N[i0++];
+        for (int t0 = 0; t0 < T; t0 += tile) {
+            const int tn = T - t0 < tile ? T - t0 : tile;
+            for (int r = b0, i = i0, n = n0; r < b1; r++) {
+                weight_row(a, t0, tn, K, type, ti, W[i] + (size_t)n * row_bytes, out[i], N[i], n);
+                if (++n == N[i]) { n = 0; i++; }
+            }
+        }
+    }
+    #pragma omp barrier
+}
+
+/* y_i = x W_i^T for nw weights of one type that share the input x (T, K): the activations are
+ * quantized once and every output row of every weight is one task of one parallel loop. A row's
+ * arithmetic is the same whichever call computes it, so fusing changes no bit. */
+void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
+                        const uint8_t **W, const int *N, float **out, int nt) {
+    Act a;
+    act_alloc(&a, ti, x, T, K);
+    #pragma omp parallel for num_threads(nt) schedule(static) if(T > 1)
+    for (int t = 0; t < T; t++) act_row(&a, t, K);
+    #pragma omp parallel num_threads(nt)
+    rows_dot(&a, T, K, type, ti, nw, W, N, out);
+    act_free(&a);
+}
