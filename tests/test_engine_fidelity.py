@@ -123,6 +123,19 @@ def test_prompt_logits_are_llama_cpps_bits(name, kernel_path, request):
                 f"{name} prompt {i} position {j}: max |Δ| {np.abs(row[pos['top_ids']] - want).max():.3g}"
 
 
+@pytest.mark.parametrize("name", KQUANT[:3])
+def test_k_quant_decode_steps_are_the_prompts_bits(name):
+    """A decode step multiplies one row (K-quant weight rows taken in pairs), a prompt many (four
+    rows per weight block, in L1-sized tiles): every row's arithmetic is the one-row kernel's, so a
+    prompt fed one token at a time gives the batched prompt's logits bit for bit."""
+    model = load_model(tiny_path(name.split("tiny-")[1]))
+    ids = reference(name)[0]["prompts"][-1]["ids"][:24]
+    whole = model.forward(ids, model.new_cache(len(ids) + 1), all_logits=True)
+    cache = model.new_cache(len(ids) + 1)
+    steps = np.stack([model.forward([i], cache) for i in ids])
+    assert np.array_equal(whole, steps), f"max |Δ| {np.abs(whole - steps).max():.3g}"
+
+
 @pytest.mark.parametrize("kernel_path", ["compiled", "numpy"], indirect=True)
 @pytest.mark.parametrize(("tag", "n_ctx"), [("long", 2048), ("short", 512)])
 def test_phi3_longrope_factors_follow_the_context_as_llama_cpp(tag, n_ctx, kernel_path):

@@ -24,37 +24,59 @@ AVX2 static inline __m256i scale_shuffle_k4(int i) {      /* 16-bit scale i in e
 AVX2 static inline __m128i scale_shuffle_q6(int i) {      /* bytes 2i (x8) then 2i+1 (x8) */
     return _mm_set_epi64x(0x0101010101010101LL * (2 * i + 1), 0x0101010101010101LL * (2 * i));
 }
-AVX2 float dot_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
-    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
-    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+/* One Q4_K block (w: its 144 bytes) against one Q8_K activation block, into a row's accumulators:
+ * the body of ggml's loop, so a row computed through it alone or beside another has one set of
+ * operations in one order. */
+AVX2 static inline void q4_K_block(const uint8_t *w, const int8_t *y, const int16_t *bs, float yd,
+                                   __m256 *acc, __m128 *acc_m) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps(); __m128 acc_m = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 144, q8 += 256, bs += 16) {
-        const float d = yd[b] * H2F(w), dmin = -yd[b] * H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
-        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-        const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        const uint8_t *q4 = w + 16; const int8_t *y = q8;
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i sl = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
-            const __m256i sh = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
-            const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y))); y += 32;
-            __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)y))); y += 32;
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    const float d = yd * H2F(w), dmin = -yd * H2F(w + 2);
+    uint32_t u[4]; unpack_k4_scales(w + 4, u);
+    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
+    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+    const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
+    *acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), *acc_m);
+    const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
+    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    const uint8_t *q4 = w + 16;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i sl = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
+        const __m256i sh = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
+        const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y))); y += 32;
+        __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)y))); y += 32;
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
     }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), *acc);
+}
+AVX2 static inline float q4_K_end(__m256 acc, __m128 acc_m) {
     acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
     acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
     return hsum_avx(acc) + _mm_cvtss_f32(acc_m);
+}
+AVX2 float dot_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    __m256 acc = _mm256_setzero_ps(); __m128 acc_m = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++) q4_K_block(w + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc, &acc_m);
+    return q4_K_end(acc, acc_m);
+}
+/* One activation row against two consecutive weight rows (a decode step): two chains in flight,
+ * each row's arithmetic the one-row kernel's. */
+AVX2 void dotW2_q4_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    const uint8_t *w1 = w + row_bytes;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128 am0 = _mm_setzero_ps(), am1 = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        q4_K_block(w + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0, &am0);
+        q4_K_block(w1 + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1, &am1);
+    }
+    res[0] = q4_K_end(acc0, am0); res[1] = q4_K_end(acc1, am1);
 }
 AVX2 float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
@@ -95,47 +117,60 @@ AVX2 float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     }
     return hsum_avx(acc) + summs;
 }
+/* One Q6_K block (w: its 210 bytes) against one Q8_K activation block, into a row's accumulator. */
+AVX2 static inline void q6_K_block(const uint8_t *w, const int8_t *y, const int16_t *bs, float yd, __m256 *acc) {
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    const float d = yd * H2F(w + 208);
+    const uint8_t *q4 = w, *qh = w + 128;
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
+    const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
+    const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, _mm256_cvtepi8_epi16(scales)), 5);
+    __m256i sumi = _mm256_setzero_si256();
+    int is = 0;
+    for (int j = 0; j < 2; j++) {
+        const __m256i b1 = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
+        const __m256i b2 = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
+        const __m256i bH = _mm256_loadu_si256((const __m256i *)qh); qh += 32;
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bH, m3), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(12)), 2);
+        const __m256i h2 = _mm256_and_si256(bH, _mm256_set1_epi8(48));
+        const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(-64)), 2);
+        const __m256i v0 = _mm256_or_si256(_mm256_and_si256(b1, m15), h0);
+        const __m256i v1 = _mm256_or_si256(_mm256_and_si256(b2, m15), h1);
+        const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), h2);
+        const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), h3);
+        __m256i p0 = _mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+        __m256i p1 = _mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+        __m256i p2 = _mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+        __m256i p3 = _mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)y)); y += 32;
+        p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 0))), p0);
+        p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 1))), p1);
+        p2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 2))), p2);
+        p3 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 3))), p3);
+        is += 4;
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p2, p3));
+    }
+    sumi = _mm256_sub_epi32(sumi, q8sclsub);
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), *acc);
+}
 AVX2 float dot_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
     const int16_t *bs = a->bs + (size_t)t * nb * 16;
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 210, q8 += 256, bs += 16) {
-        const float d = yd[b] * H2F(w + 208);
-        const uint8_t *q4 = w, *qh = w + 128; const int8_t *y = q8;
-        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
-        const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
-        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, _mm256_cvtepi8_epi16(scales)), 5);
-        __m256i sumi = _mm256_setzero_si256();
-        int is = 0;
-        for (int j = 0; j < 2; j++) {
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
-            const __m256i b2 = _mm256_loadu_si256((const __m256i *)q4); q4 += 32;
-            const __m256i bH = _mm256_loadu_si256((const __m256i *)qh); qh += 32;
-            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bH, m3), 4);
-            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(12)), 2);
-            const __m256i h2 = _mm256_and_si256(bH, _mm256_set1_epi8(48));
-            const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(-64)), 2);
-            const __m256i v0 = _mm256_or_si256(_mm256_and_si256(b1, m15), h0);
-            const __m256i v1 = _mm256_or_si256(_mm256_and_si256(b2, m15), h1);
-            const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), h2);
-            const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15), h3);
-            __m256i p0 = _mm256_maddubs_epi16(v0, _mm256_loadu_si256((const __m256i *)y)); y += 32;
-            __m256i p1 = _mm256_maddubs_epi16(v1, _mm256_loadu_si256((const __m256i *)y)); y += 32;
-            __m256i p2 = _mm256_maddubs_epi16(v2, _mm256_loadu_si256((const __m256i *)y)); y += 32;
-            __m256i p3 = _mm256_maddubs_epi16(v3, _mm256_loadu_si256((const __m256i *)y)); y += 32;
-            p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 0))), p0);
-            p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 1))), p1);
-            p2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 2))), p2);
-            p3 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(is + 3))), p3);
-            is += 4;
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p2, p3));
-        }
-        sumi = _mm256_sub_epi32(sumi, q8sclsub);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-    }
+    for (int b = 0; b < nb; b++) q6_K_block(w + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc);
     return hsum_avx(acc);
+}
+AVX2 void dotW2_q6_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    const uint8_t *w1 = w + row_bytes;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        q6_K_block(w + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0);
+        q6_K_block(w1 + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1);
+    }
+    res[0] = hsum_avx(acc0); res[1] = hsum_avx(acc1);
 }
 /* Four activation rows against one K-quant weight row: the block's unpacking is shared, each
  * row's operations are the one-row kernel's, in its order — the same bits. */
