@@ -217,6 +217,49 @@ AVX2 void dot4_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
         res[r] = hsum_avx(acc[r]) + _mm_cvtss_f32(m);
     }
 }
+/* Eight activation rows against one Q4_K weight row (prefill): each 64-value piece of a block is
+ * unpacked once and multiplied into the eight rows' integer sums (exact, so their order is free),
+ * then each row's float steps are the one-row kernel's, in its order — the same bits. Few
+ * registers live at once (eight sums, one piece), where holding a whole block's pieces spilled. */
+AVX2 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
+    const int8_t *q8[8]; const float *yd[8]; const int16_t *bs[8];
+    for (int r = 0; r < 8; r++) {
+        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
+        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[8]; __m128 acc_m[8];
+    for (int r = 0; r < 8; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b++, w += 144) {
+        const float xd = H2F(w), xm = H2F(w + 2);
+        uint32_t u[4]; unpack_k4_scales(w + 4, u);
+        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        __m256i sumi[8];
+        for (int r = 0; r < 8; r++) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            const __m256i sl = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
+            const __m256i sh = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
+            for (int r = 0; r < 8; r++) {
+                const int8_t *y = q8[r] + b * 256 + 64 * j;
+                const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y)));
+                const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 32))));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+            }
+        }
+        for (int r = 0; r < 8; r++) {
+            const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
+            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, q8s)), acc_m[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < 8; r++) res[r] = q4_K_end(acc[r], acc_m[r]);
+}
 AVX2 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
     const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
     for (int r = 0; r < 4; r++) {

@@ -28,6 +28,11 @@ static void weight_row(const Act *a, int t, int tn, int K, int type, const TypeI
         int nb = K / ti->block; float res[8];
         for (int R; (R = T - t < 8 ? T - t : 8) >= 2 && dotR_avx2(type, w, a, t, nb, R, res); t += R)
             for (int j = 0; j < R; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+        if (type == T_Q4_K)
+            for (; t + 8 <= T; t += 8) {
+                dot8_q4_K_avx2(w, a, t, nb, res);
+                for (int j = 0; j < 8; j++) o[(size_t)(t + j) * Ni + n] = res[j];
+            }
         for (; t + 4 <= T; t += 4) {
             dot4_avx2(type, w, a, t, K, nb, res);
             for (int j = 0; j < 4; j++) o[(size_t)(t + j) * Ni + n] = res[j];
