@@ -41,6 +41,8 @@ AVX2 void NAME##_scores(const float *Q, const T *Kc, int t, int h, int H, int Hk
     if (D % 8 == 0)                                                                               \
         for (; s + 4 <= s1; s += 4) {                                                             \
             const T *k0 = K0 + s * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;               \
+            if (s + PREFETCH_ROWS + 4 <= s1)                                                      \
+                for (int r = 0; r < 4; r++) prefetch_row(k0 + (PREFETCH_ROWS + r) * ks, D * sizeof(T)); \
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
             for (int i = 0; i < D; i += 8) {                                                      \
                 __m256 qq = _mm256_loadu_ps(q + i);                                               \

@@ -27,6 +27,7 @@ AVX2 static inline __attribute__((always_inline)) void NAME##_scores_nv(        
     __m256 kk[64];                                  /* D <= 512 */                               \
     for (int s = s0; s < s1; s++) {                                                               \
         const T *k = K0 + (size_t)s * ks;                                                         \
+        if (s + PREFETCH_ROWS < s1) prefetch_row(K0 + (size_t)(s + PREFETCH_ROWS) * ks, 8 * nv * sizeof(T)); \
         for (int i = 0; i < nv; i++) kk[i] = LD8(k + 8 * i);                                      \
         for (int j = 0; j < nq; j++) {                                                            \
             if (s >= qs[j].n) continue;                                                           \
@@ -49,6 +50,7 @@ AVX2 static inline __attribute__((always_inline)) void NAME##_values_nv(        
         for (int l = i0; l < i1 && base + l < nmax; l++) {                                        \
             int p = base + l;                                                                     \
             const T *v = V0 + (size_t)p * ks;                                                     \
+            if (p + 8 < nmax) prefetch_row(v + 8 * ks, D * sizeof(T));                            \
             __m256 vv[64];                                                                        \
             for (int d = 0; d < D / 8; d++) vv[d] = LD8(v + 8 * d);                               \
             for (int j = 0; j < nq; j++) {                                                        \

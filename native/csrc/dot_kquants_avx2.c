@@ -1,29 +1,11 @@
 /* AVX2 dot products for the K-quants (Q2_K..Q6_K) against Q8_K activations, ported from ggml's
  * x86 vec_dot kernels: the same integer sums per 256-value block, the same FMAs in the same
- * lanes, the same horizontal sums — llama.cpp's bits. The four-row variants share a block's
- * unpacking across the rows and keep each row's operations in order. Split from dot_avx2.c
- * (the 32-value types, F16, MXFP4 and the dispatchers). */
+ * lanes, the same horizontal sums — llama.cpp's bits. One activation row here (and a decode
+ * step's weight rows in pairs); several rows per weight row: dot_kquants_rows_avx2.c. */
 #include "kiln.h"
+#include "kquants_avx2.h"
 
 #ifdef KILN_X86
-/* K-quants as ggml's AVX2 ggml_vec_dot_q{4,5,6}_K_q8_K compute them: integer sums per 256-value
- * block (sub-block scales applied with madd), one float FMA per block, the minimums from the
- * activations' sums of 16. */
-AVX2 static inline void unpack_k4_scales(const uint8_t *scales, uint32_t u[4]) {
-    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    memcpy(u, scales, 12);
-    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = u[1] & kmask1;
-    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
-    u[2] = uaux;
-    u[0] &= kmask1;
-}
-AVX2 static inline __m256i scale_shuffle_k4(int i) {      /* 16-bit scale i in every lane pair */
-    return _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8)));
-}
-AVX2 static inline __m128i scale_shuffle_q6(int i) {      /* bytes 2i (x8) then 2i+1 (x8) */
-    return _mm_set_epi64x(0x0101010101010101LL * (2 * i + 1), 0x0101010101010101LL * (2 * i));
-}
 /* One Q4_K block (w: its 144 bytes) against one Q8_K activation block, into a row's accumulators:
  * the body of ggml's loop, so a row computed through it alone or beside another has one set of
  * operations in one order. */
@@ -51,11 +33,6 @@ AVX2 static inline void q4_K_block(const uint8_t *w, const int8_t *y, const int1
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
     }
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), *acc);
-}
-AVX2 static inline float q4_K_end(__m256 acc, __m128 acc_m) {
-    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-    return hsum_avx(acc) + _mm_cvtss_f32(acc_m);
 }
 AVX2 float dot_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
@@ -171,187 +148,6 @@ AVX2 void dotW2_q6_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int 
         q6_K_block(w1 + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1);
     }
     res[0] = hsum_avx(acc0); res[1] = hsum_avx(acc1);
-}
-/* Four activation rows against one K-quant weight row: the block's unpacking is shared, each
- * row's operations are the one-row kernel's, in its order — the same bits. */
-AVX2 void dot4_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
-    for (int r = 0; r < 4; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[4]; __m128 acc_m[4];
-    for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
-    for (int b = 0; b < nb; b++, w += 144) {
-        const float xd = H2F(w), xm = H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        __m256i lo[4], hi[4], sl[4], sh[4];
-        for (int j = 0; j < 4; j++) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            lo[j] = _mm256_and_si256(bits, m4); hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            sl[j] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
-            sh[j] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
-        }
-        for (int r = 0; r < 4; r++) {
-            const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, q8s)), acc_m[r]);
-            const int8_t *y = q8[r] + b * 256;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                __m256i pl = _mm256_madd_epi16(sl[j], _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i *)(y + 64 * j))));
-                __m256i ph = _mm256_madd_epi16(sh[j], _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32))));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        res[r] = hsum_avx(acc[r]) + _mm_cvtss_f32(m);
-    }
-}
-/* Eight activation rows against one Q4_K weight row (prefill): each 64-value piece of a block is
- * unpacked once and multiplied into the eight rows' integer sums (exact, so their order is free),
- * then each row's float steps are the one-row kernel's, in its order — the same bits. Few
- * registers live at once (eight sums, one piece), where holding a whole block's pieces spilled. */
-AVX2 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8[8]; const float *yd[8]; const int16_t *bs[8];
-    for (int r = 0; r < 8; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[8]; __m128 acc_m[8];
-    for (int r = 0; r < 8; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
-    for (int b = 0; b < nb; b++, w += 144) {
-        const float xd = H2F(w), xm = H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        __m256i sumi[8];
-        for (int r = 0; r < 8; r++) sumi[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            const __m256i sl = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
-            const __m256i sh = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
-            for (int r = 0; r < 8; r++) {
-                const int8_t *y = q8[r] + b * 256 + 64 * j;
-                const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y)));
-                const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 32))));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
-            }
-        }
-        for (int r = 0; r < 8; r++) {
-            const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, q8s)), acc_m[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-        }
-    }
-    for (int r = 0; r < 8; r++) res[r] = q4_K_end(acc[r], acc_m[r]);
-}
-AVX2 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
-    for (int r = 0; r < 4; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
-    const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
-    const __m128i mzero = _mm_setzero_si128();
-    __m256 acc[4]; float summs[4];
-    for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); summs[r] = 0.f; }
-    for (int b = 0; b < nb; b++, w += 176) {
-        const float xd = H2F(w), xm = H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
-        __m256i v[8], sc[8], hmask = mone;
-        int bit = 0;
-        for (int j = 0; j < 4; j++) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
-            const __m256i h0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
-            hmask = _mm256_slli_epi16(hmask, 1);
-            const __m256i h1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
-            hmask = _mm256_slli_epi16(hmask, 1);
-            v[2 * j] = _mm256_add_epi8(_mm256_and_si256(bits, m4), h0);
-            v[2 * j + 1] = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h1);
-            sc[2 * j] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
-            sc[2 * j + 1] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
-        }
-        for (int r = 0; r < 4; r++) {
-            const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(_mm_madd_epi16(mins, q8s), mzero), mzero);
-            summs[r] = fmaf(dmin, (float)_mm_extract_epi32(hs, 0), summs[r]);
-            const int8_t *y = q8[r] + b * 256;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                __m256i p0 = _mm256_madd_epi16(sc[2 * j], _mm256_maddubs_epi16(v[2 * j], _mm256_loadu_si256((const __m256i *)(y + 64 * j))));
-                __m256i p1 = _mm256_madd_epi16(sc[2 * j + 1], _mm256_maddubs_epi16(v[2 * j + 1], _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32))));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) res[r] = hsum_avx(acc[r]) + summs[r];
-}
-AVX2 void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
-    for (int r = 0; r < 4; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
-    __m256 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 210) {
-        const float xd = H2F(w + 208);
-        const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
-        const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
-        __m256i v[8], sc[8];
-        for (int j = 0; j < 2; j++) {
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + 64 * j));
-            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32));
-            const __m256i bH = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * j));
-            v[4 * j + 0] = _mm256_or_si256(_mm256_and_si256(b1, m15), _mm256_slli_epi16(_mm256_and_si256(bH, m3), 4));
-            v[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15), _mm256_slli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(12)), 2));
-            v[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), _mm256_and_si256(bH, _mm256_set1_epi8(48)));
-            v[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15),
-                                           _mm256_srli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(-64)), 2));
-            for (int k = 0; k < 4; k++)
-                sc[4 * j + k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(4 * j + k)));
-        }
-        for (int r = 0; r < 4; r++) {
-            const float d = yd[r][b] * xd;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
-            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-            const int8_t *y = q8[r] + b * 256;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 2; j++) {
-                __m256i p[4];
-                for (int k = 0; k < 4; k++)
-                    p[k] = _mm256_madd_epi16(sc[4 * j + k], _mm256_maddubs_epi16(v[4 * j + k], _mm256_loadu_si256((const __m256i *)(y + 128 * j + 32 * k))));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
-            }
-            sumi = _mm256_sub_epi32(sumi, q8sclsub);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) res[r] = hsum_avx(acc[r]);
 }
 AVX2 static inline __m256i scale_shuffle_q3k(int i) { /* int16 scale 2i in lane 0, 2i+1 in lane 1 */
     return _mm256_set_m128i(_mm_set1_epi16((short)((4 * i + 2) | ((4 * i + 3) << 8))),

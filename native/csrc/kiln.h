@@ -162,6 +162,17 @@ AVX2 static inline float dot_f32_avx2(const float *w, const float *x, int n) {
 #endif
 
 /* ---- quant.c -------------------------------------------------------------------------------- */
+/* A head's key (and value) rows are a cache's whole position apart (all KV heads' rows between
+ * them: 2 KiB for 8 heads of 128 fp16), so walking one head's rows the hardware prefetcher, which
+ * stops at 4 KiB pages, misses nearly every row and the walk waits on memory's latency. The
+ * attention loops ask for the rows this far ahead (measured: decode at 2k positions 1.3-1.45x,
+ * docs/engine.md). A prefetch changes no value. */
+#define PREFETCH_ROWS 8
+#ifdef KILN_X86
+static inline __attribute__((always_inline)) void prefetch_row(const void *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+}
+#endif
 extern int g_avx2;            /* the AVX2/FMA/F16C paths are on (CPU detection; tests may turn them off) */
 extern int default_threads;   /* 0: OpenMP's default */
 int pick_threads(int requested);

@@ -132,6 +132,7 @@ AVX2 static void NAME(const uint8_t *K0, size_t ks, const int8_t *qq, const floa
     int s = s0;                                                                                     \
     for (; s + 4 <= s1; s += 4) {                                                                   \
         const uint8_t *k0 = K0 + s * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;               \
+        for (int r = 0; r < 4 && s + PREFETCH_ROWS + 4 <= s1; r++) prefetch_row(k0 + (PREFETCH_ROWS + r) * ks, (size_t)nb * BYTES); \
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
         for (int b = 0; b < nb; b++) {                                                              \
             const __m256i y = _mm256_loadu_si256((const __m256i *)(qq + 32 * b));                   \
@@ -185,7 +186,6 @@ AVX2 static void NAME(const float *row, const uint8_t *V0, size_t vs, int D, int
 }
 KV_VLANES(vlanes_q8_0_avx2, 34, CODES_Q8_0)
 KV_VLANES(vlanes_q4_0_avx2, 18, CODES_Q4_0)
-
 AVX2 static int fma_row_avx2(float *a, const float *v, float p, int D) {    /* a += v * p, 8 at a time */
     __m256 pp = _mm256_set1_ps(p); int d = 0;
     for (; d + 8 <= D; d += 8) _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(v + d), pp, _mm256_loadu_ps(a + d)));

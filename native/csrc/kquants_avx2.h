@@ -1,0 +1,32 @@
+/* What the K-quant AVX2 kernels share (dot_kquants_avx2.c: one row, and a decode step's weight
+ * rows in pairs; dot_kquants_rows_avx2.c: several activation rows per weight row): the scale
+ * unpacking and the end of a Q4_K row, ggml's own steps, so every file computes a row alike. */
+#ifndef KILN_KQUANTS_AVX2_H
+#define KILN_KQUANTS_AVX2_H
+#include "kiln.h"
+#ifdef KILN_X86
+/* K-quants as ggml's AVX2 ggml_vec_dot_q{4,5,6}_K_q8_K compute them: integer sums per 256-value
+ * block (sub-block scales applied with madd), one float FMA per block, the minimums from the
+ * activations' sums of 16. */
+AVX2 static inline void unpack_k4_scales(const uint8_t *scales, uint32_t u[4]) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(u, scales, 12);
+    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = u[1] & kmask1;
+    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+    u[2] = uaux;
+    u[0] &= kmask1;
+}
+AVX2 static inline __m256i scale_shuffle_k4(int i) {      /* 16-bit scale i in every lane pair */
+    return _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8)));
+}
+AVX2 static inline __m128i scale_shuffle_q6(int i) {      /* bytes 2i (x8) then 2i+1 (x8) */
+    return _mm_set_epi64x(0x0101010101010101LL * (2 * i + 1), 0x0101010101010101LL * (2 * i));
+}
+AVX2 static inline float q4_K_end(__m256 acc, __m128 acc_m) {
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    return hsum_avx(acc) + _mm_cvtss_f32(acc_m);
+}
+#endif
+#endif
