@@ -2,6 +2,8 @@
 every shape × quant found there, prefill at 512 and 2,048 tokens, decode after each, and the
 resident memory of each engine. Each measurement runs in a process of its own (so its memory is
 its own), Kiln's and llama.cpp's alternating run by run; ratios are medians of the run pairs.
+Each engine prefills as it does when serving: Kiln in chunks of PREFILL_CHUNK (256) positions,
+llama.cpp in batches of n_batch = 512.
 One JSON line per model, then a markdown table (`--table FILE` writes it too).
 
     python bench/engine.py --suite sizes [--runs 3] [--shape llama-3.2-1b] [--quant Q4_K_M]
@@ -35,6 +37,7 @@ def child(engine: str, path: Path, prompts: list[int], decode: int, threads: int
     out: dict = {"engine": engine}
     if engine == "kiln":
         from kiln.native import kernels
+        from kiln.native.generate import PREFILL_CHUNK
         from kiln.native.model import load_model
         kernels.set_threads(threads)
         model = load_model(path)
@@ -44,7 +47,8 @@ def child(engine: str, path: Path, prompts: list[int], decode: int, threads: int
             ids = ids_all[:n]
             cache = model.new_cache(n + decode + 1)
             t = time.perf_counter()
-            logits = model.forward(ids, cache)
+            for i in range(0, n, PREFILL_CHUNK):        # as a worker prefills a prompt nobody waits on
+                logits = model.forward(ids[i:i + PREFILL_CHUNK], cache)
             pre = time.perf_counter() - t
             t = time.perf_counter()
             for _ in range(decode):
