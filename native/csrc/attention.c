@@ -98,6 +98,7 @@ AVX2 void NAME##_vlanes(const float *row, const T *V, int h, int H, int Hkv, int
             for (int j = i; j < n; j += 8) {                                                      \
                 __m256 p = _mm256_set1_ps(row[j]);                                                \
                 const T *vr = V0 + (size_t)j * ks + g;                                            \
+                if (j + 8 * PREFETCH_ROWS < n) prefetch_row(vr + 8 * PREFETCH_ROWS * ks, 64 * sizeof(T)); \
                 a0 = _mm256_fmadd_ps(LD8(vr), p, a0); a1 = _mm256_fmadd_ps(LD8(vr + 8), p, a1);   \
                 a2 = _mm256_fmadd_ps(LD8(vr + 16), p, a2); a3 = _mm256_fmadd_ps(LD8(vr + 24), p, a3); \
                 a4 = _mm256_fmadd_ps(LD8(vr + 32), p, a4); a5 = _mm256_fmadd_ps(LD8(vr + 40), p, a5); \
@@ -148,6 +149,7 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
                 float *a = acc + (size_t)(j & 7) * D;                                             \
                 __m256 p = _mm256_set1_ps(row[j]);                                                \
                 const T *vr = V0 + (size_t)j * ks;                                                \
+                if (j + PREFETCH_ROWS < n) prefetch_row(vr + PREFETCH_ROWS * ks, D * sizeof(T));  \
                 for (int d = 0; d < D; d += 8)                                                    \
                     _mm256_store_ps(a + d, _mm256_fmadd_ps(LD8(vr + d), p, _mm256_load_ps(a + d))); \
             }                                                                                     \
