@@ -14,7 +14,7 @@ setup(ext_modules=[Extension(
     extra_link_args=["-fopenmp"],
     optional=True,
 ), Extension(
-    "kiln.native._reader", ["native/_reader.c"],
+    "kiln.native._reader", ["native/_reader.c", "native/reader_threads.c"], depends=["native/reader.h"],
     extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-fvisibility=hidden", "-Wall"],
     extra_link_args=["-pthread"],
     optional=True,
