@@ -118,7 +118,7 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
     else:
         spec = None
     return kernels.compiled_module().decode_layer(
-        x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), int(a.wq.qtype),
+        x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), (int(a.wq.qtype), int(a.wv.qtype)),
         a.wo.raw, int(a.wo.qtype), seqs, b.cos, b.sin, c.n_head, c.n_head_kv,
         c.head_dim, c.rope_dim, c.rope_style != "normal", spec, 0, (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml),
         *b.attn_scales)
@@ -152,12 +152,12 @@ def one_call(L, c) -> str | None:
     (and routed experts without a shared one), "attention" (the FFN through its blocks), or None.
     The call computes exactly the llama skeleton of plain attention — no biases, no q/k norm, no
     window — so only a `Layer` of exactly those parts qualifies, with weights the extension
-    multiplies: q/k/v of one type, gate/up of one type."""
+    multiplies: q and k of one type (v may have its own), gate/up of one type."""
     if not kernels.one_call_decode() or type(L) is not Layer or type(L.attn) is not Attention:
         return None
     a, f = L.attn, L.ffn
     if a.window or a.rope_base is not None or not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) \
-            or not a.wq.qtype == a.wk.qtype == a.wv.qtype:
+            or a.wq.qtype != a.wk.qtype:
         return None
     if type(f) is FFN and all(_compiled(w) for w in (f.gate, f.up, f.down)) and f.gate.qtype == f.up.qtype:
         return "dense"

@@ -121,6 +121,31 @@ def _fused_and_stepwise(m, run):
         m.runners = saved
 
 
+@pytest.mark.parametrize("v_from", ["Q6_K", "F16"])
+def test_the_one_call_layer_takes_v_of_its_own_type(v_from):
+    """Q4_K_M files keep v in Q6_K on some layers, q and k in Q4_K: the one-call layer multiplies
+    v apart (with the same activations when its type quantizes them alike — a Q8_0 v beside
+    Q5_0 q/k — or its own — an F16 v), and gives the step-by-step path's bits."""
+    from kiln.native.runners import choose_runners
+    m = load_model(tiny_path("llama-Q4_K_M"))
+    other = load_model(tiny_path(f"llama-{v_from}"))            # the same weights, another type
+    for L, o in zip(m.layers, other.layers):
+        assert L.attn.wv.shape == o.attn.wv.shape and L.attn.wq.qtype != o.attn.wv.qtype
+        L.attn.wv = o.attn.wv
+    m.runners = choose_runners(m.layers, m.config, m.experts)
+    assert all(r.kind.startswith("one call") for r in m.runners)
+    ids = m.tokenizer.encode("one two three four five six")
+
+    def decode():
+        cache = m.new_cache(dtype=np.float16)
+        out = [m.forward(ids, cache)]
+        for _ in range(6):
+            out.append(m.forward([int(np.argmax(out[-1]))], cache))
+        return np.array(out)
+    fused, stepwise = _fused_and_stepwise(m, decode)
+    assert np.array_equal(fused, stepwise)
+
+
 @pytest.mark.parametrize("kv", [np.float16, pytest.param(np.float32, marks=pytest.mark.slow)], ids=["fp16-kv", "f32-kv"])
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_the_one_call_decode_layer_equals_the_step_by_step_path(which, kv, default_model, e8k2_path):

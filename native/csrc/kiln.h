@@ -286,7 +286,7 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     float eps;
     const float *attn_norm;
     const uint8_t *wq, *wk, *wv, *wo;
-    int qkv_t, wo_t;
+    int qkv_t, v_t, wo_t;     /* q and k's type; v's (Q4_K_M files keep v in Q6_K on some layers) */
     int ffn;                  /* FFN_NONE: the caller runs it; FFN_DENSE; FFN_MOE (experts stacked) */
     const float *ffn_norm, *router;       /* router: F32 (E, n) */
     const uint8_t *wg, *wu, *wd;          /* (E, n_ff, n), (E, n_ff, n), (E, n, n_ff); E = 1 dense */

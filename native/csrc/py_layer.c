@@ -5,7 +5,7 @@
 #include <Python.h>
 #include "kiln.h"
 
-/* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), qkv_type, wo, wo_type,
+/* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), (qk_type, v_type), wo, wo_type,
  *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
  *              (kt, vt))
  *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
@@ -29,7 +29,7 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)iOiO!OOiiiipOi(ii)|ff", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ff", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
                           &L.q_scale, &L.kq_scale))
         return NULL;
@@ -90,15 +90,15 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             goto done;
     }
     int n = L.n = (int)(xb->len / 4 / B), qn = L.H * L.D, kvn = L.Hkv * L.D;
-    TypeInfo tq, to, tg = {1, 4, A_F32}, td = {1, 4, A_F32};
+    TypeInfo tq, tv, to, tg = {1, 4, A_F32}, td = {1, 4, A_F32};
     if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_layer needs the AVX2 kernels"); goto done; }
-    if (!type_info(L.qkv_t, &tq) || !type_info(L.wo_t, &to) || (L.ffn && (!type_info(L.gu_t, &tg) || !type_info(L.wd_t, &td)))) {
+    if (!type_info(L.qkv_t, &tq) || !type_info(L.v_t, &tv) || !type_info(L.wo_t, &to) || (L.ffn && (!type_info(L.gu_t, &tg) || !type_info(L.wd_t, &td)))) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a weight type has no compiled kernel"); goto done;
     }
-    if ((size_t)xb->len != (size_t)B * n * 4 || n % tq.block || qn % to.block || L.Hkv < 1 || L.H % L.Hkv ||
+    if ((size_t)xb->len != (size_t)B * n * 4 || n % tq.block || n % tv.block || qn % to.block || L.Hkv < 1 || L.H % L.Hkv ||
         L.R > L.D || L.D > 512 ||
         (size_t)wb[0]->len < (size_t)qn * (n / tq.block) * tq.bytes || (size_t)wb[1]->len < (size_t)kvn * (n / tq.block) * tq.bytes ||
-        (size_t)wb[2]->len < (size_t)kvn * (n / tq.block) * tq.bytes || (size_t)wb[3]->len < (size_t)n * (qn / to.block) * to.bytes ||
+        (size_t)wb[2]->len < (size_t)kvn * (n / tv.block) * tv.bytes || (size_t)wb[3]->len < (size_t)n * (qn / to.block) * to.bytes ||
         (size_t)cb->len < (size_t)B * (L.R / 2) * 4 || (size_t)sb->len < (size_t)B * (L.R / 2) * 4 || (size_t)anb->len < (size_t)n * 4) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a buffer is smaller than its shape"); goto done;
     }
