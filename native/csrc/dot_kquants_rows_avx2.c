@@ -5,64 +5,21 @@
 #include "kquants_avx2.h"
 
 #ifdef KILN_X86
-/* Four activation rows against one K-quant weight row: the block's unpacking is shared, each
- * row's operations are the one-row kernel's, in its order — the same bits. */
-AVX2 void dot4_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
-    for (int r = 0; r < 4; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[4]; __m128 acc_m[4];
-    for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
-    for (int b = 0; b < nb; b++, w += 144) {
-        const float xd = H2F(w), xm = H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        __m256i lo[4], hi[4], sl[4], sh[4];
-        for (int j = 0; j < 4; j++) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            lo[j] = _mm256_and_si256(bits, m4); hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            sl[j] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
-            sh[j] = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
-        }
-        for (int r = 0; r < 4; r++) {
-            const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, q8s)), acc_m[r]);
-            const int8_t *y = q8[r] + b * 256;
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < 4; j++) {
-                __m256i pl = _mm256_madd_epi16(sl[j], _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i *)(y + 64 * j))));
-                __m256i ph = _mm256_madd_epi16(sh[j], _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32))));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        res[r] = hsum_avx(acc[r]) + _mm_cvtss_f32(m);
-    }
-}
-/* Eight activation rows against one Q4_K weight row (prefill): each 64-value piece of a block is
- * unpacked once and multiplied into the eight rows' integer sums (exact, so their order is free),
- * then each row's float steps are the one-row kernel's, in its order — the same bits. Few
- * registers live at once (eight sums, one piece), where holding a whole block's pieces spilled. */
-AVX2 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
+/* R (4 or 8) activation rows against one Q4_K weight row (prefill): each 64-value piece of a block
+ * is unpacked once and multiplied into the rows' integer sums (exact, so their order is free), then
+ * each row's float steps are the one-row kernel's, in its order — the same bits. Few registers
+ * live at once (R sums, one piece), where holding a whole block's pieces spilled. R is a constant
+ * in each caller below, so the rows' loops unroll and the sums stay in registers. */
+AVX2 static inline __attribute__((always_inline)) void dotR_q4_K(const uint8_t *w, const Act *a, int t, int nb,
+                                                                 int R, float *res) {
     const int8_t *q8[8]; const float *yd[8]; const int16_t *bs[8];
-    for (int r = 0; r < 8; r++) {
+    for (int r = 0; r < R; r++) {
         q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
         bs[r] = a->bs + (size_t)(t + r) * nb * 16;
     }
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc[8]; __m128 acc_m[8];
-    for (int r = 0; r < 8; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
     for (int b = 0; b < nb; b++, w += 144) {
         const float xd = H2F(w), xm = H2F(w + 2);
         uint32_t u[4]; unpack_k4_scales(w + 4, u);
@@ -70,20 +27,20 @@ AVX2 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
         const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
         const __m256i scales = _mm256_set_m128i(sc128, sc128);
         __m256i sumi[8];
-        for (int r = 0; r < 8; r++) sumi[r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
             const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
             const __m256i sl = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
             const __m256i sh = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
-            for (int r = 0; r < 8; r++) {
+            for (int r = 0; r < R; r++) {
                 const int8_t *y = q8[r] + b * 256 + 64 * j;
                 const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y)));
                 const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 32))));
                 sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
             }
         }
-        for (int r = 0; r < 8; r++) {
+        for (int r = 0; r < R; r++) {
             const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
             const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
             const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
@@ -91,8 +48,12 @@ AVX2 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
         }
     }
-    for (int r = 0; r < 8; r++) res[r] = q4_K_end(acc[r], acc_m[r]);
+    for (int r = 0; r < R; r++) res[r] = q4_K_end(acc[r], acc_m[r]);
 }
+AVX2 void dot4_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) { dotR_q4_K(w, a, t, nb, 4, res); }
+AVX2 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) { dotR_q4_K(w, a, t, nb, 8, res); }
+/* Four activation rows against one K-quant weight row: the block's unpacking is shared, each
+ * row's operations are the one-row kernel's, in its order — the same bits. */
 AVX2 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
     const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
     for (int r = 0; r < 4; r++) {
