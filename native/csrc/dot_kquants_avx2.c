@@ -55,44 +55,58 @@ AVX2 void dotW2_q4_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int 
     }
     res[0] = q4_K_end(acc0, am0); res[1] = q4_K_end(acc1, am1);
 }
+/* One Q5_K block (w: its 176 bytes) against one Q8_K activation block, into a row's accumulators. */
+AVX2 static inline void q5_K_block(const uint8_t *w, const int8_t *y, const int16_t *bs, float yd,
+                                   __m256 *acc, float *summs) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
+    const __m128i mzero = _mm_setzero_si128();
+    const float d = yd * H2F(w), dmin = -yd * H2F(w + 2);
+    uint32_t u[4]; unpack_k4_scales(w + 4, u);
+    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
+    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+    const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
+    const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+    *summs = fmaf(dmin, (float)_mm_extract_epi32(hs, 0), *summs);   /* gcc fuses it in ggml */
+    const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
+    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
+    __m256i hmask = mone, sumi = _mm256_setzero_si256();
+    const uint8_t *q5 = w + 48; int bit = 0;
+    for (int j = 0; j < 4; j++) {
+        const __m256i s0 = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
+        const __m256i s1 = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)q5); q5 += 32;
+        const __m256i l0 = _mm256_and_si256(bits, m4);
+        const __m256i h0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+        hmask = _mm256_slli_epi16(hmask, 1);
+        const __m256i l1 = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+        hmask = _mm256_slli_epi16(hmask, 1);
+        __m256i p0 = _mm256_maddubs_epi16(_mm256_add_epi8(l0, h0), _mm256_loadu_si256((const __m256i *)y)); y += 32;
+        __m256i p1 = _mm256_maddubs_epi16(_mm256_add_epi8(l1, h1), _mm256_loadu_si256((const __m256i *)y)); y += 32;
+        p0 = _mm256_madd_epi16(s0, p0); p1 = _mm256_madd_epi16(s1, p1);
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), *acc);
+}
 AVX2 float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
     const int16_t *bs = a->bs + (size_t)t * nb * 16;
-    const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
-    const __m128i mzero = _mm_setzero_si128();
     __m256 acc = _mm256_setzero_ps(); float summs = 0.f;
-    for (int b = 0; b < nb; b++, w += 176, q8 += 256, bs += 16) {
-        const float d = yd[b] * H2F(w), dmin = -yd[b] * H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
-        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
-        const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
-        summs = fmaf(dmin, (float)_mm_extract_epi32(hs, 0), summs);   /* gcc fuses it in ggml */
-        const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
-        __m256i hmask = mone, sumi = _mm256_setzero_si256();
-        const uint8_t *q5 = w + 48; const int8_t *y = q8; int bit = 0;
-        for (int j = 0; j < 4; j++) {
-            const __m256i s0 = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j));
-            const __m256i s1 = _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1));
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)q5); q5 += 32;
-            const __m256i l0 = _mm256_and_si256(bits, m4);
-            const __m256i h0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
-            hmask = _mm256_slli_epi16(hmask, 1);
-            const __m256i l1 = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            const __m256i h1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
-            hmask = _mm256_slli_epi16(hmask, 1);
-            __m256i p0 = _mm256_maddubs_epi16(_mm256_add_epi8(l0, h0), _mm256_loadu_si256((const __m256i *)y)); y += 32;
-            __m256i p1 = _mm256_maddubs_epi16(_mm256_add_epi8(l1, h1), _mm256_loadu_si256((const __m256i *)y)); y += 32;
-            p0 = _mm256_madd_epi16(s0, p0); p1 = _mm256_madd_epi16(s1, p1);
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-    }
+    for (int b = 0; b < nb; b++) q5_K_block(w + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc, &summs);
     return hsum_avx(acc) + summs;
+}
+AVX2 void dotW2_q5_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res) {
+    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
+    const int16_t *bs = a->bs + (size_t)t * nb * 16;
+    const uint8_t *w1 = w + row_bytes;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); float sm0 = 0.f, sm1 = 0.f;
+    for (int b = 0; b < nb; b++) {
+        q5_K_block(w + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0, &sm0);
+        q5_K_block(w1 + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1, &sm1);
+    }
+    res[0] = hsum_avx(acc0) + sm0; res[1] = hsum_avx(acc1) + sm1;
 }
 /* One Q6_K block (w: its 210 bytes) against one Q8_K activation block, into a row's accumulator. */
 AVX2 static inline void q6_K_block(const uint8_t *w, const int8_t *y, const int16_t *bs, float yd, __m256 *acc) {
