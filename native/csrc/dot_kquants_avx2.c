@@ -13,11 +13,8 @@ AVX2 static inline void q4_K_block(const uint8_t *w, const int8_t *y, const int1
                                    __m256 *acc, __m128 *acc_m) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const float d = yd * H2F(w), dmin = -yd * H2F(w + 2);
-    uint32_t u[4]; unpack_k4_scales(w + 4, u);
-    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
-    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-    const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
+    __m128i prod;
+    const __m256i ms = k4_scales_mins(w, bs, &prod);
     *acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), *acc_m);
     const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
     const __m256i scales = _mm256_set_m128i(sc128, sc128);
@@ -61,11 +58,8 @@ AVX2 static inline void q5_K_block(const uint8_t *w, const int8_t *y, const int1
     const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
     const __m128i mzero = _mm_setzero_si128();
     const float d = yd * H2F(w), dmin = -yd * H2F(w + 2);
-    uint32_t u[4]; unpack_k4_scales(w + 4, u);
-    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
-    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-    const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
+    __m128i prod;
+    const __m256i ms = k4_scales_mins(w, bs, &prod);
     const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
     *summs = fmaf(dmin, (float)_mm_extract_epi32(hs, 0), *summs);   /* gcc fuses it in ggml */
     const __m128i sc128 = _mm256_extracti128_si256(ms, 0);

@@ -13,10 +13,7 @@
 AVX2 static inline __attribute__((always_inline)) void dotR_q4_K(const uint8_t *w, const Act *a, int t, int nb,
                                                                  int R, float *res) {
     const int8_t *q8[8]; const float *yd[8]; const int16_t *bs[8];
-    for (int r = 0; r < R; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
+    q8_K_rows(a, t, nb, R, q8, yd, bs);
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc[8]; __m128 acc_m[8];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
@@ -56,10 +53,7 @@ AVX2 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
  * row's operations are the one-row kernel's, in its order — the same bits. */
 AVX2 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
     const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
-    for (int r = 0; r < 4; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
+    q8_K_rows(a, t, nb, 4, q8, yd, bs);
     const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
     const __m128i mzero = _mm_setzero_si128();
     __m256 acc[4]; float summs[4];
@@ -104,10 +98,7 @@ AVX2 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
 }
 AVX2 void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
     const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
-    for (int r = 0; r < 4; r++) {
-        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
-        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
-    }
+    q8_K_rows(a, t, nb, 4, q8, yd, bs);
     const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();

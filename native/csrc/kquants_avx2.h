@@ -28,5 +28,23 @@ AVX2 static inline float q4_K_end(__m256 acc, __m128 acc_m) {
     acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
     return hsum_avx(acc) + _mm_cvtss_f32(acc_m);
 }
+/* Q4_K's and Q5_K's 6-bit scales and mins widened to 16 bits (scales low lane, mins high), and
+ * the mins' products with the activation block's sums of 16 (ggml's first steps of a block). */
+AVX2 static inline __m256i k4_scales_mins(const uint8_t *w, const int16_t *bs, __m128i *min_prod) {
+    uint32_t u[4]; unpack_k4_scales(w + 4, u);
+    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)bs);
+    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+    *min_prod = _mm_madd_epi16(_mm256_extracti128_si256(ms, 1), q8s);
+    return ms;
+}
+/* the Q8_K activation rows t .. t + R - 1: their codes, block scales and sums of 16 */
+static inline void q8_K_rows(const Act *a, int t, int nb, int R, const int8_t **q8, const float **yd,
+                             const int16_t **bs) {
+    for (int r = 0; r < R; r++) {
+        q8[r] = a->q + (size_t)(t + r) * nb * 256; yd[r] = a->d + (size_t)(t + r) * nb;
+        bs[r] = a->bs + (size_t)(t + r) * nb * 16;
+    }
+}
 #endif
 #endif
