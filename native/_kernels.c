@@ -254,7 +254,29 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {  /* for tests: fo
     return PyBool_FromLong(g_avx2);
 }
 
+/* quantize(x float32 (rows, n), out, type, rows, n, threads): rows as llama.cpp's quantizer writes
+ * them without an importance matrix (csrc/quantize.c). */
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    Py_buffer xb, ob; int type, threads; long long rows, n;
+    if (!PyArg_ParseTuple(args, "y*w*iLLi", &xb, &ob, &type, &rows, &n, &threads)) return NULL;
+    PyObject *ret = NULL;
+    int64_t rb = n > 0 ? quantized_row_bytes(type, n) : 0;
+    if (!rb || rows < 0) { PyErr_Format(PyExc_ValueError, "quantize: type %d cannot hold rows of %lld values", type, n); goto done; }
+    if ((size_t)xb.len < (size_t)rows * n * 4 || (size_t)ob.len < (size_t)rows * rb) {
+        PyErr_SetString(PyExc_ValueError, "quantize: a buffer is smaller than its rows"); goto done;
+    }
+    int nt = pick_threads(threads);
+    Py_BEGIN_ALLOW_THREADS
+    quantize_rows(type, (const float *)xb.buf, rows, n, (uint8_t *)ob.buf, nt);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&ob);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
+    {"quantize", py_quantize, METH_VARARGS, "quantize(x, out, type, rows, n, threads): rows as llama.cpp's quantizer writes them"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
     {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
     {"decode_layer", py_decode_layer, METH_VARARGS, "one decode step of B sequences through a plain llama layer, in place"},

@@ -267,3 +267,33 @@ def test_errors_are_in_ollamas_shape(client, served):
         urllib.request.urlopen(req, timeout=30)
     assert set(json.loads(he.value.read())) == {"error"}
     assert json.loads(urllib.request.urlopen(served.http + "/api/version", timeout=30).read())["version"]
+
+
+def test_create_with_quantize_writes_llama_cpps_bytes_under_the_new_name(client, served):
+    """Ollama's create with `quantize`: the base (F16 here) written in that type — the bytes
+    llama.cpp's quantizer writes (tests/data/quantize.json) — streamed as Ollama's status lines;
+    with a system prompt too, a created model over the quantized file."""
+    import hashlib
+    from pathlib import Path
+
+    from quant_models import INPUTS
+    models = served.home / "models"
+    src = INPUTS["llama-f16-tied"](models / "tiny-f16.gguf")
+    ref = json.loads((Path(__file__).parent / "data" / "quantize.json").read_text())
+    events = list(client.create(model="tiny-q4", from_="tiny-f16", quantize="q4_K_M", stream=True))
+    assert events[0].status == "quantizing tiny-f16.gguf to Q4_K_M" and events[-1].status == "success", events
+    assert events[-3].completed == events[-3].total > 0
+    digest = hashlib.sha256((models / "tiny-q4.gguf").read_bytes()).hexdigest()
+    if hashlib.sha256(src.read_bytes()).hexdigest() == ref["inputs"]["llama-f16-tied"]:
+        assert digest == ref["outputs"]["llama-f16-tied.Q4_K_M"]
+    assert "tiny-q4:latest" in [m.model for m in client.list().models]
+    assert client.show("tiny-q4").details.quantization_level == "Q4_K"
+    r = client.create(model="tiny-sys", from_="tiny-f16", quantize="Q8_0", system="Be brief.")
+    assert r.status == "success" and (models / "tiny-sys-q8_0.gguf").exists()
+    assert "SYSTEM" in client.show("tiny-sys").modelfile and "Be brief." in client.show("tiny-sys").modelfile
+    for body, words in (({"from": "smol", "quantize": "q4_K_M"}, "is Q4_1 already"),
+                        ({"from": "tiny-f16", "quantize": "iq2_xxs"}, "not a type Kiln writes"),
+                        ({"from": "tiny-f16", "quantize": "q4_K_M", "model": "tiny-q4"}, "is a model file already")):
+        status, out = http_json(served, "POST", "/api/create", {"model": "bad", "stream": False, **body})
+        assert status == 400 and words in out["error"], (body, out)
+    assert not (models / "bad.gguf").exists()

@@ -2,8 +2,8 @@
  * the pieces of a layer). Parts: quant.c (activation quantization and every weight type's dot
  * product, rows_dot/matmul_core), attention.c (causal attention over a KV cache), layer.c (norm,
  * RoPE, routing, and the one-call decode of a layer for B sequences), kv_quant.c (8- and 4-bit KV
- * caches and their attention); ../_kernels.c and py_layer.c are the
- * Python glue. No Python API is used outside the glue: the parts run without the GIL. */
+ * caches and their attention), quantize.c (weights as llama.cpp's quantizer writes them);
+ * ../_kernels.c and py_layer.c are the Python glue. No Python API is used outside the glue: the parts run without the GIL. */
 #ifndef KILN_KERNELS_H
 #define KILN_KERNELS_H
 #include <math.h>
@@ -321,4 +321,8 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
 int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
                     const uint64_t *ptrs, uint8_t *done, float *dn, int nt);
+/* quantize.c: rows quantized as llama.cpp's quantizer writes them */
+int64_t quantized_row_bytes(int type, int64_t n);
+void quantize_rows(int type, const float *x, int64_t rows, int64_t n, uint8_t *out, int threads);
+
 #endif

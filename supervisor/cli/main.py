@@ -27,6 +27,7 @@ from .debug import debug_app, eval_app
 from .engine import fail, models_app
 from .train import adapters_app, train_app
 from . import eval as cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
+from . import quantize as cli_quantize  # noqa: F401,E402  (adds `kiln models quantize`)
 
 app = typer.Typer(name="kiln", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Kiln: a local LLM runtime that keeps crash-isolated workers alive.")

@@ -31,6 +31,11 @@ class JSONError(falcon.HTTPError):
 MAX_DEPTH = 64       # no API body nests deeper (tools' JSON schemas reach ~20)
 
 
+def ndjson(obj: dict) -> bytes:
+    """One line of a newline-delimited JSON stream (Ollama's)."""
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
 def parse_json(raw: bytes) -> dict:
     """A request body as a JSON object, or a 400 that says what is wrong with it: not JSON, not an
     object, nested deeper than MAX_DEPTH, or a string that is not text (a lone UTF-16 surrogate,

@@ -20,7 +20,8 @@ from . import ollama_library
 from .common import JSONError, bus, context_notes, token_logprobs
 from .pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import llama_params
-from .ollama_library import details, file_digest, file_of, ndjson, ollama_name
+from .common import ndjson
+from .ollama_library import details, file_digest, file_of, ollama_name
 from .openai_validate import bad, keep_alive, messages as check_messages, sampling_params, tools as check_tools
 from .work import Work
 

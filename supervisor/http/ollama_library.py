@@ -13,7 +13,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .common import JSONError, bus
+from .common import JSONError, bus, ndjson
 from .request_paths import check_model_ref, library_entry
 from .openai_validate import bad
 
@@ -202,8 +202,6 @@ class OllamaLibrary:
             raise bad("model", "model is required (the new model's name)")
         for k, why in (("template", "Kiln renders the model's own chat template (Jinja, from the GGUF) and cannot run "
                                     "Ollama's Go templates"),
-                       ("quantize", "quantizing is not supported here yet; pull the quantization you want "
-                                    "(hf.co/ORG/REPO:QUANT)"),
                        ("files", "Kiln has no blob store: name the base model in `from`")):
             if body.get(k):
                 raise bad(k, f"{k} is not supported: {why}")
@@ -236,6 +234,9 @@ class OllamaLibrary:
             digest = (body.get("adapters") or {}).get(spec["adapter"]) or ""
             if digest and digest.removeprefix("sha256:") != sha256_file(Path(meta["path"])):
                 raise bad("adapters", f"adapter {spec['adapter']!r} is not the file of digest {digest[:80]!r}")
+        if body.get("quantize"):
+            from .ollama_quantize import create_quantized
+            return create_quantized(body, resp, spec, base, path)
         created.save(base, spec, path)
         if body.get("stream", True):
             resp.content_type = "application/x-ndjson"
@@ -338,10 +339,6 @@ class OllamaLibrary:
                 yield ndjson({"error": str(e)})
         resp.content_type = "application/x-ndjson"
         resp.stream = lines()
-
-
-def ndjson(obj: dict) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
 
 
 def file_of(model: str):
