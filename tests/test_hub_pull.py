@@ -179,3 +179,39 @@ def test_a_file_larger_than_the_ram_is_refused_before_downloading(hub):
     assert not [p for m, p, _ in h.requests if m == "GET" and "resolve" in p], "nothing may be downloaded"
     r = kiln(small, "models", "pull", "--force", "hf:tiny-org/tiny-GGUF/tiny-llama.Q8_0.gguf")
     assert r.returncode == 0, r.stderr
+
+
+def test_a_request_naming_a_hub_model_not_here_pulls_it_once_then_answers(multi, tmp_path, monkeypatch):
+    """As `ollama run` and `llama-server -hf`: the daemon fetches a hub model a request names
+    ([models] pull_on_demand), once however many requests wait for it; a pull that fails is the
+    request's model_not_found saying why."""
+    import threading
+
+    from daemon_harness import Daemon, http_json
+    h, env = multi
+    for k in ("HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_DISABLE_XET", "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+        monkeypatch.setenv(k, env[k])
+    home = tmp_path / "home"
+    home.mkdir()
+    with Daemon(home, {}) as d:
+        model = "hf.co/tiny-org/multi-GGUF:Q8_0"
+        answers = []
+
+        def ask():
+            answers.append(http_json(d, "POST", "/v1/completions", {"model": model, "prompt": "Once upon a time",
+                                                                    "max_tokens": 4, "temperature": 0}))
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [s for s, _ in answers] == [200, 200], answers
+        assert answers[0][1]["choices"][0]["text"] == answers[1][1]["choices"][0]["text"]
+        gets = [p for m, p, _ in h.requests if m == "GET" and "resolve" in p and p.endswith("tiny-llama-Q8_0.gguf")]
+        assert len(gets) == 1, gets
+        status, out = http_json(d, "POST", "/v1/completions", {"model": "hf.co/tiny-org/multi-GGUF:Q3_K_S",
+                                                                "prompt": "Hi", "max_tokens": 2})
+        assert status == 400 and out["error"]["code"] == "model_not_found", out       # an unknown model's answer
+        assert "could not be pulled" in out["error"]["message"] and "no Q3_K_S" in out["error"]["message"], out
+        events = [e["detail"] for e in d.command("events", {"since": 0})["events"] if e["event"] == "pull"]
+        assert any(e.startswith("pulled hf.co/tiny-org/multi-GGUF:Q8_0") for e in events), events

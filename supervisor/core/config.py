@@ -87,6 +87,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
     },
     "models": {
         "on_demand": Field(bool, True, "load a library model when a request names it"),
+        "pull_on_demand": Field(bool, True, "pull a Hugging Face model a request names (hf.co/ORG/REPO:QUANT) "
+                                "that is not here yet, then load it; off: such a request is a 404"),
         "allow_paths": Field(bool, False, "let HTTP requests name a model by any file path this user can read "
                              "(off: only library models and configured workers' models; the CLI may always)"),
         "keep_alive": Field(str, "5m", "how long an on-demand model stays loaded after its last request "

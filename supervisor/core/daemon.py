@@ -99,6 +99,9 @@ class Supervisor(SocketTraffic):
                              on_loop=self.submit)
         self.placer = self.router.placer = make_placer(self.table, config["models"], self.router.busy, self.record,
                                                        paths.home / "state" / "models.json")
+        if self.placer is not None and config["models"]["pull_on_demand"]:
+            from .hub_fetch import HubFetch
+            self.router.fetch = HubFetch(lambda: self.placer.budget, self.record)
         self.bad_frames: Counter = Counter()
         self.inbox: queue.Queue = queue.Queue()
         self.offloop = ThreadPoolExecutor(4, thread_name_prefix="kiln-cmd")

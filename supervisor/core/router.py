@@ -42,6 +42,7 @@ class Router:
         self.table, self.send, self.record = table, send, record
         self.on_loop = on_loop or (lambda fn: fn())
         self.placer = placer             # models at run time (supervisor/placer.py); None: a fixed set
+        self.fetch = None                # a hub model a request names, pulled first (core/hub_fetch.py)
         self.max_queue, self.wait_for_worker, self.request_timeout = max_queue, wait_for_worker, request_timeout
         self.adapters = adapters
         self.pending: dict[str, Pending] = {}
@@ -64,6 +65,9 @@ class Router:
         if not self._sendable(body, client):
             return c
         if target.model and self.placer is not None:
+            if self.fetch is not None and (err := self.fetch.ensure(target.model)):
+                self._error(client, "model_not_found", err)
+                return c
             self.placer.prepare(target.model)          # here, on the caller's thread: not on the loop
         self.on_loop(lambda: self.submit(worker_op, body, client, target, timeout))
         return c
