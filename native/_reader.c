@@ -27,17 +27,42 @@ static int check_slot(Reader *r, int slot) {
     return 1;
 }
 
+/* fd: one file descriptor, or a sequence of them (a split model's parts, in order) */
+static int set_fds(Reader *r, PyObject *fd) {
+    int fds[MAX_PARTS], n = 0;
+    if (PyLong_Check(fd)) {
+        fds[n++] = (int)PyLong_AsLong(fd);
+    } else {
+        PyObject *seq = PySequence_Fast(fd, "fd must be an int or a sequence of ints");
+        if (!seq) return 0;
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+        if (len < 1 || len > MAX_PARTS) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "%zd files: a reader reads 1 to %d", len, MAX_PARTS);
+            return 0;
+        }
+        for (Py_ssize_t i = 0; i < len; i++) fds[n++] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        Py_DECREF(seq);
+    }
+    if (PyErr_Occurred()) return 0;
+    memcpy(r->fds, fds, sizeof(int) * n);
+    r->nfds = n;
+    return 1;
+}
+
 static int Reader_init(Reader *r, PyObject *args, PyObject *kw) {
     static char *names[] = {"threads", "fd", "buffered", "slots", "max_chunks", "chunk_bytes", NULL};
-    int threads, fd, buffered, slots, max_chunks;
+    int threads, buffered, slots, max_chunks;
+    PyObject *fd;
     long long chunk_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iipiiL", names, &threads, &fd, &buffered, &slots, &max_chunks, &chunk_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOpiiL", names, &threads, &fd, &buffered, &slots, &max_chunks, &chunk_bytes))
         return -1;
+    if (!set_fds(r, fd)) return -1;
     if (threads < 1 || slots < 1 || max_chunks < 1 || chunk_bytes < 512) {
         PyErr_SetString(PyExc_ValueError, "threads, slots and max_chunks must be >= 1, chunk_bytes >= 512");
         return -1;
     }
-    r->fd = fd; r->buffered = buffered; r->slots = slots; r->max_chunks = max_chunks; r->chunk_bytes = chunk_bytes;
+    r->buffered = buffered; r->slots = slots; r->max_chunks = max_chunks; r->chunk_bytes = chunk_bytes;
     r->reads = calloc(slots, sizeof(Read));
     r->chunks = calloc((size_t)slots * max_chunks, sizeof(Chunk));
     r->heap_cap = 64;
@@ -193,11 +218,14 @@ static PyObject *Reader_stats(Reader *r, PyObject *noargs) {
 }
 
 static PyObject *Reader_set_fd(Reader *r, PyObject *args) {
-    int fd, buffered;
-    if (!PyArg_ParseTuple(args, "ip", &fd, &buffered)) return NULL;
+    PyObject *fd;
+    int buffered;
+    if (!PyArg_ParseTuple(args, "Op", &fd, &buffered)) return NULL;
     pthread_mutex_lock(&r->mu);
-    r->fd = fd; r->buffered = buffered;
+    int ok = set_fds(r, fd);
+    if (ok) r->buffered = buffered;
     pthread_mutex_unlock(&r->mu);
+    if (!ok) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -225,7 +253,7 @@ static PyMethodDef Reader_methods[] = {
     {"cancel", (PyCFunction)Reader_cancel, METH_VARARGS, "cancel(slot) -> chunks already started (they run to the end)"},
     {"poll", (PyCFunction)Reader_poll, METH_VARARGS, "poll(timeout) -> [(slot, generation, errno, error offset)], waiting up to timeout s"},
     {"stats", (PyCFunction)Reader_stats, METH_NOARGS, "bytes read, seconds with a read in flight, chunks running and queued"},
-    {"set_fd", (PyCFunction)Reader_set_fd, METH_VARARGS, "set_fd(fd, buffered): reads from now on use fd"},
+    {"set_fd", (PyCFunction)Reader_set_fd, METH_VARARGS, "set_fd(fd or fds, buffered): reads from now on use these files"},
     {"fault", (PyCFunction)Reader_fault, METH_VARARGS, "fault(start, end, errno, delay, direct_only): simulate a failing or slow range (delay < 0: held until fault()); fault(): none"},
     {"close", (PyCFunction)Reader_close, METH_NOARGS, "stop the threads (after their current chunk)"},
     {NULL, NULL, 0, NULL}};

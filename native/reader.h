@@ -20,6 +20,11 @@ typedef struct { int slot, gen, err; int64_t err_offset; } Done;
 typedef struct { int64_t start, end; int err, direct_only; double delay; } Fault;
 
 #define MAX_FAULTS 16
+/* A read's offset is a split model's part number above bit 44 and the offset in that file below
+ * (16 TiB a file): the queue, the chunking and the faults work on the one number. */
+#define PART_SHIFT 44
+#define MAX_PARTS 64
+#define PART_OFFSET(o) ((o) & (((int64_t)1 << PART_SHIFT) - 1))
 #define DEPTHS 8
 
 typedef struct {
@@ -27,7 +32,8 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work, done_cv, held;
     pthread_t *threads;
-    int nthreads, stop, fd, buffered;
+    int nthreads, stop, buffered;
+    int fds[MAX_PARTS], nfds;   /* a split model's files; an offset's high bits say which (PART_SHIFT) */
     int slots, max_chunks;
     int64_t chunk_bytes;
     Read *reads;            /* one per slot */

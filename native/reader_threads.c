@@ -124,7 +124,7 @@ static int read_chunk(Reader *r, const Chunk *c, int fd, int buffered, int64_t *
     if (err) return err;
     int64_t got = 0;
     while (got < c->size) {
-        ssize_t n = pread(fd, c->dest + got, (size_t)(c->size - got), c->offset + got);
+        ssize_t n = fd < 0 ? (errno = EBADF, -1) : pread(fd, c->dest + got, (size_t)(c->size - got), PART_OFFSET(c->offset) + got);
         if (n < 0) {
             if (errno == EINTR) continue;
             *err_at = c->offset + got;
@@ -135,7 +135,7 @@ static int read_chunk(Reader *r, const Chunk *c, int fd, int buffered, int64_t *
     }
     *got_out = got;
     if (got < c->need) { *err_at = c->offset + got; return EIO; }
-    if (buffered) posix_fadvise(fd, c->offset, c->size, POSIX_FADV_DONTNEED);
+    if (buffered) posix_fadvise(fd, PART_OFFSET(c->offset), c->size, POSIX_FADV_DONTNEED);
     return 0;
 }
 
@@ -152,7 +152,8 @@ void *thread_main(void *arg) {
         if (c->taken || r->reads[c->read].gen != e.gen) continue;
         c->taken = 1;
         depth_changes(r, 1);
-        int fd = r->fd, buffered = r->buffered;
+        int64_t part = c->offset >> PART_SHIFT;
+        int fd = part < r->nfds ? r->fds[part] : -1, buffered = r->buffered;
         pthread_mutex_unlock(&r->mu);
         int64_t got = 0, err_at = -1;
         int err = read_chunk(r, c, fd, buffered, &got, &err_at);

@@ -277,3 +277,38 @@ def test_a_failed_expert_read_fails_the_forward_with_where_and_loses_nothing(e8k
     assert c.stats()["read_errors"] >= 1 and "Input/output error" in c.stats()["last_read_error"]
     assert len(c.free) + len(c.index) + len(c.cancelling) == c.slots
     assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
+
+
+@pytest.mark.parametrize("reader", ["compiled", "python"])
+def test_a_split_models_experts_stream_from_its_parts(reader, tmp_path, monkeypatch):
+    """A model split in three files (as the big MoE models ship): each expert is read from the part
+    that holds it — O_DIRECT, by the C reader or the Python one — and the logits are the unsplit
+    file's in RAM, bit for bit."""
+    from split_gguf import split
+
+    from kiln.native.experts import io
+    if reader == "python":
+        monkeypatch.setattr(io, "compiled_reader", lambda: None)
+    ids = reference("tiny/tiny-qwen3moe")[0]["prompts"][1]["ids"]
+    whole = load_model(tiny_path("qwen3moe"))
+    in_ram = whole.forward(ids, whole.new_cache(), all_logits=True)
+    parts = split(tiny_path("qwen3moe"), tmp_path, 3)
+    m = load_model(parts[0])
+    assert len(m.gguf.parts) == 3 and len({s.part for s in expert_map(m.gguf).values()}) >= 2
+    store = ExpertStore(parts[0], parts=m.gguf.parts)
+    m.expert_provider = ExpertCache(m.gguf, store, slots=2)
+    assert np.array_equal(m.forward(ids, m.new_cache(), all_logits=True), in_ram)
+    assert m.expert_provider.io.kind == reader and m.expert_provider.stats()["misses"] > 0
+    assert store.io_mode == "direct" and len(store.fds) == 3
+    # a read that fails names the part's file it came from, not the first one
+    layer, proj = next(k for k, s in expert_map(m.gguf).items() if s.part == 2)
+    c = ExpertCache(m.gguf, ExpertStore(parts[0], parts=m.gguf.parts), slots=2, threads=1)
+    off, n = c.map[(layer, proj)].range(0)
+    assert off >> io.PART_SHIFT == 2
+    c.io.reader.fault(off, off + n, errno.EIO)
+    with pytest.raises(OSError, match=f"from {parts[2]}"):
+        c.request(layer, [0], pin=False)
+        c.weights(layer, 0)
+    c.close()
+    with pytest.raises(ValueError, match="split in 3 files but the expert store reads 1"):
+        ExpertCache(m.gguf, ExpertStore(parts[0]), slots=2)

@@ -58,7 +58,7 @@ class MoEStreamWorker(InferenceWorker):
                 else private_buffer(int(size), placement.huge_pages)
         except OSError as e:
             raise BootError(f"cannot map the expert cache {shm or 'memory'}: {e.strerror}") from None
-        store = ExpertStore(self.model.path, direct=self.settings.get("direct", True))
+        store = ExpertStore(self.model.path, direct=self.settings.get("direct", True), parts=self.model.gguf.parts)
         try:
             self.cache = ExpertCache(self.model.gguf, store, int(slots), buffer=self.segment,
                                      policy=self.settings.get("cache_policy", "lrfu"), placement=placement)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..gguf_file import GGUFFile
 from ..kernels import Weight
-from .io import CHUNK_BYTES, DEMAND, FILL, ExpertRead, ReadQueue
+from .io import CHUNK_BYTES, DEMAND, FILL, PART_MASK, ExpertRead, ReadQueue
 from .memory import Placement, huge_page_bytes, place, private_buffer
 from .policy import make_policy
 from .read_ahead import ReadAhead
@@ -136,8 +136,10 @@ class ExpertCache(Slots, ReadAhead, LayerRuns, WarmStart):
 
         def describe(at: int, exc: OSError) -> OSError:     # say which expert, where: the disk's words alone do not
             _, _, p, off, n = next((sp for sp in spans if sp[0] <= at < sp[1]), spans[0])
+            part = self.map[(layer, p)].part
             return OSError(exc.errno, f"reading expert {e} of layer {layer} ({self.map[(layer, p)].name}, "
-                                      f"{n} bytes at {off}) from {self.store.path}: {exc.strerror or exc}")
+                                      f"{n} bytes at {off & PART_MASK}) from {self.store.paths[part]}: "
+                                      f"{exc.strerror or exc}")
         read = self.pending[key] = self.io.submit(slot, priority, parts, finish, describe)
         return read
 

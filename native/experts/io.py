@@ -28,6 +28,9 @@ DEMAND, AHEAD, FILL = 0, 1, 2
 # ~5 % faster than 512 KiB halves (one expert in flight, into huge pages), 256 KiB ~10 % slower
 CHUNK_BYTES = 1 << 20
 DEPTHS = 8                   # stats: seconds with 1, 2, ... 8-or-more chunks in flight (as _reader.c)
+# a read's offset: a split model's part number above bit 44, the offset in that file below (as _reader.c)
+PART_SHIFT = 44
+PART_MASK = (1 << PART_SHIFT) - 1
 
 
 class ReadCancelled(Exception):
@@ -47,7 +50,8 @@ class ThreadReader:
     install without the compiled module."""
 
     def __init__(self, threads: int, fd: int, buffered: bool, slots: int, max_chunks: int, chunk_bytes: int):
-        self.fd, self.buffered, self.max_chunks, self.chunk_bytes = fd, buffered, max_chunks, chunk_bytes
+        self.fds = [fd] if isinstance(fd, int) else list(fd)          # one file, or a split model's parts
+        self.buffered, self.max_chunks, self.chunk_bytes = buffered, max_chunks, chunk_bytes
         self.mu = threading.Condition()
         self.done_cv = threading.Condition(self.mu)
         self.heap: list = []
@@ -133,9 +137,9 @@ class ThreadReader:
         if not self.inflight:
             self.busy += t - self.busy_since
 
-    def set_fd(self, fd: int, buffered: bool) -> None:
+    def set_fd(self, fd, buffered: bool) -> None:
         with self.mu:
-            self.fd, self.buffered = fd, buffered
+            self.fds, self.buffered = ([fd] if isinstance(fd, int) else list(fd)), buffered
 
     def fault(self, *spec) -> None:
         with self.mu:
@@ -184,7 +188,8 @@ class ThreadReader:
                     continue
                 c[4] = True
                 self._depth_changes(1)
-                fd, buffered = self.fd, self.buffered
+                part = c[0] >> PART_SHIFT
+                fd, buffered = (self.fds[part] if part < len(self.fds) else -1), self.buffered
                 while any(f[3] < 0 for f in self._faults_at(c, buffered)):
                     self.mu.wait()                    # held until the faults are cleared
                 faults = self._faults_at(c, buffered)
@@ -212,10 +217,10 @@ class ThreadReader:
             return 0, err, off
         import ctypes
         buf = (ctypes.c_char * size).from_address(dest)
-        got = 0
+        got, at = 0, off & PART_MASK
         try:
             while got < size:
-                n = os.preadv(fd, [memoryview(buf)[got:]], off + got)
+                n = os.preadv(fd, [memoryview(buf)[got:]], at + got)
                 if n == 0:
                     break
                 got += n
@@ -224,7 +229,7 @@ class ThreadReader:
         if got < need:
             return got, errno.EIO, off + got
         if buffered and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, off, size, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, at, size, os.POSIX_FADV_DONTNEED)
         return got, 0, -1
 
 
@@ -276,7 +281,7 @@ class ReadQueue:
         self.store = store
         cls = None if python else compiled_reader()
         self.kind = "compiled" if cls is not None else "python"
-        self.reader = (cls or ThreadReader)(max(1, threads), store.fd, store.io_mode == "buffered", slots,
+        self.reader = (cls or ThreadReader)(max(1, threads), store.fds, store.io_mode == "buffered", slots,
                                             max_chunks, chunk_bytes)
         self.inflight: dict[int, ExpertRead] = {}
 
@@ -297,7 +302,7 @@ class ReadQueue:
                 # O_DIRECT refused at read (tmpfs, overlayfs): on to buffered reads, once
                 if self.store.io_mode == "direct":
                     self.store.to_buffered("O_DIRECT refused at read (EINVAL)")
-                    self.reader.set_fd(self.store.fd, True)
+                    self.reader.set_fd(self.store.fds, True)
                 read.retried = True
                 read.gen = self.reader.submit(slot, read.priority, read.parts)
                 continue

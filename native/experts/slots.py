@@ -35,10 +35,9 @@ class Slots:
         return -(-(_HEADER.size + slots * _ENTRY.itemsize) // mmap.PAGESIZE) * mmap.PAGESIZE
 
     def _geometry(self, g: GGUFFile, store: ExpertStore) -> None:
-        if len(g.parts) > 1:
-            raise ValueError(f"{g.path} is part 1 of a model split in {len(g.parts)} files: streaming its experts "
-                             f"reads one file; merge the parts first (llama-gguf-split --merge {g.path.name} "
-                             f"OUT.gguf) or serve it in RAM (kind = \"inference\", or no --stream)")
+        if max(1, len(g.parts)) != len(store.paths):
+            raise ValueError(f"{g.path} is a model split in {len(g.parts)} files but the expert store reads "
+                             f"{len(store.paths)}; open the store with the model's parts")
         self.map = expert_map(g)
         if not self.map:
             raise ValueError(f"{g.path} has no expert tensors to stream: it is not a mixture-of-experts "

@@ -3,7 +3,9 @@
 - `expert_map`: from the GGUF tensor table, the file byte range of every (layer, expert,
   projection) slice of `ffn_{gate,up,down}_exps` — the expert is the outermost dimension, so each
   slice is contiguous; starts are only 32-byte aligned.
-- `ExpertStore`: the file opened for `O_DIRECT` reads — the aligned superset of a range, into
+  A split model's experts lie in several files: a slice's offset carries its part number above
+  bit 44 (io.PART_SHIFT), which the reader turns back into a file and an offset in it.
+- `ExpertStore`: the file (each part of a split model) opened for `O_DIRECT` reads — the aligned superset of a range, into
   page-aligned memory (native/experts/io.py reads) — so streamed experts do not fill the page
   cache. Where O_DIRECT is refused (EINVAL at open or read: tmpfs, overlayfs) it falls back to
   buffered reads + `posix_fadvise(DONTNEED)` and says so in `io_mode`; never silently.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 
 from ..gguf_file import GGUFFile
+from .io import PART_SHIFT
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -29,11 +32,13 @@ class ExpertSlice:
     name: str
     qtype: object
     shape: tuple          # one expert: (n_out, n_in)
-    offset: int           # of expert 0 in the file
+    offset: int           # of expert 0 in its file
     nbytes: int           # per expert
+    part: int = 0         # which file of a split model holds it
 
     def range(self, e: int) -> tuple[int, int]:
-        return self.offset + e * self.nbytes, self.nbytes
+        """Where expert e is, as the reader takes it: (part << PART_SHIFT) + offset, bytes."""
+        return (self.part << PART_SHIFT) + self.offset + e * self.nbytes, self.nbytes
 
 
 def expert_map(g: GGUFFile) -> dict[tuple[int, str], ExpertSlice]:
@@ -44,25 +49,29 @@ def expert_map(g: GGUFFile) -> dict[tuple[int, str], ExpertSlice]:
         if len(parts) == 4 and parts[0] == "blk" and parts[2].endswith("_exps") and parts[3] == "weight":
             proj = parts[2][len("ffn_"):-len("_exps")]
             n_expert = t.shape[0]
-            out[(int(parts[1]), proj)] = ExpertSlice(name, t.type, t.shape[1:], t.offset, t.n_bytes // n_expert)
+            out[(int(parts[1]), proj)] = ExpertSlice(name, t.type, t.shape[1:], t.offset, t.n_bytes // n_expert, t.part)
     return out
 
 
 class ExpertStore:
-    def __init__(self, path, direct: bool = True):
+    def __init__(self, path, direct: bool = True, parts=()):
+        """`parts`: a split model's files in order (GGUFFile.parts; the first is `path`)."""
         self.path = str(path)
+        self.paths = [str(p) for p in parts] or [self.path]
         self.io_mode = "buffered"
-        self.fd = -1
+        self.fds: list[int] = []
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+                for p in self.paths:
+                    self.fds.append(os.open(p, os.O_RDONLY | os.O_DIRECT))
                 self.io_mode = "direct"
             except OSError as e:
+                self.close()
                 if e.errno != errno.EINVAL:
                     raise
-        if self.fd < 0:
-            self.fd = os.open(self.path, os.O_RDONLY)
-        self.align = max(512, os.fstat(self.fd).st_blksize)
+        if not self.fds:
+            self.fds = [os.open(p, os.O_RDONLY) for p in self.paths]
+        self.align = max(512, *(os.fstat(fd).st_blksize for fd in self.fds))
         self.fallback_reason: str | None = None if self.io_mode == "direct" else "O_DIRECT refused at open"
         self._switch = threading.Lock()
         self._retired: list[int] = []       # the O_DIRECT fd after a fallback: other reads may still use it
@@ -78,11 +87,11 @@ class ExpertStore:
         with self._switch:
             if self.io_mode == "buffered":
                 return
-            self._retired.append(self.fd)
-            self.fd = os.open(self.path, os.O_RDONLY)
+            self._retired.extend(self.fds)
+            self.fds = [os.open(p, os.O_RDONLY) for p in self.paths]
             self.io_mode, self.fallback_reason = "buffered", reason
 
     def close(self) -> None:
-        for fd in self._retired + ([self.fd] if self.fd >= 0 else []):
+        for fd in getattr(self, "_retired", []) + self.fds:
             os.close(fd)
-        self._retired, self.fd = [], -1
+        self._retired, self.fds = [], []

@@ -72,7 +72,7 @@ def tune(path: Path, *, tokens: int = 32, warmup: int = 8, available: int | None
         raise ValueError(f"{path.name} is not a mixture-of-experts model: there is no expert cache to size")
     experts = {s.name for s in expert_map(model.gguf).values()}
     non_expert = sum(t.n_bytes for n, t in model.gguf.tensors.items() if n not in experts)
-    store = ExpertStore(path)
+    store = ExpertStore(path, parts=model.gguf.parts)
     probe = ExpertCache(model.gguf, store, 1)
     slot_bytes, total_slots = probe.slot_bytes, c.n_layer * c.n_expert
     probe.close()

@@ -70,9 +70,10 @@ def size_cache(home: Path, name: str, spec: dict, record) -> tuple[int, int]:
             record("expert_cache_tuned", name, f"expert_cache = auto: {tuned['suggested_bytes'] / 2**20:.0f} "
                    f"MiB ({tuned['rule']}, measured {tuned['measured_at']})")
     budget = parse_size(size_text, psutil.virtual_memory().total)
-    store = ExpertStore(path)
+    g = read_gguf(path, skip_arrays=True)
+    store = ExpertStore(path, parts=g.parts)
     try:
-        return segment_bytes(read_gguf(path, skip_arrays=True), store, budget)
+        return segment_bytes(g, store, budget)
     finally:
         store.close()
 
