@@ -60,9 +60,36 @@ class Sessions:
                 out.append({"name": p.stem, "error": "unreadable"})
                 continue
             msgs = doc.get("messages") or []
-            out.append({"name": p.stem, "model": doc.get("model"), "adapter": doc.get("adapter"),
+            out.append({"name": p.stem, "title": doc.get("title"), "model": doc.get("model"), "adapter": doc.get("adapter"),
                         "messages": len(msgs), "turns": sum(1 for m in msgs if m.get("role") == "user"),
                         "updated": doc.get("updated"), "created": doc.get("created")})
+        return out
+
+    def search(self, text: str) -> list[dict]:
+        """The sessions whose name, title, model or any message holds `text` (any case)."""
+        want = text.lower()
+        out = []
+        for entry in self.list():
+            try:
+                doc = self.load(entry["name"]) or {}
+            except SessionError:
+                continue
+            hay = [entry["name"], str(doc.get("title") or ""), str(doc.get("model") or "")]
+            hay += [m.get("content") for m in doc.get("messages", []) if isinstance(m, dict)
+                    and isinstance(m.get("content"), str)]
+            if any(want in h.lower() for h in hay):
+                out.append(entry)
+        return out
+
+    def rename(self, name: str, to: str) -> Path:
+        src, dst = self.path(name), self.path(to)
+        if not src.exists():
+            raise SessionError(f"no session named {name!r}")
+        if dst.exists():
+            raise SessionError(f"a session named {to!r} exists already; choose another name")
+        doc = self.load(name)
+        out = self.save(to, {**doc, "created": doc.get("created")})
+        src.unlink()
         return out
 
     def remove(self, name: str) -> None:

@@ -34,6 +34,11 @@ class Static:
         resp.set_header("Cache-Control", "no-cache")
 
 
+class ChatPage:
+    def on_get(self, req, resp):
+        Static._send(resp, "chat.html")
+
+
 class Root:
     def on_get(self, req, resp):
         raise falcon.HTTPFound("/ui")
@@ -63,17 +68,6 @@ class Models:
         resp.media = bus(self.sup, action, {"model": model, **body})
 
 
-class SessionsRoute:
-    """GET /v1/sessions: the chat sessions `kiln chat --session` saved (names, model, turns)."""
-
-    def __init__(self, sup):
-        self.sup = sup
-
-    def on_get(self, req, resp):
-        from ..core.sessions import Sessions
-        resp.media = {"object": "list", "data": Sessions(self.sup.paths.home).list()}
-
-
 def install(app: falcon.App, sup) -> None:
     app.add_route("/", Root())
     static = Static()
@@ -82,4 +76,6 @@ def install(app: falcon.App, sup) -> None:
     m = Models(sup)
     app.add_route("/v1/ps", m, suffix="ps")
     app.add_route("/v1/models/{model}/{action}", m, suffix="action")
-    app.add_route("/v1/sessions", SessionsRoute(sup))
+    from . import sessions_routes
+    sessions_routes.install(app, sup)
+    app.add_route("/ui/chat", ChatPage())
