@@ -74,7 +74,9 @@ function render() {
   for (const k of Object.keys(DEFAULTS)) $(`#${k}`).value = current.params[k] ?? "";
   if (current.model && ![...$("#model").options].some((o) => o.value === current.model)) $("#model").append(el("option", {}, current.model));
   $("#model").value = current.model || $("#model").value;
-  $("#summary").textContent = `${current.model || "default model"}${sys ? " · system prompt" : ""}`;
+  if (current.adapter && ![...$("#adapter").options].some((o) => o.value === current.adapter)) $("#adapter").append(el("option", {}, current.adapter));
+  $("#adapter").value = current.adapter || "";
+  $("#summary").textContent = `${current.model || "default model"}${current.adapter ? ` + ${current.adapter}` : ""}${sys ? " · system prompt" : ""}`;
   const last = current.messages[current.messages.length - 1];
   $("#regenerate").disabled = !!controller || !last || !["assistant", "user"].includes(last.role);
   for (const b of ["#rename", "#export", "#delete"]) $(b).disabled = !current.saved;
@@ -93,21 +95,21 @@ async function loadList() {
 
 async function open(name) {
   const doc = await json(`/v1/sessions/${encodeURIComponent(name)}`);
-  current = { name, title: doc.title || "", model: doc.model || "", params: Object.assign({}, DEFAULTS, doc.params || {}),
+  current = { name, title: doc.title || "", model: doc.model || "", adapter: doc.adapter || "", params: Object.assign({}, DEFAULTS, doc.params || {}),
               messages: doc.messages || [], branched_from: doc.branched_from || null, saved: true };
   localStorage.setItem("kiln-chat", name);
   render();
 }
 
 function newChat() {
-  current = { name: stamp(), title: "", model: $("#model").value || "", params: Object.assign({}, DEFAULTS), messages: [], saved: false };
+  current = { name: stamp(), title: "", model: $("#model").value || "", adapter: "", params: Object.assign({}, DEFAULTS), messages: [], saved: false };
   localStorage.removeItem("kiln-chat");
   render();
   $("#message").focus();
 }
 
 async function save() {
-  const doc = { messages: current.messages, model: current.model || undefined, params: current.params,
+  const doc = { messages: current.messages, model: current.model || undefined, adapter: current.adapter || undefined, params: current.params,
                 title: current.title || undefined, branched_from: current.branched_from || undefined };
   await json(`/v1/sessions/${encodeURIComponent(current.name)}`, { method: "PUT", body: doc });
   current.saved = true;
@@ -125,7 +127,7 @@ function unique(base, taken) {
 async function branch(i) {
   const names = new Set((await json("/v1/sessions")).data.map((x) => x.name));
   current = { name: unique(`${current.name}-branch`, names), title: current.title ? `${current.title} (branch)` : "",
-              model: current.model, params: Object.assign({}, current.params), messages: current.messages.slice(0, i + 1),
+              model: current.model, adapter: current.adapter, params: Object.assign({}, current.params), messages: current.messages.slice(0, i + 1),
               branched_from: { name: current.name, at: i }, saved: false };
   await save();
 }
@@ -137,6 +139,7 @@ function request() {
     ...(m.tool_calls ? { tool_calls: m.tool_calls } : {}), ...(m.tool_call_id ? { tool_call_id: m.tool_call_id } : {}) })),
     stream: true, stream_options: { include_usage: true } };
   if (current.model) body.model = current.model;
+  if (current.adapter) body.adapter = current.adapter;
   for (const [k, v] of Object.entries(current.params)) if (v !== null && v !== "" && v !== undefined) body[k] = Number(v);
   return body;
 }
@@ -232,6 +235,7 @@ $("#regenerate").addEventListener("click", async () => {
 
 function settingChanged() {
   current.model = $("#model").value;
+  current.adapter = $("#adapter").value;
   const sys = $("#system").value;
   const has = current.messages[0] && current.messages[0].role === "system";
   if (sys && has) current.messages[0].content = sys;
@@ -241,7 +245,7 @@ function settingChanged() {
   if (current.saved) save().catch((e) => { $("#status").textContent = `not saved: ${e.message}`; });
   else render();
 }
-for (const id of ["#model", "#system", "#temperature", "#top_p", "#max_tokens"]) $(id).addEventListener("change", settingChanged);
+for (const id of ["#model", "#adapter", "#system", "#temperature", "#top_p", "#max_tokens"]) $(id).addEventListener("change", settingChanged);
 
 $("#rename").addEventListener("click", async () => {
   const to = $("#name").value.trim();
@@ -304,6 +308,8 @@ async function start() {
   try {
     models = (await json("/v1/models")).data.map((m) => m.id);
     $("#model").replaceChildren(...models.map((id) => el("option", { value: id }, id)));
+    const adapters = (await json("/v1/adapters")).data.map((x) => x.name);
+    $("#adapter").replaceChildren(el("option", { value: "" }, "none"), ...adapters.map((n) => el("option", { value: n }, n)));
     await loadList();
     const last = localStorage.getItem("kiln-chat");
     if (last && $(`#list li[data-name="${CSS.escape(last)}"]`)) await open(last); else newChat();
