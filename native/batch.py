@@ -13,11 +13,22 @@ from .blocks import attention, rms_norm, rope_tables
 from .kernels import Weight, matmul, matmul_many
 
 
+_MIXED = object()            # Batch.adapter when the sequences have different adapters
+
+
 class Batch:
     def __init__(self, model, positions: np.ndarray, segments: list, adapter=None):
-        """`segments`: (cache, first row, end row) of each sequence; `positions`: each row's."""
+        """`segments`: (cache, first row, end row) of each sequence; `positions`: each row's.
+        `adapter`: one LoRA for every row, or a list — each segment's own (None: the base), the
+        rows of several adapters in one forward as S-LoRA batches them."""
         c = self.config = model.config
-        self.positions, self.segments, self.adapter = positions, segments, adapter
+        self.positions, self.segments = positions, segments
+        self.adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(segments)
+        if len(self.adapters) != len(segments):
+            raise ValueError(f"{len(self.adapters)} adapters for {len(segments)} sequences")
+        # one adapter (or none) for every row: the whole-batch products; several: per segment
+        self.adapter = self.adapters[0] if all(a is self.adapters[0] for a in self.adapters) else _MIXED
+        self.any_adapter = any(a is not None for a in self.adapters)
         self.experts = model.experts              # the mapped file's, or an expert cache's (native/experts/source.py)
         self.attn_scales = model.attn_scales      # (q_scale, kq_scale) of the family
         self._rope = (c.rope_dim, c.rope_scale, model.rope_factors, model.rope_yarn)
@@ -61,13 +72,20 @@ class Batch:
     @property
     def mm(self):
         """How a block multiplies by a weight: the plain product, or the adapter-adding one."""
-        return matmul if self.adapter is None else self.project
+        return self.project if self.any_adapter else matmul
 
     def _add_delta(self, x: np.ndarray, w: Weight, y: np.ndarray) -> None:
-        if self.adapter is not None:
+        if self.adapter is None:
+            return
+        if self.adapter is not _MIXED:
             d = self.adapter.delta(x, w)
             if d is not None:
                 y += d
+            return
+        for ad, (_, a, b) in zip(self.adapters, self.segments):      # each sequence its own adapter
+            d = ad.delta(x[a:b], w) if ad is not None else None
+            if d is not None:
+                y[a:b] += d
 
     def attend(self, i: int, q, k, v, scale=None, window: int = 0, sinks=None) -> np.ndarray:
         """Store each sequence's new keys and values in layer i of its cache (a sliding-window

@@ -67,6 +67,9 @@ class Adapter:
     meta: dict = field(default_factory=dict)
     path: Path | None = None
     _weights: dict | None = None
+    _pairs: dict = field(default_factory=dict)      # layer -> its compiled-step pairs (layer_pairs)
+    _held: list = field(default_factory=list)
+    compiled: dict = field(default_factory=dict)    # (layer, ffn) -> its row of the step's LoRA table (runners.py)
 
     @property
     def rank(self) -> int:
@@ -91,6 +94,24 @@ class Adapter:
         out = matmul(matmul(x, ab[0]), ab[1])
         out *= np.float32(self.scale)
         return out
+
+    def layer_pairs(self, i: int) -> list:
+        """Layer i's (A address, B address, rank, scale) per projection in csrc/kiln.h's order
+        (q, k, v, o, gate, up, down), None where the adapter leaves it alone: what the compiled
+        decode step adds. The float32 arrays are held here, so the addresses stay valid."""
+        cached = self._pairs.get(i)
+        if cached is None:
+            cached = []
+            for t in TARGETS:
+                ab = self.tensors.get(f"blk.{i}.{t}.weight")
+                if ab is None:
+                    cached.append(None)
+                    continue
+                a, b = (np.ascontiguousarray(m, np.float32) for m in ab)
+                self._held.append((a, b))
+                cached.append((a.ctypes.data, b.ctypes.data, a.shape[0], np.float32(self.scale)))
+            self._pairs[i] = cached
+        return cached
 
     def check_fits(self, g) -> None:
         """Refuse an adapter made for another architecture or other tensor shapes than the

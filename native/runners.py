@@ -31,11 +31,11 @@ def one_call_rows(b) -> list | None:
     """(cache, position) of each row when this batch may run a layer in one compiled call: a
     decode step (one row per sequence), or a short run of rows (a speculative draft being
     checked: a row at position p attends to the rows before it, whose keys the call stores
-    before any row attends). None for longer runs, with an adapter, with caches of different
-    types, or with the compiled path off. Worked out once per batch."""
+    before any row attends). None for longer runs, with caches of different types, or with the
+    compiled path off. Worked out once per batch."""
     if "one_call_rows" not in b.scratch:
         segs = b.segments
-        ok = b.n_rows <= ONE_CALL_ROWS and all(e - a <= FUSED_RUN for _, a, e in segs) and b.adapter is None \
+        ok = b.n_rows <= ONE_CALL_ROWS and all(e - a <= FUSED_RUN for _, a, e in segs) \
             and len({cache.types for cache, _, _ in segs}) == 1 and kernels.compiled_module() is not None
         b.scratch["one_call_rows"] = [(cache, cache.n + r) for cache, a, e in segs for r in range(e - a)] if ok else None
     return b.scratch["one_call_rows"]
@@ -121,7 +121,37 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
         x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), (int(a.wq.qtype), int(a.wv.qtype)),
         a.wo.raw, int(a.wo.qtype), seqs, b.cos, b.sin, c.n_head, c.n_head_kv,
         c.head_dim, c.rope_dim, c.rope_style != "normal", spec, 0, (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml),
-        *b.attn_scales)
+        *b.attn_scales, lora_table(i, b, ffn == "dense") if b.any_adapter else None)
+
+
+# a LoRA on each projection of a row, as csrc/kiln.h's LoraPair: float32 A and B by address
+LORA_PAIR = np.dtype([("a", "<u8"), ("b", "<u8"), ("r", "<i4"), ("scale", "<f4")])
+LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+_NO_LORA = np.zeros(len(LORA_TARGETS), LORA_PAIR)
+
+
+def lora_row(ad, i: int, ffn: bool) -> np.ndarray:
+    """One row's entries for layer i, made once per adapter (a decode step reads them 30 times)."""
+    if ad is None:
+        return _NO_LORA
+    key = (i, ffn)
+    row = ad.compiled.get(key)
+    if row is None:
+        row = np.zeros(len(LORA_TARGETS), LORA_PAIR)
+        for t, (name, pair) in enumerate(zip(LORA_TARGETS, ad.layer_pairs(i))):
+            if pair is not None and (ffn or not name.startswith("ffn_")):
+                row[t] = pair
+        ad.compiled[key] = row
+    return row
+
+
+def lora_table(i: int, b, ffn: bool) -> np.ndarray:
+    """Layer i's LoRA pairs for each row of a one-call batch (B x 7; zeros: no adapter there).
+    The FFN's only when the call runs it densely — else the blocks add them."""
+    rows = [lora_row(ad, i, ffn) for ad, (_, a, e) in zip(b.adapters, b.segments) for _ in range(e - a)]
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
 
 # -- the choice ------------------------------------------------------------------------------

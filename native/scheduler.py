@@ -331,22 +331,22 @@ class Scheduler(SlotAccess, Speculation):
         if rider is None and len(going) == 1 and self._speculate(*going[0]):
             return False
         rode = False
-        groups: dict[int, list] = {}         # one batched step per adapter (None: the base)
-        for job, t in going:
-            groups.setdefault(id(job.adapter), []).append((job, t))
-        for group in groups.values():
-            adapter = group[0][0].adapter
+        # one batched step for every sequence, each with its own adapter (or none): the rows of
+        # different adapters share the base products, each adds its own low-rank ones
+        for group in ([going] if going else []):
             runs = [([t], self.seqs[j.slot].cache) for j, t in group]
+            adapters = [j.adapter for j, _ in group]
             # a prompt being prefilled rides along: its next chunk in the same forward, so a
             # running stream waits for one forward of a few more rows, not a chunk and a step
-            ride = rider if rider is not None and rider.adapter is adapter else None
+            ride = rider
             n = min(self._prefill_budget(), FUSED_RUN, len(ride.prompt) - ride.pos) if ride else 0
             if ride:
                 runs.append((ride.prompt[ride.pos:ride.pos + n], self.seqs[ride.slot].cache))
+                adapters.append(ride.adapter)
                 rider = None
             t0 = time.perf_counter()
             try:
-                logits = self.model.forward_runs(runs, adapter)
+                logits = self.model.forward_runs(runs, adapters)
             except Exception as e:  # noqa: BLE001
                 for job, _ in group:
                     self._end(job, e)

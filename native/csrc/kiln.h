@@ -282,6 +282,11 @@ enum { FFN_NONE, FFN_DENSE, FFN_MOE };
 #define MAX_EXPERTS 256
 #define MAX_K 16
 
+/* A LoRA on one projection of one row: scale * B (A x) added to its output, as the block path's
+ * two F32 products, the scale and the add compute it. A (r, n_in), B (n_out, r), float32. */
+enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_TARGETS };
+typedef struct { const float *a, *b; int32_t r; float scale; } LoraPair;
+
 typedef struct {              /* one pre-norm llama layer, weights as stored */
     int n, H, Hkv, D, R, neox;
     float eps;
@@ -299,6 +304,8 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
                                  into a cache's slots — instead of wg/wu/wd; NULL: stacked */
     int32_t *chosen;          /* FFN_MOE: each row's k chosen experts written here, if not NULL */
     float *chosen_w;          /* and their weights, if not NULL */
+    const LoraPair *lora;     /* NULL, or B x LORA_TARGETS: row b's adapter on each projection
+                                 (a == NULL: none) — each sequence its own, as S-LoRA batches them */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */

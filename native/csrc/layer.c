@@ -60,6 +60,56 @@ static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, 
 
 /* B decode rows x (B, n), row b of sequence rows[b], through layer L, in place. The caller has
  * checked every size; needs the AVX2 attention (g_avx2). */
+/* n dot products of rows w (n x K, rows K apart) with x, each dot_f32_avx2's arithmetic (its own
+ * chain of FMAs over the row, its lanes summed alike, the tail in order), four chains at a time:
+ * one chain waits on each FMA's latency, four keep the unit busy. */
+AVX2 static void dots_f32(const float *w, const float *x, int K, int n, float *out) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *w0 = w + (size_t)j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int i = 0;
+        for (; i + 8 <= K; i += 8) {
+            __m256 xv = _mm256_loadu_ps(x + i);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xv, a3);
+        }
+        float r0 = hsum_avx(a0), r1 = hsum_avx(a1), r2 = hsum_avx(a2), r3 = hsum_avx(a3);
+        for (; i < K; i++) { r0 += w0[i] * x[i]; r1 += w1[i] * x[i]; r2 += w2[i] * x[i]; r3 += w3[i] * x[i]; }
+        out[j] = r0; out[j + 1] = r1; out[j + 2] = r2; out[j + 3] = r3;
+    }
+    for (; j < n; j++) out[j] = dot_f32_avx2(w + (size_t)j * K, x, K);
+}
+
+/* Each row's adapter on projection t: out[b] (N) += scale * B (A in[b]) — A x and B (A x) as the
+ * block path's F32 matmul computes each value (dot_f32_avx2's arithmetic: a row's bits do not
+ * depend on the batch), then the scale, then the add. Every thread calls it (orphaned loops):
+ * the rows' A x dealt between the threads four ranks at a time into `tmp` (B x rmax, shared),
+ * then their B (A x) in blocks of 64 outputs. */
+AVX2 static void lora_rows(const LayerSpec *L, int t, const float *in, int K, float *out, int N, int B,
+                           float *tmp, int rmax) {
+    const int per = (rmax + 3) / 4, blocks = (N + 63) / 64;
+    #pragma omp for schedule(static)
+    for (int c = 0; c < B * per; c++) {
+        const LoraPair *p = &L->lora[(size_t)(c / per) * LORA_TARGETS + t];
+        int j = 4 * (c % per);
+        if (p->a && j < p->r)
+            dots_f32(p->a + (size_t)j * K, in + (size_t)(c / per) * K, K, p->r - j < 4 ? p->r - j : 4,
+                     tmp + (size_t)(c / per) * rmax + j);
+    }
+    #pragma omp for schedule(static)
+    for (int c = 0; c < B * blocks; c++) {
+        const int b = c / blocks, i0 = 64 * (c % blocks), m = N - i0 < 64 ? N - i0 : 64;
+        const LoraPair *p = &L->lora[(size_t)b * LORA_TARGETS + t];
+        if (!p->a) continue;
+        float dl[64], *o = out + (size_t)b * N + i0;
+        dots_f32(p->b + (size_t)i0 * p->r, tmp + (size_t)b * rmax, p->r, m, dl);
+        for (int i = 0; i < m; i++) { float d = dl[i] * p->scale; o[i] = o[i] + d; }
+    }
+}
+
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt) {
     int missing = 0;          /* streamed experts: a chosen one is not resident (the FFN skipped) */
 #ifdef KILN_X86
@@ -81,6 +131,9 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
           *dn = malloc((size_t)n * (moe ? L->k : B) * 4), *logits = malloc((size_t)(moe ? L->E : 1) * 4),
           *wsel_all = malloc((size_t)B * MAX_K * 4);
     int *sel_all = malloc((size_t)B * MAX_K * sizeof(int));
+    int lrmax = 0;                            /* the largest LoRA rank in the batch: A x's room per row */
+    for (int i = 0; L->lora && i < B * LORA_TARGETS; i++) if (L->lora[i].a && L->lora[i].r > lrmax) lrmax = L->lora[i].r;
+    float *ltmp = lrmax ? malloc((size_t)B * lrmax * sizeof(float)) : NULL;
     const uint8_t *Wqkv[3] = {L->wq, L->wk, L->wv}, *Wo[1] = {L->wo}, *Wgu[2] = {L->wg, L->wu}, *Wd[1] = {L->wd};
     int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Ngu[2] = {n_ff, n_ff}, Nd[1] = {n}, sel[MAX_K];
     float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Ogu[2] = {g, u}, *Od[1] = {dn}, wsel[MAX_K];
@@ -109,6 +162,11 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         }
         rows_dot(&aq, B, n, L->qkv_t, &tq, v_apart ? 2 : 3, Wqkv, Nqkv, Oqkv);
         if (v_apart) rows_dot(v_own_act ? &av : &aq, B, n, L->v_t, &tv, 1, Wqkv + 2, Nqkv + 2, Oqkv + 2);
+        if (L->lora) {
+            lora_rows(L, LORA_Q, a, n, q, qn, B, ltmp, lrmax);
+            lora_rows(L, LORA_K, a, n, kt, kvn, B, ltmp, lrmax);
+            lora_rows(L, LORA_V, a, n, vt, kvn, B, ltmp, lrmax);
+        }
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
@@ -172,6 +230,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) act_row(&ao, b, qn);
         rows_dot(&ao, B, qn, L->wo_t, &to, 1, Wo, No, Oo);
+        if (L->lora) lora_rows(L, LORA_O, att, qn, o, n, B, ltmp, lrmax);
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *xb = x + (size_t)b * n, *ob = o + (size_t)b * n;
@@ -180,12 +239,17 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         }
         if (L->ffn == FFN_DENSE) {
             rows_dot(&ag, B, n, L->gu_t, &tg, 2, Wgu, Ngu, Ogu);
+            if (L->lora) {
+                lora_rows(L, LORA_GATE, f, n, g, n_ff, B, ltmp, lrmax);
+                lora_rows(L, LORA_UP, f, n, u, n_ff, B, ltmp, lrmax);
+            }
             #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
                 swiglu_row(g + (size_t)b * n_ff, u + (size_t)b * n_ff, n_ff);
                 act_row(&ad, b, n_ff);
             }
             rows_dot(&ad, B, n_ff, L->wd_t, &td, 1, Wd, Nd, Od);
+            if (L->lora) lora_rows(L, LORA_DOWN, g, n_ff, dn, n, B, ltmp, lrmax);
             #pragma omp single
             for (size_t i = 0; i < (size_t)B * n; i++) x[i] = x[i] + dn[i];
         } else if (moe && L->xtab) {
@@ -218,7 +282,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     act_free(&aq); act_free(&ao); if (v_own_act) act_free(&av);
     if (L->ffn) { act_free(&ag); act_free(&ad); act_free(&ar); }
     free(a); free(q); free(kt); free(vt); free(att); free(o); free(f); free(g); free(u); free(dn); free(logits);
-    free(wsel_all); free(sel_all); free(rowbuf); free(accbuf); attn_group_free(gp);
+    free(wsel_all); free(sel_all); free(ltmp); free(rowbuf); free(accbuf); attn_group_free(gp);
 #endif
     return missing;
 }

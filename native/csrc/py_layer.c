@@ -25,13 +25,13 @@ static Py_buffer *hold(Held *h, PyObject *o, int writable) {
 }
 
 PyObject *py_decode_layer(PyObject *self, PyObject *args) {
-    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj;
+    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None;
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ff", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
-                          &L.q_scale, &L.kq_scale))
+                          &L.q_scale, &L.kq_scale, &lorao))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -115,6 +115,26 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN buffer is smaller than its shape"); goto done;
         }
         L.ffn_norm = fnb->buf; L.router = rtb ? rtb->buf : NULL; L.wg = gb->buf; L.wu = ub->buf; L.wd = db->buf;
+    }
+    if (lorao != Py_None) {
+        /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
+           caller keeps alive for the call and has checked against the layer's shapes
+           (native/runners.py lora_table) */
+        Py_buffer *lb = hold(h, lorao, 0);
+        if (!lb) goto done;
+        if ((size_t)lb->len != (size_t)B * LORA_TARGETS * sizeof(LoraPair)) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: the LoRA table is not B x 7 entries"); goto done;
+        }
+        L.lora = lb->buf;
+        for (int i = 0; i < B * LORA_TARGETS; i++) {
+            const LoraPair *p = &L.lora[i];
+            if (p->a && (!p->b || p->r < 1 || p->r > 4096)) {
+                PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA entry without B or of rank outside 1..4096"); goto done;
+            }
+            if (p->a && i % LORA_TARGETS >= LORA_GATE && L.ffn != FFN_DENSE) {
+                PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA on an FFN this call does not run densely"); goto done;
+            }
+        }
     }
     L.attn_norm = anb->buf; L.wq = wb[0]->buf; L.wk = wb[1]->buf; L.wv = wb[2]->buf; L.wo = wb[3]->buf;
     if (!(rows = calloc(B, sizeof(DecodeRow)))) { PyErr_NoMemory(); goto done; }

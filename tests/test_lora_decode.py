@@ -1,0 +1,77 @@
+"""Adapters at full speed: a decode step with a LoRA runs in the one compiled call per layer (each
+row's adapter added there — csrc/layer.c lora_rows), with the blocks' bits; sequences with
+different adapters share one forward (as S-LoRA batches them), each row the bits it has alone.
+Speed is bench/adapters.py's."""
+
+import numpy as np
+import pytest
+
+from kiln.native import kernels, runners
+from kiln.native.lora import LoraConfig, init_adapter
+
+pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",
+                                reason="the one-call decode is the compiled extension's")
+
+
+def adapter(model, seed: int, targets=None):
+    cfg = LoraConfig(16, 32.0) if targets is None else LoraConfig(8, 8.0, targets)
+    ad = init_adapter(model, cfg, np.random.default_rng(seed))
+    for _, b in ad.tensors.values():
+        b[...] = np.random.default_rng(seed + 7).normal(0, 0.02, size=b.shape).astype(np.float32)
+    return ad
+
+
+PROMPT = [1, 2524, 2115, 253, 655, 665, 421]
+STEPS = [314, 2000, 17, 900, 4242]
+
+
+def decode(model, adapters, blocks=False):
+    """Logits of each decode step of len(adapters) sequences in one batch."""
+    saved = model.runners
+    if blocks:
+        model.runners = runners.blocks_runners(model.layers)
+    try:
+        caches = [model.new_cache(32) for _ in adapters]
+        for c, ad in zip(caches, adapters):
+            model.forward(PROMPT, c, adapter=ad)
+        return np.stack([model.forward_runs([([t], c) for c in caches], list(adapters)) for t in STEPS])
+    finally:
+        model.runners = saved
+
+
+def test_a_decode_step_with_an_adapter_runs_in_one_call_with_the_blocks_bits(default_model, monkeypatch):
+    ad = adapter(default_model, 1)
+    assert {r.kind for r in default_model.runners} == {"one call (dense)"}
+    calls = []
+    monkeypatch.setattr(type(default_model.layers[0]), "__call__",
+                        lambda self, *a, _orig=type(default_model.layers[0]).__call__: calls.append(1) or _orig(self, *a))
+    fast = decode(default_model, [ad])                  # a 7-token prompt is a short run: one call too
+    assert not calls, f"{len(calls)} layer calls fell back to the blocks with an adapter"
+    monkeypatch.undo()
+    slow = decode(default_model, [ad], blocks=True)
+    assert np.array_equal(fast, slow)
+    base = decode(default_model, [None])
+    assert not np.array_equal(fast, base), "the adapter must change the logits"
+
+
+def test_sequences_with_different_adapters_share_one_forward_with_their_own_bits(default_model):
+    a1, a2 = adapter(default_model, 1), adapter(default_model, 2)
+    attn_only = adapter(default_model, 3, ("attn_q", "attn_v"))
+    mixed = [a1, None, a2, attn_only, a1]
+    together = decode(default_model, mixed)
+    alone = np.stack([decode(default_model, [ad])[:, 0] for ad in mixed], axis=1)
+    assert np.array_equal(together, alone)
+    assert np.array_equal(together, decode(default_model, mixed, blocks=True))
+
+
+def test_a_prompt_chunk_riding_with_other_adapters_keeps_its_bits(default_model):
+    """A prefill chunk in the same forward as decode steps of other adapters (the scheduler's
+    rider): longer than a one-call run, so the blocks add each segment's own delta."""
+    a1, a2 = adapter(default_model, 1), adapter(default_model, 2)
+    c1, c2, d1, d2 = (default_model.new_cache(64) for _ in range(4))
+    default_model.forward(PROMPT, c1, adapter=a1)
+    default_model.forward(PROMPT, d1, adapter=a1)
+    chunk = list(range(100, 130))
+    together = default_model.forward_runs([([314], c1), (chunk, c2)], [a1, a2])
+    assert np.array_equal(together[0], default_model.forward([314], d1, adapter=a1))
+    assert np.array_equal(together[1], default_model.forward(chunk, d2, adapter=a2))
