@@ -225,3 +225,25 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
             ids.append(ev.id)
         got.append(ids)
     assert got == alone
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_qwen3_decodes_in_one_call_with_its_head_norms(arch):
+    """qwen3's per-head q/k RMSNorm is part of the compiled layer: its decode steps (solo, batched,
+    a short run) take the one call — a fall back to the blocks fails here — with their bits."""
+    m = load_model(tiny_path(arch))
+    assert [r.kind for r in m.runners] == [f"one call ({'moe' if arch.endswith('moe') else 'dense'})"] * len(m.layers)
+    prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73], [2, 4, 8, 16]]
+
+    def decode():
+        caches = [m.new_cache(dtype=np.float16) for _ in prompts]
+        last = [m.forward(p, c) for p, c in zip(prompts, caches)]
+        out = []
+        for _ in range(4):
+            rows = m.forward_batch([int(np.argmax(x)) for x in last], caches)
+            last = list(rows)
+            out.append(rows)
+        run = m.forward([int(np.argmax(last[0])), 42, 7], caches[0], all_logits=True)
+        return np.concatenate([np.array(out).reshape(-1, run.shape[-1]), run])
+    fused, stepwise = _fused_and_stepwise(m, decode)
+    assert np.array_equal(fused, stepwise)

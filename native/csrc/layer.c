@@ -170,6 +170,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
+            if (L->q_norm) {                  /* qwen3: each head RMS-normed before RoPE */
+                for (int h = 0; h < H; h++) rms_row(q + (size_t)b * qn + h * D, L->q_norm, q + (size_t)b * qn + h * D, D, L->eps);
+                for (int h = 0; h < Hkv; h++) rms_row(kb + h * D, L->k_norm, kb + h * D, D, L->eps);
+            }
             rope_row(q + (size_t)b * qn, rows[b].cos, rows[b].sin, H, D, L->R, L->neox);
             rope_row(kb, rows[b].cos, rows[b].sin, Hkv, D, L->R, L->neox);
             if (L->q_scale > 0.f)             /* ggml_scale of the roped q (phi3, gemma3) */

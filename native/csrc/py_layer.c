@@ -25,13 +25,13 @@ static Py_buffer *hold(Held *h, PyObject *o, int writable) {
 }
 
 PyObject *py_decode_layer(PyObject *self, PyObject *args) {
-    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None;
+    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None;
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
-                          &L.q_scale, &L.kq_scale, &lorao))
+                          &L.q_scale, &L.kq_scale, &lorao, &qkno))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -115,6 +115,15 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN buffer is smaller than its shape"); goto done;
         }
         L.ffn_norm = fnb->buf; L.router = rtb ? rtb->buf : NULL; L.wg = gb->buf; L.wu = ub->buf; L.wd = db->buf;
+    }
+    if (qkno != Py_None) {                    /* (q_norm, k_norm): float32 (D) each */
+        PyObject *qno, *kno;
+        Py_buffer *qnb, *knb;
+        if (!PyArg_ParseTuple(qkno, "OO", &qno, &kno) || !(qnb = hold(h, qno, 0)) || !(knb = hold(h, kno, 0))) goto done;
+        if ((size_t)qnb->len != (size_t)L.D * 4 || (size_t)knb->len != (size_t)L.D * 4) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: a q/k norm is not head_dim floats"); goto done;
+        }
+        L.q_norm = qnb->buf; L.k_norm = knb->buf;
     }
     if (lorao != Py_None) {
         /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
