@@ -227,12 +227,14 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
     assert got == alone
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
-def test_qwen3_decodes_in_one_call_with_its_head_norms(arch):
-    """qwen3's per-head q/k RMSNorm is part of the compiled layer: its decode steps (solo, batched,
-    a short run) take the one call — a fall back to the blocks fails here — with their bits."""
+@pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "attention"), ("qwen3", "dense"),
+                                         ("qwen3moe", "moe")])
+def test_qwen_families_decode_in_one_call(arch, how):
+    """qwen2's q/k/v biases and qwen3's per-head q/k RMSNorm are part of the compiled layer: their
+    decode steps (solo, batched, a short run) take the one call — a fall back to the blocks fails
+    here — with the blocks' bits; qwen2moe's shared-expert FFN runs through its blocks after it."""
     m = load_model(tiny_path(arch))
-    assert [r.kind for r in m.runners] == [f"one call ({'moe' if arch.endswith('moe') else 'dense'})"] * len(m.layers)
+    assert [r.kind for r in m.runners] == [f"one call ({how})"] * len(m.layers)
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73], [2, 4, 8, 16]]
 
     def decode():

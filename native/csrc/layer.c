@@ -170,6 +170,11 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
+            if (L->bq) {                      /* qwen2: the biases, after the products (and any adapter) */
+                float *qb = q + (size_t)b * qn;
+                for (int i = 0; i < qn; i++) qb[i] = qb[i] + L->bq[i];
+                for (int i = 0; i < kvn; i++) { kb[i] = kb[i] + L->bk[i]; vb[i] = vb[i] + L->bv[i]; }
+            }
             if (L->q_norm) {                  /* qwen3: each head RMS-normed before RoPE */
                 for (int h = 0; h < H; h++) rms_row(q + (size_t)b * qn + h * D, L->q_norm, q + (size_t)b * qn + h * D, D, L->eps);
                 for (int h = 0; h < Hkv; h++) rms_row(kb + h * D, L->k_norm, kb + h * D, D, L->eps);

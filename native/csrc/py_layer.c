@@ -25,13 +25,13 @@ static Py_buffer *hold(Held *h, PyObject *o, int writable) {
 }
 
 PyObject *py_decode_layer(PyObject *self, PyObject *args) {
-    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None;
+    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None, *biaso = Py_None;
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
-                          &L.q_scale, &L.kq_scale, &lorao, &qkno))
+                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -124,6 +124,17 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "decode_layer: a q/k norm is not head_dim floats"); goto done;
         }
         L.q_norm = qnb->buf; L.k_norm = knb->buf;
+    }
+    if (biaso != Py_None) {                   /* (bq, bk, bv): float32 (H*D), (Hkv*D), (Hkv*D) */
+        PyObject *bqo, *bko, *bvo;
+        Py_buffer *bqb, *bkb, *bvb;
+        if (!PyArg_ParseTuple(biaso, "OOO", &bqo, &bko, &bvo) || !(bqb = hold(h, bqo, 0)) || !(bkb = hold(h, bko, 0)) ||
+            !(bvb = hold(h, bvo, 0))) goto done;
+        if ((size_t)bqb->len != (size_t)L.H * L.D * 4 || (size_t)bkb->len != (size_t)L.Hkv * L.D * 4 ||
+            (size_t)bvb->len != (size_t)L.Hkv * L.D * 4) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: a bias is not its projection's size"); goto done;
+        }
+        L.bq = bqb->buf; L.bk = bkb->buf; L.bv = bvb->buf;
     }
     if (lorao != Py_None) {
         /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
