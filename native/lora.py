@@ -95,6 +95,13 @@ class Adapter:
         out *= np.float32(self.scale)
         return out
 
+    def scaled(self, s: float) -> "Adapter":
+        """This adapter applied `s` times as strongly (llama.cpp's per-request LoRA scale: the
+        effective scale s * alpha / rank), sharing its tensors."""
+        from dataclasses import replace
+        return replace(self, alpha=float(np.float32(s) * np.float32(self.alpha)), _weights=self._weights,
+                       _pairs={}, _held=self._held, compiled={})
+
     def layer_pairs(self, i: int) -> list:
         """Layer i's (A address, B address, rank, scale) per projection in csrc/kiln.h's order
         (q, k, v, o, gate, up, down), None where the adapter leaves it alone: what the compiled

@@ -34,6 +34,7 @@ SCHEMAS: dict[str, Schema] = {
                  # or {"json_schema": schema}
                  "grammar": (dict, False),
                  "params": (dict, False), "session": (str, False), "adapter": (str, False),
+                 "adapter_scale": ((int, float), False),
                  # chat: tools and constraints (checked for shape by the HTTP layer, against the
                  # model's template by the worker)
                  "tools": (list, False), "tool_choice": ((str, dict), False), "parallel_tool_calls": (bool, False),
@@ -50,7 +51,7 @@ SCHEMAS: dict[str, Schema] = {
     # llama-server's slots: list, or save / restore / erase slot `id` (a file of slot_save_path)
     "slots": {"action": (str, True), "id": (int, False), "filename": (str, False)},
     "score": {"prompt": (list, False), "text": (str, False), "special": (bool, False), "top": (int, False),
-              "adapter": (str, False)},
+              "adapter": (str, False), "adapter_scale": ((int, float), False)},
     # evaluator
     "eval_register": {"file": (str, True)},
     "eval_submit": {"suite": (str, False), "file": (str, False), "inline": (dict, False), "adapter": (str, False),

@@ -15,7 +15,7 @@ import time
 
 from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistry
 from kiln.native.chat_template import TemplateError, render_and_tokenize, template_for
-from kiln.native.lora import AdapterError, load_adapter
+from kiln.native.lora import AdapterError
 
 from kiln.native.constrain import GrammarError, check, gbnf_grammar, json_schema_grammar
 from kiln.native.fim import InfillError, infill_prompt
@@ -33,6 +33,7 @@ from kiln.native.tokenizer import TokenizerError, TooManyTokens
 from kiln.protocol import vocab
 
 from . import chat_plan, prefix_setup
+from .adapters import LoadedAdapters
 from .chat_plan import ChatPlan, PlanError
 from .context_fit import answer_room, fit_turns
 from .runtime import main
@@ -98,7 +99,7 @@ class InferenceWorker(SlotOps, Worker):
         self.tokens_out = 0
         self.loaded_at = time.time()
         self.adapters = AdapterRegistry(state_dir())
-        self._loaded: dict[str, tuple[float, object]] = {}     # name -> (mtime, Adapter)
+        self.loras = LoadedAdapters(self.adapters, lambda: self.model)
 
     def keep_mapped(self, path) -> set[str]:
         """Tensors left in the mapping with weights = "private" (none here; a moe-stream worker's experts)."""
@@ -185,27 +186,13 @@ class InferenceWorker(SlotOps, Worker):
         return grammar
 
     def _adapter(self, body: dict):
-        """The LoRA a request names (loaded once, reloaded when its file changes), or None."""
-        name = body.get("adapter")
-        if not name:
-            return None
+        """The LoRA a request names at its scale (workers/adapters.py), or None."""
         try:
-            meta = self.adapters.get(name)
-        except (AdapterNotFound, ValueError) as e:
+            return self.loras.get(body.get("adapter"), body.get("adapter_scale"))
+        except (AdapterError, GGUFError) as e:           # (AdapterError is a ValueError: first)
+            raise OpError("adapter_mismatch", f"adapter {body.get('adapter')}: {e}") from None
+        except (AdapterNotFound, ValueError) as e:       # ValueError: not an adapter's name
             raise OpError("adapter_not_found", str(e)) from None
-        cached = self._loaded.get(name)
-        if cached and cached[0] == meta["mtime"]:
-            return cached[1]
-        try:
-            ad = load_adapter(meta["path"])
-            ad.check_fits(self.model.gguf)
-        except (AdapterError, GGUFError) as e:
-            raise OpError("adapter_mismatch", f"adapter {name}: {e}") from None
-        self._loaded = {k: v for k, v in self._loaded.items() if k != name}
-        if len(self._loaded) >= 4:                      # keep a few; each is small (tens of MB)
-            self._loaded.pop(next(iter(self._loaded)))
-        self._loaded[name] = (meta["mtime"], ad)
-        return ad
 
     def _piece(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id])

@@ -20,7 +20,7 @@ from .openai_validate import adapter, bad, keep_alive, known_fields, messages, s
 from .work import Work, model_of
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice", "thinking", "output_config", "speed", "context_management", "adapter", "keep_alive"}
+          "tools", "tool_choice", "thinking", "output_config", "speed", "context_management", "adapter", "adapter_scale", "keep_alive"}
 # accepted, changing nothing a local server computes: accounting and placement, and prompt caching
 # (Kiln reuses every cached prompt prefix on its own); no diagnostics are returned
 IGNORED = {"metadata", "service_tier", "inference_geo", "user_profile_id", "workspace_id", "diagnostics",
@@ -133,7 +133,7 @@ def chat_body(body: dict) -> dict:
     mt = body.get("max_tokens")
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         raise bad("max_tokens", "max_tokens is required: a positive integer")
-    chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "top_k", "stream", "adapter",
+    chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "top_k", "stream", "adapter", "adapter_scale",
                                                   "keep_alive") if k in body}
     chat.update(messages=chat_messages(body), max_tokens=mt)
     if body.get("stop_sequences") is not None:

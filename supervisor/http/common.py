@@ -36,18 +36,19 @@ def ndjson(obj: dict) -> bytes:
     return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
 
 
-def parse_json(raw: bytes) -> dict:
-    """A request body as a JSON object, or a 400 that says what is wrong with it: not JSON, not an
-    object, nested deeper than MAX_DEPTH, or a string that is not text (a lone UTF-16 surrogate,
-    which JSON's \\u escapes can spell but nothing downstream can encode)."""
+def parse_json(raw: bytes, top: type | tuple = dict):
+    """A request body as a JSON object (or `top`: llama-server's /lora-adapters takes a list), or a
+    400 that says what is wrong with it: not JSON, not an object, nested deeper than MAX_DEPTH, or a
+    string that is not text (a lone UTF-16 surrogate, which JSON's \\u escapes can spell but
+    nothing downstream can encode)."""
     try:
         body = json.loads(raw or b"null", parse_constant=_no_constant)
     except RecursionError:
         raise JSONError(400, "invalid_json", f"the body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise JSONError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise JSONError(400, "invalid_json", "the body must be a JSON object")
+    if not isinstance(body, top):
+        raise JSONError(400, "invalid_json", "the body must be a JSON " + ("object" if top is dict else "array"))
     stack = [(body, "", 1)]
     while stack:
         node, where, depth = stack.pop()

@@ -17,7 +17,8 @@ order, its `infill` sampler included — native/sampling.py), `n_indent`, `t_max
 time), `response_fields`. Two fields are accepted that change nothing, because llama-server does
 nothing with them either: `t_max_prompt_ms` (its "TODO: implement") and an `input_extra` item's
 `time` (the plugin's own bookkeeping). Its sampling knobs are llama_fields.py's (off values
-accepted, others refused); `id_slot`, `lora` and the rest are refused by name.
+accepted, others refused); `lora` picks the request's adapter and its scale (llama_lora.py);
+`id_slot` and the rest are refused by name.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .work import Work, model_of
 
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p", "seed", "stop", "repeat_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "logit_bias"}
-_COMMON = {"model", "stream", "n_predict", "max_tokens", "adapter", "keep_alive", "n_indent", "t_max_predict_ms",
+_COMMON = {"model", "stream", "n_predict", "max_tokens", "adapter", "adapter_scale", "lora", "keep_alive", "n_indent", "t_max_predict_ms",
            "t_max_prompt_ms", "response_fields", "grammar", "json_schema", "return_tokens",
            "post_sampling_probs", "context_shift", "n_keep", "n_discard"} | _SAMPLING | LLAMA_FIELDS
 FIELDS = _COMMON | {"input_prefix", "input_suffix", "input_extra", "prompt"}
@@ -144,8 +145,9 @@ class LlamaServer:
         ids = body.get("return_tokens", False)
         if not isinstance(ids, bool):
             raise bad("return_tokens", "return_tokens must be a boolean", "invalid_type")
+        from .llama_lora import lora_field
         work = Work(**given, model=model_of(body), params=_params(body), **grammar(body), **adapter(body),
-                    **keep_alive(body))
+                    **lora_field(self.pipe.sup, body), **keep_alive(body))
         if body.get("response_fields") is not None:
             _fields({}, body["response_fields"])
         shape = CompletionShape(body.get("response_fields"), ids, probs=bool(work.params.get("logprobs")))
@@ -303,6 +305,8 @@ def install(app, sup, pipe: Pipeline) -> None:
     native = LlamaServer(pipe)
     app.add_route("/infill", native, suffix="infill")
     app.add_route("/completion", native, suffix="completion")
+    from .llama_lora import LoraAdapters
+    app.add_route("/lora-adapters", LoraAdapters(sup))
     app.add_route("/completions", native, suffix="completion")        # llama-server's alias
 
 

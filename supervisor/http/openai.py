@@ -122,7 +122,9 @@ class OpenAI:
                 given = {"text": work.text, "special": work.special} if work.text is not None else {"prompt": work.prompt}
                 if echo:
                     scored, name = self.pipe.call(req, "score", {**given, "top": lp or 0, **where(work),
-                                                                  **({"adapter": work.adapter} if work.adapter is not None else {})},
+                                                                  **({"adapter": work.adapter} if work.adapter is not None else {}),
+                                                                  **({"adapter_scale": work.adapter_scale}
+                                                                     if work.adapter_scale is not None else {})},
                                                   param="prompt")
                     prefix = work.text if work.text is not None else self.pipe.call(
                         req, "detokenize", {"tokens": work.prompt, "worker": name}, param="prompt")[0]["text"]

@@ -19,7 +19,7 @@ from .openai_validate import (IGNORED, adapter, bad, keep_alive, known_fields, l
 from .work import Work, model_of
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "stream", "temperature",
-          "top_p", "max_output_tokens", "text", "reasoning", "store", "truncation", "adapter", "keep_alive",
+          "top_p", "max_output_tokens", "text", "reasoning", "store", "truncation", "adapter", "adapter_scale", "keep_alive",
           "include", "top_logprobs", "context_shift"} | IGNORED
 _STATEFUL = {"previous_response_id": "Kiln keeps no responses: send the whole conversation in input",
              "conversation": "Kiln keeps no conversations: send the whole conversation in input",
@@ -107,7 +107,7 @@ def chat_body(body: dict) -> dict:
     if body.get("store") not in (None, False):
         raise bad("store", "store must be false: Kiln keeps no responses (leave it out or set it false)")
     chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "parallel_tool_calls",
-                                                  "tool_choice", "adapter", "keep_alive", "truncation", "context_shift")
+                                                  "tool_choice", "adapter", "adapter_scale", "keep_alive", "truncation", "context_shift")
                               if k in body}
     chat["messages"] = input_messages(body)
     if body.get("max_output_tokens") is not None:

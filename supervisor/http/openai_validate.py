@@ -4,6 +4,8 @@ socket — tested on their own (tests/test_openai_validation.py)."""
 
 from __future__ import annotations
 
+import math
+
 import json
 import re
 from typing import Any
@@ -16,7 +18,7 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty",
              "seed", "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "n", "logit_bias", "typical_p"}
-_COMMON = {"model", "stream", "stream_options", "adapter", "keep_alive", "speculative", "context_shift"} | _SAMPLING
+_COMMON = {"model", "stream", "stream_options", "adapter", "adapter_scale", "keep_alive", "speculative", "context_shift"} | _SAMPLING
 # grammar (GBNF) and json_schema: llama-server's, on its OpenAI-style routes too
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "response_format", "chat_template_kwargs", "reasoning_effort", "grammar", "json_schema",
@@ -294,14 +296,28 @@ def truncation(body: dict) -> dict:
     return {"truncation": "auto"}
 
 
+MAX_ADAPTER_SCALE = 8.0
+
+
 def adapter(body: dict) -> dict:
     """Kiln's extension: "adapter": a registered LoRA for this request ("" for none; absent:
-    the active adapter, if one is loaded)."""
-    if body.get("adapter") is None:
-        return {}
-    if not isinstance(body["adapter"], str):
-        raise bad("adapter", "adapter must be a string (an adapter name, or \"\" for none)", "invalid_type")
-    return {"adapter": body["adapter"]}
+    the active adapter, if one is loaded), and "adapter_scale": how strongly it applies (1: as
+    trained; 0.5 half, 0 not at all — llama-server's per-request `lora` scale)."""
+    out = {}
+    if body.get("adapter") is not None:
+        if not isinstance(body["adapter"], str):
+            raise bad("adapter", "adapter must be a string (an adapter name, or \"\" for none)", "invalid_type")
+        out["adapter"] = body["adapter"]
+    s = body.get("adapter_scale")
+    if s is not None:
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise bad("adapter_scale", "adapter_scale must be a number", "invalid_type")
+        if abs(s) > MAX_ADAPTER_SCALE:
+            raise bad("adapter_scale", f"adapter_scale {s} is out of range: -{MAX_ADAPTER_SCALE:g} to {MAX_ADAPTER_SCALE:g}")
+        if not out.get("adapter"):
+            raise bad("adapter_scale", "adapter_scale scales an adapter: name one in `adapter`")
+        out["adapter_scale"] = float(s)
+    return out
 
 
 def messages(body: dict) -> list[dict]:

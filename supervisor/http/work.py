@@ -32,6 +32,7 @@ class Work:
     template_hints: dict | None = None    # template variables applied where the template uses them
     grammar: dict | None = None           # {"gbnf": text} or {"json_schema": schema}
     adapter: str | None = None            # a LoRA adapter by name ("": none, whatever is active)
+    adapter_scale: float | None = None    # how strongly it applies (None: 1, as trained)
     keep_alive: Any = None                # how long its model stays loaded after it (None: the default)
     clip_max_tokens: bool = False         # max_tokens as an upper bound: past the context's end, stop
     min_ctx: int | None = None            # the context the client needs (Ollama's num_ctx)
