@@ -19,6 +19,7 @@ import numpy as np
 
 from . import kernels
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention
+from .arch.smollm3 import NoRopeAttention
 from .experts.source import StreamedExperts
 
 # the longest run of one sequence's rows a layer computes in one compiled call (a speculative
@@ -120,7 +121,7 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
     return kernels.compiled_module().decode_layer(
         x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), (int(a.wq.qtype), int(a.wv.qtype)),
         a.wo.raw, int(a.wo.qtype), seqs, b.cos, b.sin, c.n_head, c.n_head_kv,
-        c.head_dim, c.rope_dim, c.rope_style != "normal", spec, 0, (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml),
+        c.head_dim, 0 if isinstance(a, NoRopeAttention) else c.rope_dim, c.rope_style != "normal", spec, 0, (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml),
         *b.attn_scales, lora_table(i, b, ffn == "dense") if b.any_adapter else None,
         (a.q_norm, a.k_norm) if isinstance(a, NormedAttention) else None,
         (a.bq, a.bk, a.bv) if isinstance(a, BiasedAttention) else None)
@@ -182,10 +183,11 @@ def blocks_runners(layers: list) -> list:
 def one_call(L, c) -> str | None:
     """How the one-call decode takes a layer: "dense" (llama attention and a dense FFN), "moe"
     (and routed experts without a shared one), "attention" (the FFN through its blocks), or None.
-    The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases or
-    qwen3's per-head q/k norm — no window — so only a `Layer` of exactly those parts qualifies, with weights the extension
+    The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases,
+    qwen3's per-head q/k norm or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions) — no
+    window — so only a `Layer` of exactly those parts qualifies, with weights the extension
     multiplies: q and k of one type (v may have its own), gate/up of one type."""
-    if not kernels.one_call_decode() or type(L) is not Layer or type(L.attn) not in (Attention, NormedAttention, BiasedAttention):
+    if not kernels.one_call_decode() or type(L) is not Layer or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention):
         return None
     a, f = L.attn, L.ffn
     if a.window or a.rope_base is not None or not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) \
