@@ -46,10 +46,12 @@ def test_the_file_is_llama_cpps_bytes(inputs, model, ftype, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["kiln.gguf", "kiln.gguf.kiln-manifest.json"]
 
 
-@pytest.mark.parametrize("model", list(INPUTS))
+@pytest.mark.parametrize("model", ["qwen3moe-f32-e8"])
 def test_llama_cpp_live_writes_the_same_bytes(inputs, model, tmp_path):
+    """Where llama-cpp-python is installed, its quantizer now, on the model with the most rules
+    (eight experts, fallbacks, an untied head): the recorded hashes above cover the rest."""
     pytest.importorskip("llama_cpp")
-    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0"):
+    for ftype in ("Q4_K_M", "Q6_K"):
         ours, theirs = tmp_path / f"{ftype}.kiln.gguf", tmp_path / f"{ftype}.llama.gguf"
         quantize_model(inputs[model], ours, ftype, threads=1)
         llama_cpp_quantize(inputs[model], theirs, ftype)
