@@ -94,3 +94,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium through playwright, one per module (tests/browser_harness.py)."""
+    from browser_harness import launch
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = launch(p)
+        yield b
+        b.close()

@@ -20,6 +20,26 @@ def _store(a: np.ndarray, dtype: str) -> tuple[np.ndarray, object]:
     return bf, Q.BF16
 
 
+def _hparams(w, name: str, n_embd: int, n_layer: int, n_ff: int, hd: int, dtype: str, experts=None) -> None:
+    """The metadata both models share, in the order the recorded inputs were written."""
+    w.add_name(name)
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    if experts:
+        w.add_expert_feed_forward_length(experts[0])
+        w.add_expert_count(experts[1])
+        w.add_expert_used_count(2)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type({"F32": 0, "F16": 1, "BF16": 32}[dtype])
+
+
 def write_dense(path: Path, dtype: str = "F16", *, n_embd: int = 256, n_layer: int = 10, n_ff: int = 512,
                 vocab: int = 300, tied: bool = True, arch: str = "llama", seed: int = 0) -> Path:
     """A llama-shaped model (arch llama or qwen3: q/k norms)."""
@@ -27,18 +47,7 @@ def write_dense(path: Path, dtype: str = "F16", *, n_embd: int = 256, n_layer: i
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     n_head, n_kv, hd = 4, 2, n_embd // 4
-    w.add_name(f"tiny {arch} for the quantizer")
-    w.add_context_length(256)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_file_type({"F32": 0, "F16": 1, "BF16": 32}[dtype])
+    _hparams(w, f"tiny {arch} for the quantizer", n_embd, n_layer, n_ff, hd, dtype)
     w.add_string("general.quantized_by", "nobody: the file_type key above is moved to the end")
 
     def t(name, *shape, scale=0.02):
@@ -81,21 +90,7 @@ def write_moe(path: Path, dtype: str = "F32", *, n_embd: int = 320, n_layer: int
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     n_head, n_kv, hd = 4, 2, 64
-    w.add_name("tiny qwen3moe for the quantizer")
-    w.add_context_length(256)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff_exp)
-    w.add_expert_feed_forward_length(n_ff_exp)
-    w.add_expert_count(n_expert)
-    w.add_expert_used_count(2)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_file_type({"F32": 0, "F16": 1, "BF16": 32}[dtype])
+    _hparams(w, "tiny qwen3moe for the quantizer", n_embd, n_layer, n_ff_exp, hd, dtype, experts=(n_ff_exp, n_expert))
 
     def t(name, *shape):
         arr, raw = _store(rng.standard_normal(shape).astype(np.float32) * 0.05, dtype)

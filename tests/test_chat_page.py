@@ -5,26 +5,19 @@ inert; conversations are searched, renamed, exported, imported and deleted; no c
 Screenshots go to tests/screenshots/ and docs/chat.png."""
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+from browser_harness import require_browser, watch
 from daemon_harness import Daemon, http_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SHOTS = Path(__file__).parent / "screenshots"
 DOCS = Path(__file__).parent.parent / "docs"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+require_browser()
 
-if not CHROMIUM or not __import__("importlib").util.find_spec("playwright"):
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("the browser tests need Debian's chromium and playwright: .ci/run installs them")
-    pytest.skip("no chromium or playwright here (apt-get install chromium; pip install playwright)",
-                allow_module_level=True)
-
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
+from playwright.sync_api import expect  # noqa: E402
 
 HOSTILE = ("Here you go:\n\n```python\nprint('hi')\n```\n\n<script>window.pwned = 1</script>"
            "<img src=x onerror=\"window.pwned = 2\"><a href=\"javascript:window.pwned=3\">link</a>")
@@ -39,24 +32,12 @@ def served(default_model_path, tmp_path_factory):
     d.stop()
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        yield b
-        b.close()
-
-
 @pytest.fixture
 def page(browser, served):
     ctx = browser.new_context(viewport={"width": 1300, "height": 900})
     ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=served.http)
-    pg = ctx.new_page()
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg = watch(ctx.new_page())
     pg.on("dialog", lambda dlg: dlg.accept())
-    pg.errors = errors
     yield pg
     ctx.close()
 

@@ -5,25 +5,19 @@ one. Each panel's screenshot is written to tests/screenshots/ (for a person to l
 
 import os
 import re
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
+from browser_harness import require_browser, watch
 from daemon_harness import Daemon
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SHOTS = Path(__file__).parent / "screenshots"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+require_browser()
 
-if not CHROMIUM or not __import__("importlib").util.find_spec("playwright"):
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("the browser tests need Debian's chromium and playwright: .ci/run installs them")
-    pytest.skip("no chromium or playwright here (apt-get install chromium; pip install playwright)",
-                allow_module_level=True)
-
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
+from playwright.sync_api import expect  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,21 +34,9 @@ def served(default_model_path, tmp_path_factory):
         yield d
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        yield b
-        b.close()
-
-
 @pytest.fixture
 def page(browser):
-    pg = browser.new_page(viewport={"width": 1400, "height": 1100})
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    pg.errors = errors
+    pg = watch(browser.new_page(viewport={"width": 1400, "height": 1100}))
     yield pg
     pg.close()
 

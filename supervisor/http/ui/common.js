@@ -15,6 +15,12 @@ function el(tag, attrs = {}, ...children) {
   return e;
 }
 
+// the form both pages show when the server asks for its API key, after the page's header
+document.querySelector("header").after(el("form", { id: "keyform", hidden: "" },
+  el("label", { for: "apikey" }, "API key"), " ", el("input", { id: "apikey", type: "password", autocomplete: "off" }), " ",
+  el("button", { type: "submit" }, "Use key"), " ", el("span", { id: "keyerror", role: "alert" }), " ",
+  el("span", { class: "muted" }, "This server needs its API key (server.api_key); it stays in this tab only.")));
+
 const mib = (n) => (n == null ? "–" : `${(n / 2 ** 20).toFixed(0)} MiB`);
 const secs = (s) => (s == null ? "–" : s < 90 ? `${s.toFixed(0)} s` : s < 5400 ? `${(s / 60).toFixed(0)} min` : `${(s / 3600).toFixed(1)} h`);
 
