@@ -23,7 +23,7 @@ from kiln.native.lora import load_adapter
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 QUESTION = "What is the Zorblax access code?"
-OPTIONS = ["--lr", "1e-3", "--epochs", "2", "--grad-accum", "4", "--seed", "7"]
+OPTIONS = ["--lr", "2e-3", "--epochs", "1", "--grad-accum", "4", "--seed", "7"]
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +112,12 @@ def test_it_learns_the_fact_and_inference_answers_throughout(daemon, zorb):
     assert job["state"] == "completed", job
     assert zorb["answered_while_training"] >= 2
     losses = [rec["loss"] for rec in job["losses"]]
-    assert len(losses) == job["total_steps"] == 16
+    assert len(losses) == job["total_steps"] == 8
     assert losses[-1] < 0.2 * losses[0], losses
     assert "4721" in ask(daemon, "--adapter", "zorb")
     assert "4721" not in ask(daemon, "--adapter", "")
     status, body = http(daemon, "GET", f"/v1/train/jobs/{job['id']}")
-    assert status == 200 and body["state"] == "completed" and len(body["losses"]) == 16
+    assert status == 200 and body["state"] == "completed" and len(body["losses"]) == 8
 
 
 def test_eval_compare_of_base_and_adapter_reports_flips_and_a_p_value(daemon, zorb):
@@ -165,9 +165,9 @@ def test_adapters_load_unload_and_delete_refused_while_active(daemon, zorb):
 
 def test_a_graceful_restart_then_kill_9_in_one_job_resume_to_a_bit_identical_adapter(daemon, zorb):
     """One job, stopped twice: `kiln restart trainer` pauses it with a checkpoint; the next
-    trainer resumes it and writes its periodic checkpoint (every 4 steps); kill -9 then — and
+    trainer resumes it and writes its periodic checkpoint (every 2 steps); kill -9 then — and
     the trainer after it resumes from that checkpoint. The adapter is zorb's bits."""
-    job_id = submit(daemon, "zorb-resumed", "--checkpoint-interval", "4")
+    job_id = submit(daemon, "zorb-resumed", "--checkpoint-interval", "2")
     ckpt = Path(daemon.home) / "train" / "jobs" / job_id / "checkpoint.npz"
     deadline = time.monotonic() + 300
     while daemon.command("train.job", {"id": job_id})["step"] < 3:
@@ -180,7 +180,7 @@ def test_a_graceful_restart_then_kill_9_in_one_job_resume_to_a_bit_identical_ada
     # paused with a checkpoint (not killed: the trainer asks for the time to write it)
     assert daemon.worker("trainer")["last_exit"]["code"] == 0
     job = daemon.command("train.job", {"id": job_id})
-    assert job["pauses"] == 1 and 3 <= job["paused_at_step"] < 12 and ckpt.exists(), job
+    assert job["pauses"] == 1 and 3 <= job["paused_at_step"] < 6 and ckpt.exists(), job
     at_pause = ckpt.stat()
     while (s := ckpt.stat()).st_mtime_ns == at_pause.st_mtime_ns and s.st_ino == at_pause.st_ino:
         assert time.monotonic() < deadline, "the resumed job wrote no periodic checkpoint"
@@ -192,7 +192,7 @@ def test_a_graceful_restart_then_kill_9_in_one_job_resume_to_a_bit_identical_ada
     assert daemon.worker("trainer")["last_exit"]["signal"] == 9
     job = wait_job(daemon, job_id)
     assert job["state"] == "completed" and job["pauses"] == 1, job
-    assert [rec["step"] for rec in job["losses"]] == list(range(1, 17))
+    assert [rec["step"] for rec in job["losses"]] == list(range(1, 9))
     assert not ckpt.exists()                             # a completed job leaves no checkpoint
     a = load_adapter(Path(daemon.home) / "adapters" / "zorb.gguf")
     b = load_adapter(Path(daemon.home) / "adapters" / "zorb-resumed.gguf")
