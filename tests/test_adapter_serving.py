@@ -69,6 +69,13 @@ def test_llama_servers_lora_field_and_routes(served):
     assert status == 400 and "one adapter per request" in out["error"]["message"]
     status, out = http_json(served, "POST", "/completion", {**prompt, "lora": [{"id": 5, "scale": 1}]})
     assert status == 400 and "no adapter with id 5" in out["error"]["message"]
+    for body, words in (({"id": 0}, "JSON array"), ([{"id": "x", "scale": 1}], "id must be"),
+                        ([{"id": 0, "scale": 1, "path": "/etc/passwd"}], "unsupported field"),
+                        ([{"id": 9, "scale": 1}], "no adapter with")):
+        status, out = http_json(served, "POST", "/lora-adapters", body)
+        assert status == 400 and words in out["error"]["message"], (body, out)
+    status, out = http_json(served, "POST", "/completion", {**prompt, "lora": [{"id": 0, "scale": float("inf")}]})
+    assert status == 400, out
     # the global scales are which adapter is active: requests that name none get it
     status, listed = http_json(served, "POST", "/lora-adapters", [{"id": 1, "scale": 1}])
     assert status == 200 and [e["scale"] for e in listed] == [0.0, 1.0]
