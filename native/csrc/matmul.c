@@ -92,13 +92,12 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
     nth = omp_get_num_threads(); me = omp_get_thread_num();
 #endif
     const int r0 = (int)((long)total * me / nth), r1 = (int)((long)total * (me + 1) / nth);
-    int tile = T, block = r1 - r0;
-    if (a->q) {
-        tile = (int)(ACT_TILE_BYTES / (size_t)K) & ~7;
-        tile = tile < 8 ? 8 : tile > T ? T : tile;
-        block = (int)(WEIGHT_BLOCK_BYTES / row_bytes);
-        if (block < 1) block = 1;
-    }
+    /* float activations (F16, BF16, F32 weights) are tiled as well: 4 bytes an element, not 1
+       (untiled, a 1,344-row F16 product ran 3x slower than 32 products of 42 rows) */
+    int tile = (int)(ACT_TILE_BYTES / ((size_t)K * (a->q ? 1 : sizeof(float)))) & ~7;
+    tile = tile < 8 ? 8 : tile > T ? T : tile;
+    int block = (int)(WEIGHT_BLOCK_BYTES / row_bytes);
+    if (block < 1) block = 1;
     for (int b0 = r0; b0 < r1; b0 += block) {
         const int b1 = b0 + block < r1 ? b0 + block : r1;
         int i0 = 0, n0 = b0;
