@@ -180,6 +180,60 @@ done:
     return ret;
 }
 
+/* encoder_attention(q, k, v, out (n, H*D) float32, n, H, D, scale, threads) -> whether it ran
+ * (False without AVX2: the caller computes it itself) */
+static PyObject *py_encoder_attention(PyObject *self, PyObject *args) {
+    Py_buffer qb, kb, vb, ob; int n, H, D, nt; float scale;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiifi", &qb, &kb, &vb, &ob, &n, &H, &D, &scale, &nt)) return NULL;
+    PyObject *ret = NULL;
+    size_t need = (size_t)n * H * D * 4;
+    if (n < 1 || H < 1 || D < 1 || (size_t)qb.len < need || (size_t)kb.len < need || (size_t)vb.len < need
+            || (size_t)ob.len < need) {
+        PyErr_SetString(PyExc_ValueError, "encoder_attention: a buffer is smaller than its shape"); goto done;
+    }
+    int ran;
+    Py_BEGIN_ALLOW_THREADS
+    ran = encoder_attention(qb.buf, kb.buf, vb.buf, ob.buf, n, H, D, scale, nt > 0 ? nt : 1);
+    Py_END_ALLOW_THREADS
+    ret = PyBool_FromLong(ran);
+done:
+    PyBuffer_Release(&qb); PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
+    return ret;
+}
+
+/* layer_norm(x (T,n), w (n), b (n), out (T,n), T, n, eps): ggml_norm's arithmetic, times w plus b */
+static PyObject *py_layer_norm(PyObject *self, PyObject *args) {
+    Py_buffer xb, wb, bb, ob; int T, n; float eps;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iif", &xb, &wb, &bb, &ob, &T, &n, &eps)) return NULL;
+    PyObject *ret = NULL;
+    if (T < 0 || n < 1 || (size_t)xb.len < (size_t)T * n * 4 || (size_t)wb.len < (size_t)n * 4
+            || (size_t)bb.len < (size_t)n * 4 || (size_t)ob.len < (size_t)T * n * 4) {
+        PyErr_SetString(PyExc_ValueError, "layer_norm: a buffer is smaller than its shape"); goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    layer_norm_rows(xb.buf, wb.buf, bb.buf, ob.buf, T, n, eps);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&bb); PyBuffer_Release(&ob);
+    return ret;
+}
+
+/* gelu(x in place, table (65536 float32)): ggml's table GELU */
+static PyObject *py_gelu(PyObject *self, PyObject *args) {
+    Py_buffer xb, tb;
+    if (!PyArg_ParseTuple(args, "w*y*", &xb, &tb)) return NULL;
+    PyObject *ret = NULL;
+    if ((size_t)tb.len < 65536 * 4) { PyErr_SetString(PyExc_ValueError, "gelu: the table needs 65536 floats"); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    gelu_rows(xb.buf, (size_t)xb.len / 4, tb.buf);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&tb);
+    return ret;
+}
+
 /* expf(x (n) in place): the C library's expf element by element — what ggml's scalar code calls
  * (sigmoid, swiglu-oai, the attention sinks) — without a Python call per element */
 static PyObject *py_expf(PyObject *self, PyObject *args) {
@@ -288,6 +342,9 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, out, T, n, eps)"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, T, H, D, R, neox) in place"},
     {"rope_table", py_rope_table, METH_VARARGS, "rope_table(n, half, base, freq_scale, factors, cos, sin[, ext, corr0, corr1, mscale[, p0]])"},
+    {"encoder_attention", py_encoder_attention, METH_VARARGS, "encoder_attention(q, k, v, out, n, H, D, scale, threads)"},
+    {"layer_norm", py_layer_norm, METH_VARARGS, "layer_norm(x, w, b, out, T, n, eps): ggml_norm times w plus b"},
+    {"gelu", py_gelu, METH_VARARGS, "gelu(x, table): ggml's fp16-table GELU, in place"},
     {"expf", py_expf, METH_VARARGS, "expf(x) in place, the C library's"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
     {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},

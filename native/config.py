@@ -45,6 +45,7 @@ class ModelConfig:
     yarn: tuple = ()                # (n_ctx_orig, beta_fast, beta_slow, attn_factor) with YaRN
     n_ctx_orig: int = 0             # rope.scaling.original_context_length (0: not in the file)
     rope_attn_factor: float = 1.0   # rope.scaling.attn_factor: cos/sin scale (Phi-3 longrope, YaRN)
+    pooling: str = ""               # pooling_type for embeddings ("" when the file names none)
 
     def get(self, name: str, default=None):
         return dict(self.extra).get(name, default)
@@ -54,6 +55,7 @@ class ModelConfig:
         return self.n_expert > 0
 
 
+POOLINGS = ("none", "mean", "cls", "last", "rank")        # llama.cpp's pooling_type values 0..4
 POSITIVE = 1e-30                 # the lower bound of a float that must be > 0
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
@@ -105,7 +107,7 @@ def read_config(g: GGUFFile) -> ModelConfig:
                         f"(supported: {', '.join(supported())})") from None
     key = Keys(g, arch)
     n_layer = key("block_count", kind=int, lo=1)
-    _check_layers(key, n_layer)              # bounds it by the tensor table
+    check_layer_count(key, n_layer)              # bounds it by the tensor table
     n_embd = key("embedding_length", kind=int, lo=1, hi=MAX_WIDTH)
     n_head = key("attention.head_count", kind=int, lo=1, hi=MAX_WIDTH)
     n_head_kv = key("attention.head_count_kv", n_head, required=False, kind=int, lo=1, hi=n_head)
@@ -147,7 +149,7 @@ def read_config(g: GGUFFile) -> ModelConfig:
         rope_dim=rope_dim,
         rope_style=fam.rope,
         rope_scale=factor,
-        n_vocab=_vocab_size(key, n_embd),
+        n_vocab=vocab_size(key, n_embd),
         n_expert=n_expert,
         n_expert_used=n_expert_used,
         n_ff_expert=key("expert_feed_forward_length", 0, required=False, kind=int, lo=0, hi=MAX_WIDTH),
@@ -158,12 +160,14 @@ def read_config(g: GGUFFile) -> ModelConfig:
         yarn=yarn,
         n_ctx_orig=n_ctx_orig,
         rope_attn_factor=attn_factor,
+        pooling=POOLINGS[key("pooling_type", 0, required=False, kind=int, lo=0, hi=4)]
+        if f"{arch}.pooling_type" in g.metadata else "",
     )
     fam.check(c, key)
     return c
 
 
-def _check_layers(key: Keys, n_layer: int) -> None:
+def check_layer_count(key: Keys, n_layer: int) -> None:
     """block_count must be the layers the file holds (blk.0 … blk.N-1): every loop over layers
     is then bounded by the tensor table, itself bounded by the file's size."""
     present = {int(m.group(1)) for n in key.g.tensors if (m := _LAYER.match(n))}
@@ -172,7 +176,7 @@ def _check_layers(key: Keys, n_layer: int) -> None:
         key.fail("block_count", n_layer, f"the file holds {held}")
 
 
-def _vocab_size(key: Keys, n_embd: int) -> int:
+def vocab_size(key: Keys, n_embd: int) -> int:
     """The vocabulary: the token list's length, `vocab_size` and the embedding's rows must agree
     (token ids index all three)."""
     g = key.g

@@ -304,19 +304,26 @@ def score_prompt(model: Model, prompt: list[int], top: int = 0, chunk: int = PRE
 
 
 def embed(model: Model, prompt: list[int], chunk: int = PREFILL_CHUNK, adapter=None,
-          normalize: bool = True) -> np.ndarray:
-    """The prompt's embedding: the mean of its final hidden states, L2-normalised — llama-server's
-    `--pooling mean` with its default normalisation (`normalize=False`: the mean itself, as
-    Ollama's legacy /api/embeddings returns). float32, (n_embd,)."""
+          normalize: bool = True, pooling: str = "mean") -> np.ndarray:
+    """The prompt's embedding from its final hidden states: their mean (llama-server's `--pooling
+    mean`), the last one (`last`: Qwen3-Embedding) or the first (`cls`); L2-normalised unless
+    `normalize=False` (the vector itself, as Ollama's legacy /api/embeddings returns). float32,
+    (n_embd,)."""
+    if pooling not in ("mean", "last", "cls"):
+        raise ValueError(f"pooling {pooling!r}: a chat model embeds by mean, last or cls")
     cache = model.new_cache(len(prompt))
     total = np.zeros(model.config.n_embd, np.float64)
     for start in range(0, len(prompt), chunk):
-        total += model.hidden(prompt[start:start + chunk], cache, adapter=adapter).sum(axis=0, dtype=np.float64)
-    mean = total / len(prompt)
+        h = model.hidden(prompt[start:start + chunk], cache, adapter=adapter)
+        if pooling == "mean":
+            total += h.sum(axis=0, dtype=np.float64)
+        elif pooling == "last" or start == 0:
+            total = h[-1 if pooling == "last" else 0].astype(np.float64)
+    vec = total / len(prompt) if pooling == "mean" else total
     if not normalize:
-        return mean.astype(np.float32)
-    norm = np.linalg.norm(mean)
-    return (mean / norm if norm > 0 else mean).astype(np.float32)
+        return vec.astype(np.float32)
+    norm = np.linalg.norm(vec)
+    return (vec / norm if norm > 0 else vec).astype(np.float32)
 
 
 def generate_text(model: Model, prompt: list[int], params: SamplingParams,

@@ -51,6 +51,52 @@ def hsum8(x: np.ndarray) -> np.ndarray:
     return ((x[..., 0] + x[..., 4]) + (x[..., 2] + x[..., 6])) + ((x[..., 1] + x[..., 5]) + (x[..., 3] + x[..., 7]))
 
 
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_norm as its AVX2 build computes it, times w plus b: the mean from a double sum rounded
+    to float and divided in float; the variance from float squares summed 8 at a time in
+    ggml_vec_cvar_f32's lane order (then in double); one float scale."""
+    n = x.shape[-1]
+    mean = (x.astype(np.float64).sum(axis=-1, keepdims=True).astype(F32) / F32(n)).astype(F32)
+    y = (x - mean).astype(F32)
+    sq = y * y
+    full = n - n % 8
+    lanes = sq[..., :full].reshape(*sq.shape[:-1], full // 8, 8)
+    a = lanes[..., 4:] + lanes[..., :4]                       # the high half plus the low half
+    chunk = (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
+    total = chunk.astype(np.float64).sum(axis=-1, keepdims=True) + \
+        sq[..., full:].astype(np.float64).sum(axis=-1, keepdims=True)
+    var = (total / n).astype(F32)
+    scale = F32(1) / np.sqrt(var + F32(eps))
+    return (y * scale) * w + b
+
+
+def vec_dot_f32(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Each row of w (N, K) dotted with x (K,) as ggml_vec_dot_f32 (AVX2) does — what a product
+    of F32 weights with one activation row runs (tinyBLAS takes two or more): four 8-lane FMA
+    accumulators over 32 at a time, reduced as ((a0+a2)+(a1+a3)), the 8 lanes as
+    ((0+4)+(1+5))+((2+6)+(3+7)), then the tail multiplied and added in order."""
+    N, K = w.shape
+    full = K - K % 32
+    acc = np.zeros((N, 4, 8), F32)
+    for i in range(0, full, 32):
+        acc = _fma(w[:, i:i + 32].reshape(N, 4, 8), x[i:i + 32].reshape(4, 8), acc)
+    s = (acc[:, 0] + acc[:, 2]) + (acc[:, 1] + acc[:, 3])
+    t = s[:, :4] + s[:, 4:]
+    r = (t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3])
+    for i in range(full, K):
+        r = r + w[:, i] * x[i]
+    return r.astype(F32)
+
+
+def libm_tanhf(x: np.ndarray) -> np.ndarray:
+    """The C library's tanhf, element by element (ggml_tanh's)."""
+    import ctypes
+    import ctypes.util
+    lib = ctypes.CDLL(ctypes.util.find_library("m"))
+    lib.tanhf.restype, lib.tanhf.argtypes = ctypes.c_float, [ctypes.c_float]
+    return np.array([lib.tanhf(float(v)) for v in np.ravel(x)], F32).reshape(np.shape(x))
+
+
 def lane_sums(x: np.ndarray) -> np.ndarray:
     """Sum over the last axis as an 8-lane SIMD loop does: lane i adds elements i, i+8, ... in
     order (from zero; the axis is zero-padded to a multiple of 8), then hsum8."""
@@ -274,6 +320,13 @@ def gelu_table(fused: bool = True) -> np.ndarray:
             y = F32(0.5) * x * (F32(1) + t)
             _GELU[fused] = y.astype(np.float16).astype(F32)
     return _GELU[fused]
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """ggml_gelu on float32: the fp16 table between -10 and 10, 0 below, x above."""
+    y = gelu_table()[x.astype(np.float16).view(np.uint16)]
+    y = np.where(x <= F32(-10), F32(0), y)
+    return np.where(x >= F32(10), x, y).astype(F32)
 
 
 def geglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:

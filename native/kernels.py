@@ -85,6 +85,39 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
     return out
 
 
+def encoder_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float) -> np.ndarray | None:
+    """Bidirectional attention over one input's rows q, k, v (n, H*d) float32 in C, as llama.cpp's
+    encoder graph computes it (csrc/encoder_attention.c); None on the numpy path."""
+    if not _compiled_on:
+        return None
+    n, width = q.shape
+    out = np.empty((n, width), np.float32)
+    ran = _C.encoder_attention(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k, np.float32),
+                               np.ascontiguousarray(v, np.float32), out, n, n_head, width // n_head, float(scale),
+                               max_threads())
+    return out if ran else None
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm as ggml_norm computes it, times w plus b (ggml_round.layer_norm's arithmetic)."""
+    if not _compiled_on:
+        return ggml_round.layer_norm(x, w, b, eps)
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    _C.layer_norm(x, np.ascontiguousarray(w, np.float32), np.ascontiguousarray(b, np.float32), out,
+                  x.shape[0], x.shape[1], float(eps))
+    return out
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """ggml's GELU on float32 (its fp16 table), in C when built."""
+    if not _compiled_on:
+        return ggml_round.gelu(x)
+    x = np.array(x, np.float32)                    # a copy: computed in place
+    _C.gelu(x, ggml_round.gelu_table())
+    return x
+
+
 def kv_store(t: KVType, x: np.ndarray, out: np.ndarray, rot: int = 0) -> None:
     """Write x (..., head_dim) float32 into `out`, t's elements (..., head_dim / block) — as
     llama.cpp writes a cache row of that type, rotated first by `rot` (kv_types.rotation)."""

@@ -46,7 +46,9 @@ SCHEMAS: dict[str, Schema] = {
                  "truncation": (str, False),
                  # template variables applied only where the template uses them (enable_thinking, …)
                  "template_hints": (dict, False)},
-    "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False)},
+    "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False),
+              "truncate": (bool, False)},
+    "rerank": {"query": (str, True), "documents": (list, True)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False), "pieces": (bool, False)},
     # llama-server's slots: list, or save / restore / erase slot `id` (a file of slot_save_path)
     "slots": {"action": (str, True), "id": (int, False), "filename": (str, False)},

@@ -19,11 +19,12 @@ from kiln.native.lora import AdapterError
 
 from kiln.native.constrain import GrammarError, check, gbnf_grammar, json_schema_grammar
 from kiln.native.fim import InfillError, infill_prompt
-from kiln.native.generate import ContextLengthError, Finish, Token, embed, score_prompt
+from kiln.native.generate import ContextLengthError, Finish, Token, score_prompt
 from kiln.native.draft_model import DraftModel, DraftModelError
+from kiln.native.encoder import Encoder, is_encoder, load_encoder
 from kiln.native.scheduler import DEFAULT_PARALLEL, Scheduler
 from kiln.native import kernels
-from kiln.native.gguf_file import GGUFError
+from kiln.native.gguf_file import GGUFError, read_gguf
 from kiln.native.models.library import ModelNotFound, PullError, resolve_model
 from kiln.native.kv_types import KVTypeError, settings_kv
 from kiln.native.model import WEIGHTS, load_model
@@ -36,12 +37,13 @@ from . import chat_plan, prefix_setup
 from .adapters import LoadedAdapters
 from .chat_plan import ChatPlan, PlanError
 from .context_fit import answer_room, fit_turns
+from .embedding_ops import EmbeddingOps
 from .runtime import main
 from .slots import SlotOps
 from .worker import BootError, OpError, Worker, op, state_dir
 
 
-class InferenceWorker(SlotOps, Worker):
+class InferenceWorker(EmbeddingOps, SlotOps, Worker):
     kind = "inference"
 
     def boot(self):
@@ -56,6 +58,8 @@ class InferenceWorker(SlotOps, Worker):
             if weights not in WEIGHTS:
                 raise BootError(f"weights = {weights!r} is not valid: mapped (the default: the file's page cache, "
                                 f"shared between processes) or private (a copy in huge pages)")
+            if is_encoder(read_gguf(path, skip_arrays=True).architecture):
+                return self._boot_encoder(path, threads)
             self.model = load_model(path, threads=threads, weights=weights, keep_mapped=self.keep_mapped(path))
         except (ModelNotFound, PullError, GGUFError, TokenizerError) as e:
             raise BootError(str(e)) from None
@@ -101,6 +105,25 @@ class InferenceWorker(SlotOps, Worker):
         self.adapters = AdapterRegistry(state_dir())
         self.loras = LoadedAdapters(self.adapters, lambda: self.model)
 
+    def _boot_encoder(self, path, threads) -> None:
+        """An embedder or reranker (native/encoder.py): no KV cache, no scheduler, no template;
+        the ops that generate refuse (`_decoder`)."""
+        self.model = load_encoder(path, threads=threads)
+        ctx = self.settings.get("ctx")
+        self.n_ctx = min(int(ctx), self.model.config.n_ctx_train) if ctx else self.model.config.n_ctx_train
+        self.context_shift, self.scheduler, self.template = False, None, None
+        self.served = self.tokens_out = 0
+        self.loaded_at = time.time()
+        self.adapters = AdapterRegistry(state_dir())
+        self.loras = LoadedAdapters(self.adapters, lambda: self.model)
+
+    def _decoder(self, what: str) -> None:
+        """Refuses `what` on an encoder, naming what it can do instead."""
+        if isinstance(self.model, Encoder):
+            can = "rerank (/v1/rerank)" if self.model.config.pooling == "rank" else "embed (/v1/embeddings, /api/embed)"
+            raise OpError("bad_request", f"{self.model.path.stem} is an encoder ({self.model.config.arch}): it "
+                                         f"cannot {what}; it can {can}")
+
     def keep_mapped(self, path) -> set[str]:
         """Tensors left in the mapping with weights = "private" (none here; a moe-stream worker's experts)."""
         return set()
@@ -109,6 +132,10 @@ class InferenceWorker(SlotOps, Worker):
         m = getattr(self, "model", None)
         if m is None:
             return {"model_spec": self.settings.get("model")}
+        if self.scheduler is None:
+            return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx, "encoder": m.config.pooling,
+                    "requests": self.served, "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(),
+                    "weights": {"mode": "mapped"}}
         return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx, "kv_types": list(m.kv_types),
                 "context_shift": self.context_shift,
                 "requests": self.served, "tokens_generated": self.tokens_out,
@@ -215,6 +242,7 @@ class InferenceWorker(SlotOps, Worker):
         """Stream one chunk per token; the scheduler batches the decode steps of all requests.
         A chat answer's text is split into content, reasoning and tool calls as it streams. With
         n > 1 the chunks carry the sequence's index and the reply holds one final per sequence."""
+        self._decoder("generate text")
         raw = dict(req.body.get("params") or {})
         n = int(raw.pop("n", 1))
         # a repo-level infill keeps what fits of its files: no bound on the text it was given
@@ -290,6 +318,7 @@ class InferenceWorker(SlotOps, Worker):
     @op("score")
     def score(self, req):
         """Log-probabilities of the prompt's own tokens (for echo + logprobs)."""
+        self._decoder("score a prompt's tokens")
         prompt = self._bounded(self._prompt, req.body)
         if len(prompt) > self.n_ctx:
             raise OpError("context_length_exceeded", f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx}")
@@ -302,35 +331,6 @@ class InferenceWorker(SlotOps, Worker):
         out["top_logprobs"] = [None if t is None else [[i, lp, self._piece(i)] for i, lp in t]
                                for t in out["top_logprobs"]]
         return out
-
-    @op("embed")
-    def embed(self, req):
-        """Embeddings of several inputs (texts or token ids): mean-pooled, normalised unless
-        `normalize` is false, float32 bytes each. One op for the whole batch; the model is taken
-        between decode steps."""
-        n_embd = self.model.config.n_embd
-        normalize = req.body.get("normalize", True)            # a bool: protocol/ops.py checks it
-        dims = req.body.get("dimensions")
-        if dims is not None and dims != n_embd:
-            raise OpError("bad_request", f"dimensions = {dims}: {self.model.path.stem} gives {n_embd}-dimensional "
-                                         f"embeddings and Kiln does not shorten them; leave dimensions out")
-        tok = self.model.tokenizer
-        prompts = []
-        for i, x in enumerate(req.body["inputs"]):
-            ids = self._bounded(tok.encode, x, special=False, what=f"input[{i}]") if isinstance(x, str) else x
-            if not ids or not all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids):
-                raise OpError("bad_request", f"input[{i}] is empty or has token ids outside [0, {tok.vocab_size})")
-            if len(ids) > self.n_ctx:
-                raise OpError("context_length_exceeded", f"input[{i}] has {len(ids)} tokens; the context holds {self.n_ctx}")
-            prompts.append(ids)
-        adapter = self._adapter(req.body)
-        vectors = []
-        for ids in prompts:
-            if req.cancelled():
-                raise OpError("cancelled", "the request was cancelled")
-            with self.scheduler.model_lock:
-                vectors.append(embed(self.model, ids, adapter=adapter, normalize=normalize).tobytes())
-        return {"embeddings": vectors, "dim": n_embd, "usage": {"prompt_tokens": sum(map(len, prompts))}}
 
     @op("tokenize")
     def tokenize(self, req):
@@ -350,6 +350,7 @@ class InferenceWorker(SlotOps, Worker):
 
     @op("apply_template")
     def apply_template(self, req):
+        self._decoder("apply a chat template")
         if self.template is None:
             raise OpError("bad_request", f"model {self.model.path.name} has no chat template")
         if any(k in req.body for k in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_effort",
@@ -372,8 +373,8 @@ class InferenceWorker(SlotOps, Worker):
                 "bos_token": tok.tokens[sp.bos] if sp.bos is not None else None,
                 "eos_token": tok.tokens[sp.eos] if sp.eos is not None else None,
                 "chat_template": self.template.source if self.template else None,
-                "created": int(os.path.getmtime(m.path)), "slots": len(self.scheduler.seqs),
-                "fill_in_the_middle": tok.fim.can_infill}
+                "created": int(os.path.getmtime(m.path)), "slots": len(self.scheduler.seqs) if self.scheduler else 0,
+                "fill_in_the_middle": tok.fim.can_infill, "pooling": self._pooling()}
 
 
 if __name__ == "__main__":

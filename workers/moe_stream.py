@@ -39,7 +39,7 @@ class MoEStreamWorker(InferenceWorker):
     def boot(self):
         self.rss_before_model = psutil.Process().memory_info().rss     # the Python runtime alone
         super().boot()
-        if not self.model.config.is_moe:
+        if not getattr(self.model.config, "is_moe", False):
             raise BootError(f"{self.model.path.name} is not a mixture-of-experts model; use kind = \"inference\"")
         shm, slots, size = (self.settings.get(k) for k in ("shm", "cache_slots", "cache_bytes"))
         if not slots or not size:

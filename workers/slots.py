@@ -58,6 +58,10 @@ class SlotOps:
         if action not in ACTIONS:
             raise OpError("bad_request", f"action must be one of {', '.join(ACTIONS)}")
         sched = self.scheduler
+        if sched is None:                      # an encoder: nothing generates, nothing to save
+            if action == "list":
+                return {"slots": [], "n_ctx": self.n_ctx}
+            raise OpError("bad_request", f"{self.model.path.stem} is an encoder: it has no slots to {action}")
         if action == "list":
             return {"slots": sched.slots_info(), "n_ctx": self.n_ctx}
         i = body.get("id")

@@ -210,6 +210,12 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
 void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int nw,
                  const uint8_t **W, const int *N, float **out, int nt);
 
+/* ---- encoder_attention.c ------------------------------------------------------------------- */
+int encoder_attention(const float *q, const float *k, const float *v, float *out, int n, int H, int D,
+                      float scale, int nt);
+void layer_norm_rows(const float *x, const float *w, const float *b, float *out, int T, int n, float eps);
+void gelu_rows(float *x, size_t n, const float *table);
+
 /* ---- attention.c ---------------------------------------------------------------------------- */
 void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
                     int start, int kt, int vt, int nt, int S, float kq_scale, int win, const float *sinks);

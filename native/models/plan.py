@@ -11,6 +11,7 @@ import psutil
 
 from ..arch import family
 from ..config import read_config
+from ..encoder import MAX_BATCH_TOKENS, is_encoder, read_encoder_config
 from ..gguf_file import read_gguf
 from ..kernels import COMPILED_TYPES, kernel_info
 from ..kv_cache import CHECKPOINTS
@@ -100,6 +101,8 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
     (keys, values): "f16", "q8_0" or "q4_0"."""
     parallel = max(1, int(parallel or DEFAULT_PARALLEL))
     g = read_gguf(path, skip_arrays=True)
+    if is_encoder(g.architecture):
+        return _encoder_plan(path, g, ctx, available)
     c = read_config(g)
     kv = tuple(kv_type(t).name for t in kv)
     for t in kv:
@@ -162,3 +165,27 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
     tips.append("or use a smaller quantization of this model")
     out["advice"] = "; ".join(tips)
     return out
+
+
+def _encoder_plan(path: Path, g, ctx: int | None, available: int | None) -> dict:
+    """An embedder or reranker: its weights, no KV cache, and the activations of its largest
+    forward (MAX_BATCH_TOKENS rows through the FFN, one input's attention scores)."""
+    c = read_encoder_config(g)
+    compiled = kernel_info()["path"] == "compiled"
+    by_type, held, _ = _weights(g, compiled)
+    weights = sum(held.values())
+    ctx = min(ctx or c.n_ctx_train, c.n_ctx_train)
+    activations = MAX_BATCH_TOKENS * (c.n_ff + 6 * c.n_embd) * 4 + c.n_head * ctx * ctx * 4
+    total = weights + activations + RUNTIME_BYTES
+    avail = available if available is not None else psutil.virtual_memory().available
+    fits = total <= 0.9 * avail
+    return {"model": str(path), "architecture": c.arch, "encoder": True, "pooling": c.pooling, "context": ctx,
+            "context_why": "trained (an encoder's position table)" if ctx == c.n_ctx_train else "configured",
+            "kernel_path": "compiled" if compiled else "numpy",
+            "weights_stored_bytes": dict(by_type), "weights_held_bytes": dict(held), "weights_bytes": weights,
+            "activation_bytes": activations, "kv_cache_bytes": 0, "kv_per_sequence_bytes": 0, "kv_types": [],
+            "parallel": 1, "prefix_cache_bytes": 0, "recurrent_state_bytes": 0, "runtime_bytes": RUNTIME_BYTES,
+            "total_bytes": total, "expert_bytes": 0, "non_expert_bytes": weights, "available_bytes": avail,
+            "verdict": "fits" if fits else "too_large",
+            "advice": f"needs {total / 2**30:.2f} GiB of {avail / 2**30:.2f} GiB available" + (
+                "" if fits else "; use a smaller quantization of this model")}

@@ -28,6 +28,7 @@ from .engine import fail, models_app
 from .train import adapters_app, train_app
 from . import eval as cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
 from . import quantize as cli_quantize  # noqa: F401,E402  (adds `kiln models quantize`)
+from . import retrieval as cli_retrieval
 
 app = typer.Typer(name="kiln", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Kiln: a local LLM runtime that keeps crash-isolated workers alive.")
@@ -36,6 +37,8 @@ app.add_typer(debug_app, name="debug")
 app.add_typer(eval_app, name="eval")
 app.add_typer(train_app, name="train")
 app.add_typer(adapters_app, name="adapters")
+app.command("embed")(cli_retrieval.embed)
+app.command("rerank")(cli_retrieval.rerank)
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version

@@ -14,8 +14,8 @@ MAX_ATTEMPTS = 3                  # a request that produced nothing is sent at m
 MODEL_KINDS = ("inference", "moe-stream")
 
 # Ops a front end may name, and how each is routed: to a model's worker, or to a kind's.
-MODEL_OPS = ("generate", "score", "embed", "tokenize", "detokenize", "apply_template", "info", "slots")
-MODEL_RUNS = ("generate", "score", "embed")     # ops that run the model (and take an adapter)
+MODEL_OPS = ("generate", "score", "embed", "rerank", "tokenize", "detokenize", "apply_template", "info", "slots")
+MODEL_RUNS = ("generate", "score", "embed", "rerank")     # ops that run the model (and take an adapter)
 KIND_OPS = {"train.submit": ("trainer", "train_submit"), "train.cancel": ("trainer", "job_cancel"),
             "eval.submit": ("evaluator", "eval_submit"), "eval.register": ("evaluator", "eval_register"),
             "eval.cancel": ("evaluator", "job_cancel")}

@@ -16,7 +16,7 @@ import waitress
 
 from . import (anthropic as anthropic_api, completions_batch, eval_routes as eval_api,
                llama_server as llama_server_api, llama_slots, observe, ollama as ollama_api,
-               openai as openai_api, openai_responses, train_routes as train_api, ui_app)
+               openai as openai_api, openai_responses, rerank, train_routes as train_api, ui_app)
 from .common import JSONError, action_body, bus, error_body
 from .admission import Admission
 from ..core.addresses import check_bind
@@ -167,6 +167,7 @@ def make_app(sup) -> falcon.App:
         dialect.install(app, sup, pipe)
     llama_slots.install(app, pipe)
     completions_batch.install(app, pipe)
+    rerank.install(app, pipe)
     ui_app.install(app, sup)
     train_api.install(app, sup, pipe.read_json)
     eval_api.install(app, sup, pipe.read_json)

@@ -4,6 +4,7 @@ the supervisor — a bus command (`bus`) or a routed op (`routed`, `error_from`)
 from __future__ import annotations
 
 import json
+import os
 import queue
 
 import falcon
@@ -156,3 +157,22 @@ def token_logprobs(chunks: list[dict], ids: bool = False) -> list[dict]:
     return [{**entry(c["piece"], c["logprob"], c.get("token")),
              "top_logprobs": [entry(t, lp, i) for i, lp, t in c["top_logprobs"]]} for c in chunks if "logprob" in c]
 
+
+def real_path(path: str) -> str:
+    """A path compared as the placer compares it: absolute, links not followed (two library
+    names linked to one file are two models, as their owner named them)."""
+    return os.path.abspath(path)
+
+
+def served_file(w: dict) -> str | None:
+    """The file a model worker serves: from its stats once loaded, its spec's model before."""
+    if w["kind"] not in ("inference", "moe-stream"):
+        return None
+    path = (w["stats"] or {}).get("path")
+    if path:
+        return real_path(path)
+    from kiln.native.models.library import ModelNotFound, resolve_model
+    try:
+        return real_path(str(resolve_model(str(w["model"]))))
+    except (ModelNotFound, OSError, ValueError):
+        return None

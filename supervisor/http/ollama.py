@@ -259,9 +259,10 @@ class Ollama:
                 raise bad(f"options.{k}", f"option {k!r} has no effect on embeddings (supported: num_ctx)")
         return self._min_ctx(body)
 
-    def _embed(self, req, body: dict, items: list[str], normalize: bool) -> tuple[list[list[float]], int]:
+    def _embed(self, req, body: dict, items: list[str], normalize: bool,
+               truncate: bool = False) -> tuple[list[list[float]], int]:
         work = {"inputs": items, "model": body["model"], "normalize": normalize, **self._embed_options(body),
-                **keep_alive(body)}
+                **keep_alive(body), **({"truncate": True} if truncate else {})}
         if body.get("dimensions") is not None:
             work["dimensions"] = body["dimensions"]
         import numpy as np
@@ -275,11 +276,11 @@ class Ollama:
         items = [inp] if isinstance(inp, str) else inp
         if not isinstance(items, list) or not items or not all(isinstance(x, str) and x for x in items):
             raise bad("input", "input must be a non-empty string or a list of them")
-        if body.get("truncate") is True:
-            raise bad("truncate", "truncate is not supported: Kiln refuses an input longer than the context "
-                      "instead of cutting it; set truncate: false")
+        truncate = body.get("truncate", True)       # Ollama's default: cut an input to the context
+        if not isinstance(truncate, bool):
+            raise bad("truncate", "truncate must be true or false", "invalid_type")
         t0 = time.perf_counter()
-        vectors, n = self._embed(req, body, items, normalize=True)
+        vectors, n = self._embed(req, body, items, normalize=True, truncate=truncate)
         resp.media = {"model": body["model"], "embeddings": vectors, "total_duration": _ns(time.perf_counter() - t0),
                       "load_duration": 0, "prompt_eval_count": n}
 

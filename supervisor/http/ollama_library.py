@@ -13,7 +13,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .common import JSONError, bus, ndjson
+from .common import JSONError, bus, ndjson, served_file
 from .request_paths import check_model_ref, library_entry
 from .openai_validate import bad
 
@@ -30,6 +30,9 @@ def _resolve(sup, name: str) -> Path:
     from kiln.native.models.library import ModelNotFound, resolve_model
     from ..core.placer import _stem
     check_model_ref(sup, name)
+    for w in bus(sup, "status")["workers"]:          # a served model, by its worker's name (/api/ps)
+        if w["name"] == name and served_file(w):
+            return Path(served_file(w))
     try:
         try:
             return resolve_model(name)
@@ -85,7 +88,7 @@ class OllamaLibrary:
         if not isinstance(name, str) or not name:
             raise bad("model", "model is required")
         from kiln.native.gguf_file import GGUFError, read_gguf
-        from kiln.native.models.inspect import fim_markers
+        from kiln.native.models.inspect import capabilities, fim_markers
         from kiln.native.models import created
         record = created.load(name)
         path = Path(record["path"]) if record else _resolve(self.sup, name)
@@ -101,9 +104,7 @@ class OllamaLibrary:
                 and k != "tokenizer.chat_template"}
         template = g.metadata.get("tokenizer.chat_template") or ""
         fim = fim_markers(g)
-        # tools with any chat template: one that knows none gets them described (native/tool_calls.py)
-        caps = ["completion"] + (["tools"] if template else []) + \
-            (["thinking"] if "<think>" in template else []) + (["insert"] if fim else [])
+        caps = capabilities(g)
         if fim:
             # Ollama's FIM clause, with the layout Kiln gives a `suffix`: how Ollama's clients (Continue)
             # tell that a model fills in the middle — around the model's own chat template

@@ -13,14 +13,13 @@ disconnects cancels its request.
 from __future__ import annotations
 
 import base64
-import os
 import time
 import uuid
 
 import falcon
 import numpy as np
 
-from .common import JSONError, bus
+from .common import JSONError, bus, real_path, served_file
 from .pipeline import Pipeline, WorkerGone, refusal, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
 from .openai_shapes import Answer as AnswerShape
@@ -60,9 +59,9 @@ class OpenAI:
         # still loading, is listed once: as its worker)
         served = {d["id"] for d in data} | {str(d["meta"]["model"] or "").rsplit("/", 1)[-1].removesuffix(".gguf")
                                             for d in data}
-        files = {f for f in map(_served_file, workers) if f}
+        files = {f for f in map(served_file, workers) if f}
         for m in bus(self.sup, "library")["models"]:
-            if m["name"] not in served and _real(m["path"]) not in files:
+            if m["name"] not in served and real_path(m["path"]) not in files:
                 data.append({"id": m["name"], "object": "model", "created": int(m["modified"]), "owned_by": "kiln",
                              "meta": {"model": m["path"], "loaded": False, "size_bytes": m["size_bytes"]}})
         return data
@@ -188,26 +187,6 @@ class OpenAI:
         n = out["usage"]["prompt_tokens"]
         resp.media = {"object": "list", "data": data, "model": body.get("model") or name,
                       "usage": {"prompt_tokens": n, "total_tokens": n}}
-
-
-def _real(path: str) -> str:
-    """A path compared as the placer compares it: absolute, links not followed (two library
-    names linked to one file are two models, as their owner named them)."""
-    return os.path.abspath(path)
-
-
-def _served_file(w: dict) -> str | None:
-    """The file a model worker serves: from its stats once loaded, its spec's model before."""
-    if w["kind"] not in ("inference", "moe-stream"):
-        return None
-    path = (w["stats"] or {}).get("path")
-    if path:
-        return _real(path)
-    from kiln.native.models.library import ModelNotFound, resolve_model
-    try:
-        return _real(str(resolve_model(str(w["model"]))))
-    except (ModelNotFound, OSError, ValueError):
-        return None
 
 
 def install(app: falcon.App, sup, pipe: Pipeline) -> None:

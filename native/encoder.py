@@ -1,0 +1,259 @@
+"""Encoder models — embedders and rerankers of the BERT family — as llama.cpp runs them
+(src/models/bert.cpp, llm_graph_context::build_pooling).
+
+    x = LayerNorm(token_embd[t] + token_types[0] + position_embd[p])
+    per layer:  x = LayerNorm(x + attn(x));  x = LayerNorm(x + down(gelu(up(x))))
+    pooled by the file's pooling type: none, mean, cls (first), last, or rank (the classifier
+    head on the first token: cls_out(tanh(cls x)))
+
+Attention is bidirectional within each input; several inputs run as one forward — their rows
+stacked, every matrix product reads the weights once for all of them, attention kept inside
+each input — so a batch of 32 costs far less than 32 calls. There is no KV cache and no
+generation: an encoder answers embeddings and ranks only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import ggml_round, kernels
+from .arch.base import MAX_CONTEXT, MAX_WIDTH
+from .config import POOLINGS, Keys, check_layer_count, vocab_size
+from .gguf_file import GGUFError, GGUFFile, read_gguf
+from .kernels import matmul, matmul_many
+from .tokenizer import GGUFTokenizer
+
+F32 = np.float32
+ENCODER_ARCHS = ("bert",)
+MAX_BATCH_TOKENS = 8192          # rows of one forward: an activation bound, not a request's
+
+
+def is_encoder(arch: str) -> bool:
+    return arch in ENCODER_ARCHS
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    arch: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_ff: int
+    n_ctx_train: int
+    eps: float
+    n_vocab: int
+    pooling: str
+    n_cls_out: int
+    labels: tuple = ()
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def read_encoder_config(g: GGUFFile) -> EncoderConfig:
+    arch = g.architecture
+    key = Keys(g, arch)
+    n_layer = key("block_count", kind=int, lo=1)
+    check_layer_count(key, n_layer)
+    n_embd = key("embedding_length", kind=int, lo=1, hi=MAX_WIDTH)
+    n_head = key("attention.head_count", kind=int, lo=1, hi=MAX_WIDTH)
+    if n_embd % n_head:
+        key.fail("attention.head_count", n_head, f"must divide embedding_length, {n_embd}")
+    kv = key("attention.head_count_kv", n_head, required=False, kind=int, lo=1, hi=n_head)
+    if kv != n_head:
+        key.fail("attention.head_count_kv", kv, f"an encoder's key heads are its query heads ({n_head})")
+    if key("attention.causal", False, required=False, kind=bool):
+        key.fail("attention.causal", True, "a BERT encoder attends both ways")
+    pooling = key("pooling_type", 1, required=False, kind=int, lo=0, hi=len(POOLINGS) - 1)
+    labels = g.metadata.get(f"{arch}.classifier.output_labels") or []
+    if not isinstance(labels, list) or not all(isinstance(s, str) for s in labels):
+        key.fail("classifier.output_labels", labels, "must be an array of strings")
+    return EncoderConfig(
+        arch=arch, name=str(g.metadata.get("general.name", g.path.stem)), n_layer=n_layer, n_embd=n_embd,
+        n_head=n_head, n_ff=key("feed_forward_length", kind=int, lo=1, hi=MAX_WIDTH),
+        n_ctx_train=key("context_length", kind=int, lo=1, hi=MAX_CONTEXT),
+        eps=key("attention.layer_norm_epsilon", 1e-12, required=False, kind=float, lo=0.0, hi=1.0),
+        n_vocab=vocab_size(key, n_embd), pooling=POOLINGS[pooling], n_cls_out=max(1, len(labels)),
+        labels=tuple(labels))
+
+
+class Encoder:
+    """A loaded encoder: `config`, `tokenizer`, `embed(inputs)`, `rank(inputs)`."""
+
+    kind = "encoder"
+
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None):
+        t0 = time.perf_counter()
+        self.path = Path(path)
+        self.gguf = g = read_gguf(self.path)
+        self.config = c = read_encoder_config(g)
+        self.tokenizer = GGUFTokenizer(g)
+        d, f = c.n_embd, c.n_ff
+        want = {"token_embd.weight": (c.n_vocab, d), "position_embd.weight": (c.n_ctx_train, d),
+                "token_embd_norm.weight": (d,), "token_embd_norm.bias": (d,)}
+        if "token_types.weight" in g.tensors:
+            want["token_types.weight"] = (g.tensor("token_types.weight").shape[0] or 1, d)
+        mats = {}
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                want[p + t + ".weight"], mats[p + t + ".weight"] = (d, d), None
+            want |= {p + "ffn_up.weight": (f, d), p + "ffn_down.weight": (d, f)}
+            mats |= {p + "ffn_up.weight": None, p + "ffn_down.weight": None}
+            for t in ("attn_output_norm", "layer_output_norm"):
+                want |= {p + t + ".weight": (d,), p + t + ".bias": (d,)}
+            for t, n in (("attn_q", d), ("attn_k", d), ("attn_v", d), ("attn_output", d), ("ffn_up", f),
+                         ("ffn_down", d)):
+                if p + t + ".bias" in g.tensors:
+                    want[p + t + ".bias"] = (n,)
+        if c.pooling == "rank":
+            if "cls.weight" in g.tensors:
+                want |= {"cls.weight": (d, d), "cls.bias": (d,)}
+            if "cls.output.weight" in g.tensors:
+                want |= {"cls.output.weight": (c.n_cls_out, d), "cls.output.bias": (c.n_cls_out,)}
+            if "cls.weight" not in want and "cls.output.weight" not in want:
+                raise GGUFError(f"{self.path}: pooling type rank needs a classification head (tensors cls.weight "
+                                f"or cls.output.weight) and the file has none; it is not a reranker")
+        for name, shape in want.items():
+            have = g.tensor(name).shape                     # a missing tensor: named
+            if have != shape:
+                raise GGUFError(f"{self.path}: tensor {name!r} has shape {list(have)}, expected {list(shape)} for "
+                                f"this {c.arch} encoder (embedding {d}, FFN {f}, {c.n_ctx_train} positions, "
+                                f"vocabulary {c.n_vocab}); the file is corrupt")
+        self.w = kernels.load_weights(g, ["token_embd.weight", *mats], threads or min(4, os.cpu_count() or 1))
+        self.v = {n: kernels.load_vector(g, n) for n in want if n not in self.w}
+        # the rank head's matrices: F32 ones in ggml's one-row order (numpy), the others as weights
+        self.head = {n: None if g.tensor(n + ".weight").type == 0 else kernels.load_weights(g, [n + ".weight"])[n + ".weight"]
+                     for n in ("cls", "cls.output") if n + ".weight" in want}
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.w.values()) + sum(a.nbytes for a in self.v.values())
+
+    def _bias(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x plus the bias `name` if the file has one (in place: x is a product's fresh output)."""
+        b = self.v.get(name)
+        if b is not None:
+            x += b
+        return x
+
+    def _project(self, x: np.ndarray, name: str) -> np.ndarray:
+        return self._bias(matmul(x, self.w[name + ".weight"]), name + ".bias")
+
+    def hidden(self, inputs: list[list[int]]) -> list[np.ndarray]:
+        """The last layer's states (n_i, n_embd) of each input, all inputs in one forward."""
+        c = self.config
+        for ids in inputs:
+            if not ids or len(ids) > c.n_ctx_train or not all(0 <= t < c.n_vocab for t in ids):
+                raise ValueError(f"an input must have 1..{c.n_ctx_train} token ids in 0..{c.n_vocab - 1}")
+        bounds = np.cumsum([0] + [len(ids) for ids in inputs])
+        tokens = np.fromiter((t for ids in inputs for t in ids), np.int64, int(bounds[-1]))
+        positions = np.concatenate([np.arange(len(ids)) for ids in inputs])
+        x = self.w["token_embd.weight"].rows(tokens)
+        if "token_types.weight" in self.v:              # llama.cpp feeds type 0 ("sentence A") only
+            x = x + self.v["token_types.weight"][0]
+        x = self.v["position_embd.weight"][positions] + x
+        x = kernels.layer_norm(x, self.v["token_embd_norm.weight"], self.v["token_embd_norm.bias"], c.eps)
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            q, k, v = (self._bias(y, p + t + ".bias") for y, t in zip(
+                matmul_many(x, [self.w[p + t + ".weight"] for t in ("attn_q", "attn_k", "attn_v")]),
+                ("attn_q", "attn_k", "attn_v")))
+            a = np.empty_like(q)
+            for s, e in zip(bounds[:-1], bounds[1:]):
+                a[s:e] = self._attend(q[s:e], k[s:e], v[s:e])
+            x = kernels.layer_norm(self._project(a, p + "attn_output") + x, self.v[p + "attn_output_norm.weight"],
+                           self.v[p + "attn_output_norm.bias"], c.eps)
+            h = self._project(kernels.gelu(self._project(x, p + "ffn_up")), p + "ffn_down")
+            x = kernels.layer_norm(h + x, self.v[p + "layer_output_norm.weight"], self.v[p + "layer_output_norm.bias"], c.eps)
+        return [x[s:e] for s, e in zip(bounds[:-1], bounds[1:])]
+
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Attention within one input: in C as llama.cpp computes it (its bits), else in numpy."""
+        c = self.config
+        n, H, d = len(q), c.n_head, c.head_dim
+        out = kernels.encoder_attention(q, k, v, H, F32(1) / np.sqrt(F32(d)))   # 1.0f/sqrtf, as llama.cpp
+        if out is not None:
+            return out
+        qh, kh, vh = (m.reshape(n, H, d).transpose(1, 0, 2) for m in (q, k, v))
+        s = np.matmul(qh, kh.transpose(0, 2, 1)) * F32(1.0 / np.sqrt(d))
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s *= F32(1) / s.sum(axis=-1, keepdims=True)
+        return np.matmul(s, vh).transpose(1, 0, 2).reshape(n, H * d)
+
+    def pooled(self, inputs: list[list[int]], pooling: str | None = None) -> list[np.ndarray]:
+        """Each input pooled by `pooling` (default the file's): (n_embd,), or (n_i, n_embd) for
+        none, or (n_cls_out,) for rank. Inputs run in forwards of at most MAX_BATCH_TOKENS rows."""
+        pooling = pooling or self.config.pooling
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r}: one of {', '.join(POOLINGS)}")
+        if pooling == "rank" and self.config.pooling != "rank":
+            raise ValueError(f"{self.path.name} has no classification head: it embeds, it does not rank")
+        out: list[np.ndarray] = []
+        for group in _groups(inputs, MAX_BATCH_TOKENS):
+            for h in self.hidden(group):
+                out.append(self._pool(h, pooling))
+        return out
+
+    def _pool(self, h: np.ndarray, pooling: str) -> np.ndarray:
+        if pooling == "none":
+            return h
+        if pooling == "mean":
+            return (h.astype(np.float64).sum(axis=0) / len(h)).astype(F32)
+        if pooling == "last":
+            return h[-1]
+        x = h[0]
+        if pooling == "cls":
+            return x
+        if "cls.weight" in self.v:                   # one row: ggml_vec_dot_f32, tanhf
+            x = ggml_round.libm_tanhf(self._head(x, "cls"))
+        if "cls.output.weight" in self.v:
+            x = self._head(x, "cls.output")
+        return x
+
+    def _head(self, x: np.ndarray, name: str) -> np.ndarray:
+        """The classification head's product for one row, as ggml multiplies it: F32 weights by
+        ggml_vec_dot_f32; others by the kernels (a one-row product, as llama.cpp's)."""
+        w = self.head[name]
+        y = ggml_round.vec_dot_f32(self.v[name + ".weight"], x) if w is None else matmul(x[None], w)[0]
+        return (y + self.v[name + ".bias"]).astype(F32)
+
+    def rank_prompt(self, query: list[int], document: list[int]) -> list[int]:
+        """llama-server's rerank input without a rerank template (format_prompt_rerank): BOS,
+        the query, EOS if the vocabulary adds one, SEP, the document, EOS."""
+        sp, tok = self.tokenizer.special, self.tokenizer
+        eos = sp.eos if sp.eos is not None else tok.sep
+        ids = [sp.bos] if sp.add_bos and sp.bos is not None else []
+        ids += query + ([eos] if sp.add_eos and eos is not None else [])
+        ids += [tok.sep] if tok.sep is not None else []
+        return ids + document + ([eos] if sp.add_eos and eos is not None else [])
+
+
+def _groups(inputs: list[list[int]], budget: int):
+    group, rows = [], 0
+    for ids in inputs:
+        if group and rows + len(ids) > budget:
+            yield group
+            group, rows = [], 0
+        group.append(ids)
+        rows += len(ids)
+    if group:
+        yield group
+
+
+def load_encoder(path: str | os.PathLike, **kw) -> Encoder:
+    try:
+        return Encoder(path, **kw)
+    except (OSError, ValueError) as e:
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"{path}: cannot load model: {e}") from e

@@ -1,0 +1,144 @@
+"""Encoder models against llama.cpp (tests/tools/make_tiny_bert.py made the references with
+llama-cpp-python's `embed`): BERT's WordPiece tokens, its embeddings under every pooling, the
+reranker's scores, a chat model's mean and last-token pooling; inputs batched into one forward
+give what each gives alone; a hostile encoder file is refused naming what is wrong."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFWriter
+
+from conftest import DATA
+from kiln.native.encoder import load_encoder
+from kiln.native.generate import embed
+from kiln.native.gguf_file import GGUFError
+from kiln.native.model import load_model
+from kiln.native.models.inspect import capabilities, inspect_model
+from kiln.native.models.plan import plan
+from kiln.native.gguf_file import read_gguf
+
+TINY = DATA / "tiny"
+REF = json.loads((TINY / "tiny-bert.json").read_text())
+NPZ = np.load(TINY / "tiny-bert.npz")
+RANKS = json.loads((TINY / "tiny-bert-rerank.json").read_text())
+
+
+def cosine(a, b) -> float:
+    a, b = np.ravel(a).astype(np.float64), np.ravel(b).astype(np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return load_encoder(TINY / "tiny-bert.gguf")
+
+
+@pytest.fixture(scope="module")
+def reranker():
+    return load_encoder(TINY / "tiny-bert-rerank.gguf")
+
+
+def test_wordpiece_tokens_are_llama_cpps(embedder):
+    tok = embedder.tokenizer
+    for case in REF["tokenize"]:
+        assert tok.encode(case["text"], special=False) == case["ids"], case["text"]
+        assert tok.encode(case["text"], special=True) == case["ids_special"], case["text"]
+        assert tok.encode(case["text"], special=False, add_bos=False) == case["ids_bare"], case["text"]
+    unk = tok.id_of("[UNK]")
+    assert unk in REF["tokenize"][8]["ids"]                     # a glyph no piece covers: its word is [UNK]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last", "none"])
+def test_embeddings_meet_llama_cpp_under_every_pooling(embedder, pooling):
+    inputs = [case["ids"] for case in REF["tokenize"]]
+    for i, got in enumerate(embedder.pooled(inputs, pooling)):
+        want = NPZ[f"{pooling}_{i}"]
+        assert got.shape == want.shape
+        rows = zip(got, want) if pooling == "none" else [(got, want)]
+        assert min(cosine(g, w) for g, w in rows) >= 0.9999, (pooling, i)
+        assert np.abs(got - want).max() < 5e-3
+
+
+def test_inputs_in_one_forward_give_what_each_gives_alone(embedder):
+    inputs = [case["ids"] for case in REF["tokenize"]]
+    together = embedder.pooled(inputs)
+    for ids, v in zip(inputs, together):
+        assert np.array_equal(embedder.pooled([ids])[0], v)
+
+
+def test_rerank_scores_and_order_are_llama_cpps(reranker):
+    tok = reranker.tokenizer
+    for pair in RANKS["pairs"]:
+        query = tok.encode(pair["query"], special=False, add_bos=False)
+        prompts = [reranker.rank_prompt(query, tok.encode(d, special=False, add_bos=False)) for d in pair["documents"]]
+        assert prompts == pair["ids"]                     # llama-server's [CLS] query [SEP] document
+        scores = [float(s[0]) for s in reranker.pooled(prompts)]
+        assert np.abs(np.array(scores) - pair["scores"]).max() <= 1e-4, (scores, pair["scores"])
+        assert np.argsort(scores).tolist() == np.argsort(pair["scores"]).tolist()
+
+
+def test_a_chat_model_pools_by_mean_or_last_token_as_llama_cpp():
+    m = load_model(TINY / "tiny-qwen3.gguf")
+    for pooling in ("mean", "last"):
+        for i in range(4):
+            ids = [int(t) for t in NPZ[f"qwen3_ids_{i}"]]
+            got = embed(m, ids, normalize=False, pooling=pooling)
+            assert cosine(got, NPZ[f"qwen3_{pooling}_{i}"]) >= 0.99999
+
+
+def test_capabilities_plan_and_inspect_say_what_an_encoder_is():
+    assert capabilities(read_gguf(TINY / "tiny-bert.gguf")) == ["embedding"]
+    assert capabilities(read_gguf(TINY / "tiny-bert-rerank.gguf")) == ["rerank"]
+    assert capabilities(read_gguf(TINY / "tiny-llama.gguf"))[:2] == ["completion", "tools"]
+    info = inspect_model(TINY / "tiny-bert-rerank.gguf")
+    assert (info["architecture"], info["pooling"], info["memory"]["kv_cache_bytes"]) == ("bert", "rank", 0)
+    p = plan(TINY / "tiny-bert.gguf", available=2**30)
+    assert p["verdict"] == "fits" and p["kv_cache_bytes"] == 0 and p["context"] == 128
+
+
+def _rewrite(src, dst, *, drop=(), meta=None):
+    """A copy of an encoder GGUF without tensors `drop` and with metadata `meta` changed."""
+    r = GGUFReader(src)
+    w = GGUFWriter(str(dst), "bert")
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        v = (meta or {}).get(k, f.contents())
+        if k == "tokenizer.ggml.token_type":
+            w.add_token_types(v)
+        elif f.types[0].name == "ARRAY":
+            w.add_array(k, v)
+        else:
+            w.add_key_value(k, v, f.types[0])
+    for t in r.tensors:
+        if t.name not in drop:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("drop, meta, words", [
+    (("blk.1.ffn_up.weight",), None, "blk.1.ffn_up.weight"),
+    ((), {"bert.attention.head_count": 3}, "must divide embedding_length"),
+    ((), {"bert.block_count": 9}, "the file holds layers 0..2"),
+    ((), {"bert.pooling_type": 9}, "bert.pooling_type = 9"),
+    (("cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias"), None, "needs a classification head"),
+])
+def test_a_hostile_encoder_is_refused_naming_what_is_wrong(tmp_path, drop, meta, words):
+    out = tmp_path / "bad.gguf"
+    _rewrite(TINY / "tiny-bert-rerank.gguf", out, drop=drop, meta=meta)
+    with pytest.raises(GGUFError, match=words.replace(".", r"\.")):
+        load_encoder(out)
+
+
+def test_an_encoder_refuses_inputs_it_cannot_hold(embedder, tmp_path):
+    with pytest.raises(ValueError, match="1..128 token ids"):
+        embedder.pooled([[2] * 129])
+    with pytest.raises(ValueError, match="no classification head"):
+        embedder.pooled([[2, 3]], "rank")
+    shutil.copy(TINY / "tiny-bert.gguf", tmp_path / "copy.gguf")
+    assert load_encoder(tmp_path / "copy.gguf").config.pooling == "mean"

@@ -1,0 +1,115 @@
+"""Embedders and rerankers served by a real daemon: /v1/embeddings and Ollama's /api/embed on a
+BERT embedder (dimensions, truncate), /v1/rerank and its aliases in llama-server's (Jina/Cohere)
+and TEI's shapes, `kiln rerank`, /api/show's capabilities; what an encoder cannot do is a 400
+naming it, and the worker keeps serving."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import DATA
+from daemon_harness import Daemon, http_json, kiln
+from kiln.native.encoder import load_encoder
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+TINY = DATA / "tiny"
+RANKS = json.loads((TINY / "tiny-bert-rerank.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    home = tmp_path_factory.mktemp("retrieval")
+    with Daemon(home, {"embedder": {"kind": "inference", "model": str(TINY / "tiny-bert.gguf")},
+                       "reranker": {"kind": "inference", "model": str(TINY / "tiny-bert-rerank.gguf")}}) as d:
+        d.wait(lambda st: all(w["worker_state"] == "ready" for w in st["workers"]), timeout=60, what="models loaded")
+        yield d
+
+
+@pytest.fixture(scope="module")
+def local():
+    return load_encoder(TINY / "tiny-bert.gguf")
+
+
+def test_openai_embeddings_from_a_bert_embedder(served, local):
+    texts = ["Hello world", "What is the capital of France?", "Kiln bakes clay pottery"]
+    status, out = http_json(served, "POST", "/v1/embeddings", {"model": "embedder", "input": texts})
+    assert status == 200, out
+    got = np.array([d["embedding"] for d in out["data"]], np.float32)
+    want = np.array(local.pooled([local.tokenizer.encode(t, special=False) for t in texts]))
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    assert np.allclose(got, want, atol=1e-6) and out["usage"]["prompt_tokens"] == sum(
+        len(local.tokenizer.encode(t, special=False)) for t in texts)
+    status, short = http_json(served, "POST", "/v1/embeddings", {"model": "embedder", "input": texts[0], "dimensions": 16})
+    v = np.array(short["data"][0]["embedding"])
+    assert status == 200 and len(v) == 16 and abs(np.linalg.norm(v) - 1) < 1e-5       # cut, then normalised
+    assert np.allclose(v, want[0][:16] / np.linalg.norm(want[0][:16]), atol=1e-6)
+    status, err = http_json(served, "POST", "/v1/embeddings", {"model": "embedder", "input": "x", "dimensions": 65})
+    assert status == 400 and "64-dimensional" in err["error"]["message"]
+
+
+def test_ollama_embed_cuts_a_long_input_unless_told_not_to(served, local):
+    long = " ".join(["the cat sat on the mat"] * 40)          # 242 tokens; the context holds 128
+    status, out = http_json(served, "POST", "/api/embed", {"model": "embedder", "input": [long, "hello"]})
+    assert status == 200 and out["prompt_eval_count"] == 128 + 3, out
+    ids = local.tokenizer.encode(long, special=False)
+    want = local.pooled([ids[:127] + [ids[-1]]])[0]           # cut to the context, its [SEP] kept
+    assert np.allclose(out["embeddings"][0], want / np.linalg.norm(want), atol=1e-6)
+    status, err = http_json(served, "POST", "/api/embed", {"model": "embedder", "input": long, "truncate": False})
+    assert status == 400 and "the context holds 128" in err["error"], err
+
+
+def test_rerank_in_llama_servers_shape_sorted_with_top_n(served):
+    pair = RANKS["pairs"][0]
+    body = {"model": "reranker", "query": pair["query"], "documents": pair["documents"]}
+    status, out = http_json(served, "POST", "/v1/rerank", body)
+    assert status == 200, out
+    order = sorted(range(len(pair["scores"])), key=lambda i: -pair["scores"][i])
+    assert [r["index"] for r in out["results"]] == order
+    assert all(abs(r["relevance_score"] - pair["scores"][r["index"]]) <= 1e-4 for r in out["results"])
+    assert out["usage"]["prompt_tokens"] == sum(map(len, pair["ids"])) and out["object"] == "list"
+    for path in ("/rerank", "/v1/reranking", "/reranking"):
+        status, again = http_json(served, "POST", path, {**body, "top_n": 2, "return_documents": True})
+        assert status == 200 and [r["index"] for r in again["results"]] == order[:2]
+        assert again["results"][0]["document"] == {"text": pair["documents"][order[0]]}
+    status, tei = http_json(served, "POST", "/rerank", {"model": "reranker", "query": pair["query"],
+                                                         "texts": [{"text": d} for d in pair["documents"]],
+                                                         "return_text": True})
+    assert status == 200 and [(r["index"], r["text"]) for r in tei] == [(i, pair["documents"][i]) for i in order]
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"documents": ["a"]}, "query", "query is required"),
+    ({"query": "q", "documents": []}, "documents", "non-empty array"),
+    ({"query": "q", "documents": ["a", 3]}, "documents[1]", "must be a string"),
+    ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n", "out of range"),
+    ({"query": "q", "documents": ["a"], "return_documents": "yes"}, "return_documents", "true or false"),
+    ({"query": "q", "documents": ["a"], "rank_fields": ["x"]}, "rank_fields", "unsupported field"),
+])
+def test_a_malformed_rerank_body_is_a_400_naming_the_field(served, body, field, words):
+    status, out = http_json(served, "POST", "/v1/rerank", {"model": "reranker", **body})
+    assert status == 400 and out["error"]["param"] == field and words in out["error"]["message"], out
+
+
+def test_what_an_encoder_cannot_do_is_a_400_and_it_keeps_serving(served):
+    pids = [w["pid"] for w in served.status()["workers"]]
+    for model, path, body, words in (
+            ("embedder", "/v1/rerank", {"query": "q", "documents": ["a"]}, "not a reranker"),
+            ("reranker", "/v1/embeddings", {"input": "hello"}, "is a reranker"),
+            ("embedder", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "cannot generate"),
+            ("embedder", "/v1/completions", {"prompt": "hi"}, "cannot generate")):
+        status, out = http_json(served, "POST", path, {"model": model, **body})
+        assert status == 400 and words in json.dumps(out), (path, out)
+    st = served.status()
+    assert [w["pid"] for w in st["workers"]] == pids and all(w["restarts"] == 0 for w in st["workers"])
+
+
+def test_capabilities_in_api_show_and_kiln_rerank(served):
+    for model, caps in (("embedder", ["embedding"]), ("reranker", ["rerank"])):
+        status, out = http_json(served, "POST", "/api/show", {"model": model})
+        assert status == 200 and out["capabilities"] == caps, out
+    pair = RANKS["pairs"][1]
+    r = kiln(served.home, "rerank", pair["query"], *pair["documents"], "--model", "reranker", "--json")
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -pair["scores"][i])

@@ -1,0 +1,112 @@
+"""The embed and rerank ops of an inference worker (mixed into InferenceWorker).
+
+An encoder (native/encoder.py: BERT-family embedders and rerankers) pools as its file says and
+runs all of a request's inputs in one forward; a chat model embeds by its file's pooling too
+(`<arch>.pooling_type`: Qwen3-Embedding's last token) or, when the file names none, by the mean of
+its final hidden states, one input at a time. `dimensions` shortens a vector to its first
+components and normalises again (Matryoshka models, as Ollama and OpenAI do); `truncate` cuts an
+input to the context instead of refusing it (Ollama's /api/embed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.native.encoder import Encoder
+from kiln.native.generate import embed as decoder_embed
+
+from .worker import OpError, op
+
+
+def _normalized(v: np.ndarray) -> np.ndarray:
+    norm = float(np.linalg.norm(v.astype(np.float64)))
+    return (v / norm).astype(np.float32) if norm > 0 else v
+
+
+class EmbeddingOps:
+    """Needs `self.model`, `self.n_ctx`, `self._bounded`, `self._adapter`, `self.scheduler`."""
+
+    def _inputs(self, items: list, truncate: bool, what: str = "input") -> list[list[int]]:
+        tok = self.model.tokenizer
+        out = []
+        for i, x in enumerate(items):
+            if isinstance(x, str):      # (a text to be cut is tokenized whole: the body's size bounds it)
+                ids = tok.encode(x, special=False) if truncate else \
+                    self._bounded(tok.encode, x, special=False, what=f"{what}[{i}]")
+            else:
+                ids = x
+            if not ids or not all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids):
+                raise OpError("bad_request", f"{what}[{i}] is empty or has token ids outside [0, {tok.vocab_size})")
+            if len(ids) > self.n_ctx:
+                if not truncate:
+                    raise OpError("context_length_exceeded", f"{what}[{i}] has {len(ids)} tokens; the context holds "
+                                                             f"{self.n_ctx}")
+                sep = getattr(tok, "sep", None)         # an encoder's input keeps its closing [SEP]
+                ids = ids[:self.n_ctx - 1] + [ids[-1]] if sep is not None and ids[-1] == sep else ids[:self.n_ctx]
+            out.append(ids)
+        return out
+
+    def _pooling(self) -> str:
+        if isinstance(self.model, Encoder):
+            return self.model.config.pooling
+        return self.model.config.pooling or "mean"
+
+    @op("embed")
+    def embed(self, req):
+        """Embeddings of several inputs (texts or token ids), float32 bytes each, normalised
+        unless `normalize` is false. One op for the whole batch; a chat model is taken between
+        decode steps."""
+        b = req.body
+        name, n_embd = self.model.path.stem, self.model.config.n_embd
+        pooling = self._pooling()
+        if pooling == "rank":
+            raise OpError("bad_request", f"{name} is a reranker (its pooling is rank): it scores query-document pairs "
+                                         f"and gives no embeddings; use /v1/rerank")
+        if pooling == "none":
+            raise OpError("bad_request", f"{name} pools nothing (pooling_type none): its embeddings are one per "
+                                         f"token, which these routes do not return")
+        dims = b.get("dimensions")
+        if dims is not None and not 1 <= dims <= n_embd:
+            raise OpError("bad_request", f"dimensions = {dims}: {name} gives {n_embd}-dimensional embeddings; "
+                                         f"dimensions may shorten them (1..{n_embd}), not lengthen them")
+        normalize = b.get("normalize", True)            # a bool: protocol/ops.py checks it
+        prompts = self._inputs(b["inputs"], bool(b.get("truncate")))
+        if isinstance(self.model, Encoder):
+            if b.get("adapter"):
+                raise OpError("bad_request", f"{name} is an encoder: LoRA adapters apply to chat models")
+            vectors = self.model.pooled(prompts)
+        else:
+            adapter = self._adapter(b)
+            vectors = []
+            for ids in prompts:
+                if req.cancelled():
+                    raise OpError("cancelled", "the request was cancelled")
+                with self.scheduler.model_lock:
+                    vectors.append(decoder_embed(self.model, ids, adapter=adapter, normalize=False, pooling=pooling))
+        out = []
+        for v in vectors:
+            v = v[:dims] if dims else v
+            out.append((_normalized(v) if normalize else v).astype("<f4").tobytes())
+        return {"embeddings": out, "dim": dims or n_embd, "usage": {"prompt_tokens": sum(map(len, prompts))}}
+
+    @op("rerank")
+    def rerank(self, req):
+        """A relevance score for each document against the query, in the documents' order: the
+        rank head on llama-server's rerank prompt ([CLS] query [SEP] document), all pairs in one
+        forward."""
+        b = req.body
+        name = self.model.path.stem
+        if not isinstance(self.model, Encoder) or self.model.config.pooling != "rank":
+            raise OpError("bad_request", f"{name} is not a reranker (its pooling is {self._pooling()}, not rank); "
+                                         f"load a reranking model such as bge-reranker")
+        tok = self.model.tokenizer
+        query = self._bounded(tok.encode, b["query"], special=False, add_bos=False, what="query")
+        docs = [self._bounded(tok.encode, d, special=False, add_bos=False, what=f"documents[{i}]")
+                for i, d in enumerate(b["documents"])]
+        prompts = [self.model.rank_prompt(query, d) for d in docs]
+        for i, p in enumerate(prompts):
+            if len(p) > self.n_ctx:
+                raise OpError("context_length_exceeded", f"the query and documents[{i}] take {len(p)} tokens; the "
+                                                         f"context holds {self.n_ctx}")
+        scores = [float(s[0]) for s in self.model.pooled(prompts)]
+        return {"scores": scores, "usage": {"prompt_tokens": sum(map(len, prompts))}}
