@@ -189,8 +189,12 @@ def test_embeddings_two_strings_float_and_base64(client, served):
     assert np.array_equal(np.frombuffer(base64.b64decode(b64.data[0].embedding), "<f4"), a)
     near = client.embeddings.create(model="default", input="A cat was sitting on the mat.").data[0].embedding
     assert float(a @ np.array(near, np.float32)) > float(a @ b)
+    short = np.array(client.embeddings.create(model="default", input="The cat sat on the mat.",
+                                              dimensions=64).data[0].embedding, np.float32)
+    assert short.shape == (64,) and abs(np.linalg.norm(short) - 1) < 1e-5           # cut, then normalised
+    assert np.allclose(short, a[:64] / np.linalg.norm(a[:64]), atol=1e-6)
     with pytest.raises(openai.BadRequestError) as e:
-        client.embeddings.create(model="default", input="x", dimensions=64)
+        client.embeddings.create(model="default", input="x", dimensions=577)
     assert "576" in e.value.body["message"]
 
 

@@ -52,10 +52,10 @@ def test_default_model_matches_llama_cpp(default_model, default_model_path, kern
 
 
 def _numpy_share(kernel_path: str) -> dict:
-    """The numpy path checks the prompts of up to 20 tokens (2 of 4: 5 and 18 tokens) and 8 greedy
-    tokens of each (everything takes it 50 s a model, these 8 s); the compiled path checks
+    """The numpy path checks the prompts of up to 20 tokens (2 of 4: 5 and 18 tokens) and 4 greedy
+    tokens of each (everything takes it 50 s a model, these 6 s); the compiled path checks
     everything."""
-    return {"max_greedy": 8, "max_prompt": 20} if kernel_path == "numpy" else {}
+    return {"max_greedy": 4, "max_prompt": 20} if kernel_path == "numpy" else {}
 
 
 @pytest.mark.slow
@@ -115,8 +115,11 @@ def test_prompt_logits_are_llama_cpps_bits(name, kernel_path, request):
     path = tiny_path(name.split("tiny-")[1]) if name.startswith("tiny/") else request.getfixturevalue(MODEL_FIXTURE[name])
     ref, _ = reference(name)
     model = load_model(path)
+    # the numpy path's ggml-exact attention is quadratic in numpy: a long prompt's first 512
+    # positions (a causal model's logits there do not depend on what follows)
+    cut = 512 if kernel_path == "numpy" else None
     for i, p in enumerate(ref["prompts"]):
-        logits = model.forward(p["ids"], model.new_cache(len(p["ids"]) + 1), all_logits=True)
+        logits = model.forward(p["ids"][:cut], model.new_cache(len(p["ids"]) + 1), all_logits=True)
         for j, (row, pos) in enumerate(zip(logits, p["positions"])):
             want = np.array(pos["top_logits"], np.float32)
             assert np.array_equal(row[pos["top_ids"]], want), \

@@ -65,7 +65,7 @@ def test_a_request_right_after_a_sigkill_is_answered_200_five_times_in_a_row(ser
 
 def test_eight_streaming_clients_survive_a_sigkill_every_six_seconds(served):
     ready(served)
-    r = run_chaos(served, clients=8, seconds=17, kill_every=6, tokens=40)
+    r = run_chaos(served, clients=8, seconds=15, kill_every=6, tokens=40)
     assert r["daemon_alive"] and not r["fatal"], r
     assert r["kills"] >= 2, r
     assert r["streams_without_done"] == 0 and r["cut_streams_missing_error_event"] == 0, r
