@@ -3,6 +3,10 @@
 
     x = LayerNorm(token_embd[t] + token_types[0] + position_embd[p])
     per layer:  x = LayerNorm(x + attn(x));  x = LayerNorm(x + down(gelu(up(x))))
+
+nomic-bert (nomic-embed-text) is the same skeleton with rotary positions (neox) in place of the
+position table, a fused q|k|v, and a SwiGLU FFN without biases (llama.cpp runs both through one
+graph).
     pooled by the file's pooling type: none, mean, cls (first), last, or rank (the classifier
     head on the first token: cls_out(tanh(cls x)))
 
@@ -25,11 +29,12 @@ from . import ggml_round, kernels
 from .arch.base import MAX_CONTEXT, MAX_WIDTH
 from .config import POOLINGS, Keys, check_layer_count, vocab_size
 from .gguf_file import GGUFError, GGUFFile, read_gguf
+from .blocks import apply_rope, rope_tables, swiglu_ffn
 from .kernels import matmul, matmul_many
 from .tokenizer import GGUFTokenizer
 
 F32 = np.float32
-ENCODER_ARCHS = ("bert",)
+ENCODER_ARCHS = ("bert", "nomic-bert")
 MAX_BATCH_TOKENS = 8192          # rows of one forward: an activation bound, not a request's
 
 
@@ -51,6 +56,7 @@ class EncoderConfig:
     pooling: str
     n_cls_out: int
     labels: tuple = ()
+    rope_base: float = 0.0          # nomic-bert's rotary positions (0: a learned position table)
 
     @property
     def head_dim(self) -> int:
@@ -81,7 +87,9 @@ def read_encoder_config(g: GGUFFile) -> EncoderConfig:
         n_ctx_train=key("context_length", kind=int, lo=1, hi=MAX_CONTEXT),
         eps=key("attention.layer_norm_epsilon", 1e-12, required=False, kind=float, lo=0.0, hi=1.0),
         n_vocab=vocab_size(key, n_embd), pooling=POOLINGS[pooling], n_cls_out=max(1, len(labels)),
-        labels=tuple(labels))
+        labels=tuple(labels),
+        rope_base=key("rope.freq_base", 10000.0, required=False, kind=float, lo=1.0, hi=1e15) if arch == "nomic-bert"
+        else 0.0)
 
 
 class Encoder:
@@ -95,25 +103,9 @@ class Encoder:
         self.gguf = g = read_gguf(self.path)
         self.config = c = read_encoder_config(g)
         self.tokenizer = GGUFTokenizer(g)
-        d, f = c.n_embd, c.n_ff
-        want = {"token_embd.weight": (c.n_vocab, d), "position_embd.weight": (c.n_ctx_train, d),
-                "token_embd_norm.weight": (d,), "token_embd_norm.bias": (d,)}
-        if "token_types.weight" in g.tensors:
-            want["token_types.weight"] = (g.tensor("token_types.weight").shape[0] or 1, d)
-        mats = {}
-        for i in range(c.n_layer):
-            p = f"blk.{i}."
-            for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
-                want[p + t + ".weight"], mats[p + t + ".weight"] = (d, d), None
-            want |= {p + "ffn_up.weight": (f, d), p + "ffn_down.weight": (d, f)}
-            mats |= {p + "ffn_up.weight": None, p + "ffn_down.weight": None}
-            for t in ("attn_output_norm", "layer_output_norm"):
-                want |= {p + t + ".weight": (d,), p + t + ".bias": (d,)}
-            for t, n in (("attn_q", d), ("attn_k", d), ("attn_v", d), ("attn_output", d), ("ffn_up", f),
-                         ("ffn_down", d)):
-                if p + t + ".bias" in g.tensors:
-                    want[p + t + ".bias"] = (n,)
+        want, mats = _tensors(g, c)
         if c.pooling == "rank":
+            d = c.n_embd
             if "cls.weight" in g.tensors:
                 want |= {"cls.weight": (d, d), "cls.bias": (d,)}
             if "cls.output.weight" in g.tensors:
@@ -125,9 +117,10 @@ class Encoder:
             have = g.tensor(name).shape                     # a missing tensor: named
             if have != shape:
                 raise GGUFError(f"{self.path}: tensor {name!r} has shape {list(have)}, expected {list(shape)} for "
-                                f"this {c.arch} encoder (embedding {d}, FFN {f}, {c.n_ctx_train} positions, "
+                                f"this {c.arch} encoder (embedding {c.n_embd}, FFN {c.n_ff}, {c.n_ctx_train} positions, "
                                 f"vocabulary {c.n_vocab}); the file is corrupt")
         self.w = kernels.load_weights(g, ["token_embd.weight", *mats], threads or min(4, os.cpu_count() or 1))
+        self.fused_qkv = "blk.0.attn_qkv.weight" in self.w
         self.v = {n: kernels.load_vector(g, n) for n in want if n not in self.w}
         # the rank head's matrices: F32 ones in ggml's one-row order (numpy), the others as weights
         self.head = {n: None if g.tensor(n + ".weight").type == 0 else kernels.load_weights(g, [n + ".weight"])[n + ".weight"]
@@ -160,21 +153,44 @@ class Encoder:
         x = self.w["token_embd.weight"].rows(tokens)
         if "token_types.weight" in self.v:              # llama.cpp feeds type 0 ("sentence A") only
             x = x + self.v["token_types.weight"][0]
-        x = self.v["position_embd.weight"][positions] + x
+        if not c.rope_base:
+            x = self.v["position_embd.weight"][positions] + x
         x = kernels.layer_norm(x, self.v["token_embd_norm.weight"], self.v["token_embd_norm.bias"], c.eps)
+        rope = rope_tables(positions, c.head_dim, c.rope_base, 1.0) if c.rope_base else None
         for i in range(c.n_layer):
             p = f"blk.{i}."
-            q, k, v = (self._bias(y, p + t + ".bias") for y, t in zip(
-                matmul_many(x, [self.w[p + t + ".weight"] for t in ("attn_q", "attn_k", "attn_v")]),
-                ("attn_q", "attn_k", "attn_v")))
+            q, k, v = self._qkv(x, p, rope)
             a = np.empty_like(q)
             for s, e in zip(bounds[:-1], bounds[1:]):
                 a[s:e] = self._attend(q[s:e], k[s:e], v[s:e])
             x = kernels.layer_norm(self._project(a, p + "attn_output") + x, self.v[p + "attn_output_norm.weight"],
-                           self.v[p + "attn_output_norm.bias"], c.eps)
-            h = self._project(kernels.gelu(self._project(x, p + "ffn_up")), p + "ffn_down")
-            x = kernels.layer_norm(h + x, self.v[p + "layer_output_norm.weight"], self.v[p + "layer_output_norm.bias"], c.eps)
+                                   self.v[p + "attn_output_norm.bias"], c.eps)
+            if c.rope_base:                               # nomic: SwiGLU, no biases (llama.cpp passes none)
+                h = swiglu_ffn(x, self.w[p + "ffn_gate.weight"], self.w[p + "ffn_up.weight"], self.w[p + "ffn_down.weight"])
+            else:
+                h = self._project(kernels.gelu(self._project(x, p + "ffn_up")), p + "ffn_down")
+            x = kernels.layer_norm(h + x, self.v[p + "layer_output_norm.weight"], self.v[p + "layer_output_norm.bias"],
+                                   c.eps)
         return [x[s:e] for s, e in zip(bounds[:-1], bounds[1:])]
+
+    def _qkv(self, x: np.ndarray, p: str, rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Queries, keys and values of layer p: from a fused q|k|v (plus its bias, or the three
+        biases of a legacy file) or three products; rotated when the model has rotary positions."""
+        d = self.config.n_embd
+        if self.fused_qkv:
+            y = self._bias(matmul(x, self.w[p + "attn_qkv.weight"]), p + "attn_qkv.bias")
+            q, k, v = (np.ascontiguousarray(y[:, j * d:(j + 1) * d]) for j in range(3))
+            if p + "attn_qkv.bias" not in self.v:
+                q, k, v = (self._bias(m, p + t + ".bias") for m, t in zip((q, k, v), ("attn_q", "attn_k", "attn_v")))
+        else:
+            q, k, v = (self._bias(y, p + t + ".bias") for y, t in zip(
+                matmul_many(x, [self.w[p + t + ".weight"] for t in ("attn_q", "attn_k", "attn_v")]),
+                ("attn_q", "attn_k", "attn_v")))
+        if rope is not None:
+            H, hd = self.config.n_head, self.config.head_dim
+            for m in (q, k):
+                apply_rope(m.reshape(len(m), H, hd), *rope, "neox")
+        return q, k, v
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Attention within one input: in C as llama.cpp computes it (its bits), else in numpy."""
@@ -236,6 +252,36 @@ class Encoder:
         ids += query + ([eos] if sp.add_eos and eos is not None else [])
         ids += [tok.sep] if tok.sep is not None else []
         return ids + document + ([eos] if sp.add_eos and eos is not None else [])
+
+
+def _tensors(g: GGUFFile, c: EncoderConfig) -> tuple[dict, list]:
+    """The shape of every tensor this encoder computes with, and which are matrices: llama.cpp's
+    create_tensor_qkv (a fused q|k|v or three), optional biases where it allows them."""
+    d, f = c.n_embd, c.n_ff
+    want = {"token_embd.weight": (c.n_vocab, d), "token_embd_norm.weight": (d,), "token_embd_norm.bias": (d,)}
+    if not c.rope_base:
+        want["position_embd.weight"] = (c.n_ctx_train, d)
+    if "token_types.weight" in g.tensors:
+        want["token_types.weight"] = (g.tensor("token_types.weight").shape[0] or 1, d)
+    mats = []
+    fused = "blk.0.attn_qkv.weight" in g.tensors
+    for i in range(c.n_layer):
+        p = f"blk.{i}."
+        proj = {"attn_output": (d, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+        proj |= {"attn_qkv": (3 * d, d)} if fused else {"attn_q": (d, d), "attn_k": (d, d), "attn_v": (d, d)}
+        if c.rope_base:
+            proj["ffn_gate"] = (f, d)
+        for t, shape in proj.items():
+            want[p + t + ".weight"] = shape
+            mats.append(p + t + ".weight")
+            has_bias = t not in ("ffn_up", "ffn_down", "ffn_gate") or not c.rope_base   # nomic's FFN: none
+            if has_bias and p + t + ".bias" in g.tensors:
+                want[p + t + ".bias"] = (shape[0],)
+        if fused and p + "attn_qkv.bias" not in g.tensors:
+            want |= {p + t + ".bias": (d,) for t in ("attn_q", "attn_k", "attn_v") if p + t + ".bias" in g.tensors}
+        for t in ("attn_output_norm", "layer_output_norm"):
+            want |= {p + t + ".weight": (d,), p + t + ".bias": (d,)}
+    return want, mats
 
 
 def _groups(inputs: list[list[int]], budget: int):

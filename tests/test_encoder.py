@@ -36,6 +36,11 @@ def embedder():
 
 
 @pytest.fixture(scope="module")
+def nomic():
+    return load_encoder(TINY / "tiny-nomic-bert.gguf")
+
+
+@pytest.fixture(scope="module")
 def reranker():
     return load_encoder(TINY / "tiny-bert-rerank.gguf")
 
@@ -50,11 +55,14 @@ def test_wordpiece_tokens_are_llama_cpps(embedder):
     assert unk in REF["tokenize"][8]["ids"]                     # a glyph no piece covers: its word is [UNK]
 
 
+@pytest.mark.parametrize("family", ["bert", "nomic-bert"])
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last", "none"])
-def test_embeddings_meet_llama_cpp_under_every_pooling(embedder, pooling):
+def test_embeddings_meet_llama_cpp_under_every_pooling(embedder, nomic, family, pooling):
+    """BERT (learned positions, GELU) and nomic-bert (rotary positions, fused q|k|v, SwiGLU)."""
+    model, prefix = (embedder, "") if family == "bert" else (nomic, "nomic_")
     inputs = [case["ids"] for case in REF["tokenize"]]
-    for i, got in enumerate(embedder.pooled(inputs, pooling)):
-        want = NPZ[f"{pooling}_{i}"]
+    for i, got in enumerate(model.pooled(inputs, pooling)):
+        want = NPZ[f"{prefix}{pooling}_{i}"]
         assert got.shape == want.shape
         rows = zip(got, want) if pooling == "none" else [(got, want)]
         assert min(cosine(g, w) for g, w in rows) >= 0.9999, (pooling, i)
@@ -90,6 +98,7 @@ def test_a_chat_model_pools_by_mean_or_last_token_as_llama_cpp():
 
 def test_capabilities_plan_and_inspect_say_what_an_encoder_is():
     assert capabilities(read_gguf(TINY / "tiny-bert.gguf")) == ["embedding"]
+    assert capabilities(read_gguf(TINY / "tiny-nomic-bert.gguf")) == ["embedding"]
     assert capabilities(read_gguf(TINY / "tiny-bert-rerank.gguf")) == ["rerank"]
     assert capabilities(read_gguf(TINY / "tiny-llama.gguf"))[:2] == ["completion", "tools"]
     info = inspect_model(TINY / "tiny-bert-rerank.gguf")

@@ -5,6 +5,8 @@ vocabulary in llama.cpp's phantom-space form (a word's first piece "▁the", a c
 as convert_hf_to_gguf writes BERT's "##ing"), lowercasing and accent stripping on. The embedder
 pools by mean (its file says so) and is asked for every pooling; the reranker adds the
 classification head (cls, cls.output) and pools by rank, as bge-reranker's conversion does.
+tiny-nomic-bert.gguf is nomic-embed's layer on the same vocabulary (rotary positions, a fused
+q|k|v, a SwiGLU FFN): its embeddings go in tiny-bert.npz as nomic_<pooling>_<i>.
 
 n_embd 64, 4 heads, FFN 256, 3 layers, 128 positions, seeded random weights (Q8_0 matrices in the
 reranker, F16 in the embedder). The reference is llama-cpp-python's `embed` (embedding=True),
@@ -64,16 +66,20 @@ def vocabulary() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write(path: Path, *, rank: bool, seed: int) -> None:
+def write(path: Path, *, rank: bool, seed: int, arch: str = "bert") -> None:
     tokens, types = vocabulary()
-    write_bert(path, tokens, types, rank=rank, seed=seed, qt=Q.F16)
+    write_bert(path, tokens, types, rank=rank, seed=seed, qt=Q.F16, arch=arch)
 
 
 def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, seed: int, qt,
-               n_embd: int = 64, n_head: int = 4, n_ff: int = 256, n_layer: int = 3, n_ctx: int = 128) -> None:
-    """A BERT GGUF of this shape with seeded random weights (also bench/embeddings.py's)."""
+               n_embd: int = 64, n_head: int = 4, n_ff: int = 256, n_layer: int = 3, n_ctx: int = 128,
+               arch: str = "bert") -> None:
+    """A BERT GGUF of this shape with seeded random weights (also bench/embeddings.py's); `arch`
+    "nomic-bert": nomic-embed's layer instead — rotary positions (neox, base 1000), a fused
+    q|k|v with its bias, a SwiGLU FFN without biases, no position table."""
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "bert")
+    nomic = arch == "nomic-bert"
+    w = GGUFWriter(str(path), arch)
     w.add_name(path.stem)
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
@@ -82,7 +88,9 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     w.add_head_count(n_head)
     w.add_layer_norm_eps(1e-12)
     w.add_causal_attention(False)
-    w.add_uint32("bert.pooling_type", POOLING["rank" if rank else "mean"])
+    w.add_uint32(f"{arch}.pooling_type", POOLING["rank" if rank else "mean"])
+    if nomic:
+        w.add_rope_freq_base(1000.0)
     w.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[qt])
     w.add_tokenizer_model("bert")
     w.add_tokenizer_pre("default")
@@ -107,11 +115,24 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
         w.add_tensor(name, (mean + scale * rng.standard_normal(n)).astype(np.float32))
     w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), n_embd)) * 0.5).astype(np.float32))
     w.add_tensor("token_types.weight", (rng.standard_normal((2, n_embd)) * 0.1).astype(np.float32))
-    w.add_tensor("position_embd.weight", (rng.standard_normal((n_ctx, n_embd)) * 0.1).astype(np.float32))
+    if not nomic:
+        w.add_tensor("position_embd.weight", (rng.standard_normal((n_ctx, n_embd)) * 0.1).astype(np.float32))
     vec("token_embd_norm.weight", n_embd, 1.0, 0.1)
     vec("token_embd_norm.bias", n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
+        if nomic:
+            mat(p + "attn_qkv.weight", 3 * n_embd, n_embd)
+            vec(p + "attn_qkv.bias", 3 * n_embd)
+            mat(p + "attn_output.weight", n_embd, n_embd)
+            vec(p + "attn_output_norm.weight", n_embd, 1.0, 0.1)
+            vec(p + "attn_output_norm.bias", n_embd)
+            for t in ("ffn_up", "ffn_gate"):
+                mat(p + t + ".weight", n_ff, n_embd)
+            mat(p + "ffn_down.weight", n_embd, n_ff)
+            vec(p + "layer_output_norm.weight", n_embd, 1.0, 0.1)
+            vec(p + "layer_output_norm.bias", n_embd)
+            continue
         for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
             mat(p + t + ".weight", n_embd, n_embd)
             vec(p + t + ".bias", n_embd)
@@ -134,7 +155,7 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     w.close()
 
 
-def embed_reference(path: Path) -> tuple[dict, dict]:
+def embed_reference(path: Path, prefix: str = "") -> tuple[dict, dict]:
     import llama_cpp
     ref = {"model": path.name, "llama_cpp_python": llama_cpp.__version__, "texts": TEXTS, "tokenize": []}
     arrays = {}
@@ -150,7 +171,7 @@ def embed_reference(path: Path) -> tuple[dict, dict]:
                               n_threads=2, verbose=False)
         for i, t in enumerate(TEXTS):
             out = np.asarray(llm.embed(t, normalize=False), np.float32)
-            arrays[f"{name}_{i}"] = out
+            arrays[f"{prefix}{name}_{i}"] = out
         del llm
     return ref, arrays
 
@@ -198,6 +219,9 @@ def main() -> None:
     write(rr, rank=True, seed=12)
     ref, arrays = embed_reference(emb)
     arrays |= decoder_reference()
+    nomic = TINY / "tiny-nomic-bert.gguf"
+    write(nomic, rank=False, seed=13, arch="nomic-bert")
+    arrays |= embed_reference(nomic, "nomic_")[1]
     (TINY / "tiny-bert.json").write_text(json.dumps(ref, ensure_ascii=False, indent=1))
     np.savez_compressed(TINY / "tiny-bert.npz", **arrays)
     ref, _ = rank_reference(rr)
