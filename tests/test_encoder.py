@@ -18,6 +18,7 @@ from kiln.native.model import load_model
 from kiln.native.models.inspect import capabilities, inspect_model
 from kiln.native.models.plan import plan
 from kiln.native.gguf_file import read_gguf
+from kiln.native.rerank import CausalRanker
 
 TINY = DATA / "tiny"
 REF = json.loads((TINY / "tiny-bert.json").read_text())
@@ -85,6 +86,23 @@ def test_rerank_scores_and_order_are_llama_cpps(reranker):
         scores = [float(s[0]) for s in reranker.pooled(prompts)]
         assert np.abs(np.array(scores) - pair["scores"]).max() <= 1e-4, (scores, pair["scores"])
         assert np.argsort(scores).tolist() == np.argsort(pair["scores"]).tolist()
+
+
+def test_a_causal_reranker_scores_as_llama_cpp():
+    """Qwen3-Reranker's layout (tests/tools/make_tiny_qwen3_rerank.py): its rerank template
+    tokenized as llama-server does, P(yes) from the answers' head — llama.cpp's bits."""
+    ref = json.loads((TINY / "tiny-qwen3-rerank.json").read_text())
+    m = load_model(TINY / "tiny-qwen3-rerank.gguf")
+    ranker = CausalRanker(m)
+    assert m.config.pooling == "rank" and capabilities(read_gguf(TINY / "tiny-qwen3-rerank.gguf"))[-1] == "rerank"
+    for pair in ref["pairs"]:
+        prompts = [ranker.prompt(pair["query"], d) for d in pair["documents"]]
+        assert prompts == pair["ids"]
+        scores = [ranker.score(p) for p in prompts]
+        assert np.abs(np.array(scores) - [s[0] for s in pair["scores"]]).max() <= 1e-6, (scores, pair["scores"])
+        assert np.argsort(scores).tolist() == np.argsort([s[0] for s in pair["scores"]]).tolist()
+    with pytest.raises(GGUFError, match="cls.output.weight"):
+        CausalRanker(load_model(TINY / "tiny-qwen3.gguf"))
 
 
 def test_a_chat_model_pools_by_mean_or_last_token_as_llama_cpp():

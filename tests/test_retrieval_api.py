@@ -21,7 +21,8 @@ RANKS = json.loads((TINY / "tiny-bert-rerank.json").read_text())
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("retrieval")
     with Daemon(home, {"embedder": {"kind": "inference", "model": str(TINY / "tiny-bert.gguf")},
-                       "reranker": {"kind": "inference", "model": str(TINY / "tiny-bert-rerank.gguf")}}) as d:
+                       "reranker": {"kind": "inference", "model": str(TINY / "tiny-bert-rerank.gguf")},
+                       "qwen-reranker": {"kind": "inference", "model": str(TINY / "tiny-qwen3-rerank.gguf")}}) as d:
         d.wait(lambda st: all(w["worker_state"] == "ready" for w in st["workers"]), timeout=60, what="models loaded")
         yield d
 
@@ -102,6 +103,18 @@ def test_what_an_encoder_cannot_do_is_a_400_and_it_keeps_serving(served):
         assert status == 400 and words in json.dumps(out), (path, out)
     st = served.status()
     assert [w["pid"] for w in st["workers"]] == pids and all(w["restarts"] == 0 for w in st["workers"])
+
+
+def test_a_causal_reranker_answers_the_same_route(served):
+    ref = json.loads((TINY / "tiny-qwen3-rerank.json").read_text())["pairs"][0]
+    status, out = http_json(served, "POST", "/v1/rerank", {"model": "qwen-reranker", "query": ref["query"],
+                                                            "documents": ref["documents"], "top_n": 2})
+    assert status == 200, out
+    want = sorted(range(len(ref["scores"])), key=lambda i: -ref["scores"][i][0])[:2]
+    assert [r["index"] for r in out["results"]] == want
+    assert all(abs(r["relevance_score"] - ref["scores"][r["index"]][0]) <= 1e-6 for r in out["results"])
+    status, err = http_json(served, "POST", "/v1/embeddings", {"model": "qwen-reranker", "input": "hi"})
+    assert status == 400 and "is a reranker" in err["error"]["message"], err
 
 
 def test_capabilities_in_api_show_and_kiln_rerank(served):

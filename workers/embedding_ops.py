@@ -14,6 +14,8 @@ import numpy as np
 
 from kiln.native.encoder import Encoder
 from kiln.native.generate import embed as decoder_embed
+from kiln.native.gguf_file import GGUFError
+from kiln.native.rerank import CausalRanker
 
 from .worker import OpError, op
 
@@ -91,22 +93,43 @@ class EmbeddingOps:
 
     @op("rerank")
     def rerank(self, req):
-        """A relevance score for each document against the query, in the documents' order: the
-        rank head on llama-server's rerank prompt ([CLS] query [SEP] document), all pairs in one
-        forward."""
+        """A relevance score for each document against the query, in the documents' order: an
+        encoder's rank head on llama-server's prompt ([CLS] query [SEP] document), all pairs in one
+        forward; a causal reranker's (Qwen3-Reranker) P(yes) on its rerank template, one pair at a
+        time between decode steps."""
         b = req.body
-        name = self.model.path.stem
-        if not isinstance(self.model, Encoder) or self.model.config.pooling != "rank":
-            raise OpError("bad_request", f"{name} is not a reranker (its pooling is {self._pooling()}, not rank); "
-                                         f"load a reranking model such as bge-reranker")
+        if self._pooling() != "rank":
+            raise OpError("bad_request", f"{self.model.path.stem} is not a reranker (its pooling is {self._pooling()}, not rank); "
+                                         f"load a reranking model such as bge-reranker or Qwen3-Reranker")
+        if not isinstance(self.model, Encoder):
+            return self._rerank_causal(req, b)
         tok = self.model.tokenizer
         query = self._bounded(tok.encode, b["query"], special=False, add_bos=False, what="query")
         docs = [self._bounded(tok.encode, d, special=False, add_bos=False, what=f"documents[{i}]")
                 for i, d in enumerate(b["documents"])]
-        prompts = [self.model.rank_prompt(query, d) for d in docs]
+        prompts = self._fitting([self.model.rank_prompt(query, d) for d in docs])
+        scores = [float(s[0]) for s in self.model.pooled(prompts)]
+        return {"scores": scores, "usage": {"prompt_tokens": sum(map(len, prompts))}}
+
+    def _rerank_causal(self, req, b):
+        try:
+            if getattr(self, "_ranker", None) is None:
+                self._ranker = CausalRanker(self.model)
+        except GGUFError as e:
+            raise OpError("bad_request", str(e)) from None
+        prompts = self._fitting([self._bounded(self._ranker.prompt, b["query"], d, what=f"documents[{i}]")
+                                 for i, d in enumerate(b["documents"])])
+        scores = []
+        for ids in prompts:
+            if req.cancelled():
+                raise OpError("cancelled", "the request was cancelled")
+            with self.scheduler.model_lock:
+                scores.append(self._ranker.score(ids))
+        return {"scores": scores, "usage": {"prompt_tokens": sum(map(len, prompts))}}
+
+    def _fitting(self, prompts: list[list[int]]) -> list[list[int]]:
         for i, p in enumerate(prompts):
             if len(p) > self.n_ctx:
                 raise OpError("context_length_exceeded", f"the query and documents[{i}] take {len(p)} tokens; the "
                                                          f"context holds {self.n_ctx}")
-        scores = [float(s[0]) for s in self.model.pooled(prompts)]
-        return {"scores": scores, "usage": {"prompt_tokens": sum(map(len, prompts))}}
+        return prompts

@@ -19,8 +19,8 @@ def capabilities(g) -> list[str]:
     """What a model can be asked, from its file, as Ollama's `capabilities` names it: an encoder
     embeds or reranks; a chat model completes, and takes tools (any chat template: Kiln
     describes them to one that knows none), thinks (<think> in its template), fills in the middle
-    (FIM markers), and embeds when its file names a pooling (Qwen3-Embedding). `g` read with its
-    arrays."""
+    (FIM markers), and embeds when its file names a pooling (Qwen3-Embedding) — or reranks when
+    that pooling is rank (Qwen3-Reranker). `g` read with its arrays."""
     arch = g.architecture
     if is_encoder(arch):
         return ["rerank"] if g.get(f"{arch}.pooling_type") == 4 else ["embedding"]
@@ -28,7 +28,7 @@ def capabilities(g) -> list[str]:
     caps = ["completion"] + (["tools"] if template else []) + (["thinking"] if "<think>" in template else [])
     caps += ["insert"] if fim_markers(g) else []
     pooling = g.get(f"{arch}.pooling_type")
-    return caps + (["embedding"] if pooling is not None and pooling != 4 else [])
+    return caps + (["rerank"] if pooling == 4 else ["embedding"] if pooling is not None else [])
 
 
 def inspect_model(path: Path, *, tensors: bool = False, ctx: int | None = None) -> dict:
