@@ -16,13 +16,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .gguf_file import GGUFFile
 from .fim import find_fim_tokens
 from .vocabulary import SPM_SPLIT_BUDGET, TokenizerError, bad, building, check_vocabulary
-from .wordpiece import WordPiece
+from .unigram_vocab import build_unigram
+from .wordpiece import build_wordpiece
 
 # llama.cpp token types
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -119,13 +119,13 @@ class GGUFTokenizer:
         # llama.cpp's Phi-3 rule: special tokens swallow the whitespace after them.
         name = str(meta.get("general.name", "")).lower()
         self._rstrip_specials = "phi-3" in name or "phi3" in name
-        if self.model_type not in ("gpt2", "llama", "bert"):
-            raise TokenizerError(f"{gguf.path}: tokenizer model {self.model_type!r} is not supported "
-                                 f"(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece, 'bert' WordPiece)")
+        if self.model_type not in ("gpt2", "llama", "bert", "t5"):
+            raise TokenizerError(f"{gguf.path}: tokenizer model {self.model_type!r} is not supported (supported: "
+                                 f"'gpt2' byte-level BPE, 'llama' SentencePiece, 'bert' WordPiece, 't5' unigram)")
         self._wpm = self.sep = None
         with building(gguf, self.model_type):
-            if self.model_type == "bert":            # llama.cpp's defaults: BERT's own ids
-                self._wpm = self._build_wpm(gguf)
+            if self.model_type in ("bert", "t5"):    # our own: WordPiece and unigram (native/wordpiece.py, unigram.py)
+                self._wpm = (build_wordpiece if self.model_type == "bert" else build_unigram)(self, gguf)
                 self._tok = None
                 self._token_bytes = self._spm_token_bytes(gguf)
             elif self.model_type == "gpt2":
@@ -157,13 +157,13 @@ class GGUFTokenizer:
         for name in ends:
             if name in self._vocab and self.token_types[self._vocab[name]] == TOKEN_CONTROL:
                 stops.add(self._vocab[name])
-        bos = meta.get("tokenizer.ggml.bos_token_id", 101 if self._wpm else None)
+        bos = meta.get("tokenizer.ggml.bos_token_id", 101 if self.model_type == "bert" else None)
         self.special = SpecialTokens(
             bos=int(bos) if bos is not None else None,
             eos=int(eos) if eos is not None else None,
             eot=int(eot) if eot is not None else None,
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", self.model_type in ("llama", "bert"))),
-            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", self.model_type == "t5")),
             stop_ids=frozenset(stops),
         )
 
@@ -217,19 +217,6 @@ class GGUFTokenizer:
         tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                          decoders.Fuse()])
         return tok
-
-    def _build_wpm(self, gguf) -> WordPiece:
-        meta, n = gguf.metadata, len(self.tokens)
-        unk, sep, bos = (meta.get(f"tokenizer.ggml.{k}_token_id", d)
-                         for k, d in (("unknown", 100), ("seperator", 102), ("bos", 101)))
-        for key, tid in (("unknown", unk), ("seperator", sep), ("bos", bos)):
-            if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= tid < n:
-                raise bad(gguf, f"tokenizer.ggml.{key}_token_id", f"{tid!r} is not a token id (the vocabulary "
-                                                                   f"has {n} tokens)")
-        self.sep = int(sep)
-        lower = bool(meta.get("tokenizer.ggml.normalizer.lowercase", False))
-        return WordPiece(self.tokens, int(unk), lower, bool(meta.get("tokenizer.ggml.normalizer.strip_accents",
-                                                                     lower)))
 
     def _add_specials(self) -> None:
         added = []
@@ -329,12 +316,18 @@ class GGUFTokenizer:
         return ids
 
     def _encode_wpm(self, text: str, special: bool, add_special: bool | None) -> list[int]:
-        """llama.cpp's WPM: [CLS] and [SEP] around the text when specials are added."""
+        """llama.cpp's WPM: [CLS] and [SEP] around the text when specials are added; its UGM: BOS
+        and EOS as the vocabulary adds them."""
         ids = []
         for part, tid in (self.split_specials(text) if special else [(text, None)]):
             ids += [tid] if tid is not None else self._wpm.encode(part)
-        if self.special.add_bos if add_special is None else add_special:
-            ids = [self.special.bos, *ids, self.sep]
+        sp = self.special
+        if self.model_type == "t5":
+            if add_special is None or add_special:
+                ids = [sp.bos] * (sp.add_bos and sp.bos is not None) + ids + [sp.eos] * (sp.add_eos and sp.eos is not None)
+            return ids
+        if sp.add_bos if add_special is None else add_special:
+            ids = [sp.bos, *ids, self.sep]
         return ids
 
     def split_specials(self, text: str) -> list[tuple[str, int | None]]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import unicodedata
 
+import numpy as np
+
 PHANTOM = "▁"
 
 
@@ -93,3 +95,20 @@ class WordPiece:
                     break
             ids.extend(pieces if pieces else [self.unk])
         return ids
+
+
+def build_wordpiece(tok, gguf) -> WordPiece:
+    """A GGUF's WordPiece vocabulary (`tokenizer.ggml.model` "bert") checked and built, with
+    llama.cpp's defaults for what the file leaves out (BERT's ids: UNK 100, CLS 101, SEP 102).
+    `tok`: the GGUFTokenizer being built (its tokens); sets its `sep`."""
+    from .vocabulary import bad
+    meta, n = gguf.metadata, len(tok.tokens)
+    unk, sep, bos = (meta.get(f"tokenizer.ggml.{k}_token_id", d)
+                     for k, d in (("unknown", 100), ("seperator", 102), ("bos", 101)))
+    for key, tid in (("unknown", unk), ("seperator", sep), ("bos", bos)):
+        if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= tid < n:
+            raise bad(gguf, f"tokenizer.ggml.{key}_token_id", f"{tid!r} is not a token id (the vocabulary "
+                                                               f"has {n} tokens)")
+    tok.sep = int(sep)
+    lower = bool(meta.get("tokenizer.ggml.normalizer.lowercase", False))
+    return WordPiece(tok.tokens, int(unk), lower, bool(meta.get("tokenizer.ggml.normalizer.strip_accents", lower)))

@@ -88,6 +88,35 @@ def test_rerank_scores_and_order_are_llama_cpps(reranker):
         assert np.argsort(scores).tolist() == np.argsort(pair["scores"]).tolist()
 
 
+def test_an_xlm_roberta_reranker_tokenizes_and_scores_as_llama_cpp():
+    """bge-reranker-v2-m3's kind (tests/tools/make_tiny_xlmr.py): a SentencePiece unigram vocabulary
+    with its NFKC charsmap — fullwidth letters, ligatures, Cyrillic, CJK, runs of spaces, empty
+    text — and <s> q </s></s> d </s> pairs, scored as llama.cpp scores them."""
+    ref = json.loads((TINY / "tiny-xlmr-rerank.json").read_text())
+    m = load_encoder(TINY / "tiny-xlmr-rerank.gguf")
+    tok = m.tokenizer
+    for case in ref["tokenize"]:
+        assert tok.encode(case["text"], special=False) == case["ids"], case["text"]
+        assert tok.encode(case["text"], special=True) == case["ids_special"], case["text"]
+        assert tok.encode(case["text"], special=False, add_bos=False) == case["ids_bare"], case["text"]
+    for pair in ref["pairs"]:
+        query = tok.encode(pair["query"], special=False, add_bos=False)
+        prompts = [m.rank_prompt(query, tok.encode(d, special=False, add_bos=False)) for d in pair["documents"]]
+        assert prompts == pair["ids"]
+        assert [float(s[0]) for s in m.pooled(prompts)] == pair["scores"]
+
+
+def test_a_corrupt_charsmap_is_refused_naming_it(tmp_path):
+    """The charsmap's size header patched in place to claim more bytes than the array holds."""
+    data = bytearray((TINY / "tiny-xlmr-rerank.gguf").read_bytes())
+    key = b"tokenizer.ggml.precompiled_charsmap"
+    at = data.index(key) + len(key) + 4 + 4 + 8            # value type, element type, count
+    data[at:at + 4] = (0x7FFFFFFF).to_bytes(4, "little")
+    (tmp_path / "bad.gguf").write_bytes(data)
+    with pytest.raises(GGUFError, match="precompiled_charsmap.*does not fit"):
+        load_encoder(tmp_path / "bad.gguf")
+
+
 def test_a_causal_reranker_scores_as_llama_cpp():
     """Qwen3-Reranker's layout (tests/tools/make_tiny_qwen3_rerank.py): its rerank template
     tokenized as llama-server does, P(yes) from the answers' head — llama.cpp's bits."""
@@ -132,9 +161,11 @@ def _rewrite(src, dst, *, drop=(), meta=None):
     for k, f in r.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture":
             continue
-        v = (meta or {}).get(k, f.contents())
+        v = meta[k] if meta and k in meta else f.contents()
         if k == "tokenizer.ggml.token_type":
             w.add_token_types(v)
+        elif k == "tokenizer.ggml.precompiled_charsmap":
+            w.add_precompiled_charsmap(bytes(v))
         elif f.types[0].name == "ARRAY":
             w.add_array(k, v)
         else:

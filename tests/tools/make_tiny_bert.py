@@ -73,10 +73,11 @@ def write(path: Path, *, rank: bool, seed: int, arch: str = "bert") -> None:
 
 def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, seed: int, qt,
                n_embd: int = 64, n_head: int = 4, n_ff: int = 256, n_layer: int = 3, n_ctx: int = 128,
-               arch: str = "bert") -> None:
+               arch: str = "bert", vocab=None) -> None:
     """A BERT GGUF of this shape with seeded random weights (also bench/embeddings.py's); `arch`
     "nomic-bert": nomic-embed's layer instead — rotary positions (neox, base 1000), a fused
-    q|k|v with its bias, a SwiGLU FFN without biases, no position table."""
+    q|k|v with its bias, a SwiGLU FFN without biases, no position table. `vocab(writer)`: writes
+    the tokenizer's metadata in place of the WordPiece one (make_tiny_xlmr.py's unigram)."""
     rng = np.random.default_rng(seed)
     nomic = arch == "nomic-bert"
     w = GGUFWriter(str(path), arch)
@@ -92,17 +93,20 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     if nomic:
         w.add_rope_freq_base(1000.0)
     w.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[qt])
-    w.add_tokenizer_model("bert")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_type_count(2)
-    w.add_bos_token_id(2)           # [CLS]
-    w.add_sep_token_id(3)
-    w.add_unk_token_id(1)
-    w.add_pad_token_id(0)
-    w.add_mask_token_id(4)
-    w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
+    if vocab is not None:
+        vocab(w)
+    else:
+        w.add_tokenizer_model("bert")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_type_count(2)
+        w.add_bos_token_id(2)           # [CLS]
+        w.add_sep_token_id(3)
+        w.add_unk_token_id(1)
+        w.add_pad_token_id(0)
+        w.add_mask_token_id(4)
+        w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
 
     def mat(name, rows, cols, scale=0.1):
         a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
@@ -114,7 +118,7 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     def vec(name, n, mean=0.0, scale=0.05):
         w.add_tensor(name, (mean + scale * rng.standard_normal(n)).astype(np.float32))
     w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), n_embd)) * 0.5).astype(np.float32))
-    w.add_tensor("token_types.weight", (rng.standard_normal((2, n_embd)) * 0.1).astype(np.float32))
+    w.add_tensor("token_types.weight", (rng.standard_normal((1 if vocab else 2, n_embd)) * 0.1).astype(np.float32))
     if not nomic:
         w.add_tensor("position_embd.weight", (rng.standard_normal((n_ctx, n_embd)) * 0.1).astype(np.float32))
     vec("token_embd_norm.weight", n_embd, 1.0, 0.1)
