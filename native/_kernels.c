@@ -180,24 +180,25 @@ done:
     return ret;
 }
 
-/* encoder_attention(q, k, v, out (n, H*D) float32, n, H, D, scale, threads) -> whether it ran
- * (False without AVX2: the caller computes it itself) */
+/* encoder_attention(q, k, v, out (n, H*D) float32, n, H, D, scale, threads[, slopes (H)]) -> whether
+ * it ran (False without AVX2: the caller computes it itself); slopes: ALiBi's, one per head */
 static PyObject *py_encoder_attention(PyObject *self, PyObject *args) {
-    Py_buffer qb, kb, vb, ob; int n, H, D, nt; float scale;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiifi", &qb, &kb, &vb, &ob, &n, &H, &D, &scale, &nt)) return NULL;
+    Py_buffer qb, kb, vb, ob, sb = {0}; int n, H, D, nt; float scale;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiifi|y*", &qb, &kb, &vb, &ob, &n, &H, &D, &scale, &nt, &sb)) return NULL;
     PyObject *ret = NULL;
     size_t need = (size_t)n * H * D * 4;
     if (n < 1 || H < 1 || D < 1 || (size_t)qb.len < need || (size_t)kb.len < need || (size_t)vb.len < need
-            || (size_t)ob.len < need) {
+            || (size_t)ob.len < need || (sb.buf && (size_t)sb.len < (size_t)H * 4)) {
         PyErr_SetString(PyExc_ValueError, "encoder_attention: a buffer is smaller than its shape"); goto done;
     }
     int ran;
     Py_BEGIN_ALLOW_THREADS
-    ran = encoder_attention(qb.buf, kb.buf, vb.buf, ob.buf, n, H, D, scale, nt > 0 ? nt : 1);
+    ran = encoder_attention(qb.buf, kb.buf, vb.buf, ob.buf, n, H, D, scale, nt > 0 ? nt : 1, sb.buf);
     Py_END_ALLOW_THREADS
     ret = PyBool_FromLong(ran);
 done:
     PyBuffer_Release(&qb); PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
+    if (sb.buf) PyBuffer_Release(&sb);
     return ret;
 }
 

@@ -5,8 +5,9 @@
     per layer:  x = LayerNorm(x + attn(x));  x = LayerNorm(x + down(gelu(up(x))))
 
 nomic-bert (nomic-embed-text) is the same skeleton with rotary positions (neox) in place of the
-position table, a fused q|k|v, and a SwiGLU FFN without biases (llama.cpp runs both through one
-graph).
+position table, a fused q|k|v, and a SwiGLU FFN without biases; jina-bert-v2 (jina-embeddings-v2)
+has ALiBi (each head's slope times -|i - j| added to its scores, max bias 8), optional LayerNorms
+on the queries and keys, and a GELU-gated FFN (llama.cpp runs the three through one graph).
     pooled by the file's pooling type: none, mean, cls (first), last, or rank (the classifier
     head on the first token: cls_out(tanh(cls x)))
 
@@ -34,7 +35,8 @@ from .kernels import matmul, matmul_many
 from .tokenizer import GGUFTokenizer
 
 F32 = np.float32
-ENCODER_ARCHS = ("bert", "nomic-bert")
+ENCODER_ARCHS = ("bert", "nomic-bert", "jina-bert-v2")
+ALIBI_MAX_BIAS = 8.0             # jina-bert-v2's, fixed by llama.cpp (not read from the file)
 MAX_BATCH_TOKENS = 8192          # rows of one forward: an activation bound, not a request's
 
 
@@ -57,6 +59,14 @@ class EncoderConfig:
     n_cls_out: int
     labels: tuple = ()
     rope_base: float = 0.0          # nomic-bert's rotary positions (0: a learned position table)
+
+    @property
+    def alibi(self) -> bool:
+        return self.arch == "jina-bert-v2"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.arch == "bert"
 
     @property
     def head_dim(self) -> int:
@@ -106,8 +116,9 @@ class Encoder:
         want, mats = _tensors(g, c)
         if c.pooling == "rank":
             d = c.n_embd
-            if "cls.weight" in g.tensors:
-                want |= {"cls.weight": (d, d), "cls.bias": (d,)}
+            if "cls.weight" in g.tensors:        # (n_embd, n_embd); jina's rerankers: (1, n_embd), no cls.output
+                rows = g.tensor("cls.weight").shape[0] if c.alibi else d
+                want |= {"cls.weight": (rows, d), "cls.bias": (rows,)}
             if "cls.output.weight" in g.tensors:
                 want |= {"cls.output.weight": (c.n_cls_out, d), "cls.output.bias": (c.n_cls_out,)}
             if "cls.weight" not in want and "cls.output.weight" not in want:
@@ -121,6 +132,7 @@ class Encoder:
                                 f"vocabulary {c.n_vocab}); the file is corrupt")
         self.w = kernels.load_weights(g, ["token_embd.weight", *mats], threads or min(4, os.cpu_count() or 1))
         self.fused_qkv = "blk.0.attn_qkv.weight" in self.w
+        self.slopes = alibi_slopes(c.n_head) if c.alibi else None
         self.v = {n: kernels.load_vector(g, n) for n in want if n not in self.w}
         # the rank head's matrices: F32 ones in ggml's one-row order (numpy), the others as weights
         self.head = {n: None if g.tensor(n + ".weight").type == 0 else kernels.load_weights(g, [n + ".weight"])[n + ".weight"]
@@ -153,7 +165,7 @@ class Encoder:
         x = self.w["token_embd.weight"].rows(tokens)
         if "token_types.weight" in self.v:              # llama.cpp feeds type 0 ("sentence A") only
             x = x + self.v["token_types.weight"][0]
-        if not c.rope_base:
+        if c.learned_positions:
             x = self.v["position_embd.weight"][positions] + x
         x = kernels.layer_norm(x, self.v["token_embd_norm.weight"], self.v["token_embd_norm.bias"], c.eps)
         rope = rope_tables(positions, c.head_dim, c.rope_base, 1.0) if c.rope_base else None
@@ -163,10 +175,18 @@ class Encoder:
             a = np.empty_like(q)
             for s, e in zip(bounds[:-1], bounds[1:]):
                 a[s:e] = self._attend(q[s:e], k[s:e], v[s:e])
-            x = kernels.layer_norm(self._project(a, p + "attn_output") + x, self.v[p + "attn_output_norm.weight"],
-                                   self.v[p + "attn_output_norm.bias"], c.eps)
+            a = self._project(a, p + "attn_output")
+            h = kernels.layer_norm(a + x, self.v[p + "attn_output_norm.weight"], self.v[p + "attn_output_norm.bias"], c.eps)
+            if p + "attn_norm_2.weight" in self.v:       # the layer's input added again, normed again
+                h = kernels.layer_norm(h + x, self.v[p + "attn_norm_2.weight"], self.v[p + "attn_norm_2.bias"], c.eps)
+            x = h
             if c.rope_base:                               # nomic: SwiGLU, no biases (llama.cpp passes none)
                 h = swiglu_ffn(x, self.w[p + "ffn_gate.weight"], self.w[p + "ffn_up.weight"], self.w[p + "ffn_down.weight"])
+            elif c.alibi:                                 # jina: GELU-gated, the gate fused into up or its own
+                up = self._project(x, p + "ffn_up")
+                gate, up = (up[:, :c.n_ff], up[:, c.n_ff:]) if p + "ffn_gate.weight" not in self.w else \
+                    (matmul(x, self.w[p + "ffn_gate.weight"]), up)
+                h = self._project(ggml_round.geglu(np.ascontiguousarray(gate), np.ascontiguousarray(up)), p + "ffn_down")
             else:
                 h = self._project(kernels.gelu(self._project(x, p + "ffn_up")), p + "ffn_down")
             x = kernels.layer_norm(h + x, self.v[p + "layer_output_norm.weight"], self.v[p + "layer_output_norm.bias"],
@@ -190,17 +210,24 @@ class Encoder:
             H, hd = self.config.n_head, self.config.head_dim
             for m in (q, k):
                 apply_rope(m.reshape(len(m), H, hd), *rope, "neox")
+        if p + "attn_q_norm.weight" in self.v:            # jina: LayerNorm over all heads' queries, keys
+            eps = self.config.eps
+            q = kernels.layer_norm(q, self.v[p + "attn_q_norm.weight"], self.v[p + "attn_q_norm.bias"], eps)
+            k = kernels.layer_norm(k, self.v[p + "attn_k_norm.weight"], self.v[p + "attn_k_norm.bias"], eps)
         return q, k, v
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Attention within one input: in C as llama.cpp computes it (its bits), else in numpy."""
         c = self.config
         n, H, d = len(q), c.n_head, c.head_dim
-        out = kernels.encoder_attention(q, k, v, H, F32(1) / np.sqrt(F32(d)))   # 1.0f/sqrtf, as llama.cpp
+        out = kernels.encoder_attention(q, k, v, H, F32(1) / np.sqrt(F32(d)), self.slopes)   # 1.0f/sqrtf
         if out is not None:
             return out
         qh, kh, vh = (m.reshape(n, H, d).transpose(1, 0, 2) for m in (q, k, v))
         s = np.matmul(qh, kh.transpose(0, 2, 1)) * F32(1.0 / np.sqrt(d))
+        if self.slopes is not None:
+            pos = np.arange(n)
+            s += self.slopes[:, None, None] * -np.abs(pos[:, None] - pos[None, :]).astype(F32)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s *= F32(1) / s.sum(axis=-1, keepdims=True)
@@ -259,7 +286,7 @@ def _tensors(g: GGUFFile, c: EncoderConfig) -> tuple[dict, list]:
     create_tensor_qkv (a fused q|k|v or three), optional biases where it allows them."""
     d, f = c.n_embd, c.n_ff
     want = {"token_embd.weight": (c.n_vocab, d), "token_embd_norm.weight": (d,), "token_embd_norm.bias": (d,)}
-    if not c.rope_base:
+    if c.learned_positions:
         want["position_embd.weight"] = (c.n_ctx_train, d)
     if "token_types.weight" in g.tensors:
         want["token_types.weight"] = (g.tensor("token_types.weight").shape[0] or 1, d)
@@ -269,19 +296,36 @@ def _tensors(g: GGUFFile, c: EncoderConfig) -> tuple[dict, list]:
         p = f"blk.{i}."
         proj = {"attn_output": (d, d), "ffn_up": (f, d), "ffn_down": (d, f)}
         proj |= {"attn_qkv": (3 * d, d)} if fused else {"attn_q": (d, d), "attn_k": (d, d), "attn_v": (d, d)}
-        if c.rope_base:
+        if c.rope_base or (c.alibi and p + "ffn_gate.weight" in g.tensors):
             proj["ffn_gate"] = (f, d)
+        if c.alibi and "ffn_gate" not in proj:            # jina's up holds the gate: 2 × FFN rows
+            proj["ffn_up"] = (2 * f, d)
         for t, shape in proj.items():
             want[p + t + ".weight"] = shape
             mats.append(p + t + ".weight")
             has_bias = t not in ("ffn_up", "ffn_down", "ffn_gate") or not c.rope_base   # nomic's FFN: none
+            has_bias &= t != "ffn_gate"                                                # a gate: never
             if has_bias and p + t + ".bias" in g.tensors:
                 want[p + t + ".bias"] = (shape[0],)
         if fused and p + "attn_qkv.bias" not in g.tensors:
             want |= {p + t + ".bias": (d,) for t in ("attn_q", "attn_k", "attn_v") if p + t + ".bias" in g.tensors}
         for t in ("attn_output_norm", "layer_output_norm"):
             want |= {p + t + ".weight": (d,), p + t + ".bias": (d,)}
+        for t in ("attn_q_norm", "attn_k_norm", "attn_norm_2"):      # jina's, where the file has them
+            if c.alibi and p + t + ".weight" in g.tensors:
+                want |= {p + t + ".weight": (d,), p + t + ".bias": (d,)}
     return want, mats
+
+
+def alibi_slopes(n_head: int, max_bias: float = ALIBI_MAX_BIAS) -> np.ndarray:
+    """Each head's ALiBi slope as ggml_soft_max_ext makes it (powf of the C library)."""
+    from .blocks import _libm
+    lib = _libm()
+    powf = lib.powf if lib is not None else (lambda a, b: float(np.float32(a) ** np.float32(b)))
+    log2 = 1 << int(np.floor(np.log2(np.float32(n_head))))
+    m0 = powf(2.0, float(F32(-max_bias) / F32(log2)))
+    m1 = powf(2.0, float(F32(-(max_bias / 2.0)) / F32(log2)))
+    return np.array([powf(m0, h + 1) if h < log2 else powf(m1, 2 * (h - log2) + 1) for h in range(n_head)], F32)
 
 
 def _groups(inputs: list[list[int]], budget: int):

@@ -42,6 +42,11 @@ def nomic():
 
 
 @pytest.fixture(scope="module")
+def jina():
+    return load_encoder(TINY / "tiny-jina-bert-v2.gguf")
+
+
+@pytest.fixture(scope="module")
 def reranker():
     return load_encoder(TINY / "tiny-bert-rerank.gguf")
 
@@ -56,11 +61,12 @@ def test_wordpiece_tokens_are_llama_cpps(embedder):
     assert unk in REF["tokenize"][8]["ids"]                     # a glyph no piece covers: its word is [UNK]
 
 
-@pytest.mark.parametrize("family", ["bert", "nomic-bert"])
+@pytest.mark.parametrize("family", ["bert", "nomic-bert", "jina-bert-v2"])
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last", "none"])
-def test_embeddings_meet_llama_cpp_under_every_pooling(embedder, nomic, family, pooling):
-    """BERT (learned positions, GELU) and nomic-bert (rotary positions, fused q|k|v, SwiGLU)."""
-    model, prefix = (embedder, "") if family == "bert" else (nomic, "nomic_")
+def test_embeddings_meet_llama_cpp_under_every_pooling(embedder, nomic, jina, family, pooling):
+    """BERT (learned positions, GELU), nomic-bert (rotary positions, fused q|k|v, SwiGLU) and
+    jina-bert-v2 (ALiBi, q/k LayerNorms, GELU-gated with the gate fused into up)."""
+    model, prefix = {"bert": (embedder, ""), "nomic-bert": (nomic, "nomic_"), "jina-bert-v2": (jina, "jina_")}[family]
     inputs = [case["ids"] for case in REF["tokenize"]]
     for i, got in enumerate(model.pooled(inputs, pooling)):
         want = NPZ[f"{prefix}{pooling}_{i}"]
@@ -146,6 +152,7 @@ def test_a_chat_model_pools_by_mean_or_last_token_as_llama_cpp():
 def test_capabilities_plan_and_inspect_say_what_an_encoder_is():
     assert capabilities(read_gguf(TINY / "tiny-bert.gguf")) == ["embedding"]
     assert capabilities(read_gguf(TINY / "tiny-nomic-bert.gguf")) == ["embedding"]
+    assert capabilities(read_gguf(TINY / "tiny-jina-bert-v2.gguf")) == ["embedding"]
     assert capabilities(read_gguf(TINY / "tiny-bert-rerank.gguf")) == ["rerank"]
     assert capabilities(read_gguf(TINY / "tiny-llama.gguf"))[:2] == ["completion", "tools"]
     info = inspect_model(TINY / "tiny-bert-rerank.gguf")

@@ -6,7 +6,8 @@ as convert_hf_to_gguf writes BERT's "##ing"), lowercasing and accent stripping o
 pools by mean (its file says so) and is asked for every pooling; the reranker adds the
 classification head (cls, cls.output) and pools by rank, as bge-reranker's conversion does.
 tiny-nomic-bert.gguf is nomic-embed's layer on the same vocabulary (rotary positions, a fused
-q|k|v, a SwiGLU FFN): its embeddings go in tiny-bert.npz as nomic_<pooling>_<i>.
+q|k|v, a SwiGLU FFN), tiny-jina-bert-v2.gguf jina-embeddings-v2's (ALiBi, q/k LayerNorms, a
+GELU-gated FFN): their embeddings go in tiny-bert.npz as nomic_/jina_<pooling>_<i>.
 
 n_embd 64, 4 heads, FFN 256, 3 layers, 128 positions, seeded random weights (Q8_0 matrices in the
 reranker, F16 in the embedder). The reference is llama-cpp-python's `embed` (embedding=True),
@@ -79,7 +80,7 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     q|k|v with its bias, a SwiGLU FFN without biases, no position table. `vocab(writer)`: writes
     the tokenizer's metadata in place of the WordPiece one (make_tiny_xlmr.py's unigram)."""
     rng = np.random.default_rng(seed)
-    nomic = arch == "nomic-bert"
+    nomic, jina = arch == "nomic-bert", arch == "jina-bert-v2"
     w = GGUFWriter(str(path), arch)
     w.add_name(path.stem)
     w.add_context_length(n_ctx)
@@ -119,12 +120,29 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
         w.add_tensor(name, (mean + scale * rng.standard_normal(n)).astype(np.float32))
     w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), n_embd)) * 0.5).astype(np.float32))
     w.add_tensor("token_types.weight", (rng.standard_normal((1 if vocab else 2, n_embd)) * 0.1).astype(np.float32))
-    if not nomic:
+    if not (nomic or jina):
         w.add_tensor("position_embd.weight", (rng.standard_normal((n_ctx, n_embd)) * 0.1).astype(np.float32))
     vec("token_embd_norm.weight", n_embd, 1.0, 0.1)
     vec("token_embd_norm.bias", n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
+        if jina:                       # ALiBi, q/k LayerNorms, the gate fused into up (2 × FFN rows)
+            for t in ("attn_q", "attn_k", "attn_v"):
+                mat(p + t + ".weight", n_embd, n_embd)
+                vec(p + t + ".bias", n_embd)
+            for t in ("attn_q_norm", "attn_k_norm"):
+                vec(p + t + ".weight", n_embd, 1.0, 0.1)
+                vec(p + t + ".bias", n_embd)
+            mat(p + "attn_output.weight", n_embd, n_embd)
+            vec(p + "attn_output.bias", n_embd)
+            vec(p + "attn_output_norm.weight", n_embd, 1.0, 0.1)
+            vec(p + "attn_output_norm.bias", n_embd)
+            mat(p + "ffn_up.weight", 2 * n_ff, n_embd)
+            mat(p + "ffn_down.weight", n_embd, n_ff)
+            vec(p + "ffn_down.bias", n_embd)
+            vec(p + "layer_output_norm.weight", n_embd, 1.0, 0.1)
+            vec(p + "layer_output_norm.bias", n_embd)
+            continue
         if nomic:
             mat(p + "attn_qkv.weight", 3 * n_embd, n_embd)
             vec(p + "attn_qkv.bias", 3 * n_embd)
@@ -226,6 +244,9 @@ def main() -> None:
     nomic = TINY / "tiny-nomic-bert.gguf"
     write(nomic, rank=False, seed=13, arch="nomic-bert")
     arrays |= embed_reference(nomic, "nomic_")[1]
+    jina = TINY / "tiny-jina-bert-v2.gguf"
+    write(jina, rank=False, seed=14, arch="jina-bert-v2")
+    arrays |= embed_reference(jina, "jina_")[1]
     (TINY / "tiny-bert.json").write_text(json.dumps(ref, ensure_ascii=False, indent=1))
     np.savez_compressed(TINY / "tiny-bert.npz", **arrays)
     ref, _ = rank_reference(rr)
