@@ -180,11 +180,12 @@ done:
     return ret;
 }
 
-/* encoder_attention(q, k, v, out (n, H*D) float32, n, H, D, scale, threads[, slopes (H)]) -> whether
- * it ran (False without AVX2: the caller computes it itself); slopes: ALiBi's, one per head */
+/* encoder_attention(q, k, v, out (n, H*D) float32, n, H, D, scale, threads, window[, slopes (H)]) ->
+ * whether it ran (False without AVX2: the caller computes it itself); window > 0: a symmetric
+ * sliding window; slopes: ALiBi's, one per head */
 static PyObject *py_encoder_attention(PyObject *self, PyObject *args) {
-    Py_buffer qb, kb, vb, ob, sb = {0}; int n, H, D, nt; float scale;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiifi|y*", &qb, &kb, &vb, &ob, &n, &H, &D, &scale, &nt, &sb)) return NULL;
+    Py_buffer qb, kb, vb, ob, sb = {0}; int n, H, D, nt, win; float scale;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiifii|y*", &qb, &kb, &vb, &ob, &n, &H, &D, &scale, &nt, &win, &sb)) return NULL;
     PyObject *ret = NULL;
     size_t need = (size_t)n * H * D * 4;
     if (n < 1 || H < 1 || D < 1 || (size_t)qb.len < need || (size_t)kb.len < need || (size_t)vb.len < need
@@ -193,7 +194,7 @@ static PyObject *py_encoder_attention(PyObject *self, PyObject *args) {
     }
     int ran;
     Py_BEGIN_ALLOW_THREADS
-    ran = encoder_attention(qb.buf, kb.buf, vb.buf, ob.buf, n, H, D, scale, nt > 0 ? nt : 1, sb.buf);
+    ran = encoder_attention(qb.buf, kb.buf, vb.buf, ob.buf, n, H, D, scale, nt > 0 ? nt : 1, sb.buf, win);
     Py_END_ALLOW_THREADS
     ret = PyBool_FromLong(ran);
 done:

@@ -21,85 +21,23 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import ggml_round, kernels
-from .arch.base import MAX_CONTEXT, MAX_WIDTH
-from .config import POOLINGS, Keys, check_layer_count, vocab_size
-from .gguf_file import GGUFError, GGUFFile, read_gguf
+from .config import POOLINGS
+from .encoder_config import ENCODER_ARCHS, EncoderConfig, alibi_slopes, is_encoder, read_encoder_config, tensor_plan
+from .gguf_file import GGUFError, read_gguf
 from .blocks import apply_rope, rope_tables, swiglu_ffn
 from .kernels import matmul, matmul_many
 from .tokenizer import GGUFTokenizer
 
+__all__ = ["ENCODER_ARCHS", "MAX_BATCH_TOKENS", "Encoder", "EncoderConfig", "is_encoder", "load_encoder",
+           "read_encoder_config"]
+
 F32 = np.float32
-ENCODER_ARCHS = ("bert", "nomic-bert", "jina-bert-v2")
-ALIBI_MAX_BIAS = 8.0             # jina-bert-v2's, fixed by llama.cpp (not read from the file)
 MAX_BATCH_TOKENS = 8192          # rows of one forward: an activation bound, not a request's
-
-
-def is_encoder(arch: str) -> bool:
-    return arch in ENCODER_ARCHS
-
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    arch: str
-    name: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_ff: int
-    n_ctx_train: int
-    eps: float
-    n_vocab: int
-    pooling: str
-    n_cls_out: int
-    labels: tuple = ()
-    rope_base: float = 0.0          # nomic-bert's rotary positions (0: a learned position table)
-
-    @property
-    def alibi(self) -> bool:
-        return self.arch == "jina-bert-v2"
-
-    @property
-    def learned_positions(self) -> bool:
-        return self.arch == "bert"
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-
-def read_encoder_config(g: GGUFFile) -> EncoderConfig:
-    arch = g.architecture
-    key = Keys(g, arch)
-    n_layer = key("block_count", kind=int, lo=1)
-    check_layer_count(key, n_layer)
-    n_embd = key("embedding_length", kind=int, lo=1, hi=MAX_WIDTH)
-    n_head = key("attention.head_count", kind=int, lo=1, hi=MAX_WIDTH)
-    if n_embd % n_head:
-        key.fail("attention.head_count", n_head, f"must divide embedding_length, {n_embd}")
-    kv = key("attention.head_count_kv", n_head, required=False, kind=int, lo=1, hi=n_head)
-    if kv != n_head:
-        key.fail("attention.head_count_kv", kv, f"an encoder's key heads are its query heads ({n_head})")
-    if key("attention.causal", False, required=False, kind=bool):
-        key.fail("attention.causal", True, "a BERT encoder attends both ways")
-    pooling = key("pooling_type", 1, required=False, kind=int, lo=0, hi=len(POOLINGS) - 1)
-    labels = g.metadata.get(f"{arch}.classifier.output_labels") or []
-    if not isinstance(labels, list) or not all(isinstance(s, str) for s in labels):
-        key.fail("classifier.output_labels", labels, "must be an array of strings")
-    return EncoderConfig(
-        arch=arch, name=str(g.metadata.get("general.name", g.path.stem)), n_layer=n_layer, n_embd=n_embd,
-        n_head=n_head, n_ff=key("feed_forward_length", kind=int, lo=1, hi=MAX_WIDTH),
-        n_ctx_train=key("context_length", kind=int, lo=1, hi=MAX_CONTEXT),
-        eps=key("attention.layer_norm_epsilon", 1e-12, required=False, kind=float, lo=0.0, hi=1.0),
-        n_vocab=vocab_size(key, n_embd), pooling=POOLINGS[pooling], n_cls_out=max(1, len(labels)),
-        labels=tuple(labels),
-        rope_base=key("rope.freq_base", 10000.0, required=False, kind=float, lo=1.0, hi=1e15) if arch == "nomic-bert"
-        else 0.0)
 
 
 class Encoder:
@@ -113,7 +51,10 @@ class Encoder:
         self.gguf = g = read_gguf(self.path)
         self.config = c = read_encoder_config(g)
         self.tokenizer = GGUFTokenizer(g)
-        want, mats = _tensors(g, c)
+        want, mats = tensor_plan(g, c)
+        if c.pooling == "rank" and c.modern:
+            raise GGUFError(f"{self.path}: a modern-bert reranker (its mean-pooled, normed classifier) is not "
+                            f"supported yet; modern-bert embedders are")
         if c.pooling == "rank":
             d = c.n_embd
             if "cls.weight" in g.tensors:        # (n_embd, n_embd); jina's rerankers: (1, n_embd), no cls.output
@@ -133,6 +74,7 @@ class Encoder:
         self.w = kernels.load_weights(g, ["token_embd.weight", *mats], threads or min(4, os.cpu_count() or 1))
         self.fused_qkv = "blk.0.attn_qkv.weight" in self.w
         self.slopes = alibi_slopes(c.n_head) if c.alibi else None
+        self._zeros = np.zeros(c.n_embd, F32)            # a LayerNorm without a bias (modern-bert)
         self.v = {n: kernels.load_vector(g, n) for n in want if n not in self.w}
         # the rank head's matrices: F32 ones in ggml's one-row order (numpy), the others as weights
         self.head = {n: None if g.tensor(n + ".weight").type == 0 else kernels.load_weights(g, [n + ".weight"])[n + ".weight"]
@@ -162,13 +104,16 @@ class Encoder:
         bounds = np.cumsum([0] + [len(ids) for ids in inputs])
         tokens = np.fromiter((t for ids in inputs for t in ids), np.int64, int(bounds[-1]))
         positions = np.concatenate([np.arange(len(ids)) for ids in inputs])
+        if c.modern:
+            x = self._modern(tokens, positions, bounds)
+            return [x[s:e] for s, e in zip(bounds[:-1], bounds[1:])]
         x = self.w["token_embd.weight"].rows(tokens)
         if "token_types.weight" in self.v:              # llama.cpp feeds type 0 ("sentence A") only
             x = x + self.v["token_types.weight"][0]
         if c.learned_positions:
             x = self.v["position_embd.weight"][positions] + x
         x = kernels.layer_norm(x, self.v["token_embd_norm.weight"], self.v["token_embd_norm.bias"], c.eps)
-        rope = rope_tables(positions, c.head_dim, c.rope_base, 1.0) if c.rope_base else None
+        rope = rope_tables(positions, c.head_dim, c.rope_base, 1.0) if c.nomic else None
         for i in range(c.n_layer):
             p = f"blk.{i}."
             q, k, v = self._qkv(x, p, rope)
@@ -180,7 +125,7 @@ class Encoder:
             if p + "attn_norm_2.weight" in self.v:       # the layer's input added again, normed again
                 h = kernels.layer_norm(h + x, self.v[p + "attn_norm_2.weight"], self.v[p + "attn_norm_2.bias"], c.eps)
             x = h
-            if c.rope_base:                               # nomic: SwiGLU, no biases (llama.cpp passes none)
+            if c.nomic:                                   # nomic: SwiGLU, no biases (llama.cpp passes none)
                 h = swiglu_ffn(x, self.w[p + "ffn_gate.weight"], self.w[p + "ffn_up.weight"], self.w[p + "ffn_down.weight"])
             elif c.alibi:                                 # jina: GELU-gated, the gate fused into up or its own
                 up = self._project(x, p + "ffn_up")
@@ -192,6 +137,30 @@ class Encoder:
             x = kernels.layer_norm(h + x, self.v[p + "layer_output_norm.weight"], self.v[p + "layer_output_norm.bias"],
                                    c.eps)
         return [x[s:e] for s, e in zip(bounds[:-1], bounds[1:])]
+
+    def _modern(self, tokens: np.ndarray, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """modern-bert's pre-norm stack (src/models/modern-bert.cpp): LayerNorms without biases,
+        rotary positions with the local layers' own base, local layers attending within a
+        symmetric window, GELU-gated FFN, a final norm."""
+        c, v = self.config, self.v
+        norm = lambda x, name: kernels.layer_norm(x, v[name], self._zeros, c.eps)     # noqa: E731
+        x = norm(self.w["token_embd.weight"].rows(tokens), "token_embd_norm.weight")
+        tables = {}
+        for i in range(c.n_layer):
+            p, local = f"blk.{i}.", c.local(i)
+            base = c.rope_base_swa if local else c.rope_base
+            if base not in tables:
+                tables[base] = rope_tables(positions, c.head_dim, base, 1.0)
+            h = norm(x, p + "attn_norm.weight") if p + "attn_norm.weight" in v else x
+            q, k, vv = self._qkv(h, p, tables[base])
+            a = np.empty_like(q)
+            for s, e in zip(bounds[:-1], bounds[1:]):
+                a[s:e] = self._attend(q[s:e], k[s:e], vv[s:e], c.n_swa // 2 if local else 0)
+            x = matmul(a, self.w[p + "attn_output.weight"]) + x
+            up = matmul(norm(x, p + "ffn_norm.weight"), self.w[p + "ffn_up.weight"])
+            g = ggml_round.geglu(np.ascontiguousarray(up[:, :c.n_ff]), np.ascontiguousarray(up[:, c.n_ff:]))
+            x = matmul(g, self.w[p + "ffn_down.weight"]) + x
+        return norm(x, "output_norm.weight")
 
     def _qkv(self, x: np.ndarray, p: str, rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Queries, keys and values of layer p: from a fused q|k|v (plus its bias, or the three
@@ -216,18 +185,21 @@ class Encoder:
             k = kernels.layer_norm(k, self.v[p + "attn_k_norm.weight"], self.v[p + "attn_k_norm.bias"], eps)
         return q, k, v
 
-    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """Attention within one input: in C as llama.cpp computes it (its bits), else in numpy."""
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0) -> np.ndarray:
+        """Attention within one input: in C as llama.cpp computes it (its bits), else in numpy.
+        `window` > 0: each position sees only those within `window` of it (modern-bert's local layers)."""
         c = self.config
         n, H, d = len(q), c.n_head, c.head_dim
-        out = kernels.encoder_attention(q, k, v, H, F32(1) / np.sqrt(F32(d)), self.slopes)   # 1.0f/sqrtf
+        out = kernels.encoder_attention(q, k, v, H, F32(1) / np.sqrt(F32(d)), self.slopes, window)   # 1.0f/sqrtf
         if out is not None:
             return out
         qh, kh, vh = (m.reshape(n, H, d).transpose(1, 0, 2) for m in (q, k, v))
         s = np.matmul(qh, kh.transpose(0, 2, 1)) * F32(1.0 / np.sqrt(d))
+        pos = np.arange(n)
         if self.slopes is not None:
-            pos = np.arange(n)
             s += self.slopes[:, None, None] * -np.abs(pos[:, None] - pos[None, :]).astype(F32)
+        if window:
+            s[:, np.abs(pos[:, None] - pos[None, :]) > window] = -np.inf
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s *= F32(1) / s.sum(axis=-1, keepdims=True)
@@ -279,53 +251,6 @@ class Encoder:
         ids += query + ([eos] if sp.add_eos and eos is not None else [])
         ids += [tok.sep] if tok.sep is not None else []
         return ids + document + ([eos] if sp.add_eos and eos is not None else [])
-
-
-def _tensors(g: GGUFFile, c: EncoderConfig) -> tuple[dict, list]:
-    """The shape of every tensor this encoder computes with, and which are matrices: llama.cpp's
-    create_tensor_qkv (a fused q|k|v or three), optional biases where it allows them."""
-    d, f = c.n_embd, c.n_ff
-    want = {"token_embd.weight": (c.n_vocab, d), "token_embd_norm.weight": (d,), "token_embd_norm.bias": (d,)}
-    if c.learned_positions:
-        want["position_embd.weight"] = (c.n_ctx_train, d)
-    if "token_types.weight" in g.tensors:
-        want["token_types.weight"] = (g.tensor("token_types.weight").shape[0] or 1, d)
-    mats = []
-    fused = "blk.0.attn_qkv.weight" in g.tensors
-    for i in range(c.n_layer):
-        p = f"blk.{i}."
-        proj = {"attn_output": (d, d), "ffn_up": (f, d), "ffn_down": (d, f)}
-        proj |= {"attn_qkv": (3 * d, d)} if fused else {"attn_q": (d, d), "attn_k": (d, d), "attn_v": (d, d)}
-        if c.rope_base or (c.alibi and p + "ffn_gate.weight" in g.tensors):
-            proj["ffn_gate"] = (f, d)
-        if c.alibi and "ffn_gate" not in proj:            # jina's up holds the gate: 2 × FFN rows
-            proj["ffn_up"] = (2 * f, d)
-        for t, shape in proj.items():
-            want[p + t + ".weight"] = shape
-            mats.append(p + t + ".weight")
-            has_bias = t not in ("ffn_up", "ffn_down", "ffn_gate") or not c.rope_base   # nomic's FFN: none
-            has_bias &= t != "ffn_gate"                                                # a gate: never
-            if has_bias and p + t + ".bias" in g.tensors:
-                want[p + t + ".bias"] = (shape[0],)
-        if fused and p + "attn_qkv.bias" not in g.tensors:
-            want |= {p + t + ".bias": (d,) for t in ("attn_q", "attn_k", "attn_v") if p + t + ".bias" in g.tensors}
-        for t in ("attn_output_norm", "layer_output_norm"):
-            want |= {p + t + ".weight": (d,), p + t + ".bias": (d,)}
-        for t in ("attn_q_norm", "attn_k_norm", "attn_norm_2"):      # jina's, where the file has them
-            if c.alibi and p + t + ".weight" in g.tensors:
-                want |= {p + t + ".weight": (d,), p + t + ".bias": (d,)}
-    return want, mats
-
-
-def alibi_slopes(n_head: int, max_bias: float = ALIBI_MAX_BIAS) -> np.ndarray:
-    """Each head's ALiBi slope as ggml_soft_max_ext makes it (powf of the C library)."""
-    from .blocks import _libm
-    lib = _libm()
-    powf = lib.powf if lib is not None else (lambda a, b: float(np.float32(a) ** np.float32(b)))
-    log2 = 1 << int(np.floor(np.log2(np.float32(n_head))))
-    m0 = powf(2.0, float(F32(-max_bias) / F32(log2)))
-    m1 = powf(2.0, float(F32(-(max_bias / 2.0)) / F32(log2)))
-    return np.array([powf(m0, h + 1) if h < log2 else powf(m1, 2 * (h - log2) + 1) for h in range(n_head)], F32)
 
 
 def _groups(inputs: list[list[int]], budget: int):

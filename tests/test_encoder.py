@@ -47,6 +47,11 @@ def jina():
 
 
 @pytest.fixture(scope="module")
+def modern():
+    return load_encoder(TINY / "tiny-modern-bert.gguf")
+
+
+@pytest.fixture(scope="module")
 def reranker():
     return load_encoder(TINY / "tiny-bert-rerank.gguf")
 
@@ -61,12 +66,14 @@ def test_wordpiece_tokens_are_llama_cpps(embedder):
     assert unk in REF["tokenize"][8]["ids"]                     # a glyph no piece covers: its word is [UNK]
 
 
-@pytest.mark.parametrize("family", ["bert", "nomic-bert", "jina-bert-v2"])
+@pytest.mark.parametrize("family", ["bert", "nomic-bert", "jina-bert-v2", "modern-bert"])
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last", "none"])
-def test_embeddings_meet_llama_cpp_under_every_pooling(embedder, nomic, jina, family, pooling):
-    """BERT (learned positions, GELU), nomic-bert (rotary positions, fused q|k|v, SwiGLU) and
-    jina-bert-v2 (ALiBi, q/k LayerNorms, GELU-gated with the gate fused into up)."""
-    model, prefix = {"bert": (embedder, ""), "nomic-bert": (nomic, "nomic_"), "jina-bert-v2": (jina, "jina_")}[family]
+def test_embeddings_meet_llama_cpp_under_every_pooling(embedder, nomic, jina, modern, family, pooling):
+    """BERT (learned positions, GELU), nomic-bert (rotary positions, fused q|k|v, SwiGLU),
+    jina-bert-v2 (ALiBi, q/k LayerNorms, GELU-gated with the gate fused into up) and modern-bert
+    (pre-norm without biases, local layers with their own rope base and a symmetric window)."""
+    model, prefix = {"bert": (embedder, ""), "nomic-bert": (nomic, "nomic_"), "jina-bert-v2": (jina, "jina_"),
+                     "modern-bert": (modern, "modern_")}[family]
     inputs = [case["ids"] for case in REF["tokenize"]]
     for i, got in enumerate(model.pooled(inputs, pooling)):
         want = NPZ[f"{prefix}{pooling}_{i}"]
@@ -153,6 +160,7 @@ def test_capabilities_plan_and_inspect_say_what_an_encoder_is():
     assert capabilities(read_gguf(TINY / "tiny-bert.gguf")) == ["embedding"]
     assert capabilities(read_gguf(TINY / "tiny-nomic-bert.gguf")) == ["embedding"]
     assert capabilities(read_gguf(TINY / "tiny-jina-bert-v2.gguf")) == ["embedding"]
+    assert capabilities(read_gguf(TINY / "tiny-modern-bert.gguf")) == ["embedding"]
     assert capabilities(read_gguf(TINY / "tiny-bert-rerank.gguf")) == ["rerank"]
     assert capabilities(read_gguf(TINY / "tiny-llama.gguf"))[:2] == ["completion", "tools"]
     info = inspect_model(TINY / "tiny-bert-rerank.gguf")

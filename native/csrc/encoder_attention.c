@@ -55,11 +55,12 @@ AVX2 static int cvar8_avx2(const float *x, float *y, int n, float mean, double *
 
 /* ggml_compute_forward_soft_max_f32 on one row, in place; slope != 0: ALiBi, the mask -|i - j|
  * (query row `row`) times the head's slope added after the scale, as ggml adds a mask */
-AVX2 static void softmax_ggml(float *w, int n, float scale, float slope, int row) {
+AVX2 static void softmax_ggml(float *w, int n, float scale, float slope, int row, int window) {
     float max = -INFINITY;
     for (int j = 0; j < n; j++) {
         w[j] *= scale;
         if (slope != 0.0f) w[j] += slope * (float)(-abs(row - j));
+        if (window > 0 && abs(row - j) > window) w[j] = -INFINITY;     /* outside a local layer's window */
         max = w[j] > max ? w[j] : max;
     }
     double sum = 0;
@@ -83,7 +84,7 @@ AVX2 static void softmax_ggml(float *w, int n, float scale, float slope, int row
 
 /* q, k, v, out: (n, H*D) float32 rows; scale multiplies the scores. Returns 0 without AVX2. */
 int encoder_attention(const float *q, const float *k, const float *v, float *out, int n, int H, int D,
-                      float scale, int nt, const float *slopes) {
+                      float scale, int nt, const float *slopes, int window) {
     if (!g_avx2 || n < 1) return 0;
     const int tiny = n >= 2 && n % 8 == 0 && D % 4 == 0;      /* llamafile_sgemm takes the values' product */
     float *vt = malloc((size_t)H * D * n * sizeof(float));    /* each head's values, a row per channel */
@@ -98,7 +99,7 @@ int encoder_attention(const float *q, const float *k, const float *v, float *out
             const int h = task / n, i = task % n;
             const float *qi = q + (size_t)i * H * D + h * D;
             for (int j = 0; j < n; j++) p[j] = vdot_ggml(k + (size_t)j * H * D + h * D, qi, D);
-            softmax_ggml(p, n, scale, slopes ? slopes[h] : 0.0f, i);
+            softmax_ggml(p, n, scale, slopes ? slopes[h] : 0.0f, i, window);
             float *o = out + (size_t)i * H * D + h * D;
             for (int c = 0; c < D; c++) {
                 const float *row = vt + ((size_t)h * D + c) * n;
@@ -112,7 +113,7 @@ int encoder_attention(const float *q, const float *k, const float *v, float *out
 }
 #else
 int encoder_attention(const float *q, const float *k, const float *v, float *out, int n, int H, int D,
-                      float scale, int nt, const float *slopes) { return 0; }
+                      float scale, int nt, const float *slopes, int window) { return 0; }
 #endif
 
 /* ggml_norm's AVX2 arithmetic on T rows of n, then times w plus b (an encoder's LayerNorm): the

@@ -7,7 +7,9 @@ pools by mean (its file says so) and is asked for every pooling; the reranker ad
 classification head (cls, cls.output) and pools by rank, as bge-reranker's conversion does.
 tiny-nomic-bert.gguf is nomic-embed's layer on the same vocabulary (rotary positions, a fused
 q|k|v, a SwiGLU FFN), tiny-jina-bert-v2.gguf jina-embeddings-v2's (ALiBi, q/k LayerNorms, a
-GELU-gated FFN): their embeddings go in tiny-bert.npz as nomic_/jina_<pooling>_<i>.
+GELU-gated FFN), tiny-modern-bert.gguf ModernBERT's (pre-norm, no biases, rotary positions with
+local layers of their own base and a symmetric window of 8, GELU-gated): their embeddings go in
+tiny-bert.npz as nomic_/jina_/modern_<pooling>_<i>.
 
 n_embd 64, 4 heads, FFN 256, 3 layers, 128 positions, seeded random weights (Q8_0 matrices in the
 reranker, F16 in the embedder). The reference is llama-cpp-python's `embed` (embedding=True),
@@ -80,7 +82,7 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     q|k|v with its bias, a SwiGLU FFN without biases, no position table. `vocab(writer)`: writes
     the tokenizer's metadata in place of the WordPiece one (make_tiny_xlmr.py's unigram)."""
     rng = np.random.default_rng(seed)
-    nomic, jina = arch == "nomic-bert", arch == "jina-bert-v2"
+    nomic, jina, modern = arch == "nomic-bert", arch == "jina-bert-v2", arch == "modern-bert"
     w = GGUFWriter(str(path), arch)
     w.add_name(path.stem)
     w.add_context_length(n_ctx)
@@ -93,6 +95,10 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     w.add_uint32(f"{arch}.pooling_type", POOLING["rank" if rank else "mean"])
     if nomic:
         w.add_rope_freq_base(1000.0)
+    if modern:                          # local layers (1 and 2 of 3) see 4 positions each side
+        w.add_rope_freq_base(160000.0)
+        w.add_float32("modern-bert.rope.freq_base_swa", 10000.0)
+        w.add_uint32("modern-bert.attention.sliding_window", 8)
     w.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[qt])
     if vocab is not None:
         vocab(w)
@@ -119,6 +125,23 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
     def vec(name, n, mean=0.0, scale=0.05):
         w.add_tensor(name, (mean + scale * rng.standard_normal(n)).astype(np.float32))
     w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), n_embd)) * 0.5).astype(np.float32))
+    if modern:                          # pre-norm, no biases, a GELU-gated up, a final norm
+        vec("token_embd_norm.weight", n_embd, 1.0, 0.1)
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            if i:
+                vec(p + "attn_norm.weight", n_embd, 1.0, 0.1)
+            mat(p + "attn_qkv.weight", 3 * n_embd, n_embd)
+            mat(p + "attn_output.weight", n_embd, n_embd)
+            vec(p + "ffn_norm.weight", n_embd, 1.0, 0.1)
+            mat(p + "ffn_up.weight", 2 * n_ff, n_embd)
+            mat(p + "ffn_down.weight", n_embd, n_ff)
+        vec("output_norm.weight", n_embd, 1.0, 0.1)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return
     w.add_tensor("token_types.weight", (rng.standard_normal((1 if vocab else 2, n_embd)) * 0.1).astype(np.float32))
     if not (nomic or jina):
         w.add_tensor("position_embd.weight", (rng.standard_normal((n_ctx, n_embd)) * 0.1).astype(np.float32))
@@ -247,6 +270,9 @@ def main() -> None:
     jina = TINY / "tiny-jina-bert-v2.gguf"
     write(jina, rank=False, seed=14, arch="jina-bert-v2")
     arrays |= embed_reference(jina, "jina_")[1]
+    modern = TINY / "tiny-modern-bert.gguf"
+    write(modern, rank=False, seed=15, arch="modern-bert")
+    arrays |= embed_reference(modern, "modern_")[1]
     (TINY / "tiny-bert.json").write_text(json.dumps(ref, ensure_ascii=False, indent=1))
     np.savez_compressed(TINY / "tiny-bert.npz", **arrays)
     ref, _ = rank_reference(rr)
