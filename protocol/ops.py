@@ -47,7 +47,10 @@ SCHEMAS: dict[str, Schema] = {
                  # template variables applied only where the template uses them (enable_thinking, …)
                  "template_hints": (dict, False)},
     "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False),
-              "truncate": (bool, False)},
+              "truncate": (bool, False),
+              # llama-server's /embedding: its embd_normalize (-1 none, 0 max-abs, 2 euclidean, p>2 p-norm)
+              # and, for a model that pools nothing, every token's vector
+              "embd_normalize": (int, False), "per_token": (bool, False)},
     "rerank": {"query": (str, True), "documents": (list, True)},
     "tokenize": {"text": (str, True), "special": (bool, False), "add_bos": (bool, False), "pieces": (bool, False)},
     # llama-server's slots: list, or save / restore / erase slot `id` (a file of slot_save_path)

@@ -17,10 +17,21 @@ TINY = DATA / "tiny"
 RANKS = json.loads((TINY / "tiny-bert-rerank.json").read_text())
 
 
+def pooling_none(home) -> str:
+    """tiny-bert with its pooling_type patched in place to 0 (none): a model that pools nothing."""
+    data = bytearray((TINY / "tiny-bert.gguf").read_bytes())
+    key = b"bert.pooling_type"
+    at = data.index(key) + len(key) + 4                   # the u32 type, then the value
+    data[at:at + 4] = (0).to_bytes(4, "little")
+    (home / "tiny-bert-none.gguf").write_bytes(data)
+    return str(home / "tiny-bert-none.gguf")
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("retrieval")
     with Daemon(home, {"embedder": {"kind": "inference", "model": str(TINY / "tiny-bert.gguf")},
+                       "tokens": {"kind": "inference", "model": pooling_none(home)},
                        "reranker": {"kind": "inference", "model": str(TINY / "tiny-bert-rerank.gguf")},
                        "qwen-reranker": {"kind": "inference", "model": str(TINY / "tiny-qwen3-rerank.gguf")}}) as d:
         d.wait(lambda st: all(w["worker_state"] == "ready" for w in st["workers"]), timeout=60, what="models loaded")
@@ -115,6 +126,27 @@ def test_a_causal_reranker_answers_the_same_route(served):
     assert all(abs(r["relevance_score"] - ref["scores"][r["index"]][0]) <= 1e-6 for r in out["results"])
     status, err = http_json(served, "POST", "/v1/embeddings", {"model": "qwen-reranker", "input": "hi"})
     assert status == 400 and "is a reranker" in err["error"]["message"], err
+
+
+def test_llama_servers_embedding_route_pools_normalises_or_gives_every_token(served, local):
+    text = "What is the capital of France?"
+    ids = local.tokenizer.encode(text, special=False)
+    pooled = local.pooled([ids])[0]
+    for norm, want in ((2, pooled / np.linalg.norm(pooled)), (-1, pooled),
+                       (0, pooled * np.float32(1.0 / (np.abs(pooled).max() / 32760.0)))):
+        status, out = http_json(served, "POST", "/embedding", {"model": "embedder", "content": text, "embd_normalize": norm})
+        assert status == 200 and [e["index"] for e in out] == [0] and len(out[0]["embedding"]) == 1, out
+        assert np.allclose(out[0]["embedding"][0], want, rtol=1e-6, atol=1e-6), norm
+    status, out = http_json(served, "POST", "/embeddings", {"model": "tokens", "content": [text, "Hello world"]})
+    assert status == 200 and len(out) == 2, out
+    assert np.allclose(out[0]["embedding"], local.pooled([ids], "none")[0], atol=1e-6)   # per token, not normalised
+    assert len(out[1]["embedding"]) == len(local.tokenizer.encode("Hello world", special=False))
+    for path, body, field in (("/v1/embeddings", {"model": "tokens", "input": text}, "pools nothing"),
+                              ("/embedding", {"model": "embedder", "content": text, "embd_normalize": 1}, "embd_normalize"),
+                              ("/embedding", {"model": "embedder", "content": text, "encoding_format": "base64"},
+                               "encoding_format")):
+        status, err = http_json(served, "POST", path, body)
+        assert status == 400 and field in json.dumps(err), (path, err)
 
 
 def test_capabilities_in_api_show_and_kiln_rerank(served):

@@ -20,9 +20,19 @@ from kiln.native.rerank import CausalRanker
 from .worker import OpError, op
 
 
-def _normalized(v: np.ndarray) -> np.ndarray:
-    norm = float(np.linalg.norm(v.astype(np.float64)))
-    return (v / norm).astype(np.float32) if norm > 0 else v
+def normalized(v: np.ndarray, p: int = 2) -> np.ndarray:
+    """llama.cpp's common_embd_normalize: -1 none, 0 by the largest magnitude (to int16's range),
+    2 euclidean, p > 2 the p-norm; the sum in double, the vector times float(1 / sum)."""
+    if p == -1:
+        return v
+    x = v.astype(np.float64)
+    if p == 0:
+        total = float(np.abs(x).max(initial=0.0)) / 32760.0
+    elif p == 2:
+        total = float(np.sqrt(((v * v).astype(np.float64)).sum()))     # float squares, a double sum
+    else:
+        total = float((np.abs(x) ** p).sum() ** (1.0 / p))
+    return (v * np.float32(1.0 / total if total > 0 else 0.0)).astype(np.float32)
 
 
 class EmbeddingOps:
@@ -64,19 +74,26 @@ class EmbeddingOps:
         if pooling == "rank":
             raise OpError("bad_request", f"{name} is a reranker (its pooling is rank): it scores query-document pairs "
                                          f"and gives no embeddings; use /v1/rerank")
-        if pooling == "none":
+        per_token = pooling == "none"
+        if per_token and not isinstance(self.model, Encoder):
+            raise OpError("bad_request", f"{name}'s file says pooling_type none; Kiln embeds with a chat model "
+                                         f"by mean, last or cls pooling only")
+        if per_token and not b.get("per_token"):
             raise OpError("bad_request", f"{name} pools nothing (pooling_type none): its embeddings are one per "
-                                         f"token, which these routes do not return")
+                                         f"token, which only llama-server's /embedding returns")
         dims = b.get("dimensions")
         if dims is not None and not 1 <= dims <= n_embd:
             raise OpError("bad_request", f"dimensions = {dims}: {name} gives {n_embd}-dimensional embeddings; "
                                          f"dimensions may shorten them (1..{n_embd}), not lengthen them")
-        normalize = b.get("normalize", True)            # a bool: protocol/ops.py checks it
+        norm = b.get("embd_normalize", 2 if b.get("normalize", True) else -1)
+        if norm not in (-1, 0) and norm < 2:
+            raise OpError("bad_request", f"embd_normalize = {norm}: -1 (none), 0 (max absolute), 2 (euclidean) or a "
+                                         f"p-norm above 2")
         prompts = self._inputs(b["inputs"], bool(b.get("truncate")))
         if isinstance(self.model, Encoder):
             if b.get("adapter"):
                 raise OpError("bad_request", f"{name} is an encoder: LoRA adapters apply to chat models")
-            vectors = self.model.pooled(prompts)
+            vectors = self.model.pooled(prompts)       # (n, n_embd) each when it pools nothing
         else:
             adapter = self._adapter(b)
             vectors = []
@@ -87,9 +104,10 @@ class EmbeddingOps:
                     vectors.append(decoder_embed(self.model, ids, adapter=adapter, normalize=False, pooling=pooling))
         out = []
         for v in vectors:
-            v = v[:dims] if dims else v
-            out.append((_normalized(v) if normalize else v).astype("<f4").tobytes())
-        return {"embeddings": out, "dim": dims or n_embd, "usage": {"prompt_tokens": sum(map(len, prompts))}}
+            v = v[..., :dims] if dims else v
+            out.append((v if per_token else normalized(v, norm)).astype("<f4").tobytes())   # as llama-server
+        reply = {"embeddings": out, "dim": dims or n_embd, "usage": {"prompt_tokens": sum(map(len, prompts))}}
+        return reply | ({"rows": [len(p) for p in prompts]} if per_token else {})
 
     @op("rerank")
     def rerank(self, req):

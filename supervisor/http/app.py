@@ -15,7 +15,7 @@ import falcon
 import waitress
 
 from . import (anthropic as anthropic_api, completions_batch, eval_routes as eval_api,
-               llama_server as llama_server_api, llama_slots, observe, ollama as ollama_api,
+               llama_embeddings, llama_server as llama_server_api, llama_slots, observe, ollama as ollama_api,
                openai as openai_api, openai_responses, rerank, train_routes as train_api, ui_app)
 from .common import JSONError, action_body, bus, error_body
 from .admission import Admission
@@ -168,6 +168,7 @@ def make_app(sup) -> falcon.App:
     llama_slots.install(app, pipe)
     completions_batch.install(app, pipe)
     rerank.install(app, pipe)
+    llama_embeddings.install(app, pipe)
     ui_app.install(app, sup)
     train_api.install(app, sup, pipe.read_json)
     eval_api.install(app, sup, pipe.read_json)
