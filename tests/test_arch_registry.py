@@ -14,12 +14,13 @@ from kiln.native.model import load_model
 
 FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3",
-             "qwen35": "qwen35", "qwen35moe": "qwen35moe", "gpt-oss": "gpt-oss", "smollm3": "smollm3"}
+             "qwen35": "qwen35", "qwen35moe": "qwen35moe", "gpt-oss": "gpt-oss", "smollm3": "smollm3",
+             "ernie4_5": "ernie4_5"}
 
 
 def test_the_registry_lists_every_family_with_what_it_needed():
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3", "qwen35",
-            "qwen35moe", "gpt-oss", "smollm3"} <= set(FAMILIES)
+            "qwen35moe", "gpt-oss", "smollm3", "ernie4_5"} <= set(FAMILIES)
     assert all(f.notes for f in FAMILIES.values())
     assert family("mistral") is family("llama")
 
@@ -161,3 +162,31 @@ def test_the_default_context_is_the_largest_the_memory_budget_holds(default_mode
     plain = plan(default_model_path)
     assert plain["context"] == 4096 and "no memory budget" in plain["context_why"]
     assert plan(default_model_path, 2048)["context_why"] == "configured"
+
+
+def test_an_ernie_variant_kiln_does_not_run_is_refused_naming_the_tensor(tmp_path):
+    """ERNIE 4.5's loader allows an attention output bias; Kiln's llama skeleton has none, so a
+    file with one is refused by name rather than run without it."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+    src = GGUFReader(tiny_path("ernie4_5"))
+    out = tmp_path / "biased.gguf"
+    w = GGUFWriter(str(out), "ernie4_5")
+    for k, f in src.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        if k == "tokenizer.ggml.token_type":
+            w.add_token_types(f.contents())
+        elif f.types[0].name == "ARRAY":
+            w.add_array(k, f.contents())
+        else:
+            w.add_key_value(k, f.contents(), f.types[0])
+    for t in src.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.add_tensor("blk.1.attn_output.bias", np.zeros(128, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"blk\.1\.attn_output\.bias"):
+        load_model(out)
