@@ -52,16 +52,17 @@ class Encoder:
         self.config = c = read_encoder_config(g)
         self.tokenizer = GGUFTokenizer(g)
         want, mats = tensor_plan(g, c)
-        if c.pooling == "rank" and c.modern:
-            raise GGUFError(f"{self.path}: a modern-bert reranker (its mean-pooled, normed classifier) is not "
-                            f"supported yet; modern-bert embedders are")
         if c.pooling == "rank":
             d = c.n_embd
             if "cls.weight" in g.tensors:        # (n_embd, n_embd); jina's rerankers: (1, n_embd), no cls.output
                 rows = g.tensor("cls.weight").shape[0] if c.alibi else d
-                want |= {"cls.weight": (rows, d), "cls.bias": (rows,)}
+                want |= {"cls.weight": (rows, d)} | ({"cls.bias": (rows,)} if "cls.bias" in g.tensors else {})
+                if c.modern and "cls.norm.weight" in g.tensors:        # modern-bert's head norm (no bias)
+                    want["cls.norm.weight"] = (rows,)
             if "cls.output.weight" in g.tensors:
-                want |= {"cls.output.weight": (c.n_cls_out, d), "cls.output.bias": (c.n_cls_out,)}
+                want |= {"cls.output.weight": (c.n_cls_out, d)}
+                if "cls.output.bias" in g.tensors:
+                    want["cls.output.bias"] = (c.n_cls_out,)
             if "cls.weight" not in want and "cls.output.weight" not in want:
                 raise GGUFError(f"{self.path}: pooling type rank needs a classification head (tensors cls.weight "
                                 f"or cls.output.weight) and the file has none; it is not a reranker")
@@ -226,11 +227,15 @@ class Encoder:
             return (h.astype(np.float64).sum(axis=0) / len(h)).astype(F32)
         if pooling == "last":
             return h[-1]
-        x = h[0]
+        c = self.config
+        x = self._pool(h, "mean") if pooling == "rank" and c.modern and c.pooling_cls == "mean" else h[0]
         if pooling == "cls":
             return x
-        if "cls.weight" in self.v:                   # one row: ggml_vec_dot_f32, tanhf
-            x = ggml_round.libm_tanhf(self._head(x, "cls"))
+        if "cls.weight" in self.v:                   # one row: ggml_vec_dot_f32; tanhf (modern-bert: GELU)
+            y = self._head(x, "cls")
+            x = kernels.gelu(y) if c.modern else ggml_round.libm_tanhf(y)
+            if "cls.norm.weight" in self.v:
+                x = kernels.layer_norm(x[None], self.v["cls.norm.weight"], np.zeros_like(x), c.eps)[0]
         if "cls.output.weight" in self.v:
             x = self._head(x, "cls.output")
         return x
@@ -240,7 +245,7 @@ class Encoder:
         ggml_vec_dot_f32; others by the kernels (a one-row product, as llama.cpp's)."""
         w = self.head[name]
         y = ggml_round.vec_dot_f32(self.v[name + ".weight"], x) if w is None else matmul(x[None], w)[0]
-        return (y + self.v[name + ".bias"]).astype(F32)
+        return (y + self.v[name + ".bias"]).astype(F32) if name + ".bias" in self.v else y.astype(F32)
 
     def rank_prompt(self, query: list[int], document: list[int]) -> list[int]:
         """llama-server's rerank input without a rerank template (format_prompt_rerank): BOS,

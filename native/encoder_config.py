@@ -39,6 +39,7 @@ class EncoderConfig:
     n_swa: int = 0                  # modern-bert: its local layers' window (symmetric: n_swa/2 each side)
     swa_pattern: int = 0            # modern-bert: every layer but each swa_pattern-th is local
     rope_base_swa: float = 0.0      # modern-bert: the local layers' rope base
+    pooling_cls: str = "cls"        # modern-bert's rank head reads the mean (its default) or the first token
 
     @property
     def nomic(self) -> bool:
@@ -100,7 +101,8 @@ def _rotary(key: Keys, arch: str) -> dict:
     if arch == "nomic-bert":
         return {"rope_base": base}
     n_swa = key("attention.sliding_window", 0, required=False, kind=int, lo=0, hi=MAX_CONTEXT)
-    return {"rope_base": base, "n_swa": n_swa,
+    pooling_cls = key("classifier.pooling_type", 1, required=False, kind=int, lo=1, hi=2)   # mean or cls
+    return {"rope_base": base, "n_swa": n_swa, "pooling_cls": POOLINGS[pooling_cls],
             "swa_pattern": key("attention.sliding_window_pattern", 3, required=False, kind=int, lo=0, hi=MAX_WIDTH),
             "rope_base_swa": key("rope.freq_base_swa", base, required=False, kind=float, lo=1.0, hi=1e15)}
 

@@ -101,6 +101,25 @@ def test_rerank_scores_and_order_are_llama_cpps(reranker):
         assert np.argsort(scores).tolist() == np.argsort(pair["scores"]).tolist()
 
 
+def test_a_modern_bert_reranker_scores_as_llama_cpp():
+    """gte-reranker-modernbert's head: the mean of the states, a dense layer, GELU, a head norm, one
+    score. The mean is summed in an order not ggml's (≤ 2.4e-7 apart, docs/retrieval.md), which
+    GELU's fp16 table can round apart: 6 of 7 scores are llama.cpp's bits, all within 1e-3."""
+    ref = json.loads((TINY / "tiny-modern-bert-rerank.json").read_text())
+    m = load_encoder(TINY / "tiny-modern-bert-rerank.gguf")
+    assert (m.config.pooling, m.config.pooling_cls) == ("rank", "mean")
+    tok, exact, total = m.tokenizer, 0, 0
+    for pair in ref["pairs"]:
+        query = tok.encode(pair["query"], special=False, add_bos=False)
+        prompts = [m.rank_prompt(query, tok.encode(d, special=False, add_bos=False)) for d in pair["documents"]]
+        scores = [float(s[0]) for s in m.pooled(prompts)]
+        assert np.abs(np.array(scores) - pair["scores"]).max() <= 1e-3, (scores, pair["scores"])
+        assert np.argsort(scores).tolist() == np.argsort(pair["scores"]).tolist()
+        exact += sum(a == b for a, b in zip(scores, pair["scores"]))
+        total += len(scores)
+    assert exact >= total - 1, (exact, total)
+
+
 def test_an_xlm_roberta_reranker_tokenizes_and_scores_as_llama_cpp():
     """bge-reranker-v2-m3's kind (tests/tools/make_tiny_xlmr.py): a SentencePiece unigram vocabulary
     with its NFKC charsmap — fullwidth letters, ligatures, Cyrillic, CJK, runs of spaces, empty

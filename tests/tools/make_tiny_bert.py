@@ -137,6 +137,11 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
             mat(p + "ffn_up.weight", 2 * n_ff, n_embd)
             mat(p + "ffn_down.weight", n_embd, n_ff)
         vec("output_norm.weight", n_embd, 1.0, 0.1)
+        if rank:                        # mean-pooled, dense, GELU, a head norm, one score
+            w.add_tensor("cls.weight", (rng.standard_normal((n_embd, n_embd)) * 0.2).astype(np.float32))
+            vec("cls.norm.weight", n_embd, 1.0, 0.1)
+            w.add_tensor("cls.output.weight", (rng.standard_normal((1, n_embd)) * 0.5).astype(np.float32))
+            vec("cls.output.bias", 1)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -273,6 +278,9 @@ def main() -> None:
     modern = TINY / "tiny-modern-bert.gguf"
     write(modern, rank=False, seed=15, arch="modern-bert")
     arrays |= embed_reference(modern, "modern_")[1]
+    modern_rr = TINY / "tiny-modern-bert-rerank.gguf"
+    write(modern_rr, rank=True, seed=16, arch="modern-bert")
+    (TINY / "tiny-modern-bert-rerank.json").write_text(json.dumps(rank_reference(modern_rr)[0], indent=1))
     (TINY / "tiny-bert.json").write_text(json.dumps(ref, ensure_ascii=False, indent=1))
     np.savez_compressed(TINY / "tiny-bert.npz", **arrays)
     ref, _ = rank_reference(rr)
