@@ -195,16 +195,22 @@ class Encoder:
         if out is not None:
             return out
         qh, kh, vh = (m.reshape(n, H, d).transpose(1, 0, 2) for m in (q, k, v))
-        s = np.matmul(qh, kh.transpose(0, 2, 1)) * F32(1.0 / np.sqrt(d))
+        out = np.empty((n, H * d), F32)
         pos = np.arange(n)
-        if self.slopes is not None:
-            s += self.slopes[:, None, None] * -np.abs(pos[:, None] - pos[None, :]).astype(F32)
-        if window:
-            s[:, np.abs(pos[:, None] - pos[None, :]) > window] = -np.inf
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s *= F32(1) / s.sum(axis=-1, keepdims=True)
-        return np.matmul(s, vh).transpose(1, 0, 2).reshape(n, H * d)
+        step = max(1, (1 << 22) // max(1, H * n))          # query rows a block: scores bounded to 16 MiB
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            s = np.matmul(qh[:, r0:r1], kh.transpose(0, 2, 1)) * F32(1.0 / np.sqrt(d))
+            dist = np.abs(pos[r0:r1, None] - pos[None, :])
+            if self.slopes is not None:
+                s += self.slopes[:, None, None] * -dist.astype(F32)
+            if window:
+                s[:, dist > window] = -np.inf
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s *= F32(1) / s.sum(axis=-1, keepdims=True)
+            out[r0:r1] = np.matmul(s, vh).transpose(1, 0, 2).reshape(r1 - r0, H * d)
+        return out
 
     def pooled(self, inputs: list[list[int]], pooling: str | None = None) -> list[np.ndarray]:
         """Each input pooled by `pooling` (default the file's): (n_embd,), or (n_i, n_embd) for

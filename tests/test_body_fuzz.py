@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import tiny_path
+from conftest import DATA, tiny_path
 from daemon_harness import Daemon
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -38,6 +38,10 @@ ROUTES = [
     ("POST", "/tokenize", {"content": "hi", "with_pieces": True}),
     ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
     ("POST", "/apply-template", {"messages": MSGS}),
+    ("POST", "/v1/rerank", {"model": "ranker", "query": "q", "documents": ["a", "b"], "top_n": 1}),
+    ("POST", "/rerank", {"model": "ranker", "query": "q", "texts": ["a"], "return_text": True}),
+    ("POST", "/embedding", {"model": "ranker", "content": "hi", "embd_normalize": 2}),
+    ("POST", "/embedding", {"model": "tiny", "content": ["hi", [1, 2]]}),
     ("POST", "/v1/train/sft", {"adapter": "fz", "data": '{"messages": []}\n'}),
     ("POST", "/v1/eval/run", {"inline": {"name": "s", "examples": [{"prompt": "1+1", "answer": "2"}]}}),
 ]
@@ -112,7 +116,9 @@ def daemon(tmp_path_factory):
     (home / "models").mkdir()
     import shutil
     shutil.copyfile(tiny_path("llama"), home / "models" / "tiny.gguf")
+    shutil.copyfile(DATA / "tiny" / "tiny-bert-rerank.gguf", home / "models" / "ranker.gguf")
     workers = {"tiny": {"kind": "inference", "model": str(home / "models" / "tiny.gguf"), "settings": {"ctx": 256}},
+               "ranker": {"kind": "inference", "model": str(home / "models" / "ranker.gguf")},
                "trainer": {"kind": "trainer", "model": str(home / "models" / "tiny.gguf")},
                "evaluator": {"kind": "evaluator"}}
     with Daemon(home, workers, server={"request_timeout": 30}) as d:

@@ -42,8 +42,8 @@ class EmbeddingOps:
         tok = self.model.tokenizer
         out = []
         for i, x in enumerate(items):
-            if isinstance(x, str):      # (a text to be cut is tokenized whole: the body's size bounds it)
-                ids = tok.encode(x, special=False) if truncate else \
+            if isinstance(x, str):
+                ids = self._prefix_tokens(x) if truncate else \
                     self._bounded(tok.encode, x, special=False, what=f"{what}[{i}]")
             else:
                 ids = x
@@ -57,6 +57,20 @@ class EmbeddingOps:
                 ids = ids[:self.n_ctx - 1] + [ids[-1]] if sep is not None and ids[-1] == sep else ids[:self.n_ctx]
             out.append(ids)
         return out
+
+    def _prefix_tokens(self, text: str) -> list[int]:
+        """The tokens of a text that will be cut to the context: only as much of it as yields
+        more than the context's tokens (a growing prefix), not the whole body, is tokenized."""
+        tok, chars = self.model.tokenizer, 32 * self.n_ctx
+        while True:
+            ids = tok.encode(text[:chars], special=False)
+            if chars >= len(text):
+                return ids
+            if len(ids) > self.n_ctx + 16:           # the cut is far past what is kept
+                # the prefix's specials end it (an encoder's [SEP]); the whole text's end the same way
+                return ids if not tok.special.add_eos and getattr(tok, "sep", None) is None else \
+                    ids[:self.n_ctx - 1] + [ids[-1]]
+            chars *= 4
 
     def _pooling(self) -> str:
         if isinstance(self.model, Encoder):
