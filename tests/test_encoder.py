@@ -8,9 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter
 
 from conftest import DATA
+from gguf_copy import copy_gguf
 from kiln.native.encoder import load_encoder
 from kiln.native.generate import embed
 from kiln.native.gguf_file import GGUFError
@@ -188,31 +188,6 @@ def test_capabilities_plan_and_inspect_say_what_an_encoder_is():
     assert p["verdict"] == "fits" and p["kv_cache_bytes"] == 0 and p["context"] == 128
 
 
-def _rewrite(src, dst, *, drop=(), meta=None):
-    """A copy of an encoder GGUF without tensors `drop` and with metadata `meta` changed."""
-    r = GGUFReader(src)
-    w = GGUFWriter(str(dst), "bert")
-    for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        v = meta[k] if meta and k in meta else f.contents()
-        if k == "tokenizer.ggml.token_type":
-            w.add_token_types(v)
-        elif k == "tokenizer.ggml.precompiled_charsmap":
-            w.add_precompiled_charsmap(bytes(v))
-        elif f.types[0].name == "ARRAY":
-            w.add_array(k, v)
-        else:
-            w.add_key_value(k, v, f.types[0])
-    for t in r.tensors:
-        if t.name not in drop:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("drop, meta, words", [
     (("blk.1.ffn_up.weight",), None, "blk.1.ffn_up.weight"),
     ((), {"bert.attention.head_count": 3}, "must divide embedding_length"),
@@ -222,7 +197,7 @@ def _rewrite(src, dst, *, drop=(), meta=None):
 ])
 def test_a_hostile_encoder_is_refused_naming_what_is_wrong(tmp_path, drop, meta, words):
     out = tmp_path / "bad.gguf"
-    _rewrite(TINY / "tiny-bert-rerank.gguf", out, drop=drop, meta=meta)
+    copy_gguf(TINY / "tiny-bert-rerank.gguf", out, drop=drop, meta=meta)
     with pytest.raises(GGUFError, match=words.replace(".", r"\.")):
         load_encoder(out)
 

@@ -87,6 +87,28 @@ def library(tmp_path, default_model_path):
     return models / default_model_path.name
 
 
+def test_one_session_saved_from_many_threads_at_once_is_never_an_error(tmp_path):
+    """The daemon's HTTP threads save a session concurrently (the chat page saves twice at once):
+    each save writes a temporary file of its own, so none fails and the file is one whole save."""
+    import threading
+    s, errors = Sessions(tmp_path), []
+
+    def save(k: int) -> None:
+        try:
+            for j in range(20):
+                s.save("busy", {"messages": [{"role": "user", "content": f"{k}-{j}"}]})
+        except Exception as e:  # noqa: BLE001 - any failure is the finding
+            errors.append(e)
+    threads = [threading.Thread(target=save, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(s.load("busy")["messages"]) == 1
+    assert not list(tmp_path.rglob(".*tmp*"))                    # no temporary file left behind
+
+
 def test_verify_after_a_pull_then_a_damaged_copy_and_an_unknown_file(tmp_path, library):
     from kiln.native.models.library import pull_default
     pull_default(library.parent)                  # present and verified: records the manifest

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +44,9 @@ class Sessions:
         p.parent.mkdir(parents=True, exist_ok=True)
         now = time.time()
         doc = {**doc, "name": name, "updated": now, "created": doc.get("created") or now}
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+        # a temporary file of this save's own: the daemon's HTTP threads may save one session at
+        # once (the chat page saving twice), and a shared name made the later replace fail (a 500)
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}")
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=2, ensure_ascii=False)
             f.flush()

@@ -14,6 +14,7 @@ on, which llama.cpp needs for a quantized V cache (default: f16, its default gra
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 from llama_cpp import Llama
@@ -54,6 +55,23 @@ def main(model: str, prompts_path: str, out: str, n_batch: str = "512", n_ctx: s
                                "greedy_ids": greedy, "greedy_margins": margins})
     json.dump(ref, open(out + ".json", "w"))
     np.savez(out + ".npz", **arrays)
+
+
+TOKENIZE_TEXTS = ("Hello there, the cat sat on the mat.", "<|im_start|>user\nhi<|im_end|>\n", "the the the")
+
+
+def tiny_reference(model: Path, prompts_path: Path, n_greedy: int = 24) -> None:
+    """A tiny model's reference beside it (MODEL.json/.npz): main()'s, plus the model's name, the
+    llama-cpp-python version and the tokens of TOKENIZE_TEXTS with and without special tokens."""
+    import llama_cpp
+    prefix = model.with_suffix("")
+    main(str(model), str(prompts_path), str(prefix), n_greedy=n_greedy)
+    ref = json.loads(prefix.with_suffix(".json").read_text())
+    llm = llama_cpp.Llama(str(model), n_ctx=256, verbose=False, vocab_only=True)
+    ref["model"], ref["llama_cpp_python"] = model.name, llama_cpp.__version__
+    ref["tokenize"] = [{"text": t, "ids_no_special": llm.tokenize(t.encode(), add_bos=False, special=False),
+                        "ids_special": llm.tokenize(t.encode(), add_bos=False, special=True)} for t in TOKENIZE_TEXTS]
+    prefix.with_suffix(".json").write_text(json.dumps(ref))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader
 from gguf.quants import dequantize
 
 HERE = Path(__file__).resolve().parent.parent
@@ -29,34 +29,18 @@ PAIRS = [("what is the capital of france?", ["Paris is the capital of France.", 
 
 
 def write(out: Path) -> None:
+    import sys
+    sys.path.insert(0, str(HERE))
+    from gguf_copy import copy_gguf
     src = GGUFReader(TINY / "tiny-qwen3.gguf")
     tokens = src.fields["tokenizer.ggml.tokens"].contents()
     yes, no = tokens.index("y"), tokens.index("n")
-    w = GGUFWriter(str(out), "qwen3")
-    for k, f in src.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        v = f.contents()
-        if k == "general.name":
-            v = "tiny-qwen3-rerank"
-        if k == "tokenizer.ggml.token_type":
-            w.add_token_types(v)
-        elif f.types[0].name == "ARRAY":
-            w.add_array(k, v)
-        else:
-            w.add_key_value(k, v, f.types[0])
-    w.add_uint32("qwen3.pooling_type", 4)
-    w.add_array("qwen3.classifier.output_labels", ["yes", "no"])
-    w.add_string("tokenizer.chat_template.rerank", TEMPLATE)
-    for t in src.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     head = next(t for t in src.tensors if t.name == "output.weight")
     rows = dequantize(np.asarray(head.data)[[yes, no]], head.tensor_type).reshape(2, -1)
-    w.add_tensor("cls.output.weight", (rows * 0.05).astype(np.float32))   # scaled: scores not all ~1
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    copy_gguf(TINY / "tiny-qwen3.gguf", out, meta={
+        "general.name": "tiny-qwen3-rerank", "qwen3.pooling_type": 4, "qwen3.classifier.output_labels": ["yes", "no"],
+        "tokenizer.chat_template.rerank": TEMPLATE},
+        add={"cls.output.weight": (rows * 0.05).astype(np.float32)})   # scaled: scores not all ~1
 
 
 def main() -> None:

@@ -73,19 +73,8 @@ def main() -> None:
     w.write_tensors_to_file()
     w.close()
     sys.path.insert(0, str(HERE / "tools"))
-    import json
-
-    import llama_cpp
     import make_reference
-    prefix = TINY / "tiny-smollm3"
-    make_reference.main(str(out), str(HERE / "data" / "prompts_tiny.json"), str(prefix), n_greedy=24)
-    ref = json.loads(prefix.with_suffix(".json").read_text())
-    llm = llama_cpp.Llama(str(out), n_ctx=256, verbose=False, vocab_only=True)
-    ref["model"], ref["llama_cpp_python"] = out.name, llama_cpp.__version__
-    ref["tokenize"] = [{"text": t, "ids_no_special": llm.tokenize(t.encode(), add_bos=False, special=False),
-                        "ids_special": llm.tokenize(t.encode(), add_bos=False, special=True)}
-                       for t in ("Hello there, the cat sat on the mat.", "<|im_start|>user\nhi<|im_end|>\n", "the the the")]
-    prefix.with_suffix(".json").write_text(json.dumps(ref))
+    make_reference.tiny_reference(out, HERE / "data" / "prompts_tiny.json")
 
 
 if __name__ == "__main__":
