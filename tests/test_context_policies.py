@@ -99,13 +99,14 @@ def test_ollama_truncate_drops_the_oldest_turns(served):
 def test_an_answer_longer_than_the_context_shifts_when_asked(served):
     """Past the context's end: refused by default; with context_shift (chat), shift (Ollama) or
     llama-server's n_keep/n_discard the context shifts and the answer says how often."""
-    msgs = [{"role": "user", "content": "Count from one to one thousand in words."}]
-    long = {"messages": msgs, "max_tokens": CTX + 40, "ignore_eos": True}
+    # a 475-token prompt: 60 tokens of answer go past the 512-token context (once)
+    msgs = [{"role": "user", "content": "Repeat after me: " + "one two three four five six seven eight nine ten " * 44}]
+    long = {"messages": msgs, "max_tokens": 60, "ignore_eos": True}
     status, err = chat(served, long)
     assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
     status, out = chat(served, {**long, "context_shift": True})
     assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
-    assert out["usage"]["completion_tokens"] == CTX + 40 and out["context_shifts"] == 1, out
+    assert out["usage"]["completion_tokens"] == 60 and out["context_shifts"] == 1, out
     status, err = chat(served, {**long, "context_shift": "yes"})
     assert status == 400 and err["error"]["param"] == "context_shift", err
     for field, value in (("n_keep", -2), ("n_discard", -1), ("n_keep", "all"), ("n_discard", 1 << 40)):
@@ -115,9 +116,10 @@ def test_an_answer_longer_than_the_context_shifts_when_asked(served):
     status, err = chat(served, {**long, "context_shift": True, "n_keep": 4})      # llama-server's field only
     assert status == 400 and err["error"]["param"] == "n_keep", err
     status, out = http_json(served, "POST", "/completion", {
-        "prompt": "One, two, three,", "n_predict": CTX + 40, "ignore_eos": True, "temperature": 0,
-        "context_shift": True, "n_keep": 4, "n_discard": 100})
-    assert status == 200 and out["truncated"] is True and out["tokens_predicted"] == CTX + 40, out
+        "prompt": "One, two, three, " + "four five six seven eight nine ten " * 66, "n_predict": 60,
+        "ignore_eos": True, "temperature": 0, "context_shift": True, "n_keep": 4, "n_discard": 100})
+    assert status == 200 and out["truncated"] is True and out["tokens_predicted"] == 60, out
+    assert out["tokens_evaluated"] + 60 > CTX, out                  # it did go past the context's end
     status, out = http_json(served, "POST", "/api/generate", {
         "model": "default", "prompt": "One, two, three,", "stream": False, "shift": True,
         "options": {"temperature": 0, "num_predict": 8, "num_keep": 4}})

@@ -192,12 +192,12 @@ def test_a_draft_model_changes_no_token(default_model, kw):
     from kiln.native.draft_model import DraftModel
     draft = DraftModel(default_model, default_model)
     prompt = _chat(default_model, "Write a haiku about the sea.")
-    params = SamplingParams(max_tokens=48, ignore_eos=True, **kw)
+    params = SamplingParams(max_tokens=36, ignore_eos=True, **kw)
     plain = _collect(Scheduler(default_model, 2048, 1, speculative=False).submit(prompt, params, lambda: False))
     s = Scheduler(default_model, 2048, 1, draft_model=draft, draft_min=4)
     ids, fin = _collect(s.submit(prompt, params, lambda: False))
     assert ids == plain[0]
-    assert fin.drafted >= 4 * 8
+    assert fin.drafted >= 4 * 6
     if kw["temperature"] == 0:
         assert fin.accepted >= fin.drafted - 4           # at most the last draft cut by max_tokens
     else:
