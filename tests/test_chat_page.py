@@ -67,8 +67,8 @@ def test_a_conversation_is_answered_and_survives_a_reload_and_a_daemon_restart(s
     ask(page, "What is the capital of France?")
     answer = page.locator("article.msg.assistant .md").last
     expect(answer).not_to_be_empty()
+    expect(page.locator("#status")).to_contain_text("tokens")          # the answer is whole
     text = answer.inner_text()
-    expect(page.locator("#status")).to_contain_text("tokens")
     name = page.locator("#name").input_value()
     expect(page.locator(f'#list li[data-name="{name}"]')).to_contain_text("What is the capital of France?")
     page.reload()

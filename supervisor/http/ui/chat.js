@@ -83,10 +83,14 @@ function render() {
   for (const li of $("#list").children) li.classList.toggle("active", li.dataset.name === current.name);
 }
 
+let listAsked = 0;   // the latest list request: an older answer arriving after it is dropped
+
 async function loadList() {
   const q = $("#search").value.trim();
-  const data = (await json(`/v1/sessions${q ? `?q=${encodeURIComponent(q)}` : ""}`)).data
-    .filter((x) => !x.error).sort((a, b) => (b.updated || 0) - (a.updated || 0));
+  const asked = ++listAsked;
+  const answer = await json(`/v1/sessions${q ? `?q=${encodeURIComponent(q)}` : ""}`);
+  if (asked !== listAsked) return;   // a later search (or save) asked since: its list wins
+  const data = answer.data.filter((x) => !x.error).sort((a, b) => (b.updated || 0) - (a.updated || 0));
   $("#list").replaceChildren(...data.map((x) => el("li", { "data-name": x.name, class: current && x.name === current.name ? "active" : "" },
     el("button", { type: "button", onclick: () => open(x.name) }, el("span", { class: "title" }, x.title || x.name),
       el("span", { class: "muted" }, `${x.model || ""}${x.turns != null ? ` · ${x.turns} turns` : ""}`)))));
