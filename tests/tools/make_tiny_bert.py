@@ -124,6 +124,18 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
 
     def vec(name, n, mean=0.0, scale=0.05):
         w.add_tensor(name, (mean + scale * rng.standard_normal(n)).astype(np.float32))
+    def head(norm: bool) -> None:
+        """The rank head: cls (then its norm, modern-bert's, or its bias), one score's cls.output."""
+        w.add_tensor("cls.weight", (rng.standard_normal((n_embd, n_embd)) * 0.2).astype(np.float32))
+        vec("cls.norm.weight", n_embd, 1.0, 0.1) if norm else vec("cls.bias", n_embd)
+        w.add_tensor("cls.output.weight", (rng.standard_normal((1, n_embd)) * 0.5).astype(np.float32))
+        vec("cls.output.bias", 1)
+
+    def finish() -> None:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
     w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), n_embd)) * 0.5).astype(np.float32))
     if modern:                          # pre-norm, no biases, a GELU-gated up, a final norm
         vec("token_embd_norm.weight", n_embd, 1.0, 0.1)
@@ -138,14 +150,8 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
             mat(p + "ffn_down.weight", n_embd, n_ff)
         vec("output_norm.weight", n_embd, 1.0, 0.1)
         if rank:                        # mean-pooled, dense, GELU, a head norm, one score
-            w.add_tensor("cls.weight", (rng.standard_normal((n_embd, n_embd)) * 0.2).astype(np.float32))
-            vec("cls.norm.weight", n_embd, 1.0, 0.1)
-            w.add_tensor("cls.output.weight", (rng.standard_normal((1, n_embd)) * 0.5).astype(np.float32))
-            vec("cls.output.bias", 1)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+            head(norm=True)
+        finish()
         return
     w.add_tensor("token_types.weight", (rng.standard_normal((1 if vocab else 2, n_embd)) * 0.1).astype(np.float32))
     if not (nomic or jina):
@@ -195,14 +201,8 @@ def write_bert(path: Path, tokens: list[str], types: list[int], *, rank: bool, s
         vec(p + "layer_output_norm.weight", n_embd, 1.0, 0.1)
         vec(p + "layer_output_norm.bias", n_embd)
     if rank:
-        w.add_tensor("cls.weight", (rng.standard_normal((n_embd, n_embd)) * 0.2).astype(np.float32))
-        vec("cls.bias", n_embd)
-        w.add_tensor("cls.output.weight", (rng.standard_normal((1, n_embd)) * 0.5).astype(np.float32))
-        vec("cls.output.bias", 1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        head(norm=False)
+    finish()
 
 
 def embed_reference(path: Path, prefix: str = "") -> tuple[dict, dict]:
