@@ -149,6 +149,22 @@ def test_llama_servers_embedding_route_pools_normalises_or_gives_every_token(ser
         assert status == 400 and field in json.dumps(err), (path, err)
 
 
+def test_hostile_bodies_on_the_bus_are_refused_by_the_worker(served):
+    """The HTTP routes validate their bodies; a bus client (the CLI, a script) reaches the worker's
+    ops directly: wrong element types are a bad_request naming them, never a crash."""
+    from kiln.protocol.client import CommandFailed
+    from kiln.supervisor.bus.client import ControlClient
+    with ControlClient(served.paths) as c:
+        for op, body, words in (("rerank", {"model": "reranker", "query": "q", "documents": ["a", 5]}, "documents[1]"),
+                                ("rerank", {"model": "reranker", "query": "q", "documents": []}, "1 to 1,024"),
+                                ("embed", {"model": "embedder", "inputs": [5]}, "input[0]"),
+                                ("embed", {"model": "embedder", "inputs": [["x"]]}, "input[0]")):
+            with pytest.raises(CommandFailed) as e:
+                list(c.stream(op, {**body, "timeout": 30}, timeout=30))
+            assert e.value.code == "bad_request" and words in e.value.message, (op, body, e.value.message)
+    assert all(w["restarts"] == 0 for w in served.status()["workers"])
+
+
 def test_capabilities_in_api_show_and_kiln_rerank(served):
     for model, caps in (("embedder", ["embedding"]), ("reranker", ["rerank"])):
         status, out = http_json(served, "POST", "/api/show", {"model": model})

@@ -46,7 +46,7 @@ class EmbeddingOps:
                 ids = self._prefix_tokens(x) if truncate else \
                     self._bounded(tok.encode, x, special=False, what=f"{what}[{i}]")
             else:
-                ids = x
+                ids = x if isinstance(x, list) else []       # (the HTTP routes check; a bus client may not)
             if not ids or not all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids):
                 raise OpError("bad_request", f"{what}[{i}] is empty or has token ids outside [0, {tok.vocab_size})")
             if len(ids) > self.n_ctx:
@@ -133,6 +133,11 @@ class EmbeddingOps:
         if self._pooling() != "rank":
             raise OpError("bad_request", f"{self.model.path.stem} is not a reranker (its pooling is {self._pooling()}, not rank); "
                                          f"load a reranking model such as bge-reranker or Qwen3-Reranker")
+        docs = b["documents"]
+        bad = next((i for i, d in enumerate(docs) if not isinstance(d, str)), None)
+        if not docs or len(docs) > 1024 or bad is not None:
+            raise OpError("bad_request", f"documents[{bad}] is not a string" if bad is not None else
+                          "documents must hold 1 to 1,024 strings")
         if not isinstance(self.model, Encoder):
             return self._rerank_causal(req, b)
         tok = self.model.tokenizer
