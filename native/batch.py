@@ -36,6 +36,7 @@ class Batch:
         self._other_ropes: dict = {}
         self.residual: np.ndarray | None = None   # the stream an FFN's output is added to (streamed experts read ahead from it)
         self.scratch: dict = {}                   # what a runner works out once per batch (native/runners.py)
+        self.spans: list = []                     # (first, end) rows of images attended both ways
 
     @property
     def n_rows(self) -> int:
@@ -97,4 +98,8 @@ class Batch:
             else:
                 (keys, values), start = cache.store(i, k[a:b], v[a:b]), cache.n
             outs.append(attention(q[a:b], keys, values, start, scale, window, sinks))
+            for s, e in self.spans:         # an image's rows see the whole image (mtmd's non-causal decode)
+                if a <= s and e <= b:
+                    see = np.full(e - s, start + (e - a) - 1)
+                    outs[-1][s - a:e - a] = attention(q[s:e], keys, values, start + (s - a), scale, window, sinks, see)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)

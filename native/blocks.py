@@ -166,22 +166,23 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float | None = None,
-              window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
+              window: int = 0, sinks: np.ndarray | None = None, see: np.ndarray | None = None) -> np.ndarray:
     """Causal multi-head attention with grouped KV heads.
 
     q (T, H, d) for positions start..start+T-1; k, v (S, Hkv, d) for positions 0..S-1 with
     S = start + T. Query head h reads KV head h // (H / Hkv), as ggml broadcasts. `scale`
     multiplies the scores (default 1/sqrt(d)); `window` > 0 lets a query see only itself and the
     window - 1 positions before it (sliding-window layers); `sinks` (H): a logit per head that
-    joins each softmax's denominator (gpt-oss). Returns (T, H*d).
+    joins each softmax's denominator (gpt-oss); `see` (T): the last key each row sees, past its
+    own position (the rows of an image that attend to the whole image: Gemma 3's). Returns (T, H*d).
     """
-    compiled = attention_compiled(q, k, v, start, scale, window, sinks)
+    compiled = None if see is not None else attention_compiled(q, k, v, start, scale, window, sinks)
     if compiled is not None:
         return compiled
     if k.dtype.fields is not None or v.dtype.fields is not None:
         k, v = kv_widen(k), kv_widen(v, keys=False)     # a quantized cache: its values, as float32
     elif k.dtype == np.float16:                 # the compiled kernel's (and ggml's) rounding
-        return ggml_round.attention_f16(q, k, v, start, scale, window, sinks)
+        return ggml_round.attention_f16(q, k, v, start, scale, window, sinks, see)
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
@@ -189,9 +190,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
     qg = q.reshape(T, Hkv, G, d).transpose(1, 2, 0, 3)               # (Hkv, G, T, d)
     scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])            # (Hkv, G, T, S)
     scores *= F32(scale) if scale else F32(1.0 / np.sqrt(d))
-    if T > 1 or window:
-        # query i sits at position start + i and may see keys 0..start+i
-        mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+    if T > 1 or window or see is not None:
+        # query i sits at position start + i and may see keys 0..start+i (or 0..see[i])
+        last = (start + np.arange(T))[:, None] if see is None else np.asarray(see)[:, None]
+        mask = np.arange(S)[None, :] > last
         if window:
             mask |= np.arange(S)[None, :] <= (start + np.arange(T))[:, None] - window
         scores[..., mask] = -np.inf

@@ -157,11 +157,12 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_scale: float | None = None,
-                  window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
+                  window: int = 0, sinks: np.ndarray | None = None, see: np.ndarray | None = None) -> np.ndarray:
     """Causal attention over an fp16 cache as the compiled task computes it (csrc/attention.c):
     q rounded to fp16; each score an 8-lane sum over the head dimension, times 1/sqrt(d); ggml's
     softmax; probabilities rounded to fp16; each output an 8-lane sum over the positions.
-    fp16 x fp16 products are exact in float32, so these sums are the FMAs' bits."""
+    fp16 x fp16 products are exact in float32, so these sums are the FMAs' bits. `see` (T): the
+    last key each row sees when it is not its own position (an image's rows seeing the whole image)."""
     T, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
@@ -176,7 +177,8 @@ def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, kq_sc
         prod = qg[:, :, :, None, :] * k.transpose(1, 0, 2)[None, :, None, :, :]   # (t, Hkv, G, S, d)
         scores = lane_sums(prod) * scale                                      # (t, Hkv, G, S)
         pos = (start + np.arange(t0, t1))[:, None]
-        mask = np.arange(S)[None, :] > pos                                    # (t, S)
+        last = pos if see is None else np.asarray(see)[t0:t1, None]
+        mask = np.arange(S)[None, :] > last                                   # (t, S)
         if window:                                                            # sliding window
             mask |= np.arange(S)[None, :] <= pos - window
         scores[np.broadcast_to(mask[:, None, None, :], scores.shape)] = -np.inf

@@ -31,8 +31,9 @@ from .gguf_file import GGUFError, GGUFFile, read_gguf
 from .kernels import Weight, matmul
 from .kv_cache import KVCache
 from .kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
-from .runners import FUSED_RUN, choose_runners
+from .runners import FUSED_RUN, BlocksLayer, blocks_runners, choose_runners
 from .tokenizer import GGUFTokenizer
+from .vision.layout import MediaRows
 
 __all__ = ["FUSED_RUN", "WEIGHTS", "Model", "check_weights", "load_model"]
 
@@ -61,6 +62,7 @@ class Model:
         self.tokenizer = GGUFTokenizer(self.gguf)
         self._load(threads or min(4, os.cpu_count() or 1))
         self.expert_provider = None    # experts from the mapped file; the runners are chosen
+        self.media = MediaRows()       # image rows by placeholder id (native/vision/layout.py)
         self.load_seconds = time.perf_counter() - t0
 
     # -- loading ------------------------------------------------------------------------------
@@ -190,9 +192,7 @@ class Model:
         c = self.config
         if not tokens:
             raise ValueError("forward() needs at least one token")
-        bad = [t for t in tokens if not 0 <= t < c.n_vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{c.n_vocab - 1})")
+        self._check(tokens)
         cache.begin(tokens)
         x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
                          adapter)
@@ -205,9 +205,9 @@ class Model:
         """The final hidden states (T, n_embd) of `tokens`, after the output norm: what the
         output head would read, and what embeddings pool (llama.cpp's result_norm)."""
         c = self.config
-        bad = [t for t in tokens if not 0 <= t < c.n_vocab]
-        if not tokens or bad:
-            raise ValueError(f"hidden() needs token ids in 0..{c.n_vocab - 1}")
+        if not tokens:
+            raise ValueError("hidden() needs at least one token")
+        self._check(tokens)
         cache.begin(tokens)
         x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
                          adapter)
@@ -228,9 +228,8 @@ class Model:
         c = self.config
         if not runs or any(not toks for toks, _ in runs):
             raise ValueError("forward_runs() needs at least one token in every run")
-        bad = [t for toks, _ in runs for t in toks if not 0 <= t < c.n_vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{c.n_vocab - 1})")
+        for toks, _ in runs:
+            self._check(toks)
         segments, positions, at = [], [], 0
         for toks, cache in runs:
             cache.begin(toks)
@@ -244,14 +243,38 @@ class Model:
         last = x[[b - 1 for _, _, b in segments]]
         return matmul(rms_norm(last, self.output_norm, c.rms_eps), self.output)
 
+    def _check(self, tokens: list[int]) -> None:
+        """Every id a vocabulary token or a held image row (a ValueError naming the first that is not)."""
+        n = self.config.n_vocab
+        for t in tokens:
+            if not 0 <= t < n and t not in self.media:
+                raise ValueError(f"token id {t} is outside the vocabulary (0..{n - 1})" if t >= 0 else
+                                 f"image row {t} is not held (send the image again)")
+
     def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list, adapter=None) -> np.ndarray:
         """The decoder stack over rows that belong to one or more sequences; `segments` lists
         (cache, first row, end row) for each sequence."""
         batch = Batch(self, positions, segments, adapter)
-        x = self.token_embd.rows(tokens)
-        if self.embed_scale:
-            x *= np.float32(self.embed_scale)
-        for run in self.runners:
+        real = tokens >= 0
+        if real.all():
+            x = self.token_embd.rows(tokens)
+            if self.embed_scale:
+                x *= np.float32(self.embed_scale)
+        else:               # image rows in place of embeddings; the scale is the tokens' only (llama.cpp's)
+            x = np.empty((len(tokens), self.config.n_embd), np.float32)
+            if real.any():
+                x[real] = self.token_embd.rows(tokens[real])
+                if self.embed_scale:
+                    x[real] *= np.float32(self.embed_scale)
+            x[~real] = self.media.rows(tokens[~real])
+            batch.spans = self.media.spans(tokens)
+            if batch.spans and not all(isinstance(r, BlocksLayer) for r in self.runners):
+                return self._run(x, batch, blocks_runners(self.layers))   # the one-call kernel is causal only
+        return self._run(x, batch, self.runners)
+
+    @staticmethod
+    def _run(x: np.ndarray, batch: Batch, runners: list) -> np.ndarray:
+        for run in runners:
             x = run(x, batch)
         return x
 

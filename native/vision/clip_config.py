@@ -1,0 +1,159 @@
+"""What an mmproj file is (native/vision/encoder.py runs it): the `clip` GGUF as llama.cpp's mtmd
+reads it (tools/mtmd/clip.cpp load_hparams, load_tensors) — its projector, the vision
+transformer's shape, the preprocessing it asks for — each value checked as it is read, and the
+shape of every tensor the encoder computes with checked before anything runs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..arch.base import MAX_WIDTH
+from ..config import Keys
+from ..gguf_file import GGUFError, GGUFFile
+
+PROJECTORS = ("gemma3", "idefics3")      # what Kiln runs; llama.cpp knows ~50 more
+MAX_IMAGE_SIDE = 4096                    # the encoder's own tile side (pixels); real ones are 224..896
+_LAYER = re.compile(r"^v\.blk\.(\d+)\.")
+
+
+def is_mmproj(g: GGUFFile) -> bool:
+    return g.architecture == "clip"
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    name: str
+    projector: str           # gemma3 | idefics3
+    n_layer: int
+    n_embd: int              # the vision transformer's width
+    n_head: int
+    n_ff: int
+    eps: float
+    image_size: int          # the side of the square the encoder sees (gemma3) or of a tile (idefics3)
+    patch_size: int
+    n_merge: int             # gemma3: the average pool's side; idefics3: the pixel shuffle's factor
+    n_text: int              # the text model's width the projector maps to
+    mean: tuple
+    std: tuple
+    longest_edge: int = 0    # idefics3: an image's longer side is resized to this, then cut in tiles
+    ffn_swapped: bool = False   # legacy files: ffn_up and ffn_down stored under each other's names
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Embeddings one encoded square gives the text model."""
+        return (self.patches_per_side // self.n_merge) ** 2
+
+
+def read_vision_config(g: GGUFFile) -> VisionConfig:
+    key = Keys(g, "clip")
+    if not key("has_vision_encoder", False, required=False, kind=bool):
+        key.fail("has_vision_encoder", g.metadata.get("clip.has_vision_encoder"),
+                 "this mmproj has no vision encoder (an audio projector?); Kiln reads images only")
+    proj = g.metadata.get("clip.projector_type") or g.metadata.get("clip.vision.projector_type")
+    if proj not in PROJECTORS:
+        raise GGUFError(f"{g.path}: projector type {str(proj)[:40]!r} is not one Kiln runs (it runs "
+                        f"{', '.join(PROJECTORS)}: Gemma 3 and SmolVLM/Idefics3 vision)")
+    if key("use_silu", False, required=False, kind=bool) or not key("use_gelu", False, required=False, kind=bool):
+        key.fail("use_gelu", g.metadata.get("clip.use_gelu"), f"a {proj} vision tower uses GELU")
+    n_layer = key("vision.block_count", kind=int, lo=1, hi=4096)
+    present = {int(m.group(1)) for n in g.tensors if (m := _LAYER.match(n))}
+    if len(present) != n_layer or present != set(range(n_layer)):
+        key.fail("vision.block_count", n_layer, f"the file holds {len(present)} vision layers")
+    n_embd = key("vision.embedding_length", kind=int, lo=1, hi=MAX_WIDTH)
+    n_head = key("vision.attention.head_count", kind=int, lo=1, hi=MAX_WIDTH)
+    if n_embd % n_head:
+        key.fail("vision.attention.head_count", n_head, f"must divide embedding_length, {n_embd}")
+    if key("vision.attention.head_count_kv", n_head, required=False, kind=int) != n_head:
+        key.fail("vision.attention.head_count_kv", g.metadata["clip.vision.attention.head_count_kv"],
+                 "a SigLIP tower's key heads are its query heads")
+    image_size = key("vision.image_size", kind=int, lo=1, hi=MAX_IMAGE_SIDE)
+    patch = key("vision.patch_size", kind=int, lo=1, hi=image_size)
+    if image_size % patch:
+        key.fail("vision.patch_size", patch, f"must divide image_size, {image_size}")
+    merge = key("vision.projector.scale_factor", 4 if proj == "gemma3" else 0, required=False, kind=int, lo=1,
+                hi=image_size // patch)
+    if proj == "idefics3" and merge < 2:
+        key.fail("vision.projector.scale_factor", merge, "idefics3's pixel shuffle needs a factor of 2 or more")
+    if (image_size // patch) % merge:
+        key.fail("vision.projector.scale_factor", merge, f"must divide the patches per side, {image_size // patch}")
+    stats = []
+    for name in ("vision.image_mean", "vision.image_std"):
+        v = g.metadata.get(f"clip.{name}")
+        if not isinstance(v, (list, np.ndarray)) or len(v) < 3 or not all(
+                isinstance(x, (int, float, np.number)) and np.isfinite(x) for x in v[:3]):
+            key.fail(name, v, "must be 3 finite numbers")
+        if name.endswith("std") and not all(x > 0 for x in v[:3]):
+            key.fail(name, v, "must be 3 positive numbers")
+        stats.append(tuple(np.float32(x) for x in v[:3]))
+    n_ff = key("vision.feed_forward_length", kind=int, lo=1, hi=MAX_WIDTH)
+    swapped = "v.blk.0.ffn_down.weight" in g.tensors and g.tensor("v.blk.0.ffn_down.weight").shape[-1] == n_embd \
+        and n_ff != n_embd
+    if proj == "gemma3":
+        n_text = _shape(g, "mm.input_projection.weight", 2)[1]
+    else:
+        n_text = _shape(g, "mm.model.fc.weight", 2)[0]
+    return VisionConfig(
+        name=str(g.metadata.get("general.name", g.path.stem))[:200], projector=proj, n_layer=n_layer,
+        n_embd=n_embd, n_head=n_head, n_ff=n_ff,
+        eps=key("vision.attention.layer_norm_epsilon", kind=float, lo=0.0, hi=1.0),
+        image_size=image_size, patch_size=patch, n_merge=merge, n_text=n_text, mean=stats[0], std=stats[1],
+        longest_edge=key("vision.preproc_image_size", 0, required=False, kind=int, lo=0, hi=MAX_IMAGE_SIDE * 8)
+        if proj == "idefics3" else 0,
+        ffn_swapped=swapped)
+
+
+def _shape(g: GGUFFile, name: str, dims: int) -> tuple:
+    shape = g.tensor(name).shape                 # a missing tensor: named
+    if len(shape) != dims or not all(0 < s <= MAX_WIDTH * 4 for s in shape):
+        raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(shape)}; the file is corrupt")
+    return shape
+
+
+def tensor_plan(g: GGUFFile, c: VisionConfig) -> tuple[dict, list]:
+    """Every tensor the encoder reads with the shape clip.cpp's graph needs (numpy order: rows
+    first), and which are matrices; optional biases and the pre-norm where the file has them."""
+    d, f, p = c.n_embd, c.n_ff, c.patch_size
+    want = {"v.patch_embd.weight": (d, 3, p, p), "v.position_embd.weight": (c.patches_per_side ** 2, d)}
+    mats = ["v.patch_embd.weight"]
+    for name in ("v.patch_embd.bias",):
+        if name in g.tensors:
+            want[name] = (d,)
+    for t in ("pre_ln", "post_ln"):
+        if f"v.{t}.weight" in g.tensors:
+            want |= {f"v.{t}.weight": (d,)} | ({f"v.{t}.bias": (d,)} if f"v.{t}.bias" in g.tensors else {})
+    up, down = ("ffn_down", "ffn_up") if c.ffn_swapped else ("ffn_up", "ffn_down")
+    for i in range(c.n_layer):
+        b = f"v.blk.{i}."
+        for t, shape in (("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)), ("attn_out", (d, d)),
+                         (up, (f, d)), (down, (d, f))):
+            want[b + t + ".weight"] = shape
+            mats.append(b + t + ".weight")
+            if b + t + ".bias" in g.tensors:
+                want[b + t + ".bias"] = (shape[0],)
+        for t in ("ln1", "ln2"):
+            want[b + t + ".weight"] = (d,)
+            if b + t + ".bias" in g.tensors:
+                want[b + t + ".bias"] = (d,)
+    if c.projector == "gemma3":
+        want |= {"mm.soft_emb_norm.weight": (d,), "mm.input_projection.weight": (d, c.n_text)}
+    else:
+        want["mm.model.fc.weight"] = (c.n_text, d * c.n_merge * c.n_merge)
+        mats.append("mm.model.fc.weight")
+    for name, shape in want.items():
+        have = g.tensor(name).shape
+        if tuple(have) != shape:
+            raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(have)}, expected {list(shape)} for this "
+                            f"{c.projector} vision encoder (width {d}, FFN {f}, patch {p}, image {c.image_size}); "
+                            f"the file is corrupt")
+    return want, mats

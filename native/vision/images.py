@@ -1,0 +1,122 @@
+"""Images as the vision encoder sees them: decoded from untrusted bytes with bounds, resized and
+cut exactly as llama.cpp's mtmd does (tools/mtmd/mtmd-image.cpp: its resampler is Pillow's, ported —
+so Pillow's resize gives the same bytes), scaled to [0, 1] and normalized by the mmproj's mean
+and standard deviation.
+
+    gemma3:    one square of image_size: the image fitted inside (aspect kept, bilinear), centred
+               on black
+    idefics3:  the longer side resized to longest_edge (Lanczos), both sides then rounded up to
+               whole tiles; the tiles row by row, and the whole image shrunk to one tile (the
+               overview, which the text sees last)
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from .clip_config import VisionConfig
+
+MAX_PIXELS = 50_000_000          # larger images are refused before they are decoded
+MAX_BYTES = 64 * 1024 * 1024     # an upload's size
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+F32 = np.float32
+
+
+class ImageError(ValueError):
+    """An image Kiln will not read: the message says what is wrong with it."""
+
+
+@dataclass
+class Tiles:
+    """What one image becomes: the squares to encode (each (3, side, side) float32, planar RGB as
+    clip.cpp lays its input out), and for a tiled projector the grid they came from."""
+    squares: list
+    grid: tuple = (0, 0)            # (columns, rows) of tiles; (0, 0): one square, no overview
+    overview: np.ndarray | None = None
+
+
+def decode(data: bytes, what: str = "image"):
+    """A Pillow RGB image from untrusted bytes, or an ImageError naming `what` and the problem.
+    The size is read from the header and checked before any pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
+    if not isinstance(data, (bytes, bytearray)) or not data:
+        raise ImageError(f"{what}: empty — send the image's bytes (base64 in JSON)")
+    if len(data) > MAX_BYTES:
+        raise ImageError(f"{what}: {len(data)} bytes is over the {MAX_BYTES >> 20} MiB limit")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
+            w, h = img.size
+            if w < 1 or h < 1 or w * h > MAX_PIXELS:
+                raise ImageError(f"{what}: {w}×{h} pixels is over the {MAX_PIXELS // 1_000_000} megapixel limit")
+            img.seek(0)                     # an animation: its first frame, as llama.cpp's stb_image
+            rgb = img.convert("RGB")
+            rgb.load()
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{what}: not an image Kiln reads ({', '.join(FORMATS)}): {str(e)[:120]}") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:       # truncated or corrupt data
+        raise ImageError(f"{what}: the image data is corrupt: {str(e)[:120]}") from None
+    return rgb
+
+
+def _resize(img, size: tuple[int, int], algo: str):
+    from PIL import Image
+    if img.size == tuple(size):
+        return img.copy()
+    f = {"bilinear": Image.Resampling.BILINEAR, "lanczos": Image.Resampling.LANCZOS}[algo]
+    return img.resize(size, f)
+
+
+def _fit(img, side: int, algo: str):
+    """mtmd's resize with PAD_CEIL: aspect kept (float32 arithmetic, sides rounded up), centred on
+    black."""
+    from PIL import Image
+    w, h = img.size
+    if (w, h) == (side, side):
+        return img.copy()
+    scale = min(F32(side) / F32(w), F32(side) / F32(h))
+    nw, nh = min(int(math.ceil(F32(w) * scale)), side), min(int(math.ceil(F32(h) * scale)), side)
+    out = Image.new("RGB", (side, side), (0, 0, 0))
+    out.paste(_resize(img, (nw, nh), algo), ((side - nw) // 2, (side - nh) // 2))
+    return out
+
+
+def normalize(img, c: VisionConfig) -> np.ndarray:
+    """(3, h, w) float32: each byte / 255, minus the mean, over the std (clip_image_f32's order)."""
+    a = np.asarray(img, np.uint8).astype(F32) / F32(255.0)
+    a = (a - np.asarray(c.mean, F32)) / np.asarray(c.std, F32)
+    return np.ascontiguousarray(a.transpose(2, 0, 1))
+
+
+def preprocess(img, c: VisionConfig) -> Tiles:
+    if c.projector == "gemma3":
+        return Tiles([normalize(_fit(img, c.image_size, "bilinear"), c)])
+    return _idefics3(img, c)
+
+
+def _idefics3(img, c: VisionConfig) -> Tiles:
+    tile = c.image_size
+    w, h = img.size
+    edge = c.longest_edge or tile
+    aspect = w / h                                 # double, as mtmd
+    if w >= h:
+        rw, rh = edge, int(edge / aspect)
+        rh += rh % 2
+    else:
+        rw, rh = int(edge * aspect), edge
+        rw += rw % 2
+    rw, rh = max(rw, 1), max(rh, 1)
+    gx, gy = -(-rw // tile), -(-rh // tile)
+    refined = _resize(_resize(img, (rw, rh), "lanczos"), (gx * tile, gy * tile), "lanczos")
+    overview = _resize(refined, (tile, tile), "lanczos")
+    squares = [normalize(refined.crop((x * tile, y * tile, (x + 1) * tile, (y + 1) * tile)), c)
+               for y in range(gy) for x in range(gx)]
+    return Tiles(squares, (gx, gy), normalize(overview, c))

@@ -1,0 +1,147 @@
+"""Where an image's rows go in a prompt, as llama.cpp's mtmd places them (tools/mtmd/mtmd.cpp
+mtmd_tokenizer): the chat template writes MARKER where each image is; the text between markers
+is tokenized piece by piece (special tokens parsed, BOS before the first), and each marker becomes
+the projector's image tokens around the encoder's rows:
+
+    gemma3:    <start_of_image> [rows] <end_of_image>
+    idefics3:  per tile  <fake_token_around_image><row_R_col_C> [rows], "\\n" after each row but the
+               last; then "\\n\\n" <fake_token_around_image><global-img> [overview rows]
+               <fake_token_around_image>
+
+An image row in the token list is a placeholder id (negative, never a vocabulary id) naming the
+image and the row; MediaRows holds their embeddings. Equal images give equal ids, so a prompt
+cache reuses what an earlier request computed for the same picture, and never for another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+MARKER = "<__media__>"
+_ROW_BITS = 20
+MAX_ROWS = 1 << _ROW_BITS
+
+
+class MediaRows:
+    """Embeddings of image rows by placeholder id, the least recently used dropped past `budget`
+    bytes (a prompt's rows are registered when it is read, so they are present while it runs)."""
+
+    def __init__(self, budget: int = 256 << 20):
+        self.budget, self.bytes = budget, 0
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._bidirectional: set[int] = set()
+
+    def add(self, key: int, rows: np.ndarray, bidirectional: bool = False) -> list[int]:
+        """Hold `rows` under `key`; their placeholder ids. `bidirectional`: the text model's
+        attention among these rows goes both ways (mtmd's non-causal decode: Gemma 3's images)."""
+        if len(rows) >= MAX_ROWS:
+            raise ValueError(f"an image of {len(rows)} rows is more than {MAX_ROWS - 1}")
+        if bidirectional:
+            self._bidirectional.add(key)
+        if key not in self._blocks:
+            self._blocks[key] = np.ascontiguousarray(rows, np.float32)
+            self.bytes += rows.nbytes
+            while self.bytes > self.budget and len(self._blocks) > 1:
+                _, old = self._blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+        self._blocks.move_to_end(key)
+        return [-((key << _ROW_BITS) | r) - 1 for r in range(len(rows))]
+
+    def __contains__(self, token: int) -> bool:
+        if token >= 0:
+            return False
+        key, r = divmod(-token - 1, MAX_ROWS)
+        block = self._blocks.get(key)
+        return block is not None and r < len(block)
+
+    def spans(self, tokens: np.ndarray) -> list[tuple[int, int]]:
+        """(first, end) of each run of one bidirectional image's rows in `tokens`."""
+        out: list[tuple[int, int]] = []
+        if not self._bidirectional:
+            return out
+        keys = [(-t - 1) >> _ROW_BITS if t < 0 else None for t in tokens.tolist()]
+        i = 0
+        while i < len(keys):
+            j = i + 1
+            if keys[i] is not None and keys[i] in self._bidirectional:
+                while j < len(keys) and keys[j] == keys[i]:
+                    j += 1
+                if j - i > 1:
+                    out.append((i, j))
+            i = j
+        return out
+
+    def rows(self, tokens: np.ndarray) -> np.ndarray:
+        """Embeddings (len(tokens), n) of placeholder ids (a KeyError names one not held)."""
+        out = []
+        for t in tokens.tolist():
+            key, r = divmod(-t - 1, MAX_ROWS)
+            if key not in self._blocks:
+                raise KeyError(f"image row {t} is no longer held; send the image again")
+            out.append(self._blocks[key][r])
+        return np.stack(out)
+
+
+def image_key(encoder_digest: str, data: bytes, index: int) -> int:
+    """40 bits naming one encoded square of one image under one mmproj."""
+    h = hashlib.sha256(encoder_digest.encode() + index.to_bytes(4, "little") + data).digest()
+    return int.from_bytes(h[:5], "little")
+
+
+class ImageTokens:
+    """The text model's ids for the projector's image markup (looked up as mtmd does: by a token's
+    text), resolved once per (model, mmproj) pair — a ValueError names one the vocabulary lacks."""
+
+    def __init__(self, tokenizer, projector: str):
+        self.tok, self.projector = tokenizer, projector
+        by_text: dict[bytes, int] = {}
+        for i in range(tokenizer.vocab_size):
+            by_text.setdefault(tokenizer.token_bytes(i), i)
+        self._by_text = by_text
+        if projector == "gemma3":
+            self.begin, self.end = self.find("<start_of_image>"), self.find("<end_of_image>")
+        else:
+            self.fake, self.glob = self.find("<fake_token_around_image>"), self.find("<global-img>")
+            self.nl, self.nlnl = self.find("\n"), self.find("\n\n")
+
+    def find(self, text: str) -> int:
+        tid = self._by_text.get(text.encode())
+        if tid is None:
+            raise ValueError(f"the text model has no {text!r} token, which a {self.projector} projector needs: "
+                             f"the mmproj does not belong to this model")
+        return tid
+
+    def around(self, squares: list[list[int]], grid: tuple[int, int]) -> list[int]:
+        """One image's ids: the markup around its squares' placeholder rows."""
+        if self.projector == "gemma3":
+            return [self.begin, *squares[0], self.end]
+        gx, gy = grid
+        out: list[int] = []
+        for y in range(gy):
+            for x in range(gx):
+                out += [self.fake, self.find(f"<row_{y + 1}_col_{x + 1}>"), *squares[y * gx + x]]
+            if y != gy - 1:
+                out.append(self.nl)
+        return out + [self.nlnl, self.fake, self.glob, *squares[-1], self.fake]
+
+
+def prompt_ids(tokenizer, text: str, images: list[list[int]], add_bos: bool | None = None) -> list[int]:
+    """The prompt's ids: the text around each MARKER tokenized piece by piece (special tokens
+    parsed), images[i] (an image's ids, ImageTokens.around) at the i-th marker, BOS first if the
+    model adds one. A ValueError if markers and images do not pair up."""
+    pieces = text.split(MARKER)
+    if len(pieces) - 1 != len(images):
+        raise ValueError(f"the prompt has {len(pieces) - 1} image markers for {len(images)} images")
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if piece:
+            ids += tokenizer.encode(piece, special=True, add_bos=False)
+        if i < len(images):
+            ids += images[i]
+    bos = tokenizer.special.bos
+    if (tokenizer.special.add_bos if add_bos is None else add_bos) and bos is not None:
+        ids = [bos] + ids
+    return ids

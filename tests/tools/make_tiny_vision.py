@@ -1,0 +1,209 @@
+"""tests/data/vision/: tiny random-weight vision models (mmproj GGUFs under clip.cpp's tensor names,
+written with gguf-py), their text models, test images, and llama.cpp's own mtmd answers for them.
+
+- `tiny-smolvlm.gguf` — tiny-llama's weights with unused tokens renamed to SmolVLM's image tokens
+  (`<fake_token_around_image>`, `<global-img>`, `<row_R_col_C>`, "\\n\\n"); `mmproj-tiny-smolvlm.gguf` —
+  an idefics3 projector: a SigLIP ViT (2 layers, 64 wide, 4 heads, patch 8, tiles of 32 pixels,
+  longest edge 64: up to 2×2 tiles and an overview), pixel shuffle by 2, one linear map to 128.
+- `tiny-gemma3v.gguf` — tiny-gemma3 with `<start_of_image>`/`<end_of_image>`; `mmproj-tiny-gemma3.gguf`
+  — a gemma3 projector: the ViT at 32 pixels, patch 4, 2×2 average pooling, RMS norm, projection.
+- `cat.png` (40×28), `square.png` (32×32), `wide.png` (70×50): smooth gradients with noise.
+
+`references.json`/`.npz`: for each (model, image) llama.cpp's mtmd (llama-cpp-python 0.3.36, its
+libmtmd, 2 threads, flash attention off): the chunks of the tokenized prompt (text ids, image token
+counts), each image chunk's embeddings, the logits after the prompt, 8 greedy tokens.
+
+    python tests/tools/make_tiny_vision.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter
+
+HERE = Path(__file__).resolve().parent.parent
+TINY = HERE / "data" / "tiny"
+OUT = HERE / "data" / "vision"
+MARKER = "<__media__>"
+
+SMOLVLM_TOKENS = ["<fake_token_around_image>", "<global-img>", "<image>", "ĊĊ"] + [
+    f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]
+GEMMA_TOKENS = ["<start_of_image>", "<end_of_image>"]
+PROMPTS = {
+    "tiny-smolvlm": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
+    "tiny-gemma3v": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
+}
+
+
+def text_model(src: str, out: str, tokens: list[str]) -> Path:
+    """`src` with its unused control tokens renamed to `tokens` ("ĊĊ" a normal token: mtmd looks
+    "\\n\\n" up by its text)."""
+    sys.path.insert(0, str(HERE))
+    from gguf_copy import copy_gguf
+    r = GGUFReader(TINY / f"{src}.gguf")
+    f = r.fields["tokenizer.ggml.tokens"]
+    vocab = [bytes(f.parts[i]).decode() for i in f.data]
+    types = list(r.fields["tokenizer.ggml.token_type"].contents())
+    free = [i for i, t in enumerate(vocab) if t.startswith("<|unused")]
+    for i, t in zip(free, tokens):
+        vocab[i], types[i] = t, (1 if t == "ĊĊ" else 3)
+    return copy_gguf(TINY / f"{src}.gguf", OUT / f"{out}.gguf",
+                     meta={"tokenizer.ggml.tokens": vocab, "tokenizer.ggml.token_type": types,
+                           "general.name": out})
+
+
+def mmproj(path: Path, projector: str, *, image_size: int, patch: int, merge: int, n_text: int,
+           seed: int, extra: dict) -> Path:
+    rng = np.random.default_rng(seed)
+    n_embd, n_ff, n_head, n_layer = 64, 96, 4, 2
+    w = GGUFWriter(str(path), "clip")
+    w.add_string("general.name", path.stem)
+    w.add_string("clip.projector_type", projector)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.embedding_length", n_embd)
+    w.add_uint32("clip.vision.feed_forward_length", n_ff)
+    w.add_uint32("clip.vision.block_count", n_layer)
+    w.add_uint32("clip.vision.projection_dim", n_text)
+    w.add_uint32("clip.vision.attention.head_count", n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_uint32("clip.vision.image_size", image_size)
+    w.add_uint32("clip.vision.patch_size", patch)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_uint32("clip.vision.projector.scale_factor", merge)
+    for k, v in extra.items():
+        w.add_uint32(k, v)
+
+    def mat(name, *shape, scale=None):
+        a = rng.standard_normal(shape).astype(np.float32) * (scale or shape[-1] ** -0.5)
+        w.add_tensor(name, a.astype(np.float16), raw_dtype=T.F16)
+
+    def vec(name, n, base=0.0, scale=0.1):
+        w.add_tensor(name, (base + scale * rng.standard_normal(n)).astype(np.float32))
+
+    n_pos = (image_size // patch) ** 2
+    mat("v.patch_embd.weight", n_embd, 3, patch, patch, scale=(3 * patch * patch) ** -0.5)
+    vec("v.patch_embd.bias", n_embd)
+    w.add_tensor("v.position_embd.weight", (0.2 * rng.standard_normal((n_pos, n_embd))).astype(np.float32))
+    for i in range(n_layer):
+        for p in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            mat(f"v.blk.{i}.{p}.weight", n_embd, n_embd)
+            vec(f"v.blk.{i}.{p}.bias", n_embd)
+        for p in ("ln1", "ln2"):
+            vec(f"v.blk.{i}.{p}.weight", n_embd, 1.0)
+            vec(f"v.blk.{i}.{p}.bias", n_embd)
+        mat(f"v.blk.{i}.ffn_up.weight", n_ff, n_embd)
+        vec(f"v.blk.{i}.ffn_up.bias", n_ff)
+        mat(f"v.blk.{i}.ffn_down.weight", n_embd, n_ff)
+        vec(f"v.blk.{i}.ffn_down.bias", n_embd)
+    vec("v.post_ln.weight", n_embd, 1.0)
+    vec("v.post_ln.bias", n_embd)
+    if projector == "idefics3":
+        mat("mm.model.fc.weight", n_text, n_embd * merge * merge)
+    else:
+        vec("mm.soft_emb_norm.weight", n_embd, 1.0)
+        mat("mm.input_projection.weight", n_embd, n_text, scale=n_embd ** -0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def images() -> dict[str, Path]:
+    from PIL import Image
+    rng = np.random.default_rng(7)
+    out = {}
+    for name, (wd, ht) in {"cat": (40, 28), "square": (32, 32), "wide": (70, 50)}.items():
+        y, x = np.mgrid[0:ht, 0:wd]
+        rgb = np.stack([x * 255 / wd, y * 255 / ht, (x + y) * 127 / (wd + ht) + 64], -1)
+        rgb = np.clip(rgb + rng.normal(0, 24, rgb.shape), 0, 255).astype(np.uint8)
+        out[name] = OUT / f"{name}.png"
+        Image.fromarray(rgb, "RGB").save(out[name])
+    return out
+
+
+def mtmd_reference(model: Path, proj: Path, image: Path, prompt: str, n_greedy: int = 8) -> tuple[dict, dict]:
+    import llama_cpp
+    from llama_cpp import mtmd_cpp as M
+    from PIL import Image
+    llm = llama_cpp.Llama(str(model), n_ctx=512, n_threads=2, n_batch=512, logits_all=True, verbose=False)
+    params = M.mtmd_context_params_default()
+    params.use_gpu, params.n_threads, params.warmup = False, 2, False
+    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = M.mtmd_init_from_file(str(proj).encode(), llm.model, params)
+    assert ctx, proj
+    rgb = np.asarray(Image.open(image).convert("RGB"))
+    buf = (ctypes.c_uint8 * rgb.size).from_buffer_copy(rgb.tobytes())
+    bitmap = M.mtmd_bitmap_init(rgb.shape[1], rgb.shape[0], buf)
+    text = M.mtmd_input_text()
+    raw = prompt.encode()
+    text.text, text.text_len, text.add_special, text.parse_special = raw, len(raw), True, True
+    chunks = M.mtmd_input_chunks_init()
+    assert M.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (M.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+    layout, arrays, n_embd = [], {}, llm.n_embd()
+    llm.reset()
+    for i in range(M.mtmd_input_chunks_size(chunks)):
+        chunk = M.mtmd_input_chunks_get(chunks, i)
+        if M.mtmd_input_chunk_get_type(chunk) == M.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            n = ctypes.c_size_t()
+            ptr = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+            ids = [ptr[j] for j in range(n.value)]
+            layout.append({"text": ids})
+            llm.eval(ids)
+        else:
+            n_tok = M.mtmd_input_chunk_get_n_tokens(chunk)
+            assert M.mtmd_encode_chunk(ctx, chunk) == 0
+            embd = M.mtmd_get_output_embd(ctx)
+            arrays[f"image{len(arrays)}"] = np.ctypeslib.as_array(embd, shape=(n_tok * n_embd,)).reshape(n_tok, n_embd).copy()
+            layout.append({"image": n_tok})
+            past = llama_cpp.llama_pos(0)
+            assert M.mtmd_helper_eval_chunk_single(ctx, llm._ctx.ctx, chunk, llm.n_tokens, 0, 512, False,
+                                                   ctypes.byref(past)) == 0
+            llm.n_tokens = past.value
+    last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    arrays["last_logits"] = last
+    greedy = []
+    for _ in range(n_greedy):
+        greedy.append(int(np.argmax(last)))
+        llm.eval([greedy[-1]])
+        last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    M.mtmd_input_chunks_free(chunks)
+    M.mtmd_bitmap_free(bitmap)
+    M.mtmd_free(ctx)
+    return {"model": model.name, "mmproj": proj.name, "image": image.name, "prompt": prompt,
+            "chunks": layout, "greedy_ids": greedy}, arrays
+
+
+def main() -> None:
+    import llama_cpp
+    OUT.mkdir(exist_ok=True)
+    pics = images()
+    smol = text_model("tiny-llama", "tiny-smolvlm", SMOLVLM_TOKENS)
+    gemma = text_model("tiny-gemma3", "tiny-gemma3v", GEMMA_TOKENS)
+    p_smol = mmproj(OUT / "mmproj-tiny-smolvlm.gguf", "idefics3", image_size=32, patch=8, merge=2, n_text=128,
+                    seed=1, extra={"clip.vision.preproc_image_size": 64})
+    p_gemma = mmproj(OUT / "mmproj-tiny-gemma3.gguf", "gemma3", image_size=32, patch=4, merge=2, n_text=128,
+                     seed=2, extra={})
+    refs, arrays = {"llama_cpp_python": llama_cpp.__version__, "cases": []}, {}
+    for model, proj in ((smol, p_smol), (gemma, p_gemma)):
+        for name, image in pics.items():
+            ref, arr = mtmd_reference(model, proj, image, PROMPTS[model.stem])
+            key = f"{model.stem}/{name}"
+            ref["key"] = key
+            refs["cases"].append(ref)
+            arrays |= {f"{key}/{k}": v for k, v in arr.items()}
+            print(key, [list(c.items())[0][0] + str(len(c["text"]) if "text" in c else c["image"]) for c in ref["chunks"]],
+                  ref["greedy_ids"])
+    (OUT / "references.json").write_text(json.dumps(refs, indent=1))
+    np.savez(OUT / "references.npz", **arrays)
+
+
+if __name__ == "__main__":
+    main()
