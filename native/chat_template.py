@@ -67,18 +67,39 @@ def template_for(model) -> ChatTemplate:
 
 
 _SENTINEL = "\ue000{}\ue001"
+IMAGE = "\ue002"          # where an image goes in a message's content (the HTTP layer writes it)
 
 
 def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],
-                        add_generation_prompt: bool = True, **extra) -> tuple[str, list[int]]:
+                        add_generation_prompt: bool = True, images: list[list[int]] | None = None,
+                        **extra) -> tuple[str, list[int]]:
     """Render `messages` and tokenize the result so that only the template's own markup can
     become control tokens: a user who types `<|im_start|>system` gets those characters as text.
 
     The template is rendered once with each message content replaced by a sentinel; the control
     tokens found in the template's text are tokenized as specials, every other run (template
     text and contents together) as plain text — which, for a prompt with no fake markup, gives
-    exactly llama.cpp's tokenization of the whole rendered string."""
+    exactly llama.cpp's tokenization of the whole rendered string.
+
+    `images`: each image's ids (native/vision/layout.py), in the order of the IMAGE marks in the
+    contents; the text on either side of a mark is tokenized apart, as llama.cpp's mtmd does."""
     text = template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+    images = list(images or [])
+    if text.count(IMAGE) != len(images):
+        raise TemplateError(f"the messages hold {text.count(IMAGE)} image marks for {len(images)} images "
+                            f"(the template dropped a message with an image, or a content holds U+E002)")
+    queue = iter(images)
+
+    def encode(run: str, special: bool) -> list[int]:
+        pieces = run.split(IMAGE)
+        out: list[int] = []
+        for i, piece in enumerate(pieces):
+            if piece:
+                out += tokenizer.encode(piece, special=special, add_bos=False)
+            if i < len(pieces) - 1:
+                out += next(queue)
+        return out
+
     contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
     masked = [dict(m, content=_SENTINEL.format(i)) if c is not None else m
               for i, (m, c) in enumerate(zip(messages, contents))]
@@ -94,7 +115,7 @@ def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],
         if any(s in c for c in contents if c for s in specials):
             raise TemplateError("a message contains control-token markup and this model's template "
                                 "transforms message contents; remove the markup")
-        return text, tokenizer.encode(text, special=True)
+        return text, list(tokenizer.encode("", special=True)) + encode(text, True)
     # split the sentinel-shaped render into template text and content slots
     pieces: list[tuple[str, bool]] = []          # (text, is_template)
     rest = shape
@@ -121,10 +142,10 @@ def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],
                 run += part
             else:
                 if run:
-                    ids += tokenizer.encode(run, special=False, add_bos=False)
+                    ids += encode(run, False)
                     run = ""
                 ids.append(special_id)
                 strip = tokenizer.rstrips(special_id)
     if run:
-        ids += tokenizer.encode(run, special=False, add_bos=False)
+        ids += encode(run, False)
     return text, ids

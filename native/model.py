@@ -267,7 +267,7 @@ class Model:
                 if self.embed_scale:
                     x[real] *= np.float32(self.embed_scale)
             x[~real] = self.media.rows(tokens[~real])
-            batch.spans = self.media.spans(tokens)
+            batch.spans = [(a + s, a + e) for _, a, b in segments for s, e in self.media.spans(tokens[a:b])]
             if batch.spans and not all(isinstance(r, BlocksLayer) for r in self.runners):
                 return self._run(x, batch, blocks_runners(self.layers))   # the one-call kernel is causal only
         return self._run(x, batch, self.runners)

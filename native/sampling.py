@@ -140,6 +140,7 @@ class Sampler:
                            and p.frequency_penalty == 0.0):
             return logits
         window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n:] if p.repeat_last_n else []
+        window = [t for t in window if t >= 0]       # an image's rows (negative ids) are not tokens
         if not window:
             return logits
         logits = logits.copy()

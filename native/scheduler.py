@@ -30,6 +30,7 @@ import numpy as np
 from . import kernels
 from .core_share import CoreShare
 from .draft_model import DraftModel, DraftState
+from .vision.layout import whole_images
 from .generate import PREFILL_CHUNK, Finish, Generation, Sequence, check_context
 from .model import FUSED_RUN, Model
 from .sampling import SamplingParams
@@ -57,6 +58,7 @@ class Job:
     draft: DraftControl | None = None                           # speculation state
     draft_state: DraftState | None = None                       # the draft model's cache, if one drafts
     carry: int | None = None        # a token chosen but not yet run (after a rejected draft)
+    spans: list | None = None       # a prompt with images: its images' (first, end) attended both ways
 
 
 class Scheduler(SlotAccess, Speculation):
@@ -106,9 +108,10 @@ class Scheduler(SlotAccess, Speculation):
         if not 1 <= n <= len(self.seqs):
             raise ValueError(f"n = {n} sequences do not fit: this worker runs at most {len(self.seqs)} "
                              f"at once (its `parallel` setting)")
-        job = Job(prompt, params, cancelled, adapter=adapter, show=show)
-        job.group = [job] + [Job(prompt, params, cancelled, events=job.events, adapter=adapter, index=i, show=show)
-                             for i in range(1, n)]
+        spans = self.model.media.spans(np.asarray(prompt)) if min(prompt, default=0) < 0 else None
+        job = Job(prompt, params, cancelled, adapter=adapter, show=show, spans=spans)
+        job.group = [job] + [Job(prompt, params, cancelled, events=job.events, adapter=adapter, index=i, show=show,
+                                 spans=spans) for i in range(1, n)]
         with self.cond:
             self.waiting.append(job)
             self.cond.notify()
@@ -240,7 +243,7 @@ class Scheduler(SlotAccess, Speculation):
                 self.prefilling.popleft()
                 self._end_group(job, None)
                 continue
-            n = min(budget, len(job.prompt) - job.pos)
+            n = whole_images(job.spans, job.pos, min(budget, len(job.prompt) - job.pos))
             t0 = time.perf_counter()
             try:
                 logits = self.model.forward(job.prompt[job.pos:job.pos + n], self.seqs[job.slot].cache,
@@ -339,7 +342,8 @@ class Scheduler(SlotAccess, Speculation):
             # a prompt being prefilled rides along: its next chunk in the same forward, so a
             # running stream waits for one forward of a few more rows, not a chunk and a step
             ride = rider
-            n = min(self._prefill_budget(), FUSED_RUN, len(ride.prompt) - ride.pos) if ride else 0
+            n = whole_images(ride.spans, ride.pos, min(self._prefill_budget(), FUSED_RUN, len(ride.prompt) - ride.pos)) \
+                if ride else 0
             if ride:
                 runs.append((ride.prompt[ride.pos:ride.pos + n], self.seqs[ride.slot].cache))
                 adapters.append(ride.adapter)

@@ -227,6 +227,8 @@ class Speculation:
             return False
         if job.gen.shifts and self.draft_model is not None:
             return False            # the draft model's cache holds the whole history: past a shift it would not fit
+        if job.spans is not None and self.draft_model is not None:
+            return False            # a prompt with images: the draft model has no vision
         if job.draft is None:
             job.draft = DraftControl(self.draft_min, prior=self.kept)
         gen = job.gen

@@ -45,7 +45,10 @@ SCHEMAS: dict[str, Schema] = {
                  # "auto": drop the oldest turns to fit the context (workers/context_fit.py)
                  "truncation": (str, False),
                  # template variables applied only where the template uses them (enable_thinking, …)
-                 "template_hints": (dict, False)},
+                 "template_hints": (dict, False),
+                 # images (their bytes), each where an image mark is in messages (or the text's
+                 # media marker): the model's vision projector reads them (workers/vision_ops.py)
+                 "images": (list, False)},
     "embed": {"inputs": (list, True), "dimensions": (int, False), "adapter": (str, False), "normalize": (bool, False),
               "truncate": (bool, False),
               # llama-server's /embedding: its embd_normalize (-1 none, 0 max-abs, 2 euclidean, p>2 p-norm)
@@ -71,7 +74,10 @@ SCHEMAS: dict[str, Schema] = {
     "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False), "tools": (list, False),
                        "tool_choice": ((str, dict), False), "parallel_tool_calls": (bool, False),
                        "chat_template_kwargs": (dict, False), "reasoning_effort": (str, False),
-                       "template_hints": (dict, False)},
+                       "template_hints": (dict, False),
+                 # images (their bytes), each where an image mark is in messages (or the text's
+                 # media marker): the model's vision projector reads them (workers/vision_ops.py)
+                 "images": (list, False)},
     "info": {},
 }
 

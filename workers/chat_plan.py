@@ -76,7 +76,7 @@ def _response_grammar(fmt: dict | None) -> str | None:
         raise PlanError(f"response_format.json_schema.schema: {e}") from None
 
 
-def plan(body: dict, model, template) -> ChatPlan:
+def plan(body: dict, model, template, images: list[list[int]] | None = None) -> ChatPlan:
     tok = model.tokenizer
     source = template.source
     tools = body.get("tools") or None
@@ -117,7 +117,7 @@ def plan(body: dict, model, template) -> ChatPlan:
     if grammar and thinks and "enable_thinking" in source and "enable_thinking" not in extra:
         extra["enable_thinking"] = False      # a constrained answer starts at once, without reasoning
     try:
-        text, ids = render_and_tokenize(template, tok, messages, **extra)
+        text, ids = render_and_tokenize(template, tok, messages, images=images, **extra)
     except TemplateError as e:
         raise PlanError(str(e)) from None
     opens = text.rstrip().endswith("<think>")

@@ -30,6 +30,7 @@ from kiln.native.kv_types import KVTypeError, settings_kv
 from kiln.native.model import WEIGHTS, load_model
 from kiln.native.sampling import SamplingError, SamplingParams
 from kiln.native.tokenizer import TokenizerError, TooManyTokens
+from kiln.native.vision.layout import prompt_ids
 
 from kiln.protocol import vocab
 
@@ -37,13 +38,14 @@ from . import chat_plan, prefix_setup
 from .adapters import LoadedAdapters
 from .chat_plan import ChatPlan, PlanError
 from .context_fit import answer_room, fit_turns
+from .vision_ops import VisionOps
 from .embedding_ops import EmbeddingOps
 from .runtime import main
 from .slots import SlotOps
 from .worker import BootError, OpError, Worker, op, state_dir
 
 
-class InferenceWorker(EmbeddingOps, SlotOps, Worker):
+class InferenceWorker(EmbeddingOps, SlotOps, VisionOps, Worker):
     kind = "inference"
 
     def boot(self):
@@ -99,6 +101,7 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
             self.template = template_for(self.model)
         except TemplateError:
             self.template = None
+        self._boot_vision()
         self.served = 0
         self.tokens_out = 0
         self.loaded_at = time.time()
@@ -112,6 +115,7 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
         ctx = self.settings.get("ctx")
         self.n_ctx = min(int(ctx), self.model.config.n_ctx_train) if ctx else self.model.config.n_ctx_train
         self.context_shift, self.scheduler, self.template = False, None, None
+        self.vision, self.vision_note = None, "an encoder reads text only"
         self.served = self.tokens_out = 0
         self.loaded_at = time.time()
         self.adapters = AdapterRegistry(state_dir())
@@ -143,11 +147,11 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
                 "weights": {"mode": "private", **m.gguf.private.stats()} if m.gguf.private is not None
                 else {"mode": "mapped"},
                 "kv_cache_bytes": sum(s.cache.nbytes for s in self.scheduler.seqs),
-                "kv_cache_tokens": sum(s.cache.n for s in self.scheduler.seqs)}
+                "kv_cache_tokens": sum(s.cache.n for s in self.scheduler.seqs), **self.vision_status()}
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _prompt(self, body: dict) -> list[int]:
+    def _prompt(self, body: dict, images=None) -> list[int]:
         tok = self.model.tokenizer
         if "prompt" in body:
             ids = body["prompt"]
@@ -159,11 +163,16 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
                 raise OpError("bad_request", f"model {self.model.path.name} has no chat template; "
                                              f"use the completions API with a raw prompt")
             try:
-                return render_and_tokenize(self.template, tok, body["messages"])[1]
+                return render_and_tokenize(self.template, tok, body["messages"], images=images)[1]
             except TemplateError as e:
                 raise OpError("bad_request", str(e)) from None
         if "infill" in body:
             return self._infill(body["infill"], (body.get("params") or {}).get("max_tokens"))
+        if "text" in body and images:       # llama-server's multimodal_data: a marker where each goes
+            try:
+                return prompt_ids(tok, body["text"], images)
+            except ValueError as e:
+                raise OpError("bad_request", str(e)) from None
         if "text" in body:
             ids = tok.encode(body["text"], special=bool(body.get("special", False)))
             if not ids:
@@ -226,14 +235,14 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
 
     # -- ops ----------------------------------------------------------------------------------
 
-    def _plan(self, body: dict) -> ChatPlan:
+    def _plan(self, body: dict, images=None) -> ChatPlan:
         if "messages" not in body:
-            return ChatPlan(self._prompt(body))
+            return ChatPlan(self._prompt(body, images))
         if self.template is None:
             raise OpError("bad_request", f"model {self.model.path.name} has no chat template; "
                                          f"use the completions API with a raw prompt")
         try:
-            return chat_plan.plan(body, self.model, self.template)
+            return chat_plan.plan(body, self.model, self.template, images)
         except PlanError as e:
             raise OpError("bad_request", str(e)) from None
 
@@ -245,13 +254,14 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
         self._decoder("generate text")
         raw = dict(req.body.get("params") or {})
         n = int(raw.pop("n", 1))
+        images = self._images(req.body)
         # a repo-level infill keeps what fits of its files: no bound on the text it was given
         dropped = 0
         if req.body.get("truncation") == "auto" and "messages" in req.body:
-            plan, dropped = fit_turns(req.body, lambda b: self._bounded(self._plan, b), self.n_ctx,
+            plan, dropped = fit_turns(req.body, lambda b: self._bounded(self._plan, b, images), self.n_ctx,
                                       answer_room(raw.get("max_tokens"), self.n_ctx))
         else:
-            plan = self._plan(req.body) if "infill" in req.body else self._bounded(self._plan, req.body)
+            plan = self._plan(req.body) if "infill" in req.body else self._bounded(self._plan, req.body, images)
         prompt = plan.prompt
         if plan.grammar:
             raw["grammar"] = plan.grammar
@@ -355,11 +365,11 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
             raise OpError("bad_request", f"model {self.model.path.name} has no chat template")
         if any(k in req.body for k in ("tools", "tool_choice", "chat_template_kwargs", "reasoning_effort",
                                        "template_hints")):
-            ids = self._plan(req.body).prompt             # exactly the prompt generate would run
-            return {"prompt": self.model.tokenizer.decode(ids), "tokens": ids}
+            ids = self._plan(req.body, self._images(req.body)).prompt      # exactly the prompt generate would run
+            return {"prompt": self.model.tokenizer.decode([t for t in ids if t >= 0]), "tokens": ids}
         try:
             text, ids = render_and_tokenize(self.template, self.model.tokenizer, req.body["messages"],
-                                            req.body.get("add_generation_prompt", True))
+                                            req.body.get("add_generation_prompt", True), images=self._images(req.body))
         except TemplateError as e:
             raise OpError("bad_request", str(e)) from None
         return {"prompt": text, "tokens": ids}
@@ -374,7 +384,8 @@ class InferenceWorker(EmbeddingOps, SlotOps, Worker):
                 "eos_token": tok.tokens[sp.eos] if sp.eos is not None else None,
                 "chat_template": self.template.source if self.template else None,
                 "created": int(os.path.getmtime(m.path)), "slots": len(self.scheduler.seqs) if self.scheduler else 0,
-                "fill_in_the_middle": tok.fim.can_infill, "pooling": self._pooling()}
+                "fill_in_the_middle": tok.fim.can_infill, "pooling": self._pooling(),
+                "vision": getattr(self, "vision", None) is not None}
 
 
 if __name__ == "__main__":

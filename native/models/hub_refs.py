@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")              # what no tag means, in order (llama.cpp's)
 SIDECARS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")   # GGUFs that are not a model
@@ -157,3 +157,22 @@ def best_mmproj(files: list[str], model: str) -> str | None:
 def tags_in(files: list[str]) -> list[str]:
     """The quantization tags a repo offers (for an error that lists them)."""
     return sorted({s.tag for f in files if is_model(f) and (s := split_of(f)) and s.tag})
+
+
+
+def mmprojs_beside(model: Path) -> list[Path]:
+    """The projectors in a model's own folder (where a pull puts its own), likeliest first: the
+    name sharing most with the model's, then the quantization nearest it (best_mmproj's rule) —
+    the caller takes the first that fits the model."""
+    try:
+        names = [p.name for p in model.parent.iterdir() if p.is_file() and p.suffix.lower() == ".gguf"
+                 and "mmproj" in p.name.lower()]
+    except OSError:
+        return []
+    stem, bits = model.stem.lower(), quant_bits(model.name)
+
+    def affinity(name: str) -> tuple:
+        rest = re.sub(r"mmproj[-_.]?", "", name.lower()).removesuffix(".gguf")
+        shared = next((i for i, (a, b) in enumerate(zip(rest, stem)) if a != b), min(len(rest), len(stem)))
+        return -shared, abs(quant_bits(name) - bits), name
+    return [model.parent / n for n in sorted(names, key=affinity)]

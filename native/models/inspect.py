@@ -15,6 +15,26 @@ from ..kv_cache import KV_DTYPE
 from ..kv_types import KV_TYPE_NAMES, KV_TYPES
 
 
+def vision_projector(g) -> Path | None:
+    """The mmproj beside the model that fits it (a projector Kiln runs, mapping to the model's
+    width) — what the inference worker pairs it with, judged from the files' metadata."""
+    from ..gguf_file import GGUFError
+    from ..vision.clip_config import PROJECTORS
+    from .hub_refs import mmprojs_beside
+    arch = g.architecture
+    width = g.get(f"{arch}.embedding_length")
+    for p in mmprojs_beside(Path(g.path)):
+        try:
+            m = read_gguf(p, skip_arrays=True)
+            proj = m.get("clip.projector_type") or m.get("clip.vision.projector_type")
+            name = "mm.input_projection.weight" if proj == "gemma3" else "mm.model.fc.weight"
+            if proj in PROJECTORS and name in m.tensors and width in m.tensor(name).shape:
+                return p
+        except (GGUFError, OSError):
+            continue
+    return None
+
+
 def capabilities(g) -> list[str]:
     """What a model can be asked, from its file, as Ollama's `capabilities` names it: an encoder
     embeds or reranks; a chat model completes, and takes tools (any chat template: Kiln
@@ -28,6 +48,7 @@ def capabilities(g) -> list[str]:
     caps = ["completion"] + (["tools"] if template else []) + (["thinking"] if "<think>" in template else [])
     caps += ["insert"] if fim_markers(g) else []
     pooling = g.get(f"{arch}.pooling_type")
+    caps += ["vision"] if vision_projector(g) else []
     return caps + (["rerank"] if pooling == 4 else ["embedding"] if pooling is not None else [])
 
 

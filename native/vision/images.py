@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .clip_config import VisionConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .clip_config import VisionConfig
 
 MAX_PIXELS = 50_000_000          # larger images are refused before they are decoded
 MAX_BYTES = 64 * 1024 * 1024     # an upload's size
@@ -40,7 +43,13 @@ class Tiles:
     overview: np.ndarray | None = None
 
 
-def decode(data: bytes, what: str = "image"):
+def check_header(data: bytes, what: str = "image") -> tuple[int, int]:
+    """(width, height) from the header alone — what an HTTP front end checks before the bytes go
+    on to a worker — or an ImageError naming `what` and the problem."""
+    return decode(data, what, header_only=True)
+
+
+def decode(data: bytes, what: str = "image", header_only: bool = False):
     """A Pillow RGB image from untrusted bytes, or an ImageError naming `what` and the problem.
     The size is read from the header and checked before any pixel is decoded."""
     from PIL import Image, UnidentifiedImageError
@@ -55,13 +64,17 @@ def decode(data: bytes, what: str = "image"):
             w, h = img.size
             if w < 1 or h < 1 or w * h > MAX_PIXELS:
                 raise ImageError(f"{what}: {w}×{h} pixels is over the {MAX_PIXELS // 1_000_000} megapixel limit")
+            if header_only:
+                return w, h
             img.seek(0)                     # an animation: its first frame, as llama.cpp's stb_image
             rgb = img.convert("RGB")
             rgb.load()
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{what}: not an image Kiln reads ({', '.join(FORMATS)}): {str(e)[:120]}") from None
+    except UnidentifiedImageError:
+        raise ImageError(f"{what}: not an image Kiln reads ({', '.join(FORMATS)})") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{what}: {str(e)[:160]}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:       # truncated or corrupt data
         raise ImageError(f"{what}: the image data is corrupt: {str(e)[:120]}") from None
     return rgb

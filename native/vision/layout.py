@@ -37,6 +37,8 @@ class MediaRows:
     def add(self, key: int, rows: np.ndarray, bidirectional: bool = False) -> list[int]:
         """Hold `rows` under `key`; their placeholder ids. `bidirectional`: the text model's
         attention among these rows goes both ways (mtmd's non-causal decode: Gemma 3's images)."""
+        if rows is None:                     # rows held already (held(key)): their ids
+            rows = self._blocks[key]
         if len(rows) >= MAX_ROWS:
             raise ValueError(f"an image of {len(rows)} rows is more than {MAX_ROWS - 1}")
         if bidirectional:
@@ -49,6 +51,9 @@ class MediaRows:
                 self.bytes -= old.nbytes
         self._blocks.move_to_end(key)
         return [-((key << _ROW_BITS) | r) - 1 for r in range(len(rows))]
+
+    def held(self, key: int) -> bool:
+        return key in self._blocks
 
     def __contains__(self, token: int) -> bool:
         if token >= 0:
@@ -145,3 +150,14 @@ def prompt_ids(tokenizer, text: str, images: list[list[int]], add_bos: bool | No
     if (tokenizer.special.add_bos if add_bos is None else add_bos) and bos is not None:
         ids = [bos] + ids
     return ids
+
+
+def whole_images(spans, pos: int, n: int) -> int:
+    """A prefill chunk of n rows from `pos`, moved so that it does not end inside an image whose
+    rows attend both ways (`spans`: their (first, end); they must share one forward, as in
+    llama.cpp's one batch): it stops before the image, or, starting at one, takes all of it."""
+    end = pos + n
+    for s, e in spans or ():
+        if s < end < e:
+            return s - pos if s > pos else e - pos
+    return n

@@ -144,6 +144,8 @@ _INFERENCE_SETTINGS = {
                          "and by other workers of the model: auto (4 GiB), a size, or off",
     "slot_save_path": "a folder where llama-server's POST /slots/{id}?action=save|restore keeps a slot's "
                       "KV cache (its --slot-save-path; without it those actions are refused)",
+    "mmproj": "the vision projector (an mmproj GGUF: path or library name) — default: the one beside the "
+              "model that belongs to it; \"off\": none (llama-server's --mmproj)",
     "context_shift": "an answer reaching the context's end drops the older half after the first tokens and "
                      "goes on (llama-server's --context-shift; default false: it stops, \"length\")",
 }

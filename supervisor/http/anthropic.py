@@ -15,6 +15,7 @@ import json
 import uuid
 from typing import Any, Iterator
 
+from .images import Images
 from .pipeline import Pipeline, Shape, stream_flag
 from .openai_validate import adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 from .work import Work, model_of
@@ -112,15 +113,33 @@ def chat_messages(body: dict) -> list[dict]:
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
             elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                 continue
-            elif kind in ("image", "document"):
-                raise bad(at, f"{kind} blocks are not supported: Kiln serves text models")
+            elif kind == "image" and m["role"] == "user":
+                _no_extras(b, {"type", "source"}, at)
+                texts.append(_image_part(b.get("source"), f"{at}.source"))
+            elif kind == "document":
+                raise bad(at, "document blocks are not supported: send the document's text")
             else:
                 raise bad(f"{at}.type", f"a {kind!r} block is not supported in a {m['role']} message")
         if m["role"] == "assistant":
             out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
         elif texts or not any(o["role"] == "tool" for o in out[-1:]):
-            out.append({"role": "user", "content": "".join(texts)})
+            parts = [t if isinstance(t, dict) else {"type": "text", "text": t} for t in texts]
+            out.append({"role": "user", "content": parts if any(isinstance(t, dict) for t in texts) else "".join(texts)})
     return out
+
+
+def _image_part(source, where: str) -> dict:
+    """An image block's source as a chat image part (its bytes as a data: URI)."""
+    if not isinstance(source, dict) or source.get("type") not in ("base64", "url"):
+        raise bad(where, 'an image source is {"type": "base64", "media_type": "image/png", "data": …}')
+    if source["type"] == "url":
+        return {"type": "image_url", "image_url": {"url": source.get("url")}}      # refused there, saying why
+    kind = source.get("media_type")
+    if kind not in ("image/jpeg", "image/png", "image/gif", "image/webp"):
+        raise bad(f"{where}.media_type", "media_type must be image/jpeg, image/png, image/gif or image/webp")
+    if not isinstance(source.get("data"), str):
+        raise bad(f"{where}.data", "data must be the image's bytes in base64", "invalid_type")
+    return {"type": "image_url", "image_url": {"url": f"data:{kind};base64,{source['data']}"}}
 
 
 def chat_body(body: dict) -> dict:
@@ -248,15 +267,17 @@ class Messages:
         chat = chat_body({**body, "max_tokens": 1})
         work = to_work(chat).body()
         ask = {k: work[k] for k in ("messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-                                    "chat_template_kwargs", "reasoning_effort", "template_hints", "model") if k in work}
+                                    "chat_template_kwargs", "reasoning_effort", "template_hints", "model", "images")
+               if k in work}
         ask.pop("response_format", None)              # apply_template renders; it does not constrain
         out, _ = self.pipe.call(req, "apply_template", ask, 60, shape=MessageShape())
         resp.media = {"input_tokens": len(out["tokens"])}
 
 
 def to_work(chat: dict, **more) -> Work:
-    return Work(messages=messages(chat), model=model_of(chat), **tools_named(chat, _RENAMES), **adapter(chat),
-                **keep_alive(chat), template_hints=chat.get("template_hints") or None, **more)
+    images = Images()
+    return Work(messages=messages(chat, images), model=model_of(chat), **tools_named(chat, _RENAMES), **adapter(chat),
+                **keep_alive(chat), template_hints=chat.get("template_hints") or None, **images.work(), **more)
 
 
 def _sse(kind: str, **data) -> bytes:

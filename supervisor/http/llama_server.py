@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 
+from .images import media_prompt
 from .common import token_logprobs
 from .pipeline import Pipeline, Shape, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, KILN_ORDER, llama_params
@@ -116,8 +117,12 @@ _MISSING = object()
 
 
 def completion_work(body: dict) -> dict:
-    """/completion's prompt: a string (its special tokens parsed, as llama-server does) or token ids."""
+    """/completion's prompt: a string (its special tokens parsed, as llama-server does), token ids,
+    or llama-server's multimodal object {"prompt_string": …, "multimodal_data": [base64, …]}, an
+    image where each <__media__> marker is."""
     prompt = body.get("prompt")
+    if isinstance(prompt, dict):
+        return media_prompt(prompt)
     if isinstance(prompt, str) and prompt:
         return {"text": prompt, "special": True}
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -282,7 +287,7 @@ class Utility:
                            "samplers": KILN_ORDER}},
             "total_slots": info["slots"], "model_path": info["path"], "chat_template": info["chat_template"] or "",
             "bos_token": info["bos_token"], "eos_token": info["eos_token"],
-            "modalities": {"vision": False, "audio": False}, "infill": info["fill_in_the_middle"],
+            "modalities": {"vision": bool(info.get("vision")), "audio": False}, "infill": info["fill_in_the_middle"],
             "build_info": f"kiln {_version()}"}
 
     def on_get_tokenizer_info(self, req, resp):

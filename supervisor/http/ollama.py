@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 
 import falcon
 
+from .images import Images, b64_parts
 from . import ollama_library
 from .common import JSONError, bus, context_notes, token_logprobs
 from .pipeline import Pipeline, Shape, stream_flag
@@ -39,7 +40,7 @@ _LLAMA_OPTIONS = ("repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta")
 _CHAT_FIELDS = {"model", "messages", "stream", "format", "options", "tools", "think", "keep_alive", "logprobs",
                 "top_logprobs", "truncate", "shift"}
 _GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "stream", "format", "options", "think", "keep_alive", "raw",
-                    "logprobs", "top_logprobs", "shift"}
+                    "logprobs", "top_logprobs", "shift", "images"}
 
 
 def _now() -> str:
@@ -182,9 +183,10 @@ class Ollama:
         for i, m in enumerate(msgs):
             if not isinstance(m, dict):
                 raise bad(f"messages[{i}]", "each message must be an object", "invalid_type")
-            if m.get("images"):
-                raise bad(f"messages[{i}].images", "Kiln serves text models: images are not supported")
+            pics = m.get("images")
             m = {k: v for k, v in m.items() if k not in ("images", "thinking")}
+            if pics:
+                m["content"] = b64_parts(pics, m.get("content"), f"messages[{i}]")
             if m.get("tool_calls"):
                 m["tool_calls"] = [{"id": f"call_{j}", "type": "function", "function": {
                     "name": c.get("function", {}).get("name"), "arguments": c.get("function", {}).get("arguments", {})}}
@@ -193,8 +195,9 @@ class Ollama:
                 m["name"] = m.pop("tool_name")
             conv.append(m)
         oa = {"messages": conv, "tools": body.get("tools"), **self._format(body), **self._think(body)}
-        given = {"messages": check_messages(oa), **check_tools({k: v for k, v in oa.items() if v is not None}),
-                 **self._truncate(body)}
+        images = Images()
+        given = {"messages": check_messages(oa, images), **check_tools({k: v for k, v in oa.items() if v is not None}),
+                 **self._truncate(body), **images.work()}
         self._run(req, resp, body, given, "chat")
 
     @staticmethod
@@ -229,12 +232,17 @@ class Ollama:
         if body.get("raw"):
             if body.get("system"):
                 raise bad("system", "system cannot be combined with raw")
+            if body.get("images"):
+                raise bad("images", "a raw prompt takes no images (Kiln does not know where they go in it); "
+                                    "leave raw out, and the model's template places them")
             given = {"text": prompt, "special": True}
         else:
+            user = b64_parts(body["images"], prompt, "images") if body.get("images") else prompt
             msgs = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + \
-                [{"role": "user", "content": prompt}]
+                [{"role": "user", "content": user}]
             oa = {"messages": msgs, **self._format(body), **self._think(body)}
-            given = {"messages": check_messages(oa), **check_tools(oa)}
+            images = Images()
+            given = {"messages": check_messages(oa, images), **check_tools(oa), **images.work()}
         self._run(req, resp, body, given, "generate")
 
     @staticmethod
@@ -384,3 +392,4 @@ def install(app: falcon.App, sup, pipe: Pipeline) -> None:
     for route in ("version", "ps", "chat", "generate", "embed", "embeddings"):
         app.add_route(f"/api/{route}", o, suffix=route)
     ollama_library.install(app, sup, pipe)
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .images import Images
 from .openai_responses_shapes import LOGPROBS, ResponseShape
 from .pipeline import Pipeline, stream_flag
 from .openai_validate import (IGNORED, adapter, bad, keep_alive, known_fields, logprobs, messages, sampling_params,
@@ -27,8 +28,9 @@ _STATEFUL = {"previous_response_id": "Kiln keeps no responses: send the whole co
              "prompt": "Kiln has no stored prompt templates: send instructions and input"}
 
 
-def _text_of(content, where: str) -> str:
-    """A message's content: a string, or input_text / output_text parts."""
+def _text_of(content, where: str):
+    """A message's content: a string, or input_text / output_text parts (chat parts when it
+    holds an input_image: a data: URI in image_url)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -38,10 +40,18 @@ def _text_of(content, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             out.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad(f"{where}[{j}]", f"{kind} is not supported: Kiln serves text models")
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if part.get("file_id") is not None:
+                raise bad(f"{where}[{j}].file_id", "Kiln keeps no files: send the image as a data: URI in image_url")
+            out.append({"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, dict) else url}})
+        elif kind in ("input_file", "input_audio"):
+            raise bad(f"{where}[{j}]", f"{kind} is not supported: send text or images")
         else:
-            raise bad(f"{where}[{j}]", 'a content part is {"type": "input_text", "text": …}')
+            raise bad(f"{where}[{j}]", 'a content part is {"type": "input_text", "text": …} or {"type": '
+                                       '"input_image", "image_url": "data:image/png;base64,…"}')
+    if any(isinstance(o, dict) for o in out):
+        return [o if isinstance(o, dict) else {"type": "text", "text": o} for o in out]
     return "".join(out)
 
 
@@ -175,8 +185,10 @@ class Responses:
     def on_post(self, req, resp):
         body = self.pipe.read_json(req)
         chat = chat_body(body)
-        work = Work(messages=messages(chat), model=model_of(chat), **tools_named(chat, _RENAMES), **adapter(chat),
-                    **keep_alive(chat), **truncation(chat), params=sampling_params(chat))
+        images = Images()
+        work = Work(messages=messages(chat, images), model=model_of(chat), **tools_named(chat, _RENAMES),
+                    **adapter(chat), **keep_alive(chat), **truncation(chat), params=sampling_params(chat),
+                    **images.work())
         if (lp := logprobs(chat, chat=True)) is not None:
             work.params["logprobs"] = lp
         self.pipe.generate(req, resp, work, ResponseShape(body), stream_flag(chat))

@@ -12,6 +12,7 @@ from typing import Any
 
 from kiln.protocol.sampling import BOUNDS
 
+from .images import no_mark, url_image
 from .common import JSONError
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -320,7 +321,9 @@ def adapter(body: dict) -> dict:
     return out
 
 
-def messages(body: dict) -> list[dict]:
+def messages(body: dict, images=None) -> list[dict]:
+    """The chat's messages, checked; `images` (supervisor/http/images.py Images): where image
+    parts go (a mark in the content, the bytes kept in order) — None: this route takes none."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "messages must be a non-empty list", "invalid_value" if isinstance(msgs, list) else "invalid_type")
@@ -332,13 +335,10 @@ def messages(body: dict) -> list[dict]:
         if role not in _ROLES:
             raise bad(f"messages[{i}].role", f"role must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:30]}")
         content = m.get("content")
-        if isinstance(content, list):       # [{"type": "text", "text": ...}]
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad(f"messages[{i}].content[{j}]", "only text content parts are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
+        if isinstance(content, list):       # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
+            content = "".join(_part(part, f"messages[{i}].content[{j}]", images) for j, part in enumerate(content))
+        elif isinstance(content, str) and images is not None:
+            no_mark(content, f"messages[{i}].content")
         msg: dict[str, Any] = {"role": role}
         calls = m.get("tool_calls")
         if calls is not None and role == "assistant":
@@ -360,6 +360,21 @@ def messages(body: dict) -> list[dict]:
                 raise bad(f"messages[{i}].{k}", f"unsupported message field {k!r}")
         out.append(msg)
     return out
+
+
+def _part(part, where: str, images) -> str:
+    """A content part's text: its own, or an image's mark (its bytes kept in `images`)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"] if images is None else no_mark(part["text"], where + ".text")
+    if kind == "image_url":
+        if images is None:
+            raise bad(where, "this endpoint takes no images")
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        return images.add(url_image(url, where + ".image_url.url"), where)
+    raise bad(where, "a content part must be {\"type\": \"text\", \"text\": …} or {\"type\": \"image_url\", "
+                     "\"image_url\": {\"url\": \"data:image/png;base64,…\"}}")
 
 
 def _tool_calls(calls, where: str) -> list[dict]:

@@ -73,8 +73,8 @@ def check_model_ref(sup, name, field: str = "model"):
     if len(name) > 1024 or any(ord(c) < 32 for c in name):
         raise JSONError(400, "invalid_value", f"{field} is not a model name (over 1,024 characters, or control "
                         f"characters): name a model from GET /v1/models", param=field)
-    if sup.cfg["models"]["allow_paths"]:
-        return name
+    if sup.cfg["models"]["allow_paths"] or name in sup.cfg.workers:   # a configured worker's name is a name,
+        return name                                                     # whatever files the daemon's folder holds
     if not is_path_like(name):
         return name
     configured = {str(spec.get("model")) for spec in sup.cfg.workers.values()}

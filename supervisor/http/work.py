@@ -37,6 +37,7 @@ class Work:
     clip_max_tokens: bool = False         # max_tokens as an upper bound: past the context's end, stop
     min_ctx: int | None = None            # the context the client needs (Ollama's num_ctx)
     truncation: str | None = None         # "auto": the oldest turns go until the prompt fits (chat only)
+    images: list | None = None            # images' bytes, one per mark in messages/text (supervisor/http/images.py)
 
     def __post_init__(self):
         self.model = model_of({"model": self.model})
