@@ -11,6 +11,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .vision.layout import IMAGE
+
 
 class TemplateError(ValueError):
     """The chat template is missing, invalid, or refused these messages."""
@@ -67,7 +69,6 @@ def template_for(model) -> ChatTemplate:
 
 
 _SENTINEL = "\ue000{}\ue001"
-IMAGE = "\ue002"          # where an image goes in a message's content (the HTTP layer writes it)
 
 
 def render_and_tokenize(template: ChatTemplate, tokenizer, messages: list[dict],

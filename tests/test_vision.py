@@ -156,3 +156,17 @@ def test_hostile_mmproj_is_refused_naming_what(tmp_path, change, message):
 def test_a_text_model_is_not_an_mmproj():
     with pytest.raises(GGUFError, match="not an mmproj"):
         load_vision(VISION / "tiny-smolvlm.gguf")
+
+
+def test_plan_and_capabilities_count_the_projector_beside_the_model():
+    from kiln.native.models.hub_refs import mmprojs_beside
+    from kiln.native.models.inspect import inspect_model
+    from kiln.native.models.plan import plan
+    # two models' projectors in one folder: each model takes the one whose name is nearest its own
+    assert mmprojs_beside(VISION / "tiny-gemma3v.gguf")[0].name == "mmproj-tiny-gemma3.gguf"
+    assert mmprojs_beside(VISION / "tiny-smolvlm.gguf")[0].name == "mmproj-tiny-smolvlm.gguf"
+    with_vision, without = plan(VISION / "tiny-smolvlm.gguf"), plan(VISION / "tiny-smolvlm.gguf", mmproj="off")
+    assert with_vision["mmproj"].endswith("mmproj-tiny-smolvlm.gguf") and with_vision["vision_bytes"] > 200_000
+    assert with_vision["total_bytes"] - without["total_bytes"] == with_vision["vision_bytes"] and "mmproj" not in without
+    assert "vision" in inspect_model(VISION / "tiny-smolvlm.gguf")["capabilities"]
+    assert "vision" not in inspect_model(DATA / "tiny" / "tiny-llama.gguf")["capabilities"]

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from conftest import DATA
-from daemon_harness import Daemon, http_json
+from daemon_harness import Daemon, http_json, kiln
 from kiln.native.chat_template import IMAGE, render_and_tokenize, template_for
 from kiln.native.model import load_model
 from kiln.native.vision import load_vision
@@ -105,6 +105,16 @@ def test_ollama_and_anthropic_clients_place_the_image_first_and_agree(served):
     status, g = http_json(served, "POST", "/api/generate", {"model": "vlm", "prompt": "the cat", "images": [b64(WIDE)],
                                                             "stream": False, "options": {"num_predict": N, "temperature": 0}})
     assert status == 200 and g["response"] == want, g
+
+
+def test_kiln_run_with_an_image(served):
+    want = text_of("tiny-smolvlm.gguf", local_answer("tiny-smolvlm.gguf", "smolvlm",
+                                                    [{"role": "user", "content": IMAGE + "the cat"}], [WIDE]))
+    out = kiln(served.home, "run", "--model", "vlm", "--image", str(VISION / "wide.png"), "-t", "0",
+               "--max-tokens", str(N), "the cat")
+    assert out.returncode == 0 and out.stdout.rstrip("\n") == want.replace("\r", "\n"), out.stderr   # text mode
+    out = kiln(served.home, "run", "--model", "vlm", "--image", str(VISION / "references.json"), "hi")
+    assert out.returncode == 2 and "references.json: not an image Kiln reads" in out.stderr, out.stderr
 
 
 def test_llama_server_multimodal_prompt_gives_the_engines_tokens(served):

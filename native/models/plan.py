@@ -92,13 +92,26 @@ def default_context(c, weights: int, budget: int | None, parallel: int, kv: tupl
     return steps[-1], f"of {trained:,} trained: the smallest offered; even it does not fit the memory budget"
 
 
+def vision_bytes(mmproj: Path, compiled: bool) -> int:
+    """A vision projector's weights as the engine holds them and the activations of one square
+    through its tower (native/vision/encoder.py: every patch's rows, one head's scores at a time)."""
+    from ..vision.clip_config import read_vision_config
+    g = read_gguf(mmproj, skip_arrays=True)
+    c = read_vision_config(g)
+    patches = c.patches_per_side ** 2
+    return sum(_weights(g, compiled)[1].values()) + patches * (c.n_ff + 6 * c.n_embd) * 4 + \
+        c.n_head * patches * patches * 4
+
+
 def plan(path: Path, ctx: int | None = None, available: int | None = None, parallel: int | None = None,
-         draft: Path | None = None, budget: int | None = None, kv: tuple = DEFAULT_KV) -> dict:
+         draft: Path | None = None, budget: int | None = None, kv: tuple = DEFAULT_KV,
+         mmproj: Path | str | None = None) -> dict:
     """`parallel`: sequences decoded together (a worker's `parallel`, default 4) — each may grow its
     own KV cache to the whole context, so the plan counts that many. `draft`: a worker's
     `draft_model`, whose weights and one KV cache per sequence (the same context) it also holds.
     `ctx` None: default_context's, sized by `budget` when there is one. `kv`: the KV cache's types
-    (keys, values): "f16", "q8_0" or "q4_0"."""
+    (keys, values): "f16", "q8_0" or "q4_0". `mmproj`: the vision projector (None: the one beside
+    the model that fits it, if any; "off": none), its weights and one image's activations counted."""
     parallel = max(1, int(parallel or DEFAULT_PARALLEL))
     g = read_gguf(path, skip_arrays=True)
     if is_encoder(g.architecture):
@@ -120,7 +133,12 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
         draft_weights = sum(_weights(dg, compiled)[1].values())
         draft_kv = _kv_per_sequence(read_config(dg), ctx) * parallel      # a draft's cache stays fp16
         draft_bytes = draft_weights + draft_kv
-    total = weights + kv_bytes + prefix_bytes + draft_bytes + RUNTIME_BYTES
+    if mmproj is None:
+        from .inspect import vision_projector
+        mmproj = vision_projector(g)
+    mmproj = None if mmproj == "off" else mmproj
+    vision = vision_bytes(Path(mmproj), compiled) if mmproj else 0
+    total = weights + kv_bytes + prefix_bytes + draft_bytes + vision + RUNTIME_BYTES
     avail = available if available is not None else psutil.virtual_memory().available
     non_expert = weights - expert_bytes
     out = {"model": str(path), "architecture": c.arch, "context": ctx, "context_why": why,
@@ -133,6 +151,8 @@ def plan(path: Path, ctx: int | None = None, available: int | None = None, paral
            "expert_bytes": expert_bytes, "non_expert_bytes": non_expert, "available_bytes": avail}
     if draft is not None:
         out.update(draft_model=str(draft), draft_weights_bytes=draft_weights, draft_kv_cache_bytes=draft_kv)
+    if mmproj:
+        out.update(mmproj=str(mmproj), vision_bytes=vision)
     if total <= 0.9 * avail:
         out["verdict"] = "fits"
         out["advice"] = f"needs {total / 2**30:.2f} GiB of {avail / 2**30:.2f} GiB available"

@@ -20,7 +20,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-MARKER = "<__media__>"
+MARKER = "<__media__>"            # where an image goes in a raw prompt (llama-server's, mtmd's default)
+IMAGE = "\ue002"                   # where an image goes in a message's content (the front ends write it)
 _ROW_BITS = 20
 MAX_ROWS = 1 << _ROW_BITS
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from kiln.protocol import vocab
+from kiln.native.vision.layout import IMAGE
 from kiln.protocol.sampling import DEFAULT_MAX_TOKENS
 
 from .engine import fail, note
@@ -54,7 +56,8 @@ class AnswerStopped(KeyboardInterrupt):
         self.partial = partial
 
 
-def _stream_answer(client, worker: str, messages: list[dict], params: dict, adapter: Optional[str] = None) -> str:
+def _stream_answer(client, worker: str, messages: list[dict], params: dict, adapter: Optional[str] = None,
+                   images: Optional[list] = None) -> str:
     """Print the answer as it arrives; Ctrl-C cancels it (KeyboardInterrupt propagates). The
     router waits for the worker while it loads or restarts, and retries a request a crash cut
     before its first token."""
@@ -63,6 +66,8 @@ def _stream_answer(client, worker: str, messages: list[dict], params: dict, adap
     body = {"messages": messages, "params": params, "worker": worker, "timeout": 3600}
     if adapter is not None:
         body["adapter"] = adapter
+    if images:
+        body["images"] = images
     calls = client.stream("generate", body, timeout=3600)
     try:
         for msg in calls:
@@ -114,17 +119,36 @@ def run(prompt: Optional[str] = typer.Argument(None, help="what to ask (text pip
                                         help="longest answer, in tokens (-1: until the model stops or the context ends)"),
         seed: Optional[int] = typer.Option(None, "--seed", help="makes sampling repeatable"),
         adapter: Optional[str] = typer.Option(None, "--adapter", help="LoRA adapter to apply (\"\" for none; "
-                                                                       "default: the active one)")):
+                                                                       "default: the active one)"),
+        image: Optional[list[Path]] = typer.Option(None, "--image", "-i", help="an image to ask about (PNG, JPEG, "
+                                                   "WebP, GIF, BMP; repeat for several): a vision model reads it")):
     """Ask one question and stream the answer (starts the daemon if needed)."""
     prompt = piped_prompt(prompt)
-    messages, params = [{"role": "user", "content": prompt}], _params(temperature, max_tokens, seed)
+    images = read_images(image or [])
+    messages, params = [{"role": "user", "content": IMAGE * len(images) + prompt}], _params(temperature, max_tokens, seed)
     model, messages, params, adapter = with_created_defaults(model, messages, params, adapter, max_tokens)
     with _ensure_daemon(model) as client:
         worker = _pick_worker(client, model)
         try:
-            _stream_answer(client, worker, messages, params, adapter)
+            _stream_answer(client, worker, messages, params, adapter, images)
         except KeyboardInterrupt:
             raise typer.Exit(130)
+
+
+def read_images(paths: list[Path]) -> list[bytes]:
+    """Each file's bytes, its header checked here (what it is, its size) before the daemon sees it."""
+    from kiln.native.vision.images import ImageError, check_header
+    out = []
+    for p in paths:
+        try:
+            data = p.read_bytes()
+            check_header(data, str(p))
+        except OSError as e:
+            fail(f"--image {p}: {e.strerror or e}", 2)
+        except ImageError as e:
+            fail(f"--image {e}", 2)
+        out.append(data)
+    return out
 
 
 def with_created_defaults(model, messages, params: dict, adapter, max_tokens: int):

@@ -66,8 +66,9 @@ def make_placer(table, m: dict, busy, record, state_file):
     budget_bytes = budget              # the plan's `available` (its `budget` sizes a context)
     return Placer(table, budget=budget, max_loaded=m["max_loaded"], keep_alive=parse_duration(m["keep_alive"]),
                   pressure_bytes=pressure, busy=busy, record=record, resolve=resolve_model,
-                  plan=PlanCache(lambda path, ctx, parallel=None, draft=None, budget=None, kv=("f16", "f16"): plan(
-                      path, ctx, available=budget_bytes, parallel=parallel, draft=draft, budget=budget, kv=kv)),
+                  plan=PlanCache(lambda path, ctx, parallel=None, draft=None, budget=None, kv=("f16", "f16"), mmproj=None:
+                                 plan(path, ctx, available=budget_bytes, parallel=parallel, draft=draft, budget=budget,
+                                      kv=kv, mmproj=mmproj)),
                   available=lambda: psutil.virtual_memory().available, ctx=m["ctx"] or None, state_file=state_file,
                   weights=m["weights"], kv=kv_types(m))
 

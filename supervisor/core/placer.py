@@ -167,8 +167,10 @@ class Placer:
             settings = w.spec.get("settings") or {}
             try:
                 draft = self.resolve_path(settings["draft_model"]) if settings.get("draft_model") else None
+                proj = settings.get("mmproj")
+                proj = self.resolve_path(proj) if proj and proj != "off" else proj
                 p = self.plan(self.resolve_path(l.path), settings.get("ctx"), parallel=settings.get("parallel"),
-                              draft=draft, kv=worker_kv(settings))
+                              draft=draft, kv=worker_kv(settings), **({"mmproj": proj} if proj else {}))
             except Exception:  # noqa: BLE001 - a bad path or a corrupt file: the boot reports it
                 continue
             need = int(p["total_bytes"])

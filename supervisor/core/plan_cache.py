@@ -22,20 +22,21 @@ class PlanCache:
         self.entries: OrderedDict[tuple, dict | Exception] = OrderedDict()
 
     @staticmethod
-    def _key(path, ctx, parallel, draft, budget, kv) -> tuple:
+    def _key(path, ctx, parallel, draft, budget, kv, mmproj=None) -> tuple:
         st = os.stat(path)             # a changed file (same name, new bytes) is planned again
         return (os.path.realpath(path), st.st_size, st.st_mtime_ns, ctx, parallel, str(draft) if draft else None,
-                budget, tuple(kv))
+                budget, tuple(kv), str(mmproj) if mmproj else None)
 
-    def __call__(self, path, ctx=None, parallel=None, draft=None, budget=None, kv=("f16", "f16")) -> dict:
-        key = self._key(path, ctx, parallel, draft, budget, kv)
+    def __call__(self, path, ctx=None, parallel=None, draft=None, budget=None, kv=("f16", "f16"), mmproj=None) -> dict:
+        key = self._key(path, ctx, parallel, draft, budget, kv, mmproj)
         with self.lock:
             hit = self.entries.get(key)
             if hit is not None:
                 self.entries.move_to_end(key)
         if hit is None:
             try:
-                hit = self.plan(path, ctx, parallel=parallel, draft=draft, budget=budget, kv=tuple(kv))
+                hit = self.plan(path, ctx, parallel=parallel, draft=draft, budget=budget, kv=tuple(kv),
+                                **({"mmproj": mmproj} if mmproj else {}))
             except Exception as e:  # noqa: BLE001 - a file's error is remembered as its answer
                 hit = e
             with self.lock:

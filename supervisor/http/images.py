@@ -15,14 +15,14 @@ import base64
 import binascii
 import re
 
+from kiln.native.vision.layout import IMAGE, MARKER as MEDIA_MARKER
+
 from .common import JSONError
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> JSONError:
     return JSONError(400, code, message, param=param)
 
-IMAGE = "\ue002"                   # native/chat_template.py's IMAGE: where an image goes in a content
-MEDIA_MARKER = "<__media__>"       # llama-server's marker in a raw prompt (native/vision/layout.py MARKER)
 MAX_IMAGES = 16
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
 _DATA_URI = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
