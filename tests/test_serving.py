@@ -142,7 +142,7 @@ def test_too_long_inputs_name_the_field_they_came_in(served, path, body, param):
 def test_malformed_json_and_oversized_bodies(served):
     got, err, _ = post(served.http + "/v1/chat/completions", b"{nope", raw=True)
     assert got == 400 and err["error"]["code"] == "invalid_json"
-    got, err, _ = post(served.http + "/v1/chat/completions", b"[" + b"1," * 3_000_000 + b"1]", raw=True)
+    got, err, _ = post(served.http + "/v1/chat/completions", b"[" + b"1," * 17_000_000 + b"1]", raw=True)   # 34 MB
     assert got == 413 and err["error"]["code"] == "body_too_large"
 
 

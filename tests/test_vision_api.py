@@ -40,7 +40,8 @@ def served(tmp_path_factory):
     with Daemon(home, {"vlm": {"kind": "inference", "model": str(home / "smol" / "tiny-smolvlm.gguf")},
                        "gemma": {"kind": "inference", "model": str(home / "gemma" / "tiny-gemma3v.gguf"),
                                  "settings": {"prefill_chunk": 7}},
-                       "text": {"kind": "inference", "model": str(DATA / "tiny" / "tiny-llama.gguf")}}) as d:
+                       "text": {"kind": "inference", "model": str(DATA / "tiny" / "tiny-llama.gguf")}},
+                server={"fetch_images": True}) as d:
         d.wait(lambda st: all(w["worker_state"] == "ready" for w in st["workers"]), timeout=60, what="models loaded")
         yield d
 
@@ -160,7 +161,7 @@ def huge_png() -> bytes:
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "messages[0].content[1].image_url.url",
      "not valid base64"),
     ({"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}, "messages[0].content[1].image_url.url",
-     "does not fetch images from URLs"),
+     "not a public address"),                      # server.fetch_images is on: never loopback
     ({"type": "image_url", "image_url": {"url": "data:text/html;base64," + b64(CAT)}},
      "messages[0].content[1].image_url.url", "not an image"),
     ({"type": "input_audio", "input_audio": {}}, "messages[0].content[1]", "a content part must be"),

@@ -46,7 +46,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "host": Field(str, "127.0.0.1", "HTTP listen address"),
         "port": Field(int, 8420, "HTTP port", 0, 65535),
         "api_key": Field(str, "", "bearer key required on every route but /health (empty: none)"),
-        "max_body_bytes": Field(int, 4 * 2**20, "largest request body accepted", 1024, None),
+        "max_body_bytes": Field(int, 32 * 2**20, "largest request body accepted (images come base64 in it)", 1024, None),
+        "fetch_images": Field(bool, False, "fetch an image a request names by http(s) URL (never from a loopback, "
+                              "private or link-local address; off: such a request is a 400 — send the bytes)"),
         "threads": Field(int, 32, "HTTP threads: each running request or open stream holds one; 4 are kept for "
                          "health, reads and control, so at most threads - 4 requests stream at once (more: 503)", 5, 512),
         "max_event_streams": Field(int, 8, "open /v1/events streams (dashboards, `kiln status --watch`) at once; "

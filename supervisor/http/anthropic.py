@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any, Iterator
 
-from .images import Images
+from .images import Images, fetching
 from .pipeline import Pipeline, Shape, stream_flag
 from .openai_validate import adapter, bad, keep_alive, known_fields, messages, sampling_params, tools_named
 from .work import Work, model_of
@@ -257,7 +257,7 @@ class Messages:
         chat = chat_body(body)
         # max_tokens is an upper bound here, as Anthropic's clients use it (Claude Code asks for
         # 32000 whatever the model): past the context's end the answer stops with max_tokens
-        work = to_work(chat, params=sampling_params(chat), clip_max_tokens=True)
+        work = to_work(chat, fetching(self.pipe.sup), params=sampling_params(chat), clip_max_tokens=True)
         self.pipe.generate(req, resp, work, MessageShape(), stream_flag(chat))
 
     def on_post_count_tokens(self, req, resp):
@@ -265,7 +265,7 @@ class Messages:
         body = self.pipe.read_json(req)
         body = {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
         chat = chat_body({**body, "max_tokens": 1})
-        work = to_work(chat).body()
+        work = to_work(chat, fetching(self.pipe.sup)).body()
         ask = {k: work[k] for k in ("messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
                                     "chat_template_kwargs", "reasoning_effort", "template_hints", "model", "images")
                if k in work}
@@ -274,8 +274,8 @@ class Messages:
         resp.media = {"input_tokens": len(out["tokens"])}
 
 
-def to_work(chat: dict, **more) -> Work:
-    images = Images()
+def to_work(chat: dict, fetch: bool = False, **more) -> Work:
+    images = Images(fetch)
     return Work(messages=messages(chat, images), model=model_of(chat), **tools_named(chat, _RENAMES), **adapter(chat),
                 **keep_alive(chat), template_hints=chat.get("template_hints") or None, **images.work(), **more)
 

@@ -41,8 +41,9 @@ def b64_image(value, where: str) -> bytes:
         raise bad(where, "the image is not valid base64") from None
 
 
-def url_image(url, where: str) -> bytes:
-    """An image_url's bytes: a data: URI, or a 400 saying why a remote URL is not fetched."""
+def url_image(url, where: str, fetch: bool = False) -> bytes:
+    """An image_url's bytes: a data: URI, or with `fetch` (server.fetch_images) an http(s) URL
+    fetched from a public address (remote.py); else a 400 saying why a remote URL is not fetched."""
     if not isinstance(url, str) or not url:
         raise bad(where, "url must be a non-empty string", "invalid_type")
     m = _DATA_URI.match(url)
@@ -53,8 +54,14 @@ def url_image(url, where: str) -> bytes:
         if kind and not kind.startswith("image/") and kind != "application/octet-stream":
             raise bad(where, f"a data: URI of type {kind!r} is not an image")
         return b64_image(url[m.end():], where)
+    if url.lower().startswith(("http://", "https://")) and fetch:
+        from .remote import FetchError, fetch_public
+        try:
+            return fetch_public(url, MAX_IMAGE_BYTES)
+        except FetchError as e:
+            raise bad(where, str(e)) from None
     if url.lower().startswith(("http://", "https://")):
-        raise bad(where, "Kiln does not fetch images from URLs (a server that fetches what a request names can "
+        raise bad(where, "Kiln does not fetch images from URLs (server.fetch_images is off) (a server that fetches what a request names can "
                          "be made to reach addresses its client cannot); send the bytes as a data: URI "
                          "(data:image/png;base64,...)")
     raise bad(where, "url must be a data: URI (data:image/png;base64,...)")
@@ -70,11 +77,18 @@ def b64_parts(images, text, where: str) -> list[dict]:
         + ([{"type": "text", "text": text}] if isinstance(text, str) and text else [])
 
 
-class Images:
-    """A request's images in order, bounded in count."""
+def fetching(sup) -> bool:
+    """server.fetch_images: whether http(s) image URLs are fetched."""
+    return bool(sup.cfg["server"].get("fetch_images"))
 
-    def __init__(self):
+
+class Images:
+    """A request's images in order, bounded in count; `fetch`: http(s) URLs are fetched
+    (server.fetch_images)."""
+
+    def __init__(self, fetch: bool = False):
         self.items: list[bytes] = []
+        self.fetch = fetch
 
     def add(self, data: bytes, where: str) -> str:
         """Keep `data`; the mark its place in a text gets."""

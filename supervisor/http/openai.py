@@ -19,7 +19,7 @@ import uuid
 import falcon
 import numpy as np
 
-from .images import Images
+from .images import Images, fetching
 from .common import JSONError, bus, real_path, served_file
 from .pipeline import Pipeline, WorkerGone, refusal, stream_flag
 from .llama_fields import FIELDS as LLAMA_FIELDS, llama_params
@@ -70,7 +70,7 @@ class OpenAI:
     def on_post_chat(self, req, resp):
         body = self.pipe.read_json(req)
         known_fields(body, CHAT_FIELDS | LLAMA_FIELDS)
-        images = Images()
+        images = Images(fetching(self.sup))
         work = Work(messages=messages(body, images), model=body.get("model"), **tools(body), **grammar(body),
                     **adapter(body), **keep_alive(body), **truncation(body), **images.work())
         self._generate(req, resp, body, work, chat=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .images import Images
+from .images import Images, fetching
 from .openai_responses_shapes import LOGPROBS, ResponseShape
 from .pipeline import Pipeline, stream_flag
 from .openai_validate import (IGNORED, adapter, bad, keep_alive, known_fields, logprobs, messages, sampling_params,
@@ -185,7 +185,7 @@ class Responses:
     def on_post(self, req, resp):
         body = self.pipe.read_json(req)
         chat = chat_body(body)
-        images = Images()
+        images = Images(fetching(self.pipe.sup))
         work = Work(messages=messages(chat, images), model=model_of(chat), **tools_named(chat, _RENAMES),
                     **adapter(chat), **keep_alive(chat), **truncation(chat), params=sampling_params(chat),
                     **images.work())

@@ -372,7 +372,7 @@ def _part(part, where: str, images) -> str:
             raise bad(where, "this endpoint takes no images")
         url = part.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
-        return images.add(url_image(url, where + ".image_url.url"), where)
+        return images.add(url_image(url, where + ".image_url.url", images.fetch), where)
     raise bad(where, "a content part must be {\"type\": \"text\", \"text\": …} or {\"type\": \"image_url\", "
                      "\"image_url\": {\"url\": \"data:image/png;base64,…\"}}")
 
