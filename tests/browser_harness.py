@@ -30,6 +30,6 @@ def watch(pg):
     """The page with `errors`: its console errors and uncaught exceptions, as they come."""
     errors = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.on("console", lambda m: errors.append(f"{m.text} ({m.location.get('url', '')})") if m.type == "error" else None)
     pg.errors = errors
     return pg

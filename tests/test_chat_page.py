@@ -5,6 +5,7 @@ inert; conversations are searched, renamed, exported, imported and deleted; no c
 Screenshots go to tests/screenshots/ and docs/chat.png."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from daemon_harness import Daemon, http_json
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SHOTS = Path(__file__).parent / "screenshots"
 DOCS = Path(__file__).parent.parent / "docs"
+VISION = Path(__file__).parent / "data" / "vision"
 require_browser()
 
 from playwright.sync_api import expect  # noqa: E402
@@ -26,8 +28,12 @@ HOSTILE = ("Here you go:\n\n```python\nprint('hi')\n```\n\n<script>window.pwned 
 @pytest.fixture(scope="module")
 def served(default_model_path, tmp_path_factory):
     home = tmp_path_factory.mktemp("chat")
-    d = Daemon(home, {"default": {"kind": "inference", "model": str(default_model_path)}}).start()
-    d.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=90, what="model loaded")
+    (home / "vision").mkdir()
+    for f in ("tiny-smolvlm.gguf", "mmproj-tiny-smolvlm.gguf"):       # a vision model, its mmproj beside it
+        shutil.copy(VISION / f, home / "vision" / f)
+    d = Daemon(home, {"default": {"kind": "inference", "model": str(default_model_path)},
+                      "vlm": {"kind": "inference", "model": str(home / "vision" / "tiny-smolvlm.gguf")}}).start()
+    d.wait(lambda st: all(w["worker_state"] == "ready" for w in st["workers"]), timeout=90, what="models loaded")
     yield d
     d.stop()
 
@@ -76,6 +82,7 @@ def test_a_conversation_is_answered_and_survives_a_reload_and_a_daemon_restart(s
     assert page.locator("article.msg.assistant .md").last.inner_text() == text
     doc = http_json(served, "GET", f"/v1/sessions/{name}")[1]
     assert doc["params"]["max_tokens"] == 12 and doc["messages"][-1]["stats"]["completion_tokens"] > 0
+    expect(page.locator("#attach[data-checked]")).to_have_count(1)     # nothing in flight when the daemon stops
     served.stop()
     served.start()
     served.wait(lambda st: st["workers"][0]["worker_state"] == "ready", timeout=90, what="model loaded")
@@ -148,6 +155,31 @@ def test_search_rename_export_import_and_delete(served, page, tmp_path):
     names = [x["name"] for x in http_json(served, "GET", "/v1/sessions")[1]["data"]]
     assert "airships" in names and "airships-2" not in names and "findme" not in names
     assert not page.errors, page.errors
+
+
+def test_an_image_attaches_when_the_model_sees_images(served, page):
+    page.goto(served.http + "/ui/chat")
+    page.get_by_role("button", name="New chat").click()
+    expect(page.locator("#attach")).to_be_disabled()                   # the default model reads text only
+    page.locator("#settings").evaluate("d => { d.open = true; }")
+    page.locator("#model").select_option("vlm")
+    expect(page.locator("#attach")).to_be_enabled()
+    set_max_tokens(page, 4)
+    page.locator("#attach-file").set_input_files(str(VISION / "cat.png"))
+    expect(page.locator("#attached img")).to_have_count(1)
+    ask(page, "What is in the picture?")
+    expect(page.locator("article.msg.user .images img")).to_have_count(1)
+    expect(page.locator("#attached img")).to_have_count(0)              # sent: the composer is clear
+    name = page.locator("#name").input_value()
+    expect(page.locator(f'#list li[data-name="{name}"]')).to_have_count(1)       # answered and saved
+    doc = http_json(served, "GET", f"/v1/sessions/{name}")[1]
+    user = doc["messages"][0]
+    assert doc["model"] == "vlm" and user["content"][0] == {"type": "text", "text": "What is in the picture?"}
+    assert user["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert doc["messages"][1]["role"] == "assistant" and doc["messages"][1]["stats"]["prompt_tokens"] > 20
+    page.reload()
+    expect(page.locator("article.msg.user .images img")).to_have_count(1)
+    page.screenshot(path=str(SHOTS / "chat-image.png"))
 
 
 def test_the_sessions_api_refuses_what_it_cannot_keep(served):

@@ -78,8 +78,7 @@ class Sessions:
             except SessionError:
                 continue
             hay = [entry["name"], str(doc.get("title") or ""), str(doc.get("model") or "")]
-            hay += [m.get("content") for m in doc.get("messages", []) if isinstance(m, dict)
-                    and isinstance(m.get("content"), str)]
+            hay += [text_of(m.get("content")) for m in doc.get("messages", []) if isinstance(m, dict)]
             if any(want in h.lower() for h in hay):
                 out.append(entry)
         return out
@@ -106,6 +105,13 @@ class Sessions:
         doc = self.load(name)
         if doc is None:
             raise SessionError(f"no session named {name!r} (`kiln sessions list` shows them)")
-        msgs = [{"role": m["role"], "content": m["content"]} for m in doc["messages"]
-                if m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)]
+        msgs = [{"role": m["role"], "content": text_of(m["content"])} for m in doc["messages"]
+                if m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), (str, list))]
         return json.dumps({"messages": msgs}, ensure_ascii=False)
+
+
+def text_of(content) -> str:
+    """A message's text: its content, or the text parts of one with images (the chat page's)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if isinstance(content, str) else ""

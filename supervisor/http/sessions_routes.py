@@ -17,6 +17,16 @@ def _bad(field: str, message: str, code: str = "invalid_value") -> JSONError:
     return JSONError(400, code, message, param=field)
 
 
+def _parts(content) -> bool:
+    """OpenAI's content parts as the chat page keeps them: text, and images as data: URIs only (a
+    session never holds an address the page would fetch)."""
+    return isinstance(content, list) and 0 < len(content) <= 64 and all(
+        isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str) and len(p) == 2) or (
+            p.get("type") == "image_url" and len(p) == 2 and isinstance(p.get("image_url"), dict)
+            and isinstance(p["image_url"].get("url"), str) and p["image_url"]["url"].startswith("data:image/")))
+        for p in content)
+
+
 def check_doc(name: str, doc) -> dict:
     """A session document as the page or an import sends it: 400 naming the first thing wrong."""
     if not isinstance(doc, dict):
@@ -33,8 +43,10 @@ def check_doc(name: str, doc) -> dict:
         raise _bad("messages", f"messages must be a list of at most {MAX_MESSAGES:,} messages", "invalid_type")
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), (str, type(None))):
-            raise _bad(where, f"{where} must be {{role: {'|'.join(ROLES)}, content: string}}")
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
+                isinstance(m.get("content", ""), (str, type(None))) or _parts(m.get("content"))):
+            raise _bad(where, f"{where} must be {{role: {'|'.join(ROLES)}, content: string or parts (text, and "
+                              f"image_url ones holding a data:image/… URI)}}")
         extra = set(m) - MESSAGE_FIELDS
         if extra:
             raise _bad(where, f"{where} has unsupported field {sorted(extra)[0]!r} (supported: "

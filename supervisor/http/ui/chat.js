@@ -7,6 +7,8 @@ const DEFAULTS = { temperature: null, top_p: null, max_tokens: null };
 let current = null;              // {name, title, model, params, messages, branched_from, saved}
 let controller = null;           // aborts the answer being streamed
 let models = [];
+let pending = [];                // images attached to the message being written (data: URIs)
+let sees = false;                // whether the selected model takes images (its capabilities)
 
 const stamp = () => `chat-${new Date().toISOString().slice(0, 19).replace(/[-:]/g, "").replace("T", "-")}`;
 const visible = (m) => m.role !== "system";
@@ -40,6 +42,12 @@ async function copy(button, text) {
   setTimeout(() => { button.textContent = "Copy"; }, 1500);
 }
 
+// A message's content: a string, or OpenAI's parts (text and image_url ones, the images the
+// user attached — their own data: URIs, shown as such; never an address a text chose).
+const textOf = (content) => (Array.isArray(content) ? content.filter((p) => p.type === "text").map((p) => p.text).join("") : content || "");
+const imagesOf = (content) => (Array.isArray(content) ? content.filter((p) => p.type === "image_url").map((p) => p.image_url.url)
+  .filter((u) => typeof u === "string" && /^data:image\/(png|jpeg|webp|gif|bmp);base64,/.test(u)) : []);
+
 function messageView(m, i) {
   const body = el("div", { class: "body" });
   if (m.role === "assistant") {
@@ -51,7 +59,9 @@ function messageView(m, i) {
     }
     body.append(markdown(m.content));
   } else {
-    body.append(el("div", { class: "text" }, m.content || ""));
+    body.append(el("div", { class: "text" }, textOf(m.content)));
+    const pics = imagesOf(m.content);
+    if (pics.length) body.append(el("div", { class: "images" }, ...pics.map((u, k) => el("img", { src: u, alt: `image ${k + 1}` }))));
   }
   const s = m.stats || {};
   const info = s.completion_tokens ? `${s.completion_tokens} tokens${s.tok_s ? ` · ${s.tok_s.toFixed(1)} tok/s` : ""}${s.stopped ? " · stopped" : ""}` : "";
@@ -103,12 +113,14 @@ async function open(name) {
               messages: doc.messages || [], branched_from: doc.branched_from || null, saved: true };
   localStorage.setItem("kiln-chat", name);
   render();
+  checkVision();
 }
 
 function newChat() {
   current = { name: stamp(), title: "", model: $("#model").value || "", adapter: "", params: Object.assign({}, DEFAULTS), messages: [], saved: false };
   localStorage.removeItem("kiln-chat");
   render();
+  checkVision();
   $("#message").focus();
 }
 
@@ -139,7 +151,7 @@ async function branch(i) {
 // -- answering -------------------------------------------------------------------------------
 
 function request() {
-  const body = { messages: current.messages.map((m) => ({ role: m.role, content: m.content || "",
+  const body = { messages: current.messages.map((m) => ({ role: m.role, content: Array.isArray(m.content) ? m.content : m.content || "",
     ...(m.tool_calls ? { tool_calls: m.tool_calls } : {}), ...(m.tool_call_id ? { tool_call_id: m.tool_call_id } : {}) })),
     stream: true, stream_options: { include_usage: true } };
   if (current.model) body.model = current.model;
@@ -204,7 +216,7 @@ async function answer() {
   if (usage) m.stats.prompt_tokens = usage.prompt_tokens;
   if (secs > 0) m.stats.tok_s = m.stats.completion_tokens / secs;
   if (!m.reasoning) delete m.reasoning;
-  if (!current.title) current.title = (current.messages.find((x) => x.role === "user") || {}).content?.slice(0, 60) || "";
+  if (!current.title) current.title = textOf((current.messages.find((x) => x.role === "user") || {}).content).slice(0, 60);
   await save();
   showContext(served, usage);
 }
@@ -221,9 +233,13 @@ async function showContext(served, usage) {
 $("#composer").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const text = $("#message").value.trim();
-  if (!text || controller) return;
+  if ((!text && !pending.length) || controller) return;
   $("#message").value = "";
-  current.messages.push({ role: "user", content: text });
+  const content = pending.length ? [...(text ? [{ type: "text", text }] : []),
+    ...pending.map((url) => ({ type: "image_url", image_url: { url } }))] : text;
+  pending = [];
+  showPending();
+  current.messages.push({ role: "user", content });
   render();
   await answer();
 });
@@ -246,6 +262,7 @@ function settingChanged() {
   else if (sys) current.messages.unshift({ role: "system", content: sys });
   else if (has) current.messages.shift();
   for (const k of Object.keys(DEFAULTS)) current.params[k] = $(`#${k}`).value === "" ? null : Number($(`#${k}`).value);
+  checkVision();
   if (current.saved) save().catch((e) => { $("#status").textContent = `not saved: ${e.message}`; });
   else render();
 }
@@ -290,6 +307,37 @@ $("#import-file").addEventListener("change", async (ev) => {
     await loadList();
     await open(name);
   } catch (e) { $("#status").textContent = `import: ${e.message}`; }
+});
+
+// -- images: attached when the model sees them (its capabilities say "vision") ---------------------
+
+async function checkVision() {
+  const model = $("#model").value;
+  let caps = [];
+  try { caps = model ? (await json("/api/show", { method: "POST", body: { model } })).capabilities || [] : []; }
+  catch (e) { /* a model the server cannot describe: no images */ }
+  if (model !== $("#model").value) return;          // the choice changed while we asked
+  sees = caps.includes("vision");
+  $("#attach").disabled = !sees;
+  $("#attach").dataset.checked = model;             // what the button says now is about this model
+  $("#attach").title = sees ? "Attach an image (PNG, JPEG, WebP, GIF, BMP)" : "This model does not see images";
+  if (!sees && pending.length) { pending = []; showPending(); }
+}
+
+function showPending() {
+  $("#attached").replaceChildren(...pending.map((u, k) => el("span", {}, el("img", { src: u, alt: `attached image ${k + 1}` }),
+    el("button", { type: "button", "aria-label": `Remove image ${k + 1}`, onclick: () => { pending.splice(k, 1); showPending(); } }, "×"))));
+}
+
+$("#attach").addEventListener("click", () => $("#attach-file").click());
+$("#attach-file").addEventListener("change", async (ev) => {
+  const files = [...ev.target.files];
+  ev.target.value = "";
+  for (const f of files) {
+    if (!/^image\/(png|jpeg|webp|gif|bmp)$/.test(f.type)) { $("#status").textContent = `${f.name}: not an image the model reads`; continue; }
+    pending.push(await new Promise((ok, fail) => { const r = new FileReader(); r.onload = () => ok(r.result); r.onerror = fail; r.readAsDataURL(f); }));
+  }
+  showPending();
 });
 
 let searching = null;
