@@ -112,11 +112,13 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nd
     return out
 
 
-def gelu(x: np.ndarray) -> np.ndarray:
-    """ggml's GELU on float32 (its fp16 table), in C when built."""
+def gelu(x: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """ggml's GELU on float32 (its fp16 table), in C when built; `in_place`: x itself (a product's
+    fresh output, contiguous float32) is overwritten instead of a copy."""
     if not _compiled_on:
         return ggml_round.gelu(x)
-    x = np.array(x, np.float32)                    # a copy: computed in place
+    if not (in_place and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable):
+        x = np.array(x, np.float32)                # a copy: computed in place
     _C.gelu(x, ggml_round.gelu_table())
     return x
 

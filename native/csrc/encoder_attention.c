@@ -145,8 +145,30 @@ void layer_norm_rows(const float *x, const float *w, const float *b, float *out,
 
 /* ggml's GELU on float32 (GGML_GELU_FP16): the fp16 table between -10 and 10, 0 below, x above;
  * `table` holds the 65,536 results as float32 (native/ggml_round.py gelu_table) */
+#ifdef KILN_X86
+/* the same lookup 8 at a time: F16C rounds to the fp16 index (nearest even, as fp32_to_fp16), a
+ * gather reads the table; below -10 zero, from 10 up x itself */
+AVX2 static size_t gelu_avx2(float *x, size_t n, const float *table) {
+    const __m256 lo = _mm256_set1_ps(-10.0f), hi = _mm256_set1_ps(10.0f);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+        __m256 t = _mm256_i32gather_ps(table, _mm256_cvtepu16_epi32(h), 4);
+        t = _mm256_blendv_ps(t, v, _mm256_cmp_ps(v, hi, _CMP_GE_OQ));
+        t = _mm256_andnot_ps(_mm256_cmp_ps(v, lo, _CMP_LE_OQ), t);
+        _mm256_storeu_ps(x + i, t);
+    }
+    return i;
+}
+#endif
+
 void gelu_rows(float *x, size_t n, const float *table) {
-    for (size_t i = 0; i < n; i++) {
+    size_t i0 = 0;
+#ifdef KILN_X86
+    if (g_avx2) i0 = gelu_avx2(x, n, table);
+#endif
+    for (size_t i = i0; i < n; i++) {
         const float v = x[i];
         x[i] = v <= -10.0f ? 0.0f : v >= 10.0f ? v : table[fp32_to_fp16(v)];
     }

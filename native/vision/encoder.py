@@ -97,7 +97,7 @@ class VisionEncoder:
                 a = _attention(q, k, v, H, scale)
             x = self._b(matmul(a, self.w[b + "attn_out.weight"]), b + "attn_out.bias") + x
             h = self._ln(x, b + "ln2")
-            h = kernels.gelu(self._b(matmul(h, self.w[b + self.up + ".weight"]), b + self.up + ".bias"))
+            h = kernels.gelu(self._b(matmul(h, self.w[b + self.up + ".weight"]), b + self.up + ".bias"), in_place=True)
             x = x + self._b(matmul(h, self.w[b + self.down + ".weight"]), b + self.down + ".bias")
         if "v.post_ln.weight" in self.v:
             x = self._ln(x, "v.post_ln")

@@ -58,9 +58,9 @@ def text_model(src: str, out: str, tokens: list[str]) -> Path:
 
 
 def mmproj(path: Path, projector: str, *, image_size: int, patch: int, merge: int, n_text: int,
-           seed: int, extra: dict) -> Path:
+           seed: int, extra: dict, n_embd: int = 64, n_ff: int = 96, n_head: int = 4, n_layer: int = 2) -> Path:
+    """A random-weight projector of this shape (bench/vision.py writes real models' shapes with it)."""
     rng = np.random.default_rng(seed)
-    n_embd, n_ff, n_head, n_layer = 64, 96, 4, 2
     w = GGUFWriter(str(path), "clip")
     w.add_string("general.name", path.stem)
     w.add_string("clip.projector_type", projector)
