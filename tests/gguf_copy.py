@@ -36,6 +36,8 @@ def copy_gguf(src: Path, out: Path, arch: str | None = None, *, meta: dict | Non
                 w.add_string(k, v)
             elif isinstance(v, list):
                 w.add_array(k, v)
+            elif isinstance(v, float):
+                w.add_float32(k, v)
             else:
                 w.add_uint32(k, v)
     for t in r.tensors:

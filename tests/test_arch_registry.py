@@ -15,12 +15,12 @@ from kiln.native.model import load_model
 FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3",
              "qwen35": "qwen35", "qwen35moe": "qwen35moe", "gpt-oss": "gpt-oss", "smollm3": "smollm3",
-             "ernie4_5": "ernie4_5"}
+             "ernie4_5": "ernie4_5", "ernie4_5-moe": "ernie4_5-moe"}
 
 
 def test_the_registry_lists_every_family_with_what_it_needed():
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3", "qwen35",
-            "qwen35moe", "gpt-oss", "smollm3", "ernie4_5"} <= set(FAMILIES)
+            "qwen35moe", "gpt-oss", "smollm3", "ernie4_5", "ernie4_5-moe"} <= set(FAMILIES)
     assert all(f.notes for f in FAMILIES.values())
     assert family("mistral") is family("llama")
 
@@ -172,4 +172,18 @@ def test_an_ernie_variant_kiln_does_not_run_is_refused_naming_the_tensor(tmp_pat
     from gguf_copy import copy_gguf
     out = copy_gguf(tiny_path("ernie4_5"), tmp_path / "biased.gguf", add={"blk.1.attn_output.bias": np.zeros(128, np.float32)})
     with pytest.raises(GGUFError, match=r"blk\.1\.attn_output\.bias"):
+        load_model(out)
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"ernie4_5-moe.expert_weights_scale": 1.5}, "expert_weights_scale = 1.5: llama.cpp does not scale"),
+    ({"ernie4_5-moe.interleave_moe_layer_step": 2}, "interleave_moe_layer_step = 2: llama.cpp runs only 1"),
+    ({"ernie4_5-moe.leading_dense_block_count": 9}, "leading_dense_block_count = 9"),
+])
+def test_an_ernie_moe_file_llama_cpp_would_run_otherwise_is_refused(tmp_path, meta, message):
+    """What llama.cpp reads differently from what the file says (a weight scale it ignores, an
+    interleave it cannot build) is refused by name, not run to another answer."""
+    from gguf_copy import copy_gguf
+    out = copy_gguf(tiny_path("ernie4_5-moe"), tmp_path / "odd.gguf", meta=meta)
+    with pytest.raises(GGUFError, match=message):
         load_model(out)

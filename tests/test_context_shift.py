@@ -41,7 +41,10 @@ def run(seq: Sequence, prompt: list[int], params: SamplingParams) -> tuple[list[
     return ids, fin
 
 
-@pytest.mark.parametrize("name", ["smollm2-q8_0", "smollm2-q8_0-keep", "smollm2-f16", "smollm2-f16-long"])
+@pytest.mark.parametrize("name", [pytest.param("smollm2-q8_0", marks=pytest.mark.slow),     # 300-400 tokens
+                                  pytest.param("smollm2-q8_0-keep", marks=pytest.mark.slow),   # each: the whole
+                                  pytest.param("smollm2-f16", marks=pytest.mark.slow),         # suite's tier
+                                  "smollm2-f16-long"])
 def test_greedy_text_through_the_shifts_is_llama_cpps(default_model, name):
     ref = json.loads((SHIFT / f"{name}.json").read_text())
     default_model.use_kv_types(ref["kv"])

@@ -54,6 +54,7 @@ def test_a_decode_step_with_an_adapter_runs_in_one_call_with_the_blocks_bits(def
     assert not np.array_equal(fast, base), "the adapter must change the logits"
 
 
+@pytest.mark.slow
 def test_sequences_with_different_adapters_share_one_forward_with_their_own_bits(default_model):
     a1, a2 = adapter(default_model, 1), adapter(default_model, 2)
     attn_only = adapter(default_model, 3, ("attn_q", "attn_v"))

@@ -109,6 +109,7 @@ def test_one_session_saved_from_many_threads_at_once_is_never_an_error(tmp_path)
     assert not list(tmp_path.rglob(".*tmp*"))                    # no temporary file left behind
 
 
+@pytest.mark.slow
 def test_verify_after_a_pull_then_a_damaged_copy_and_an_unknown_file(tmp_path, library):
     from kiln.native.models.library import pull_default
     pull_default(library.parent)                  # present and verified: records the manifest

@@ -6,7 +6,7 @@ architecture not listed is refused with the list of those that are."""
 from __future__ import annotations
 
 from .base import Family
-from .ernie import Ernie45
+from .ernie import Ernie45, Ernie45Moe
 from .gemma3 import Gemma3
 from .gpt_oss import GptOss
 from .llama import Llama
@@ -16,7 +16,8 @@ from .qwen35 import Qwen35, Qwen35Moe
 from .smollm3 import SmolLM3
 
 FAMILIES: dict[str, Family] = {}
-for _f in (Llama(), Qwen2(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe(), GptOss(), SmolLM3(), Ernie45()):
+for _f in (Llama(), Qwen2(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe(), GptOss(), SmolLM3(), Ernie45(),
+           Ernie45Moe()):
     for _name in (_f.name, *_f.aliases):
         FAMILIES[_name] = _f
 
