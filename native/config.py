@@ -110,7 +110,9 @@ def read_config(g: GGUFFile) -> ModelConfig:
     check_layer_count(key, n_layer)              # bounds it by the tensor table
     n_embd = key("embedding_length", kind=int, lo=1, hi=MAX_WIDTH)
     n_head = key("attention.head_count", kind=int, lo=1, hi=MAX_WIDTH)
-    n_head_kv = key("attention.head_count_kv", n_head, required=False, kind=int, lo=1, hi=n_head)
+    kv_layers = _kv_heads_per_layer(key, fam, n_layer, n_head)
+    n_head_kv = max(kv_layers) if kv_layers else \
+        key("attention.head_count_kv", n_head, required=False, kind=int, lo=1, hi=n_head)
     if n_head % n_head_kv:
         key.fail("attention.head_count_kv", n_head_kv, f"must divide head_count, {n_head}")
     if f"{arch}.attention.key_length" not in g.metadata and n_embd % n_head:
@@ -155,7 +157,7 @@ def read_config(g: GGUFFile) -> ModelConfig:
         n_ff_expert=key("expert_feed_forward_length", 0, required=False, kind=int, lo=0, hi=MAX_WIDTH),
         n_ff_shared=key("expert_shared_feed_forward_length", 0, required=False, kind=int, lo=0, hi=MAX_WIDTH),
         expert_weights_norm=key("expert_weights_norm", fam.norm_topk, required=False, kind=bool),
-        extra=tuple(sorted(fam.hparams(key).items())),
+        extra=tuple(sorted((fam.hparams(key) | ({"kv_heads": kv_layers} if kv_layers else {})).items())),
         rope_scaling=scaling,
         yarn=yarn,
         n_ctx_orig=n_ctx_orig,
@@ -165,6 +167,23 @@ def read_config(g: GGUFFile) -> ModelConfig:
     )
     fam.check(c, key)
     return c
+
+
+def _kv_heads_per_layer(key: Keys, fam, n_layer: int, n_head: int) -> tuple:
+    """head_count_kv given per layer (LFM2: 0 marks a convolution layer): as a tuple, checked —
+    one count for every attention layer, a family that reads per-layer counts — or () for one count."""
+    value = key.g.metadata.get(f"{key.arch}.attention.head_count_kv")
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        return ()
+    if not getattr(fam, "kv_heads_per_layer", False):
+        key.fail("attention.head_count_kv", value, f"a {fam.name} model has one key-head count, not one per layer")
+    counts = [int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else -1 for v in value]
+    if len(counts) != n_layer or any(not 0 <= v <= n_head for v in counts):
+        key.fail("attention.head_count_kv", value, f"must be {n_layer} counts in 0..{n_head}, one per layer")
+    if len({v for v in counts if v}) != 1:
+        key.fail("attention.head_count_kv", value, "the attention layers must share one key-head count, and there "
+                                                   "must be one")
+    return tuple(counts)
 
 
 def check_layer_count(key: Keys, n_layer: int) -> None:
@@ -201,7 +220,7 @@ def check_tensors(g: GGUFFile, c: ModelConfig) -> None:
     """Every tensor the model computes with is present and has the shape its family computes
     with — found at load, not as a kernel's error at the first forward."""
     fam = family(c.arch)
-    want = {"token_embd.weight": (c.n_vocab, c.n_embd), "output_norm.weight": (c.n_embd,)}
+    want = {"token_embd.weight": (c.n_vocab, c.n_embd), fam.output_norm: (c.n_embd,)}
     if "output.weight" in g.tensors:
         want["output.weight"] = (c.n_vocab, c.n_embd)
     want |= {n: (c.rope_dim // 2,) for n in fam.model_tensors(g).values()}      # a factor per rotated pair

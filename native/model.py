@@ -82,7 +82,7 @@ class Model:
         vec = lambda n: kernels.load_vector(g, n)  # noqa: E731
         self.token_embd = weights["token_embd.weight"]
         self.output = self.token_embd if self.tied_output else weights["output.weight"]
-        self.output_norm = vec("output_norm.weight")
+        self.output_norm = vec(fam.output_norm)
         self.attn_scales = fam.attention_scales(c)
         self.embed_scale = fam.embed_scale(c)
         extra = {k: vec(n) for k, n in fam.model_tensors(g).items()}

@@ -26,7 +26,7 @@ def copy_gguf(src: Path, out: Path, arch: str | None = None, *, meta: dict | Non
             w.add_token_types(v)
         elif k == "tokenizer.ggml.precompiled_charsmap":
             w.add_precompiled_charsmap(bytes(v))
-        elif f.types[0].name == "ARRAY":
+        elif f.types[0].name == "ARRAY" or isinstance(v, list):
             w.add_array(name, v)
         else:
             w.add_key_value(name, v, f.types[0])

@@ -118,7 +118,8 @@ def test_stop_sequences_and_structured_output(client):
 
 @pytest.mark.parametrize("body,words", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens is required"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text models"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "an image source is"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "container": "c"}, "code execution"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "speed": "fast"}, "standard"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "frob": 1}, "unsupported field"),

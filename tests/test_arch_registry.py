@@ -15,12 +15,12 @@ from kiln.native.model import load_model
 FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3",
              "qwen35": "qwen35", "qwen35moe": "qwen35moe", "gpt-oss": "gpt-oss", "smollm3": "smollm3",
-             "ernie4_5": "ernie4_5", "ernie4_5-moe": "ernie4_5-moe"}
+             "ernie4_5": "ernie4_5", "ernie4_5-moe": "ernie4_5-moe", "lfm2": "lfm2"}
 
 
 def test_the_registry_lists_every_family_with_what_it_needed():
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3", "qwen35",
-            "qwen35moe", "gpt-oss", "smollm3", "ernie4_5", "ernie4_5-moe"} <= set(FAMILIES)
+            "qwen35moe", "gpt-oss", "smollm3", "ernie4_5", "ernie4_5-moe", "lfm2"} <= set(FAMILIES)
     assert all(f.notes for f in FAMILIES.values())
     assert family("mistral") is family("llama")
 
@@ -186,4 +186,24 @@ def test_an_ernie_moe_file_llama_cpp_would_run_otherwise_is_refused(tmp_path, me
     from gguf_copy import copy_gguf
     out = copy_gguf(tiny_path("ernie4_5-moe"), tmp_path / "odd.gguf", meta=meta)
     with pytest.raises(GGUFError, match=message):
+        load_model(out)
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"lfm2.attention.head_count_kv": [0, 2, 0]}, r"head_count_kv = \[0, 2, 0\]: must be 4 counts"),
+    ({"lfm2.attention.head_count_kv": [0, 2, 0, 1]}, "share one key-head count"),
+    ({"lfm2.attention.head_count_kv": [0, 0, 0, 0]}, "share one key-head count, and there must be one"),
+    ({"lfm2.shortconv.l_cache": 1}, "shortconv.l_cache = 1"),
+])
+def test_an_lfm2_file_with_a_bad_layer_plan_is_refused_naming_the_key(tmp_path, meta, message):
+    from gguf_copy import copy_gguf
+    out = copy_gguf(tiny_path("lfm2"), tmp_path / "odd.gguf", meta=meta)
+    with pytest.raises(GGUFError, match=message):
+        load_model(out)
+
+
+def test_per_layer_key_heads_are_refused_for_a_family_that_has_one_count(tmp_path):
+    from gguf_copy import copy_gguf
+    out = copy_gguf(tiny_path("llama"), tmp_path / "odd.gguf", meta={"llama.attention.head_count_kv": [2, 2]})
+    with pytest.raises(GGUFError, match="a llama model has one key-head count, not one per layer"):
         load_model(out)

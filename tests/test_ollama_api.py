@@ -253,7 +253,7 @@ def test_errors_are_in_ollamas_shape(client, served):
     assert r.done
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="smol", prompt="hi", images=["aGk="])
-    assert e.value.status_code == 400 and "images" in e.value.error
+    assert e.value.status_code == 400 and "images[0]: not an image Kiln reads" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="smol", prompt="hi", context=[1, 2, 3])
     assert e.value.status_code == 400 and "context" in e.value.error

@@ -146,7 +146,7 @@ def test_included_logprobs_are_the_chat_routes_whole_and_streamed(client, served
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"role": "system", "content": "x"}]}, "input", "no message"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
-     "text models"),
+     "must be a data: URI"),
     ({"input": [{"type": "computer_call"}]}, "input[0].type", "not supported"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "call_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]", "function tools"),

@@ -9,6 +9,7 @@ from .base import Family
 from .ernie import Ernie45, Ernie45Moe
 from .gemma3 import Gemma3
 from .gpt_oss import GptOss
+from .lfm2 import Lfm2
 from .llama import Llama
 from .phi3 import Phi3
 from .qwen import Olmoe, Qwen2, Qwen2Moe, Qwen3, Qwen3Moe
@@ -17,7 +18,7 @@ from .smollm3 import SmolLM3
 
 FAMILIES: dict[str, Family] = {}
 for _f in (Llama(), Qwen2(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe(), GptOss(), SmolLM3(), Ernie45(),
-           Ernie45Moe()):
+           Ernie45Moe(), Lfm2()):
     for _name in (_f.name, *_f.aliases):
         FAMILIES[_name] = _f
 

@@ -37,6 +37,7 @@ class Family:
     moe = False                   # routed experts in every layer
     shared_expert = False
     attention = Attention         # the part a layer attends with (a family's: biases, q/k norms, …)
+    output_norm = "output_norm.weight"   # the final norm's tensor (LFM2 names it token_embd_norm)
     notes = ""                    # what the family needed, for the README and `models inspect`
 
     # -- what a layer needs -------------------------------------------------------------------

@@ -70,11 +70,23 @@ def url_image(url, where: str, fetch: bool = False) -> bytes:
 def b64_parts(images, text, where: str) -> list[dict]:
     """Base64 images (Ollama's `images`) before a message's text (where Ollama places them), as
     chat content parts."""
+    field = f"{where}.images" if where != "images" else "images"
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-        raise bad(f"{where}.images" if where != "images" else "images", "images must be a list of base64 strings",
-                  "invalid_type")
+        raise bad(field, "images must be a list of base64 strings", "invalid_type")
+    for k, i in enumerate(images):             # checked here, so that an error names Ollama's own field
+        _checked(b64_image(i, f"{field}[{k}]"), f"{field}[{k}]")
     return [{"type": "image_url", "image_url": {"url": "data:application/octet-stream;base64," + i}} for i in images] \
         + ([{"type": "text", "text": text}] if isinstance(text, str) and text else [])
+
+
+def _checked(data: bytes, where: str) -> bytes:
+    """`data`, its header checked (an image Kiln reads, at most 50 MP), or a 400 naming `where`."""
+    from kiln.native.vision.images import ImageError, check_header
+    try:
+        check_header(data, where)
+    except ImageError as e:
+        raise bad(where, str(e)) from None
+    return data
 
 
 def fetching(sup) -> bool:
@@ -94,12 +106,7 @@ class Images:
         """Keep `data`; the mark its place in a text gets."""
         if len(self.items) >= MAX_IMAGES:
             raise bad(where, f"at most {MAX_IMAGES} images a request")
-        from kiln.native.vision.images import ImageError, check_header
-        try:
-            check_header(data, where)              # not an image, or too many pixels: said here, naming the field
-        except ImageError as e:
-            raise bad(where, str(e)) from None
-        self.items.append(data)
+        self.items.append(_checked(data, where))   # not an image, or too many pixels: said here, naming the field
         return IMAGE
 
     def work(self) -> dict:

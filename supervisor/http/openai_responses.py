@@ -42,9 +42,12 @@ def _text_of(content, where: str):
             out.append(part["text"])
         elif kind == "input_image":
             url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
             if part.get("file_id") is not None:
                 raise bad(f"{where}[{j}].file_id", "Kiln keeps no files: send the image as a data: URI in image_url")
-            out.append({"type": "image_url", "image_url": {"url": url.get("url") if isinstance(url, dict) else url}})
+            if not (isinstance(url, str) and url.lower().startswith(("data:", "http://", "https://"))):
+                raise bad(f"{where}[{j}]", "an input_image's image_url must be a data: URI (data:image/png;base64,…)")
+            out.append({"type": "image_url", "image_url": {"url": url}})
         elif kind in ("input_file", "input_audio"):
             raise bad(f"{where}[{j}]", f"{kind} is not supported: send text or images")
         else:
