@@ -48,9 +48,9 @@ def chat(d: Daemon, text: str, tokens: int = 8) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"null")
 
 
-def test_a_request_right_after_a_sigkill_is_answered_200_five_times_in_a_row(served):
+def test_a_request_right_after_a_sigkill_is_answered_200_three_times_in_a_row(served):
     ready(served)
-    for i in range(5):
+    for i in range(3):
         # each kill finds the worker `running` (start_secs after its hello): a kill before that
         # would be a failed start, which the policy backs off and may give up on
         pid = served.wait_state("default", "running", timeout=60)["pid"]
@@ -60,12 +60,12 @@ def test_a_request_right_after_a_sigkill_is_answered_200_five_times_in_a_row(ser
         assert body["choices"][0]["message"]["content"]
         assert served.worker("default")["pid"] != pid
     served.wait_state("default", "running", timeout=30)
-    assert served.worker("default")["restarts"] >= 5
+    assert served.worker("default")["restarts"] >= 3
 
 
-def test_eight_streaming_clients_survive_a_sigkill_every_six_seconds(served):
+def test_eight_streaming_clients_survive_a_sigkill_every_five_seconds(served):
     ready(served)
-    r = run_chaos(served, clients=8, seconds=15, kill_every=6, tokens=40)
+    r = run_chaos(served, clients=8, seconds=12, kill_every=5, tokens=40)
     assert r["daemon_alive"] and not r["fatal"], r
     assert r["kills"] >= 2, r
     assert r["streams_without_done"] == 0 and r["cut_streams_missing_error_event"] == 0, r
