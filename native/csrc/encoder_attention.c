@@ -30,11 +30,52 @@ AVX2 static float vdot_ggml(const float *x, const float *y, int n) {
     return sum;
 }
 
+/* vdot_ggml of x0 and of x1 with y, n a multiple of 32 (no tail): the two dot products' operations
+   interleaved, each in vdot_ggml's own order — the same bits, twice the work in flight */
+AVX2 static void vdot2_ggml(const float *x0, const float *x1, const float *y, int n, float *out0, float *out1) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
+    for (int i = 0; i < n; i += 32) {
+        const __m256 y0 = _mm256_loadu_ps(y + i), y1 = _mm256_loadu_ps(y + i + 8),
+                     y2 = _mm256_loadu_ps(y + i + 16), y3 = _mm256_loadu_ps(y + i + 24);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), y0, s0);
+        t0 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), y0, t0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 8), y1, s1);
+        t1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 8), y1, t1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 16), y2, s2);
+        t2 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 16), y2, t2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 24), y3, s3);
+        t3 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 24), y3, t3);
+    }
+    s0 = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+    t0 = _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3));
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1));
+    a = _mm_hadd_ps(a, a);
+    b = _mm_hadd_ps(b, b);
+    *out0 = _mm_cvtss_f32(_mm_hadd_ps(a, a));
+    *out1 = _mm_cvtss_f32(_mm_hadd_ps(b, b));
+}
+
 /* tinyBLAS<8, __m256>: one FMA chain of 8 lanes along the row, then its lanes' sum */
 AVX2 static float vdot_tinyblas(const float *x, const float *y, int n) {
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc);
     return hsum_avx(acc);
+}
+
+/* four of vdot_tinyblas at once (rows r[0..3] with y): four independent FMA chains in lockstep —
+   each exactly the one-row chain, so the same bits, but not waiting on one FMA's latency */
+AVX2 static void vdot4_tinyblas(const float *r0, const float *r1, const float *r2, const float *r3, const float *y,
+                                int n, float *out, size_t stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < n; i += 8) {
+        const __m256 yv = _mm256_loadu_ps(y + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + i), yv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + i), yv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + i), yv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + i), yv, a3);
+    }
+    out[0] = hsum_avx(a0); out[stride] = hsum_avx(a1); out[2 * stride] = hsum_avx(a2); out[3 * stride] = hsum_avx(a3);
 }
 
 /* ggml_vec_cvar_f32's AVX2 loop: y = x - mean, the squares' 8 lanes summed as ((0+4)+(2+6)) +
@@ -98,13 +139,20 @@ int encoder_attention(const float *q, const float *k, const float *v, float *out
         for (int task = 0; task < H * n; task++) {
             const int h = task / n, i = task % n;
             const float *qi = q + (size_t)i * H * D + h * D;
-            for (int j = 0; j < n; j++) p[j] = vdot_ggml(k + (size_t)j * H * D + h * D, qi, D);
+            int j = 0;
+            if (D % 32 == 0)                   /* no tail: two keys at a time */
+                for (; j + 1 < n; j += 2)
+                    vdot2_ggml(k + (size_t)j * H * D + h * D, k + (size_t)(j + 1) * H * D + h * D, qi, D, p + j, p + j + 1);
+            for (; j < n; j++) p[j] = vdot_ggml(k + (size_t)j * H * D + h * D, qi, D);
             softmax_ggml(p, n, scale, slopes ? slopes[h] : 0.0f, i, window);
             float *o = out + (size_t)i * H * D + h * D;
-            for (int c = 0; c < D; c++) {
-                const float *row = vt + ((size_t)h * D + c) * n;
-                o[c] = tiny ? vdot_tinyblas(row, p, n) : vdot_ggml(row, p, n);
-            }
+            const float *rows = vt + (size_t)h * D * n;
+            if (tiny)                          /* D % 4 == 0 when tinyBLAS takes the product */
+                for (int c = 0; c < D; c += 4)
+                    vdot4_tinyblas(rows + (size_t)c * n, rows + (size_t)(c + 1) * n, rows + (size_t)(c + 2) * n,
+                                   rows + (size_t)(c + 3) * n, p, n, o + c, 1);
+            else
+                for (int c = 0; c < D; c++) o[c] = vdot_ggml(rows + (size_t)c * n, p, n);
         }
         free(p);
     }
