@@ -45,11 +45,17 @@ class Encoder:
 
     kind = "encoder"
 
-    def __init__(self, path: str | os.PathLike, *, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, weights: str = "mapped"):
+        """`weights`: "mapped" (the file's page cache) or "private" (copied into huge pages, as a
+        decoder's: native/private_weights.py)."""
         t0 = time.perf_counter()
         self.path = Path(path)
         self.gguf = g = read_gguf(self.path)
         self.config = c = read_encoder_config(g)
+        if weights not in ("mapped", "private"):
+            raise ValueError(f"weights = {weights!r}: must be mapped or private")
+        if weights == "private":
+            g.copy_to_private(list(g.tensors))
         self.tokenizer = GGUFTokenizer(g)
         want, mats = tensor_plan(g, c)
         if c.pooling == "rank":
@@ -277,6 +283,8 @@ def _groups(inputs: list[list[int]], budget: int):
 
 
 def load_encoder(path: str | os.PathLike, **kw) -> Encoder:
+    if kw.get("weights", "mapped") not in ("mapped", "private"):     # the caller's mistake, not the file's
+        raise ValueError(f"weights = {kw['weights']!r}: must be mapped or private")
     try:
         return Encoder(path, **kw)
     except (OSError, ValueError) as e:

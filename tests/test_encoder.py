@@ -209,3 +209,13 @@ def test_an_encoder_refuses_inputs_it_cannot_hold(embedder, tmp_path):
         embedder.pooled([[2, 3]], "rank")
     shutil.copy(TINY / "tiny-bert.gguf", tmp_path / "copy.gguf")
     assert load_encoder(tmp_path / "copy.gguf").config.pooling == "mean"
+
+
+def test_private_weights_give_the_mapped_embeddings_bit_for_bit(embedder):
+    private = load_encoder(TINY / "tiny-bert.gguf", weights="private")
+    assert private.gguf.private is not None and embedder.gguf.private is None
+    ids = [embedder.tokenizer.encode(t, special=False) for t in ("hello world", "a longer sentence here")]
+    for a, b in zip(embedder.pooled(ids), private.pooled(ids)):
+        assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    with pytest.raises(ValueError, match="weights = 'shared': must be mapped or private"):
+        load_encoder(TINY / "tiny-bert.gguf", weights="shared")

@@ -30,7 +30,8 @@ def pooling_none(home) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("retrieval")
-    with Daemon(home, {"embedder": {"kind": "inference", "model": str(TINY / "tiny-bert.gguf")},
+    with Daemon(home, {"embedder": {"kind": "inference", "model": str(TINY / "tiny-bert.gguf"),
+                                    "settings": {"weights": "private"}},
                        "tokens": {"kind": "inference", "model": pooling_none(home)},
                        "reranker": {"kind": "inference", "model": str(TINY / "tiny-bert-rerank.gguf")},
                        "qwen-reranker": {"kind": "inference", "model": str(TINY / "tiny-qwen3-rerank.gguf")}}) as d:
@@ -174,3 +175,19 @@ def test_capabilities_in_api_show_and_kiln_rerank(served):
     assert r.returncode == 0, r.stderr
     results = json.loads(r.stdout)["results"]
     assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -pair["scores"][i])
+
+
+def test_an_encoder_worker_honours_private_weights_and_counts_its_requests(served):
+    """weights = "private" copies an encoder's tensors out of the page cache as it does a chat
+    model's (the embeddings above are computed from that copy); embed and rerank are requests."""
+    st = served.worker("embedder")["stats"]
+    assert st["weights"]["mode"] == "private", st["weights"]
+    before = st["requests"]
+    ranked = served.worker("reranker")["stats"]["requests"]
+    assert http_json(served, "POST", "/v1/embeddings", {"model": "embedder", "input": ["a", "b"]})[0] == 200
+    assert http_json(served, "POST", "/v1/rerank", {"model": "reranker", "query": "q", "documents": ["x"]})[0] == 200
+
+    def counted(st):                  # the stats come with the workers' heartbeats (`before` may lag too)
+        stats = {w["name"]: w["stats"] for w in st["workers"]}
+        return stats["embedder"]["requests"] >= before + 1 and stats["reranker"]["requests"] >= ranked + 1
+    served.wait(counted, timeout=15, what="the requests counted")

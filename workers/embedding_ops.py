@@ -83,6 +83,7 @@ class EmbeddingOps:
         unless `normalize` is false. One op for the whole batch; a chat model is taken between
         decode steps."""
         b = req.body
+        self.served += 1
         name, n_embd = self.model.path.stem, self.model.config.n_embd
         pooling = self._pooling()
         if pooling == "rank":
@@ -130,6 +131,7 @@ class EmbeddingOps:
         forward; a causal reranker's (Qwen3-Reranker) P(yes) on its rerank template, one pair at a
         time between decode steps."""
         b = req.body
+        self.served += 1
         if self._pooling() != "rank":
             raise OpError("bad_request", f"{self.model.path.stem} is not a reranker (its pooling is {self._pooling()}, not rank); "
                                          f"load a reranking model such as bge-reranker or Qwen3-Reranker")

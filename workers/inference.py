@@ -61,7 +61,7 @@ class InferenceWorker(EmbeddingOps, SlotOps, VisionOps, Worker):
                 raise BootError(f"weights = {weights!r} is not valid: mapped (the default: the file's page cache, "
                                 f"shared between processes) or private (a copy in huge pages)")
             if is_encoder(read_gguf(path, skip_arrays=True).architecture):
-                return self._boot_encoder(path, threads)
+                return self._boot_encoder(path, threads, weights)
             self.model = load_model(path, threads=threads, weights=weights, keep_mapped=self.keep_mapped(path))
         except (ModelNotFound, PullError, GGUFError, TokenizerError) as e:
             raise BootError(str(e)) from None
@@ -108,10 +108,10 @@ class InferenceWorker(EmbeddingOps, SlotOps, VisionOps, Worker):
         self.adapters = AdapterRegistry(state_dir())
         self.loras = LoadedAdapters(self.adapters, lambda: self.model)
 
-    def _boot_encoder(self, path, threads) -> None:
+    def _boot_encoder(self, path, threads, weights) -> None:
         """An embedder or reranker (native/encoder.py): no KV cache, no scheduler, no template;
         the ops that generate refuse (`_decoder`)."""
-        self.model = load_encoder(path, threads=threads)
+        self.model = load_encoder(path, threads=threads, weights=weights)
         ctx = self.settings.get("ctx")
         self.n_ctx = min(int(ctx), self.model.config.n_ctx_train) if ctx else self.model.config.n_ctx_train
         self.context_shift, self.scheduler, self.template = False, None, None
@@ -139,7 +139,8 @@ class InferenceWorker(EmbeddingOps, SlotOps, VisionOps, Worker):
         if self.scheduler is None:
             return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx, "encoder": m.config.pooling,
                     "requests": self.served, "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(),
-                    "weights": {"mode": "mapped"}}
+                    "weights": {"mode": "private", **m.gguf.private.stats()} if m.gguf.private is not None
+                    else {"mode": "mapped"}}
         return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx, "kv_types": list(m.kv_types),
                 "context_shift": self.context_shift,
                 "requests": self.served, "tokens_generated": self.tokens_out,
