@@ -105,6 +105,9 @@ async function loadList() {
     el("button", { type: "button", onclick: () => open(x.name) }, el("span", { class: "title" }, x.title || x.name),
       el("span", { class: "muted" }, `${x.model || ""}${x.turns != null ? ` · ${x.turns} turns` : ""}`)))));
   if (!data.length) $("#list").append(el("li", { class: "muted" }, q ? "No conversation matches." : "No conversations yet."));
+  // the box says something else than this list was asked for (typed while the page started, before
+  // its first list came): ask again, so the list shown is always the box's
+  if ($("#search").value.trim() !== q) setTimeout(loadList, 0);
 }
 
 async function open(name) {
