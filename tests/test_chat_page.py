@@ -187,7 +187,14 @@ def test_the_sessions_api_refuses_what_it_cannot_keep(served):
                        ({"messages": [], "colour": "red"}, "unsupported field 'colour'"),
                        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0] must be"),
                        ({"messages": [{"role": "user", "content": "x", "html": "<b>"}]}, "unsupported field 'html'"),
-                       ({"messages": [], "name": "other"}, "the URL names 'ok'")):
+                       ({"messages": [], "name": "other"}, "the URL names 'ok'"),
+                       # images only as data: URIs: a session never holds an address the page would fetch
+                       ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                           "url": "http://169.254.169.254/x.png"}}]}]}, "data:image/"),
+                       ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "onload": "y"}]}]},
+                        "messages[0] must be"),
+                       ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
+                        "messages[0] must be")):
         status, out = http_json(served, "PUT", "/v1/sessions/ok", doc)
         assert status == 400 and words in out["error"]["message"], (doc, out)
     status, out = http_json(served, "PUT", "/v1/sessions/..%2Fescape", {"messages": []})

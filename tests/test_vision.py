@@ -170,3 +170,16 @@ def test_plan_and_capabilities_count_the_projector_beside_the_model():
     assert with_vision["total_bytes"] - without["total_bytes"] == with_vision["vision_bytes"] and "mmproj" not in without
     assert "vision" in inspect_model(VISION / "tiny-smolvlm.gguf")["capabilities"]
     assert "vision" not in inspect_model(DATA / "tiny" / "tiny-llama.gguf")["capabilities"]
+
+
+def test_held_rows_are_found_and_evicted_rows_refused():
+    """An image seen lately is not encoded again (its ids come back); rows pushed out by newer
+    ones are refused by the forward, naming the row, never read as another image's."""
+    from kiln.native.vision.layout import MediaRows
+    media = MediaRows(budget=4096)
+    first = media.add(1, np.ones((4, 128), np.float32))
+    assert media.ids_if_held(1) == first and media.ids_if_held(2) is None
+    media.add(2, np.zeros((6, 128), np.float32))               # 4 KiB: the first is dropped
+    assert media.ids_if_held(1) is None and first[0] not in media
+    with pytest.raises(KeyError, match="no longer held"):
+        media.rows(np.array(first))

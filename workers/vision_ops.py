@@ -85,9 +85,8 @@ class VisionOps:
             keys = [image_key(enc.digest, bytes(data), j)
                     for j in range(len(tiles.squares) + (tiles.overview is not None))]
             media = self.model.media
-            if all(media.held(k) for k in keys):         # seen lately: its rows are held, not encoded again
-                squares = [media.add(k, None, bidirectional) for k in keys]
-            else:
+            squares = [media.ids_if_held(k, bidirectional) for k in keys]   # seen lately: not encoded again
+            if any(sq is None for sq in squares):
                 squares = [media.add(k, r, bidirectional) for k, r in zip(keys, enc.encode_image(tiles))]
             out.append(self.image_tokens.around(squares, tiles.grid))
         return out

@@ -16,6 +16,7 @@ cache reuses what an earlier request computed for the same picture, and never fo
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -28,9 +29,12 @@ MAX_ROWS = 1 << _ROW_BITS
 
 class MediaRows:
     """Embeddings of image rows by placeholder id, the least recently used dropped past `budget`
-    bytes (a prompt's rows are registered when it is read, so they are present while it runs)."""
+    bytes (a prompt's rows are registered when it is read; 256 MiB holds ~100 Gemma 3 images, so
+    a running prompt's rows are gone only under that many newer ones — then it is refused, naming
+    the row). Request threads add while the scheduler's thread reads: one lock."""
 
     def __init__(self, budget: int = 256 << 20):
+        self._lock = threading.Lock()
         self.budget, self.bytes = budget, 0
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._bidirectional: set[int] = set()
@@ -38,8 +42,15 @@ class MediaRows:
     def add(self, key: int, rows: np.ndarray, bidirectional: bool = False) -> list[int]:
         """Hold `rows` under `key`; their placeholder ids. `bidirectional`: the text model's
         attention among these rows goes both ways (mtmd's non-causal decode: Gemma 3's images)."""
-        if rows is None:                     # rows held already (held(key)): their ids
-            rows = self._blocks[key]
+        with self._lock:
+            return self._add(key, rows, bidirectional)
+
+    def ids_if_held(self, key: int, bidirectional: bool = False) -> list[int] | None:
+        """The ids of rows held under `key` (refreshed as recently used), or None."""
+        with self._lock:
+            return self._add(key, self._blocks[key], bidirectional) if key in self._blocks else None
+
+    def _add(self, key: int, rows: np.ndarray, bidirectional: bool) -> list[int]:
         if len(rows) >= MAX_ROWS:
             raise ValueError(f"an image of {len(rows)} rows is more than {MAX_ROWS - 1}")
         if bidirectional:
@@ -52,9 +63,6 @@ class MediaRows:
                 self.bytes -= old.nbytes
         self._blocks.move_to_end(key)
         return [-((key << _ROW_BITS) | r) - 1 for r in range(len(rows))]
-
-    def held(self, key: int) -> bool:
-        return key in self._blocks
 
     def __contains__(self, token: int) -> bool:
         if token >= 0:
@@ -83,11 +91,12 @@ class MediaRows:
     def rows(self, tokens: np.ndarray) -> np.ndarray:
         """Embeddings (len(tokens), n) of placeholder ids (a KeyError names one not held)."""
         out = []
-        for t in tokens.tolist():
-            key, r = divmod(-t - 1, MAX_ROWS)
-            if key not in self._blocks:
-                raise KeyError(f"image row {t} is no longer held; send the image again")
-            out.append(self._blocks[key][r])
+        with self._lock:
+            for t in tokens.tolist():
+                key, r = divmod(-t - 1, MAX_ROWS)
+                if key not in self._blocks:
+                    raise KeyError(f"image row {t} is no longer held; send the image again")
+                out.append(self._blocks[key][r])
         return np.stack(out)
 
 
