@@ -40,7 +40,7 @@ _REQUIRED: dict[str, dict[str, type | tuple]] = {
     "shutdown": {},
 }
 _OPTIONAL: dict[str, type | tuple] = {"deadline": (int, float), "retryable": bool, "worker": str,
-                                       "re": str}
+                                       "re": str, "token": str}
 MAX_HEADER_BYTES = 64 * 1024
 
 

@@ -49,12 +49,18 @@ def _set_parent_death_signal() -> None:
 
 
 class Runtime:
-    def __init__(self, worker: Worker, endpoint: str, key: bytes, heartbeat_interval: float = 1.0):
+    def __init__(self, worker: Worker, endpoint: str, key: bytes, heartbeat_interval: float = 1.0,
+                 secrets: dict | None = None):
         self.worker, self.endpoint, self.key = worker, endpoint, key
         self.interval = heartbeat_interval
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
+        self.token = (secrets or {}).get("token")
+        if secrets:                                       # a node of a cluster: CURVE over TCP
+            self.sock.curve_serverkey = secrets["server_key"].encode()
+            self.sock.curve_publickey = secrets["public"].encode()
+            self.sock.curve_secretkey = secrets["secret"].encode()
         self.sock.setsockopt_string(zmq.IDENTITY, f"{worker.name}:{os.getpid()}")
         self.inbox = self.ctx.socket(zmq.PULL)          # executor and op threads -> main thread
         self.inbox.bind(f"inproc://kiln-worker-{id(self)}")
@@ -89,7 +95,7 @@ class Runtime:
         self.sock.connect(self.endpoint)
         self.send(make("hello", name=self.worker.name, kind=self.worker.kind, pid=os.getpid(),
                        protocol=PROTOCOL_VERSION, ops=sorted(self.handlers), stop_grace=self.worker.stop_grace,
-                       body={"state": self.worker.state}))
+                       **({"token": self.token} if self.token else {}), body={"state": self.worker.state}))
         executor = threading.Thread(target=self._executor, name="kiln-executor", daemon=True)
         executor.start()
         poller = zmq.Poller()
@@ -330,6 +336,19 @@ class Runtime:
 
 
 
+def _read_secrets() -> dict:
+    """A worker on a cluster node gets its secrets on stdin, one JSON line, never in a file or
+    its environment: the wire's HMAC key, the supervisor's CURVE public key, its own CURVE
+    keypair and the token its hello must carry (ray_spawner.py writes them)."""
+    line = sys.stdin.buffer.readline(64 * 1024)
+    sys.stdin.close()
+    got = json.loads(line)
+    if not isinstance(got, dict) or not all(isinstance(got.get(k), str) for k in
+                                            ("hmac", "server_key", "public", "secret", "token")):
+        raise ValueError("the secrets on stdin are not the spawner's JSON line")
+    return got
+
+
 def main(worker_cls: type[Worker]) -> None:
     """Entry point of a worker process; its configuration comes from the environment the
     supervisor sets: KILN_WORKER_NAME, KILN_ENDPOINT, KILN_WORKER_KEY_FILE, KILN_WORKER_SETTINGS
@@ -342,7 +361,8 @@ def main(worker_cls: type[Worker]) -> None:
         pass
     try:
         endpoint = os.environ["KILN_ENDPOINT"]
-        key = open(os.environ["KILN_WORKER_KEY_FILE"], "rb").read()
+        secrets = _read_secrets() if os.environ.get("KILN_SECRETS") == "stdin" else {}
+        key = bytes.fromhex(secrets["hmac"]) if secrets else open(os.environ["KILN_WORKER_KEY_FILE"], "rb").read()
         settings = json.loads(os.environ.get("KILN_WORKER_SETTINGS") or "{}")
         interval = float(os.environ.get("KILN_HEARTBEAT_INTERVAL", "1.0"))
     except (KeyError, OSError, ValueError) as e:
@@ -354,7 +374,7 @@ def main(worker_cls: type[Worker]) -> None:
     except BootError as e:
         print(f"kiln worker {name}: boot failed: {e}", file=sys.stderr)
         sys.exit(EXIT_BOOT_ERROR)
-    runtime = Runtime(worker, endpoint, key, interval)
+    runtime = Runtime(worker, endpoint, key, interval, secrets)
     code = runtime.run()
     runtime.sock.close(linger=1000)
     os._exit(code)        # skip interpreter teardown: the executor thread may be mid-op

@@ -41,6 +41,7 @@ def status(sup, args):
                    "home": str(sup.paths.home), "shutting_down": sup.shutting_down},
         "workers": [w.describe(now) for w in sup.workers.values()],
         "router": {"pending": len(sup.router.pending), "waiting": sup.router.waiting(), **sup.router.counts},
+        "cluster": sup.cluster_status(),
         "events": sup.events.since(0, int(args.get("events", 50))),
     }
 
@@ -120,7 +121,8 @@ def health(sup, args):
         reasons.insert(0, "no configured worker is running")
     status = "ok" if not reasons else "unavailable" if sup.shutting_down or not serving else "degraded"
     return {"status": status, "reasons": reasons, "workers": workers,
-            "protocol": {"bad_frames": dict(sup.bad_frames), "bad_frames_total": sum(sup.bad_frames.values())},
+            "protocol": {"bad_frames": dict(sup.bad_frames), "bad_frames_total": sum(sup.bad_frames.values()),
+                         "refused_keys": sup.keys.refused if sup.keys is not None else 0},
             "pending_requests": len(sup.pending), "system": system_info(sup)}
 
 

@@ -105,14 +105,18 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
        served_model_id: Optional[str] = typer.Option(None, "--served-model-id", help="with --model: the name "
                                                      "/v1/models shows for it and clients send (default: default)"),
        only_model: bool = typer.Option(False, "--only-model", help="with --model: serve only it (no trainer or "
-                                       "evaluator), as `kiln serve` does")):
+                                       "evaluator), as `kiln serve` does"),
+       cluster: Optional[str] = typer.Option(None, "--cluster", help="run the workers on a Ray cluster: auto (the "
+                                             "one `ray start` runs here) or its head's HOST:PORT ([cluster] "
+                                             "backend = ray, address); see docs/cluster.md")):
     """Start the daemon: the supervisor, its workers and the HTTP API."""
     from ..bus.client import daemon_pid
     from ..core.run_files import AlreadyRunning
     from ..serve import make_supervisor
     paths = _paths()
     cli = {"server.host": host, "server.port": port, "server.insecure_no_key": insecure_no_key or None,
-           "models.kv_type": kv_type.strip().lower() if kv_type else None}
+           "models.kv_type": kv_type.strip().lower() if kv_type else None,
+           "cluster.backend": "ray" if cluster else None, "cluster.address": cluster}
     if stream and not model:
         fail("--stream needs --model", 2)
     if weights is not None and not model:
@@ -143,7 +147,8 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
     cfg = _load_config(config, cli, workers)
     running = daemon_pid(paths)
     if running:
-        if detach and not any((config, host, port, model, stream, weights, insecure_no_key, kv_type, served_model_id)):
+        if detach and not any((config, host, port, model, stream, weights, insecure_no_key, kv_type, served_model_id,
+                               cluster)):
             _already_up(paths, running)       # as `systemctl start`: the command's goal holds already
             return
         fail(f"kiln is already running (pid {running}); `kiln down` stops it")
@@ -157,7 +162,7 @@ def up(detach: bool = typer.Option(False, "--detach", "-d", help="run in the bac
         args = [sys.executable, "-m", "kiln.supervisor.cli", "up"]
         for flag, val in (("--config", config), ("--host", host), ("--port", port), ("--model", model),
                           ("--expert-cache", expert_cache if stream else None), ("--weights", weights),
-                          ("--kv-type", kv_type), ("--served-model-id", served_model_id)):
+                          ("--kv-type", kv_type), ("--served-model-id", served_model_id), ("--cluster", cluster)):
             if val is not None:
                 args += [flag, str(val)]
         if stream:

@@ -95,7 +95,13 @@ def status(as_json: bool = typer.Option(False, "--json", help="machine-readable 
         return
     d = st["daemon"]
     typer.echo(f"kiln pid {d['pid']}, up {d['uptime_s']:.0f} s, http://{d['http'][0]}:{d['http'][1]}")
-    typer.echo(f"{'NAME':<16}{'KIND':<12}{'STATE':<10}{'PID':>8}{'UPTIME':>9}{'RESTARTS':>9}{'RSS MiB':>9}{'CPU%':>7}  LAST EXIT / REASON")
+    cl = st.get("cluster") or {}
+    if cl.get("backend") == "ray":
+        typer.echo(f"Ray cluster {cl['address']}: {len(cl['nodes'])} node(s) alive; workers connect to "
+                   f"{cl['endpoint']} (CURVE; {cl['refused_keys']} unknown key(s) refused)")
+    nodes = any(w.get("node") for w in st["workers"])
+    typer.echo(f"{'NAME':<16}{'KIND':<12}{'STATE':<10}{'PID':>8}{'UPTIME':>9}{'RESTARTS':>9}{'RSS MiB':>9}{'CPU%':>7}  "
+               + ("NODE               " if nodes else "") + "LAST EXIT / REASON")
     for w in st["workers"]:
         up_s = f"{w['uptime_s']:.0f}s" if w["uptime_s"] is not None else "-"
         rss = f"{w['rss_bytes'] / 2**20:.0f}" if w["rss_bytes"] else "-"
@@ -103,7 +109,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="machine-readable 
         state = w["state"] + (f"/{w['worker_state']}" if w["worker_state"] and w["state"] == "running"
                               and w["worker_state"] != "ready" else "")
         extra = w["reason"] if w["state"] in (vocab.FATAL, vocab.BACKOFF, vocab.STOPPED) and w["reason"] else _fmt_exit(w["last_exit"])
-        typer.echo(f"{w['name']:<16}{w['kind']:<12}{state:<10}{w['pid'] or '-':>8}{up_s:>9}{w['restarts']:>9}{rss:>9}{cpu:>7}  {extra}")
+        node = f"{w.get('node') or '-':<19}" if nodes else ""
+        typer.echo(f"{w['name']:<16}{w['kind']:<12}{state:<10}{w['pid'] or '-':>8}{up_s:>9}{w['restarts']:>9}{rss:>9}{cpu:>7}  "
+                   f"{node}{extra}")
 
 
 def _watch(st: dict, as_json: bool) -> None:

@@ -112,6 +112,16 @@ SCHEMA: dict[str, dict[str, Field]] = {
                          "private (copied into huge pages: faster decode where the page cache holds 4 KiB pages)",
                          choices=WEIGHTS),
     },
+    "cluster": {
+        "backend": Field(str, "local", "where workers run: local (processes of this machine) or ray (each worker a "
+                         "Ray actor's process on a node of a Ray cluster; pip install 'kiln[ray]')",
+                         choices=("local", "ray")),
+        "address": Field(str, "auto", "the Ray cluster to join: auto (the one `ray start` runs here), "
+                         "HOST:PORT of its head (GCS), or ray://HOST:PORT (Ray client)"),
+        "bind": Field(str, "", "the address workers on other nodes reach the supervisor's worker socket by "
+                      "(empty: this node's address as Ray knows it)"),
+        "port": Field(int, 0, "the worker socket's TCP port (0: any free one)", 0, 65535),
+    },
 }
 
 WORKER_FIELDS: dict[str, Field] = {

@@ -81,13 +81,14 @@ class Supervisor(SocketTraffic):
         self.front_end = front_end
         sv, srv = config["supervisor"], config["server"]
         self.files = RunFiles(paths)
+        self.keys = None                        # CURVE keys: workers on other machines (the Ray backend)
         self.events = EventLog()
         self.adapters = AdapterRegistry(paths.home)
         self.table = ProcessTable(
             config.workers,
             policy.Settings(sv["start_secs"], sv["max_restarts"], sv["restart_window"], sv["backoff_initial"],
                             sv["backoff_max"], sv["boot_timeout"], sv["stable_secs"]),
-            ProcessSpawner(paths, sv["heartbeat_interval"]), clock,
+            self._spawner(config, paths), clock,
             heartbeat_interval=sv["heartbeat_interval"], liveness=sv["liveness"],
             progress_timeout=sv["progress_timeout"], max_tick_gap=MAX_TICK_GAP,
             graceful_timeout=sv["graceful_timeout"], record=self.record,
@@ -116,6 +117,45 @@ class Supervisor(SocketTraffic):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+
+    def _spawner(self, config: Config, paths: Paths):
+        """Local subprocesses, or Ray actors on a cluster's nodes ([cluster] backend)."""
+        sv, cl = config["supervisor"], config["cluster"]
+        if cl["backend"] != "ray":
+            return ProcessSpawner(paths, sv["heartbeat_interval"])
+        from .curve_keys import WorkerKeys
+        from .ray_spawner import RaySpawner
+        self.keys = WorkerKeys()
+
+        def need(name: str) -> int:
+            l = self.placer.loaded.get(name) if getattr(self, "placer", None) is not None else None
+            return l.planned_bytes if l is not None else 0
+        return RaySpawner(paths, sv["heartbeat_interval"], cl["address"], self.keys, self.files.worker_key,
+                          need=need, record=self.record)
+
+    def _bind_worker_socket(self) -> None:
+        """ipc:// on one machine; with the Ray backend, TCP with CURVE on the address the nodes
+        reach this one by (the cluster joined first: its error is the one to read)."""
+        if self.keys is None:
+            path = self.files.bind_path(self.paths.worker_endpoint)
+            self.worker_sock.bind(self.paths.worker_endpoint)
+            os.chmod(path, 0o600)
+            return
+        spawner, cl = self.table.spawner, self.cfg["cluster"]
+        spawner.connect()
+        self.keys.start()
+        self.keys.serve_on(self.worker_sock)
+        host = cl["bind"] or spawner.node_ip()
+        self.worker_sock.bind(f"tcp://{'[' + host + ']' if ':' in host else host}:{cl['port'] or '*'}")
+        spawner.endpoint = self.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.record("cluster_joined", None, f"Ray at {cl['address']}: {len(spawner.nodes())} node(s); workers "
+                                            f"connect to {spawner.endpoint} (CURVE)")
+
+    def cluster_status(self) -> dict:
+        if self.keys is None:
+            return {"backend": "local"}
+        return {"backend": "ray", "address": self.cfg["cluster"]["address"], **self.table.spawner.describe(),
+                "server_key": self.keys.public.decode(), "refused_keys": self.keys.refused}
 
     # -- what the commands see ----------------------------------------------------------------
 
@@ -175,10 +215,10 @@ class Supervisor(SocketTraffic):
         self.worker_sock.setsockopt(zmq.LINGER, 0)
         self.control = ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
-        for sock, ep in ((self.worker_sock, self.paths.worker_endpoint), (self.control, self.paths.control_endpoint)):
-            path = self.files.bind_path(ep)
-            sock.bind(ep)
-            os.chmod(path, 0o600)
+        path = self.files.bind_path(self.paths.control_endpoint)
+        self.control.bind(self.paths.control_endpoint)
+        os.chmod(path, 0o600)
+        self._bind_worker_socket()
         for sig in HANDLED_SIGNALS:
             signal.signal(sig, self._on_signal)
         # A mask inherited from whoever started us (some CI runners and shells block SIGTERM) would
@@ -240,6 +280,9 @@ class Supervisor(SocketTraffic):
                     pass
         if self.http:
             self.http.close()
+        if self.keys is not None:
+            self.table.spawner.shutdown()
+            self.keys.stop()
         self.offloop.shutdown(wait=False, cancel_futures=True)
         for sock in (getattr(self, "worker_sock", None), getattr(self, "control", None)):
             if sock is not None:
@@ -284,7 +327,11 @@ class Supervisor(SocketTraffic):
                     for _ in range(1000):            # bounded, so a flood cannot starve the rest
                         if not sock.poll(0):
                             break
-                        handle(sock.recv_multipart())
+                        if sock is self.worker_sock and self.keys is not None:
+                            frames = sock.recv_multipart(copy=False)
+                            handle([f.bytes for f in frames], frames[-1].get("User-Id"))
+                        else:
+                            handle(sock.recv_multipart())
 
     def _drain_inbox(self) -> None:
         while True:

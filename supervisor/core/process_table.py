@@ -139,7 +139,8 @@ class ProcessTable:
         w.advancing = w.stopped = w.spared = False
         self._heard(w)
         w.started_wall = self.clock.time()
-        self.record("spawned", w.name, f"pid {w.pid}")
+        node = getattr(w.proc, "node", None)
+        self.record("spawned", w.name, f"on node {node.label}" if node else f"pid {w.pid}")
         self.apply(w, policy.Spawned())
 
     def _signal(self, w: WorkerProcess, *sigs: int) -> None:
@@ -168,7 +169,7 @@ class ProcessTable:
         if now - self._sampled_at >= 1.0:          # psutil once a second, never per request
             self._sampled_at = now
             for w in self.workers.values():
-                if w.pid:
+                if w.pid and getattr(w.proc, "local", True):     # a pid of another machine: its own stats
                     w.rss, w.cpu = sample(w.pid, self._psutil.setdefault(w.name, {}))
 
     def _attend(self, now: float) -> None:
@@ -199,7 +200,10 @@ class ProcessTable:
         for w in self.workers.values():
             if not w.pid or (w.sampled_at is not None and now - w.sampled_at < every):
                 continue
-            got = self.probe(w.pid)
+            if getattr(w.proc, "token", None) is None:
+                got = self.probe(w.pid)
+            else:                  # a cluster node's process: readable here only on this machine
+                got = self._psutil_probe(w.pid, adopted=True) if w.proc.local else None
             w.sampled_at = now
             if got is None:
                 w.cpu_samples.clear()
@@ -221,15 +225,16 @@ class ProcessTable:
         for pid in [p for p in self._procs if p not in live]:
             del self._procs[pid]
 
-    def _psutil_probe(self, pid: int) -> tuple[float, bool] | None:
-        """(user + system CPU seconds, stopped) of a process this supervisor started; None for any
-        other pid (a test's fake one), or when it is gone."""
+    def _psutil_probe(self, pid: int, adopted: bool = False) -> tuple[float, bool] | None:
+        """(user + system CPU seconds, stopped) of a process this supervisor started (`adopted`:
+        one a Ray actor started for it on this machine); None for any other pid (a test's fake
+        one), or when it is gone."""
         try:
             p = self._procs.get(pid)
             if p is None:
                 p = self._procs[pid] = psutil.Process(pid)
             with p.oneshot():
-                if p.ppid() != os.getpid():
+                if not adopted and p.ppid() != os.getpid():
                     return None
                 t = p.cpu_times()
                 return t.user + t.system, p.status() == psutil.STATUS_STOPPED
@@ -249,17 +254,18 @@ class ProcessTable:
             if rc is None:
                 continue
             code, sig = (rc, None) if rc >= 0 else (None, -rc)
+            lost = getattr(w.proc, "exit_reason", None)   # a cluster node's: lost, or no process started
             w.proc, w.kill_at = None, None
             if w.identity:
                 self.by_identity.pop(w.identity, None)
             w.identity = None
-            reason = w.boot_reason
+            reason = w.boot_reason or lost
             if code == policy.EXIT_BOOT_ERROR and not reason:
                 last_line = getattr(self.spawner, "last_log_line", None)
                 reason = last_line(w.name) if last_line else None
             how = f"code {code}" if sig is None else f"signal {sig} ({signal.Signals(sig).name})"
             self.record("exited", w.name, how + (f": {reason}" if reason else ""))
-            self.on_exit(w, how)
+            self.on_exit(w, how + (f": {lost}" if lost else ""))
             self.apply(w, policy.Exited(code, sig, reason))
 
     def _check_liveness(self, now: float) -> None:
@@ -300,8 +306,13 @@ class ProcessTable:
     def on_hello(self, identity: bytes, name: str, pid: int, hello: dict, body: Any) -> WorkerProcess | None:
         """The worker's hello, or None for a peer that is not the process we spawned."""
         w = self.workers.get(name)
-        if w is None or w.pid != pid or identity != f"{name}:{pid}".encode():
+        if w is None or w.proc is None or identity != f"{name}:{pid}".encode():
             return None
+        token = getattr(w.proc, "token", None)      # a process on a cluster node: its pid is its node's
+        if token is None and w.pid != pid or token is not None and hello.get("token") != token:
+            return None
+        if token is not None:
+            w.proc.pid = pid
         w.identity = identity
         w.hello = hello
         self._heard(w)

@@ -57,14 +57,20 @@ class SocketTraffic:
                 sock.send_multipart([identity] + version_error(e.peer_version, self._key(sock)))
             return identity, None
 
-    def _on_worker_frames(self, frames: list[bytes]) -> None:
+    def _on_worker_frames(self, frames: list[bytes], key_owner: str | None = None) -> None:
+        """`key_owner`: on a cluster's CURVE socket, the worker the connection's key was issued to
+        (ZeroMQ's User-Id): a message naming another worker is refused — a worker's valid key
+        never lets it speak for another, nor a revoked one for anyone."""
+        if key_owner is not None and frames[0].split(b":")[0].decode(errors="replace") != key_owner:
+            self.bad_frames["foreign_key"] += 1
+            return
         identity, msg = self._decode(self.worker_sock, frames)
         if msg is None:
             return
         if frame_log.isEnabledFor(logging.DEBUG):
             frame_log.debug("from worker %s: %s %s", identity.hex()[:8], msg.type, msg.id or "")
         if msg.type == "hello":
-            hello = {k: msg.get(k) for k in ("kind", "ops", "protocol", "stop_grace")}
+            hello = {k: msg.get(k) for k in ("kind", "ops", "protocol", "stop_grace", "token")}
             if self.table.on_hello(identity, msg.get("name"), msg.get("pid"), hello, msg.body) is None:
                 self.bad_frames["unknown_peer"] += 1
             return

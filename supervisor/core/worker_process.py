@@ -70,4 +70,11 @@ class WorkerProcess:
             "stats": {k: v for k, v in self.status.items() if k != "state"},
             "ops": (self.hello or {}).get("ops", []),
             "model": self.spec.get("model") if self.kind != "test" else None,
+            "node": self.node,
         }
+
+    @property
+    def node(self) -> str | None:
+        """The cluster node its process runs on (None: this machine, the local backend)."""
+        node = getattr(self.proc, "node", None)
+        return node.label if node is not None else None
