@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
@@ -26,9 +27,10 @@ MiB = 2**20
 def cluster():
     from ray.cluster_utils import Cluster
     # node budgets (Ray's `memory` resource) chosen around the default model's plans: at ctx 1024
-    # it plans ~325 MiB ("small"), at ctx 4096 ~662 MiB ("big"); the head fits neither
+    # it plans ~325 MiB ("small", two copies), at ctx 4096 ~662 MiB ("big"); the head fits neither,
+    # the roomy node big and one small, the narrow one a small
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "memory": 200 * MiB})
-    roomy = c.add_node(num_cpus=1, memory=800 * MiB)
+    roomy = c.add_node(num_cpus=1, memory=1100 * MiB)
     narrow = c.add_node(num_cpus=1, memory=450 * MiB)
     c.wait_for_nodes()
     yield c, {"roomy": roomy.node_id, "narrow": narrow.node_id}
@@ -39,13 +41,14 @@ def cluster():
 def served(cluster, tmp_path_factory, default_model_path):
     c, _ = cluster
     home = tmp_path_factory.mktemp("cluster-home")
-    d = Daemon(home, {"small": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 1024}},
-                      "big": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 4096}}},
+    d = Daemon(home, {"big": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 4096}},
+                      "small": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 1024},
+                                "replicas": 2}},
                supervisor={"heartbeat_interval": 0.5, "liveness": 6, "start_secs": 0.5, "backoff_initial": 0.2},
                extra_args=("--cluster", c.address))
     d.start(timeout=90)
     try:
-        for name in ("small", "big"):
+        for name in ("small", "small.2", "big"):
             d.wait(lambda st, n=name: next((w for w in st["workers"] if w["name"] == n and w["state"] == "running"
                                             and w["worker_state"] == "ready"), None), 90, f"{name} ready")
         yield d
@@ -76,16 +79,31 @@ def test_each_model_runs_on_a_node_whose_budget_fits_it_and_answers(served, clus
     st = served.status()
     assert st["cluster"]["backend"] == "ray" and st["cluster"]["endpoint"].startswith("tcp://")
     nodes = _nodes(served)
-    for name in ("small", "big"):
+    for name in ("small", "small.2", "big"):
         node = nodes[_node_of(served, name)]
         assert node["planned_bytes"] <= node["memory_bytes"], node
         assert name in node["workers"]
     assert _node_of(served, "big") == ids["roomy"]            # the only node with room for it
+    assert _node_of(served, "small") != _node_of(served, "small.2")       # copies spread
     assert not nodes[next(i for i, n in nodes.items() if n["supervisor"])]["workers"]   # 200 MiB: neither fits
     answers = [_chat(served, m, "Name a colour.")["choices"][0]["message"]["content"] for m in ("small", "big")]
     assert answers[0] and answers[0] == answers[1]            # the same file, greedy: the same text
     out = kiln(served.home, "status").stdout
     assert "Ray cluster" in out and "NODE" in out and nodes[_node_of(served, "big")]["node"] in out
+    ps = kiln(served.home, "ps").stdout
+    assert "NODE" in ps and nodes[_node_of(served, "big")]["node"] in ps
+
+
+def test_requests_for_a_replicated_model_keep_both_copies_busy(served):
+    before = served.status()["router"]["sent"]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: _chat(served, "small", f"Say the number {i}.", 12), range(8)))
+    assert all(a["choices"][0]["message"]["content"] for a in answers)
+    sent = served.status()["router"]["sent"]
+    got = {w: sent.get(w, 0) - before.get(w, 0) for w in ("small", "small.2")}
+    assert got["small"] >= 2 and got["small.2"] >= 2 and sum(got.values()) == 8, got
+    listed = {m["id"]: m["meta"] for m in json.loads(urllib.request.urlopen(served.http + "/v1/models").read())["data"]}
+    assert "small.2" not in listed and listed["small"]["replicas"] == 2       # listed once, as its group
 
 
 def test_a_key_the_supervisor_did_not_issue_never_gets_a_request(served):
@@ -176,3 +194,18 @@ def test_a_node_removed_under_streaming_clients(served, cluster):
             assert r["content"] > 0, r
     assert any(not r["errors"] for r in results), "no request was retried or served after the loss"
     assert back["last_exit"]["reason"] and "lost" in back["last_exit"]["reason"]
+
+
+def test_the_dashboard_shows_each_workers_node(served, request):
+    from browser_harness import require_browser, watch
+    require_browser()                          # before the browser fixture launches one
+    from playwright.sync_api import expect
+    page = watch(request.getfixturevalue("browser").new_page(viewport={"width": 1400, "height": 1100}))
+    try:
+        page.goto(served.http + "/")
+        for name in ("big", "small", "small.2"):
+            node = next(w["node"] for w in served.status()["workers"] if w["name"] == name)
+            expect(page.locator(f'tr[data-worker="{name}"] td[data-node]')).to_contain_text(node, timeout=15000)
+        assert not page.errors, page.errors
+    finally:
+        page.close()

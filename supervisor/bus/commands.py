@@ -40,7 +40,8 @@ def status(sup, args):
                    "http": list(sup.http_address) if sup.http_address else None,
                    "home": str(sup.paths.home), "shutting_down": sup.shutting_down},
         "workers": [w.describe(now) for w in sup.workers.values()],
-        "router": {"pending": len(sup.router.pending), "waiting": sup.router.waiting(), **sup.router.counts},
+        "router": {"pending": len(sup.router.pending), "waiting": sup.router.waiting(), **sup.router.counts,
+                   "sent": dict(sup.router.sent)},
         "cluster": sup.cluster_status(),
         "events": sup.events.since(0, int(args.get("events", 50))),
     }

@@ -39,7 +39,9 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
             typer.echo(f"default model: {out['active_model']} (kiln activate)")
         if out.get("budget_bytes") is not None:
             typer.echo(f"memory: {_mb(out['used_bytes'])} of a {_mb(out['budget_bytes'])} budget")
-        rows = [("MODEL", "WORKER", "STATE", "CONTEXT", "RSS", "PLANNED", "KV", "WEIGHTS", "THREADS", "UNTIL")]
+        nodes = any(m.get("node") for m in out["models"])        # workers on a cluster's nodes
+        rows = [("MODEL", "WORKER", "STATE", "CONTEXT", "RSS", "PLANNED", "KV", "WEIGHTS", "THREADS", "UNTIL")
+                + (("NODE",) if nodes else ())]
         for m in out["models"]:
             until = "pinned" if m.get("pinned") else "forever" if m.get("expires_at") is None and \
                 m.get("keep_alive_s") is None else "-" if m.get("expires_at") is None else \
@@ -48,7 +50,7 @@ def register(app: typer.Typer, models_app: typer.Typer, command) -> None:
                 until = "unloading"
             rows.append((str(m["model"]), m["worker"], m["state"] + (f"/{m['worker_state']}" if m.get("worker_state") else ""),
                          f"{m['n_ctx']:,}" if m.get("n_ctx") else "-", _mb(m.get("rss_bytes")), _mb(m.get("planned_bytes")), _kv(m),
-                         m.get("weights") or "-", _threads(m), until))
+                         m.get("weights") or "-", _threads(m), until) + ((m.get("node") or "-",) if nodes else ()))
         for m in out["models"]:                   # why each context is what it is, above the table
             if m.get("n_ctx") and m.get("context_why"):
                 typer.echo(f"context of {m['model']}: {m['n_ctx']:,} ({m['context_why']})")

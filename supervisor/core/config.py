@@ -130,6 +130,8 @@ WORKER_FIELDS: dict[str, Field] = {
     "model": Field(str, "default", "model path, name, or 'default' (inference kinds)"),
     "module": Field(str, "", "python module to run (custom kinds)"),
     "threads": Field(int, 0, "compute threads (0: all cores)", 0, 1024),
+    "replicas": Field(int, 1, "copies of this worker, named NAME, NAME.2, …: requests for it go to the copy "
+                      "with the least outstanding work (on a cluster the copies spread over the nodes)", 1, 64),
     "settings": Field(dict, {}, "kind-specific settings, passed to the worker as they are"),
 }
 BUILTIN_KINDS = {"inference": "kiln.workers.inference", "moe-stream": "kiln.workers.moe_stream",
@@ -352,7 +354,18 @@ def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
             raise ConfigError(f"{path}: [workers] must hold [workers.<name>] tables")
     else:
         wtables, wsrc = DEFAULT_WORKERS, "default"
-    parsed = {name: _worker(name, t) for name, t in wtables.items()}
+    parsed = {}
+    for name, t in wtables.items():
+        w = _worker(name, t)
+        n = w.pop("replicas")
+        if n > 1:
+            if w["kind"] not in ("inference", "moe-stream") or w["module"]:
+                raise ConfigError(f"[workers.{name}] replicas = {n}: only model workers (inference, moe-stream) "
+                                  f"have copies")
+            w["group"] = name
+        parsed[name] = w
+        for i in range(2, n + 1):           # a dot: no configured name can take a copy's
+            parsed[f"{name}.{i}"] = {**w, "settings": dict(w["settings"])}
     for w in parsed.values():
         # a model worker without its own KV types runs [models]' (kiln up --kv-type, the env alias)
         if w["kind"] in ("inference", "moe-stream") and not w["module"] \

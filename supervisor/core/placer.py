@@ -326,7 +326,7 @@ class Placer:
                         "rss_bytes": w.rss if w.pid else None, "planned_bytes": l.planned_bytes or None,
                         "kv_cache_bytes": st.get("kv_cache_bytes"), "kv_cache_tokens": st.get("kv_cache_tokens"),
                         "n_ctx": st.get("n_ctx"), "kv_types": st.get("kv_types"), "context_why": l.context_why or ("configured" if l.pinned else None),
-                        "busy": self.busy(name),
+                        "busy": self.busy(name), "node": w.node,
                         "weights": (st.get("weights") or {}).get("mode"),
                         "threads": st.get("threads"), "other_processes_cores": st.get("other_processes_cores"),
                         "keep_alive_s": l.keep_alive, "unloading": l.unloading,

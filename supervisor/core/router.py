@@ -17,6 +17,7 @@ Workers may send requests up; `WORKER_ALLOWED` says which ops each kind may ask 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any, Callable
 
 import msgpack
@@ -48,6 +49,7 @@ class Router:
         self.pending: dict[str, Pending] = {}
         self.closed = False
         self.counts = {"admitted": 0, "retried": 0, "busy": 0, "completed": 0, "failed": 0}
+        self.sent: Counter = Counter()           # requests sent, by worker (copies share the load)
 
     # -- the front ends' door (any thread) -----------------------------------------------------
 
@@ -106,6 +108,8 @@ class Router:
                                      f"got {str(min_ctx)[:40]!r}")
                 body = {k: v for k, v in body.items() if k != "min_ctx"}
             w = self.resolve(target)            # unknown worker or model: a clear error now (or it loads)
+            if target.worker is None or target.worker == w.spec.get("group"):
+                w = self._least_busy(w)
             body, adapter = self._adapter(op, w, body)
         except RouteError as e:
             self._error(client, e.code, e.message, e.retry_after)
@@ -185,6 +189,15 @@ class Router:
         except ValueError as e:
             raise RouteError("invalid_value", str(e)) from None
 
+    def _least_busy(self, w: WorkerProcess) -> WorkerProcess:
+        """Among a worker's copies ([workers.X] replicas), one that can serve with the least
+        outstanding work; `w` itself when it has none."""
+        group = w.spec.get("group")
+        if not group:
+            return w
+        copies = [x for x in self.table if x.spec.get("group") == group and not self.table.gone_for_good(x)]
+        return min(copies, key=lambda x: (not x.can_serve(), self.busy(x.name), x.name != w.name), default=w)
+
     def busy(self, worker: str) -> int:
         """Requests admitted for `worker` and not answered yet."""
         return sum(1 for p in self.pending.values() if p.target_worker == worker)
@@ -213,6 +226,10 @@ class Router:
             self._finish(p, "worker_unavailable", f"worker {p.target_worker} was unloaded")
             return False
         w = self.table[p.target_worker]
+        if not w.can_serve() and w.spec.get("group") and p.target.worker != w.name:
+            alt = self._least_busy(w)           # its copy died or is loading: another copy takes it
+            if alt.can_serve():
+                p.target_worker, w = alt.name, alt
         if w.can_serve() or (w.identity is not None and w.ps.state in ("starting", "running")
                              and p.op not in MODEL_RUNS):
             # non-generate ops queue inside a loading worker's executor; generation waits here,
@@ -225,6 +242,7 @@ class Router:
                 return False
             p.worker = w.name
             p.attempts += 1
+            self.sent[w.name] += 1
             self.send(w, make("request", id=p.id, op=p.op, body=p.body,
                               deadline=self.table.clock.time() + max(0.0, p.deadline - now)))
             return True

@@ -71,6 +71,7 @@ class WorkerProcess:
             "ops": (self.hello or {}).get("ops", []),
             "model": self.spec.get("model") if self.kind != "test" else None,
             "node": self.node,
+            "group": self.spec.get("group"),        # copies of one model ([workers.X] replicas) share it
         }
 
     @property

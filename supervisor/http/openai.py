@@ -50,12 +50,14 @@ class OpenAI:
     def _models(self) -> list[dict]:
         data, workers = [], bus(self.sup, "status")["workers"]
         for w in workers:
-            if w["kind"] not in ("inference", "moe-stream"):
-                continue
+            if w["kind"] not in ("inference", "moe-stream") or w.get("group") not in (None, w["name"]):
+                continue                         # a copy is listed once, as its group
+            copies = sum(1 for x in workers if x.get("group") and x["group"] == w.get("group"))
             data.append({"id": w["name"], "object": "model", "created": int(time.time()), "owned_by": "kiln",
                          "meta": {"model": (w["stats"] or {}).get("model") or w["model"], "state": w["state"],
                                   "worker_state": w["worker_state"], "n_ctx": (w["stats"] or {}).get("n_ctx"),
-                                  "loaded": w["pid"] is not None}})          # a stopped worker holds none
+                                  "loaded": w["pid"] is not None,          # a stopped worker holds none
+                                  **({"replicas": copies} if copies else {})}})
         # the library: a request naming any of these loads it (a file a worker serves, or is
         # still loading, is listed once: as its worker)
         served = {d["id"] for d in data} | {str(d["meta"]["model"] or "").rsplit("/", 1)[-1].removesuffix(".gguf")
