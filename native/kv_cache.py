@@ -9,6 +9,9 @@ may be of different types, as llama.cpp's -ctk/-ctv allow.
 
 from __future__ import annotations
 
+import itertools
+import secrets
+
 import numpy as np
 
 from .kernels import kv_store
@@ -19,12 +22,20 @@ CHECKPOINTS = 2            # recurrent states kept per sequence (checkpoint())
 KV_DTYPE = np.dtype(np.float16)        # what a cache holds unless told otherwise
 
 
+_uids = itertools.count()
+_PROCESS = secrets.token_hex(4)        # a cache's uid is unique across processes and restarts
+
+
 class KVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_tokens: int,
                  dtype=DEFAULT_KV_TYPE, recurrent: dict | None = None, windows: dict | None = None,
-                 v_dtype=None):
+                 v_dtype=None, held: range | None = None):
         """dtype: the keys' type (a kv_types name such as "q8_0", or np.float16/np.float32);
-        v_dtype: the values' (default: the keys')."""
+        v_dtype: the values' (default: the keys'). `held`: the layers this cache keeps (a
+        pipeline stage's, native/stages.py); the others get no room. `uid` names the sequence
+        to the next stage, which keeps the rest of its layers."""
+        self.uid = f"{_PROCESS}-{next(_uids)}"
+        self.held = held if held is not None else range(n_layer)
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.k_type = kv_type(dtype)
         self.v_type = kv_type(v_dtype if v_dtype is not None else dtype)
@@ -71,7 +82,7 @@ class KVCache:
             return
         cap = min(self.max_tokens, max(total, self._cap + _CHUNK, -(-total // _CHUNK) * _CHUNK))
         # a recurrent layer keeps a state instead of keys and values: no room for it
-        skip = set(self._recurrent_shapes) | set(self._windows)
+        skip = set(self._recurrent_shapes) | set(self._windows) | (set(range(self.n_layer)) - set(self.held))
         new_k = [self._rows(self.k_type, 0 if i in skip else cap) for i in range(self.n_layer)]
         new_v = [self._rows(self.v_type, 0 if i in skip else cap) for i in range(self.n_layer)]
         for old, new in zip(self._k + self._v, new_k + new_v):
@@ -171,6 +182,12 @@ class KVCache:
         with sliding-window layers that drop keys as they go."""
         return not self._recurrent_shapes and not self._windows
 
+    @property
+    def whole(self) -> bool:
+        """Does it keep every layer (not a pipeline stage's share)? Only a whole cache's rows can
+        be exported, imported or shifted: another process holds the rest."""
+        return len(self.held) == self.n_layer
+
     def row_bytes(self) -> int:
         """Bytes one position takes in every layer that keeps keys and values."""
         kv_layers = self.n_layer - len(self._recurrent_shapes) - len(self._windows)
@@ -179,7 +196,7 @@ class KVCache:
     def export_rows(self, a: int, b: int) -> np.ndarray:
         """Positions a..b-1 of every layer, keys then values, as one uint8 array (a prefix
         cache's block, native/prefix_cache.py). Only for caches that keep every position."""
-        if not self.can_rewind or not 0 <= a <= b <= self.n:
+        if not self.can_rewind or not self.whole or not 0 <= a <= b <= self.n:
             raise ValueError(f"positions {a}..{b - 1} cannot be exported from a cache of {self.n}")
         return np.concatenate([np.ascontiguousarray(buf[a:b]).view(np.uint8).reshape(-1)
                                for i in range(self.n_layer) for buf in (self._k[i], self._v[i])])
@@ -200,7 +217,7 @@ class KVCache:
     def import_rows(self, tokens: list[int], payload: np.ndarray) -> None:
         """Append len(tokens) positions whose rows export_rows() gave (same model, same types)."""
         T = len(tokens)
-        if not self.can_rewind or payload.nbytes != T * self.row_bytes():
+        if not self.can_rewind or not self.whole or payload.nbytes != T * self.row_bytes():
             raise ValueError(f"{payload.nbytes} bytes are not {T} positions of this cache")
         self._reserve(self.n + T)
         at = 0
@@ -212,8 +229,8 @@ class KVCache:
     @property
     def can_shift(self) -> bool:
         """Can the context shift (shift())? Not with a recurrent state, nor with sliding-window
-        layers (they keep only their window's rows)."""
-        return self.can_rewind
+        layers (they keep only their window's rows), nor on a pipeline stage's share."""
+        return self.can_rewind and self.whole
 
     def shift(self, n_keep: int, n_discard: int, rope_keys) -> None:
         """llama-server's context shift: forget positions n_keep .. n_keep+n_discard-1 and move

@@ -47,18 +47,22 @@ def check_weights(weights: str) -> None:
 
 class Model:
     def __init__(self, path: str | os.PathLike, *, threads: int | None = None, weights: str = "mapped",
-                 keep_mapped=()):
+                 keep_mapped=(), stage: tuple[int, int] | None = None):
         """`weights`: "mapped" (views of the file's page cache) or "private" (copied into huge
         pages, native/private_weights.py) — all tensors but `keep_mapped` (a streamed model's
-        experts, which the expert cache reads)."""
+        experts, which the expert cache reads). `stage`: (first, end) — load only layers
+        first..end-1, a pipeline stage's (native/stages.py); the first stage also embeds the
+        tokens and computes the logits, and hands its rows to `remote` for the other layers."""
         t0 = time.perf_counter()
         check_weights(weights)
         self.path = Path(path)
         self.gguf: GGUFFile = read_gguf(self.path)
+        self.config: ModelConfig = read_config(self.gguf)
+        self.stage = range(self.config.n_layer) if stage is None else check_stage(stage, self.config)
+        self.remote = None             # the later stages: fn(x, [(uid, start, rows)], keep) -> x[keep]
         if weights == "private":
             keep = set(keep_mapped)
-            self.gguf.copy_to_private(n for n in self.gguf.tensors if n not in keep)
-        self.config: ModelConfig = read_config(self.gguf)
+            self.gguf.copy_to_private(n for n in self.gguf.tensors if n not in keep and self._holds(n))
         self.tokenizer = GGUFTokenizer(self.gguf)
         self._load(threads or min(4, os.cpu_count() or 1))
         self.expert_provider = None    # experts from the mapped file; the runners are chosen
@@ -67,22 +71,29 @@ class Model:
 
     # -- loading ------------------------------------------------------------------------------
 
+    def _holds(self, tensor: str) -> bool:
+        """Does this model (or stage) use `tensor`? A later stage: only its layers' blk.N.*."""
+        if tensor.startswith("blk."):
+            return int(tensor.split(".")[1]) in self.stage
+        return self.stage.start == 0
+
     def _load(self, threads: int) -> None:
         g, c = self.gguf, self.config
         fam = self.family = family(c.arch)
-        names = ["token_embd.weight"]
+        first = self.stage.start == 0
+        names = ["token_embd.weight"] if first else []
         self.tied_output = "output.weight" not in g.tensors
-        if not self.tied_output:
+        if not self.tied_output and first:
             names.append("output.weight")
-        plan = [(fam.matrices(c, i), fam.vectors(c, i), fam.fused(c, i)) for i in range(c.n_layer)]
-        for mats, vecs, fused in plan:
+        plan = {i: (fam.matrices(c, i), fam.vectors(c, i), fam.fused(c, i)) for i in self.stage}
+        for mats, vecs, fused in plan.values():
             names += list(mats.values()) + list(fused)
         check_tensors(g, c)          # fail fast, before any work, on a missing or misshapen tensor (named)
         weights = kernels.load_weights(g, names, threads)
         vec = lambda n: kernels.load_vector(g, n)  # noqa: E731
-        self.token_embd = weights["token_embd.weight"]
-        self.output = self.token_embd if self.tied_output else weights["output.weight"]
-        self.output_norm = vec(fam.output_norm)
+        self.token_embd = weights["token_embd.weight"] if first else None
+        self.output = (self.token_embd if self.tied_output else weights["output.weight"]) if first else None
+        self.output_norm = vec(fam.output_norm) if first else None
         self.attn_scales = fam.attention_scales(c)
         self.embed_scale = fam.embed_scale(c)
         extra = {k: vec(n) for k, n in fam.model_tensors(g).items()}
@@ -97,8 +108,8 @@ class Model:
             self.rope_yarn = (0.0, 0.0, 0.0, c.rope_attn_factor)   # no ramp: cos/sin times the factor
         self.use_context(c.n_ctx_train)
         self.kv_types = (DEFAULT_KV_TYPE, DEFAULT_KV_TYPE)
-        self.layers = []                 # each its family's dataclass (native/arch/parts.py)
-        for i, (mats, vecs, fused) in enumerate(plan):
+        self.layers = [None] * c.n_layer   # each its family's dataclass (native/arch/parts.py); None: another stage's
+        for i, (mats, vecs, fused) in plan.items():
             t = {k: weights[n] for k, n in mats.items()}
             for n, parts in fused.items():
                 start = 0
@@ -109,7 +120,7 @@ class Model:
                     raise GGUFError(f"{g.path}: tensor {n!r} has {weights[n].shape[0]} rows, expected {start} "
                                     f"({' + '.join(f'{f} {r}' for f, r in parts)})")
             t |= {k: vec(n) for k, n in vecs.items()}
-            self.layers.append(fam.layer_weights(c, i, t))
+            self.layers[i] = fam.layer_weights(c, i, t)
 
     @property
     def expert_provider(self):
@@ -127,7 +138,8 @@ class Model:
     def weight_bytes(self) -> int:
         """Bytes the engine holds for weights (float32 on the reference path)."""
         seen, total = set(), 0
-        for w in [self.token_embd, self.output, self.output_norm] + [w for L in self.layers for w in arrays(L)]:
+        for w in [self.token_embd, self.output, self.output_norm] + [w for L in self.layers if L is not None
+                                                                     for w in arrays(L)]:
             if isinstance(w, Weight) and id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
@@ -162,7 +174,7 @@ class Model:
         windows = {i: c.get("sliding_window") for i in range(c.n_layer) if self.family.sliding(c, i)}
         k, v = self.kv_types if dtype is None else (dtype, v_dtype)
         return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_tokens or c.n_ctx_train, k,
-                       self.family.recurrent_state(c), windows, v)
+                       self.family.recurrent_state(c), windows, v, held=self.stage)
 
     def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
         """A context shift on `cache` (KVCache.shift): the keys after the dropped positions
@@ -194,10 +206,10 @@ class Model:
             raise ValueError("forward() needs at least one token")
         self._check(tokens)
         cache.begin(tokens)
-        x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
-                         adapter)
+        keep = slice(None) if all_logits else slice(logits_from, None) if logits_from is not None else slice(-1, None)
+        rows = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
+                            adapter, keep)
         cache.commit(tokens)
-        rows = x if all_logits else x[logits_from:] if logits_from is not None else x[-1:]
         logits = matmul(rms_norm(rows, self.output_norm, c.rms_eps), self.output)
         return logits if (all_logits or logits_from is not None) else logits[0]
 
@@ -236,11 +248,10 @@ class Model:
             segments.append((cache, at, at + len(toks)))
             positions.append(np.arange(cache.n, cache.n + len(toks)))
             at += len(toks)
-        x = self._layers(np.asarray([t for toks, _ in runs for t in toks]), np.concatenate(positions), segments,
-                         adapter)
+        last = self._layers(np.asarray([t for toks, _ in runs for t in toks]), np.concatenate(positions), segments,
+                            adapter, np.array([b - 1 for _, _, b in segments]))
         for toks, cache in runs:
             cache.commit(toks)
-        last = x[[b - 1 for _, _, b in segments]]
         return matmul(rms_norm(last, self.output_norm, c.rms_eps), self.output)
 
     def _check(self, tokens: list[int]) -> None:
@@ -251,9 +262,64 @@ class Model:
                 raise ValueError(f"token id {t} is outside the vocabulary (0..{n - 1})" if t >= 0 else
                                  f"image row {t} is not held (send the image again)")
 
-    def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list, adapter=None) -> np.ndarray:
+    def _layers(self, tokens: np.ndarray, positions: np.ndarray, segments: list, adapter=None,
+                keep=slice(None)) -> np.ndarray:
         """The decoder stack over rows that belong to one or more sequences; `segments` lists
-        (cache, first row, end row) for each sequence."""
+        (cache, first row, end row) for each sequence. Returns the rows `keep` selects (only
+        those cross to a later stage and back)."""
+        x = self._stack(tokens, positions, segments, adapter)
+        if self.remote is None:
+            return x[keep]
+        if adapter is not None and any(a is not None for a in (adapter if isinstance(adapter, (list, tuple)) else [adapter])):
+            raise ValueError("a model split across processes runs without adapters")
+        try:
+            return self.remote(x, [(cache.uid, cache.n, e - a) for cache, a, e in segments], keep)
+        except BaseException as err:
+            # what the later stages hold of these sequences is unknown now (a stage restarted, a
+            # reply lost): start them over, so the next call sends every position again — and
+            # when a stage said it lost them, send them again now, with these rows
+            lost = getattr(err, "code", None) == "stage_state_lost"
+            history = [list(cache.tokens[:cache.n]) for cache, _, _ in segments]
+            for cache, _, _ in segments:
+                cache.truncate(0)
+            if not lost:
+                raise
+        return self._replay(tokens, segments, history, keep)
+
+    def _replay(self, tokens: np.ndarray, segments: list, history: list, keep) -> np.ndarray:
+        """The rows of `segments` again, each after its whole history (its cache now empty):
+        what a later stage that restarted needs to hold these sequences again."""
+        picked = np.arange(len(tokens))[keep]
+        runs, moved, at = [], {}, 0
+        for (cache, a, e), past in zip(segments, history):
+            run = past + [int(t) for t in tokens[a:e]]
+            for r in range(a, e):
+                moved[r] = at + len(past) + r - a
+            runs.append((run, cache, at))
+            at += len(run)
+        all_tokens = np.asarray([t for run, _, _ in runs for t in run])
+        segs = [(cache, start, start + len(run)) for run, cache, start in runs]
+        for run, cache, _ in runs:
+            cache.begin(run)
+        x = self._stack(all_tokens, np.concatenate([np.arange(len(run)) for run, _, _ in runs]), segs)
+        out = self.remote(x, [(cache.uid, 0, len(run)) for run, cache, _ in runs], np.array([moved[r] for r in picked]))
+        for (cache, _, _), past in zip(segments, history):
+            cache.commit(past)               # the caller commits this call's own tokens after
+        return out
+
+    def run_stage(self, x: np.ndarray, segments: list, keep=slice(None)) -> np.ndarray:
+        """A later stage's share of a forward: rows x (from the stage before) of the sequences in
+        `segments` — (cache, first row, end row), each appended after its cache's positions —
+        through this stage's layers; the rows `keep` selects."""
+        for cache, a, e in segments:
+            cache.begin(range(e - a))
+        positions = np.concatenate([np.arange(cache.n, cache.n + e - a) for cache, a, e in segments])
+        x = self._run(x, Batch(self, positions, segments), self.runners)
+        for cache, a, e in segments:
+            cache.commit([0] * (e - a))          # a later stage never sees the tokens
+        return x[keep]
+
+    def _stack(self, tokens: np.ndarray, positions: np.ndarray, segments: list, adapter=None) -> np.ndarray:
         batch = Batch(self, positions, segments, adapter)
         real = tokens >= 0
         if real.all():
@@ -277,6 +343,14 @@ class Model:
         for run in runners:
             x = run(x, batch)
         return x
+
+
+def check_stage(stage, config) -> range:
+    first, end = stage
+    if not (isinstance(first, int) and isinstance(end, int) and 0 <= first < end <= config.n_layer):
+        raise ValueError(f"layers {first}..{end}: a stage is a range of the model's {config.n_layer} layers "
+                         f"(first < end ≤ {config.n_layer})")
+    return range(first, end)
 
 
 def load_model(path: str | os.PathLike, **kw) -> Model:

@@ -164,6 +164,8 @@ def choose_runners(layers: list, config, experts) -> list:
     come from (`experts`: native/experts/source.py's IN_RAM or a StreamedExperts)."""
     out = []
     for i, L in enumerate(layers):
+        if L is None:                     # another pipeline stage's layer
+            continue
         how = one_call(L, config)
         if how is None:
             out.append(BlocksLayer(i, L))
@@ -177,7 +179,7 @@ def choose_runners(layers: list, config, experts) -> list:
 
 def blocks_runners(layers: list) -> list:
     """Every layer through its blocks (what the one-call decode is checked against)."""
-    return [BlocksLayer(i, L) for i, L in enumerate(layers)]
+    return [BlocksLayer(i, L) for i, L in enumerate(layers) if L is not None]
 
 
 def one_call(L, c) -> str | None:

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from . import kernels
-from .core_share import CoreShare
+from .core_share import CoreShare, own_busy_of
 from .draft_model import DraftModel, DraftState
 from .vision.layout import whole_images
 from .generate import PREFILL_CHUNK, Finish, Generation, Sequence, check_context
@@ -77,7 +77,8 @@ class Scheduler(SlotAccess, Speculation):
         self.draft_model = draft_model          # drafts from a second model, else prompt lookup
         self.draft_min = draft_min              # check at least this many draft tokens (0: as they pay)
         # compute threads: fixed when given, else as many as the cores other processes leave
-        self.share = None if threads or kernels.max_threads() < 2 else CoreShare(kernels.max_threads())
+        self.share = None if threads or kernels.max_threads() < 2 else \
+            CoreShare(kernels.max_threads(), own=own_busy_of(model))
         self.threads = threads or (self.share.max_threads if self.share else kernels.max_threads())
         kernels.set_threads(self.threads)       # process-wide: whatever an earlier scheduler left
         model.use_context(n_ctx)

@@ -69,6 +69,9 @@ SCHEMAS: dict[str, Schema] = {
     "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False), "method": (str, False),
                      "model": (str, False)},
     "job_cancel": {"id": (str, True)},
+    # a pipeline stage (workers/stage.py): rows of hidden states (one float32 buffer) of the
+    # sequences [[uid, start, rows], …] through its layers; `keep`: the row indices to send back
+    "stage_forward": {"seqs": (list, True), "keep": (list, False)},
     "detokenize": {"tokens": (list, True)},
     # with tools (or template kwargs) the prompt is the one generate would run: chat_plan's
     "apply_template": {"messages": (list, True), "add_generation_prompt": (bool, False), "tools": (list, False),

@@ -51,7 +51,7 @@ _CODES = [
     ErrorCode("body_too_large", 413),
     ErrorCode("cancelled", 499), ErrorCode("client_closed", 499),
     ErrorCode("op_failed", 500), ErrorCode("internal_error", 500),
-    ErrorCode("worker_crashed", 502, retryable=True),
+    ErrorCode("worker_crashed", 502, retryable=True), ErrorCode("stage_state_lost", 502, retryable=True),
     ErrorCode("server_busy", 503, retryable=True), ErrorCode("worker_unavailable", 503, retryable=True),
     ErrorCode("worker_fatal", 503), ErrorCode("no_model", 503), ErrorCode("no_worker", 503),
     ErrorCode("shutting_down", 503, retryable=True), ErrorCode("model_loading", 503, retryable=True),

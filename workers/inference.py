@@ -34,7 +34,7 @@ from kiln.native.vision.layout import prompt_ids
 
 from kiln.protocol import vocab
 
-from . import chat_plan, prefix_setup
+from . import chat_plan, pipeline, prefix_setup
 from .adapters import LoadedAdapters
 from .chat_plan import ChatPlan, PlanError
 from .context_fit import answer_room, fit_turns
@@ -62,10 +62,12 @@ class InferenceWorker(EmbeddingOps, SlotOps, VisionOps, Worker):
                                 f"shared between processes) or private (a copy in huge pages)")
             if is_encoder(read_gguf(path, skip_arrays=True).architecture):
                 return self._boot_encoder(path, threads, weights)
-            self.model = load_model(path, threads=threads, weights=weights, keep_mapped=self.keep_mapped(path))
+            self.model = load_model(path, threads=threads, weights=weights, keep_mapped=self.keep_mapped(path),
+                                    **pipeline.stage_kw(path, self.settings))
         except (ModelNotFound, PullError, GGUFError, TokenizerError) as e:
             raise BootError(str(e)) from None
         c = self.model.config
+        self.stages = pipeline.attach(self, self.model) if self.settings.get("stage") else None
         self.n_ctx = int(self.settings.get("ctx") or c.n_ctx_train)
         st = self.settings
         try:                           # keys and values of the KV cache (f16 unless told: kv_types.py)
@@ -142,7 +144,7 @@ class InferenceWorker(EmbeddingOps, SlotOps, VisionOps, Worker):
                     "weights": {"mode": "private", **m.gguf.private.stats()} if m.gguf.private is not None
                     else {"mode": "mapped"}}
         return {"model": m.path.stem, "path": str(m.path), "n_ctx": self.n_ctx, "kv_types": list(m.kv_types),
-                "context_shift": self.context_shift,
+                "context_shift": self.context_shift, **(self.stages.status() if getattr(self, "stages", None) else {}),
                 "requests": self.served, "tokens_generated": self.tokens_out,
                 "load_s": round(m.load_seconds, 3), "kernels": kernels.kernel_info(), **self.scheduler.load(),
                 "weights": {"mode": "private", **m.gguf.private.stats()} if m.gguf.private is not None

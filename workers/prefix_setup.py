@@ -46,8 +46,9 @@ def budget(value, auto: int, what: str) -> int:
 def attach(scheduler, model, n_ctx: int, settings: dict) -> None:
     """Give `scheduler` its prefix cache, if the settings and the model allow one."""
     cache = model.new_cache(8)
-    if not cache.can_rewind:
-        return                  # sliding-window or recurrent layers: positions are dropped or folded
+    if not cache.can_rewind or not cache.whole:
+        return                  # sliding-window or recurrent layers: positions are dropped or folded;
+                                # a pipeline stage: the next stage holds the other layers' rows
     ram = budget(settings.get("prefix_cache"), auto_ram_bytes(cache.row_bytes() * n_ctx), "prefix_cache")
     disk = budget(settings.get("prefix_cache_disk"), AUTO_DISK, "prefix_cache_disk")
     if not ram and not disk:

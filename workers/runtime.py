@@ -264,11 +264,12 @@ class Runtime:
 
     # -- requests of our own, sent up (any thread) ------------------------------------------------
 
-    def request_up(self, op: str, body: dict | None = None, timeout: float = 600.0) -> Iterator[Message]:
+    def request_up(self, op: str, body: dict | None = None, timeout: float = 600.0,
+                   buffers: list | None = None) -> Iterator[Message]:
         """Ask the supervisor's router for a service (e.g. the evaluator's `generate`): yields each
         chunk, then the reply; an error raises OpError with the router's code. The router checks
         the op against this worker kind's allow-list."""
-        msg = make("request", op=op, body=body or {}, deadline=time.time() + timeout)
+        msg = make("request", op=op, body=body or {}, deadline=time.time() + timeout, buffers=buffers)
         q: queue.Queue = queue.Queue()
         self.upward[msg.id] = q
         out = self._outbox()

@@ -62,7 +62,7 @@ def op(name: str, concurrent: bool = False):
 class Upstream(Protocol):
     """What a worker asks of the runtime that drives it (workers/runtime.py's Runtime)."""
 
-    def request_up(self, op: str, body: dict | None, timeout: float) -> Iterator[Message]: ...
+    def request_up(self, op: str, body: dict | None, timeout: float, buffers: list | None = None) -> Iterator[Message]: ...
 
 
 class Worker:
@@ -99,11 +99,12 @@ class Worker:
                     found[fn._kiln_op] = getattr(self, attr)
         return found
 
-    def request_up(self, op: str, body: dict | None = None, timeout: float = 600.0) -> Iterator["Message"]:
+    def request_up(self, op: str, body: dict | None = None, timeout: float = 600.0,
+                   buffers: list | None = None) -> Iterator["Message"]:
         """A service of the supervisor (another worker's op, through the router); see Runtime."""
         if self.runtime is None:
             raise OpError("no_supervisor", "this worker runs without a supervisor")
-        return self.runtime.request_up(op, body, timeout)
+        return self.runtime.request_up(op, body, timeout, buffers)
 
     @op("ping")
     def _ping(self, req: Request):

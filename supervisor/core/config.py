@@ -13,32 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Field:
-    type: type
-    default: Any
-    help: str
-    low: float | None = None
-    high: float | None = None
-    choices: tuple | None = None
-
-    def describe(self) -> str:
-        if self.choices:
-            return "one of " + ", ".join(map(repr, self.choices))
-        rng = ""
-        if self.low is not None or self.high is not None:
-            rng = f" in [{self.low if self.low is not None else '-inf'}, {self.high if self.high is not None else 'inf'}]"
-        return f"a{'n' if self.type is int else ''} {self.type.__name__}{rng}"
-
+from .config_fields import ConfigError, Field, coerce as _coerce  # noqa: F401  (re-exported)
+from .worker_config import (BUILTIN_KINDS, DEFAULT_WORKERS, KIND_SETTINGS, KV_SETTINGS, KV_TYPES,  # noqa: F401
+                            WORKER_FIELDS, _split, _worker)                                    # (re-exported)
 
 WEIGHTS = ("mapped", "private")   # a model worker's weights (kiln.native.model.WEIGHTS: the supervisor
                                   # does not import the engine to read it; a test keeps them equal)
-KV_TYPES = ("f16", "q8_0", "q4_0")  # a KV cache's types (kiln.native.kv_types.KV_TYPE_NAMES, kept equal too)
 KV_ENV_ALIAS = "OLLAMA_KV_CACHE_TYPE"   # Ollama's name for models.kv_type, honoured when Kiln's is not set
 
 SCHEMA: dict[str, dict[str, Field]] = {
@@ -124,61 +104,6 @@ SCHEMA: dict[str, dict[str, Field]] = {
     },
 }
 
-WORKER_FIELDS: dict[str, Field] = {
-    "kind": Field(str, None, "worker kind"),
-    "enabled": Field(bool, True, "start it with kiln up"),
-    "model": Field(str, "default", "model path, name, or 'default' (inference kinds)"),
-    "module": Field(str, "", "python module to run (custom kinds)"),
-    "threads": Field(int, 0, "compute threads (0: all cores)", 0, 1024),
-    "replicas": Field(int, 1, "copies of this worker, named NAME, NAME.2, …: requests for it go to the copy "
-                      "with the least outstanding work (on a cluster the copies spread over the nodes)", 1, 64),
-    "settings": Field(dict, {}, "kind-specific settings, passed to the worker as they are"),
-}
-BUILTIN_KINDS = {"inference": "kiln.workers.inference", "moe-stream": "kiln.workers.moe_stream",
-                 "trainer": "kiln.workers.trainer", "evaluator": "kiln.workers.evaluator"}
-# the `settings` each built-in kind reads (a custom kind's are passed through unchecked): a
-# misspelt key must fail at load, not be ignored
-_INFERENCE_SETTINGS = {
-    "ctx": "context length (default: the model's trained context)",
-    "parallel": "sequences decoded together (default 4)",
-    "prefill_ratio": "a decode step carrying a prompt's chunk takes this many plain steps' time (default 3)",
-    "prefill_chunk": "a fixed prompt chunk instead (tokens)",
-    "speculative": "check prompt-lookup or draft-model drafts (default true)",
-    "draft_model": "a model with the same vocabulary that drafts tokens (path or library name)",
-    "draft_min": "check at least this many draft tokens a step (default 0: as they pay)",
-    "weights": "mapped (default: the file's page cache, shared between processes) or private (copied "
-               "into huge pages: faster decode where the page cache holds 4 KiB pages; a moe-stream "
-               "worker copies all but its experts)",
-    "kv_type": "the KV cache's type: f16, q8_0 or q4_0 (default: [models] kv_type)",
-    "kv_type_k": "the keys' type only (llama.cpp's -ctk)",
-    "kv_type_v": "the values' type only (llama.cpp's -ctv)",
-    "prefix_cache": "RAM for blocks of prompts any sequence computed, shared by all of them: auto (one "
-                    "sequence's whole-context KV, at most 1 GiB), a size, or off",
-    "prefix_cache_disk": "disk for those blocks under KILN_HOME/cache/prefix, read back after a restart "
-                         "and by other workers of the model: auto (4 GiB), a size, or off",
-    "slot_save_path": "a folder where llama-server's POST /slots/{id}?action=save|restore keeps a slot's "
-                      "KV cache (its --slot-save-path; without it those actions are refused)",
-    "mmproj": "the vision projector (an mmproj GGUF: path or library name) — default: the one beside the "
-              "model that belongs to it; \"off\": none (llama-server's --mmproj)",
-    "context_shift": "an answer reaching the context's end drops the older half after the first tokens and "
-                     "goes on (llama-server's --context-shift; default false: it stops, \"length\")",
-}
-KV_SETTINGS = ("kv_type", "kv_type_k", "kv_type_v")
-KIND_SETTINGS: dict[str, dict[str, str]] = {
-    "inference": _INFERENCE_SETTINGS,
-    "moe-stream": {**_INFERENCE_SETTINGS,
-                   "expert_cache": "expert cache size: 2GiB, 25% (of RAM) or auto",
-                   "cache_policy": "lru, lfu or lrfu (default)",
-                   "direct": "read experts with O_DIRECT (default true)",
-                   "cache_memory": "auto (default), shared (warm restarts) or private (huge pages)"},
-    "trainer": {},
-    "evaluator": {},
-}
-DEFAULT_WORKERS = {"default": {"kind": "inference", "model": "default"},
-                   "trainer": {"kind": "trainer", "model": "default"},
-                   "evaluator": {"kind": "evaluator"}}
-
-
 @dataclass
 class Config:
     values: dict[str, dict[str, Any]]
@@ -198,31 +123,6 @@ class Config:
         return out
 
 
-def _coerce(key: str, f: Field, raw: Any, from_text: bool) -> Any:
-    value = raw
-    if from_text and isinstance(raw, str):
-        try:
-            if f.type is bool:
-                if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError
-                value = raw.lower() in ("1", "true", "yes", "on")
-            elif f.type in (int, float):
-                value = f.type(raw)
-        except ValueError:
-            raise ConfigError(f"{key} = {raw!r} is not valid: must be {f.describe()}") from None
-    if f.type is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if key.endswith("keep_alive") and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)                 # keep_alive = 300 means seconds, as "300" does
-    if not isinstance(value, f.type) or (f.type in (int, float) and isinstance(value, bool)):
-        raise ConfigError(f"{key} = {raw!r} is not valid: must be {f.describe()}")
-    if f.low is not None and value < f.low or f.high is not None and value > f.high:
-        raise ConfigError(f"{key} = {value!r} is out of range: must be {f.describe()}")
-    if f.choices and value not in f.choices:
-        raise ConfigError(f"{key} = {value!r} is not valid: must be {f.describe()}")
-    return value
-
-
 def find_config_file(explicit: str | None) -> Path | None:
     if explicit:
         p = Path(explicit).expanduser()
@@ -240,37 +140,6 @@ def find_config_file(explicit: str | None) -> Path | None:
         if p.is_file():
             return p
     return None
-
-
-def _worker(name: str, table: Any) -> dict:
-    where = f"workers.{name}"
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{where}] must be a table")
-    unknown = set(table) - set(WORKER_FIELDS)
-    if unknown:
-        raise ConfigError(f"[{where}] unknown key(s) {sorted(unknown)}; allowed: {', '.join(WORKER_FIELDS)}")
-    if "kind" not in table:
-        raise ConfigError(f"[{where}] needs a kind (one of {', '.join(BUILTIN_KINDS)}, or any kind with a module)")
-    out = {}
-    for k, f in WORKER_FIELDS.items():
-        out[k] = _coerce(f"{where}.{k}", f, table[k], False) if k in table else \
-            (dict(f.default) if isinstance(f.default, dict) else f.default)
-    if out["kind"] not in BUILTIN_KINDS and not out["module"]:
-        raise ConfigError(f"[{where}] kind {out['kind']!r} is not built in "
-                          f"(built in: {', '.join(BUILTIN_KINDS)}); give its module")
-    known = KIND_SETTINGS.get(out["kind"]) if not out["module"] else None
-    if known is not None:
-        bad = sorted(set(out["settings"]) - set(known))
-        if bad:
-            allowed = "; ".join(f"{k}: {d}" for k, d in known.items()) or "none"
-            raise ConfigError(f"[{where}] unknown setting(s) {bad} for kind {out['kind']!r}; allowed — {allowed}")
-    for k in KV_SETTINGS:
-        if k in out["settings"] and known is not None and k in known and out["settings"][k] not in KV_TYPES:
-            raise ConfigError(f"[{where}] settings.{k} = {out['settings'][k]!r} is not valid: must be one of "
-                              f"{', '.join(KV_TYPES)}")
-    if not name.replace("-", "").replace("_", "").isalnum():
-        raise ConfigError(f"[{where}] worker names use letters, digits, '-' and '_'")
-    return out
 
 
 def _check_models(m: dict) -> None:
@@ -357,7 +226,10 @@ def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
     parsed = {}
     for name, t in wtables.items():
         w = _worker(name, t)
-        n = w.pop("replicas")
+        n, split = w.pop("replicas"), w.pop("split")
+        if split > 1:
+            parsed.update(_split(name, w, split, n))
+            continue
         if n > 1:
             if w["kind"] not in ("inference", "moe-stream") or w["module"]:
                 raise ConfigError(f"[workers.{name}] replicas = {n}: only model workers (inference, moe-stream) "
@@ -368,7 +240,7 @@ def load_config(file: str | None = None, cli: dict[str, Any] | None = None,
             parsed[f"{name}.{i}"] = {**w, "settings": dict(w["settings"])}
     for w in parsed.values():
         # a model worker without its own KV types runs [models]' (kiln up --kv-type, the env alias)
-        if w["kind"] in ("inference", "moe-stream") and not w["module"] \
+        if w["kind"] in ("inference", "moe-stream", "stage") and not w["module"] \
                 and not any(k in w["settings"] for k in KV_SETTINGS) and kv_types(values["models"]) != ("f16", "f16"):
             w["settings"]["kv_type_k"], w["settings"]["kv_type_v"] = kv_types(values["models"])
     return Config(values, sources, parsed, wsrc, path)

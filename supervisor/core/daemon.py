@@ -128,7 +128,11 @@ class Supervisor(SocketTraffic):
         self.keys = WorkerKeys()
 
         def need(name: str) -> int:
-            l = self.placer.loaded.get(name) if getattr(self, "placer", None) is not None else None
+            """A worker's planned bytes; a later pipeline stage's, its first stage's share."""
+            placer = getattr(self, "placer", None)
+            if placer is None or name not in self.table:
+                return 0
+            l = placer.loaded.get(self.table[name].spec.get("pipeline") or name)
             return l.planned_bytes if l is not None else 0
         return RaySpawner(paths, sv["heartbeat_interval"], cl["address"], self.keys, self.files.worker_key,
                           need=need, record=self.record)

@@ -174,6 +174,8 @@ class Placer:
             except Exception:  # noqa: BLE001 - a bad path or a corrupt file: the boot reports it
                 continue
             need = int(p["total_bytes"])
+            if isinstance(settings.get("stage"), list) and len(settings["stage"]) == 2:
+                need //= max(1, int(settings["stage"][1]))      # a pipeline's first stage: its share
             if w.kind == "moe-stream":
                 if not settings.get("cache_bytes"):
                     continue

@@ -116,6 +116,7 @@ class RaySpawner:
         self.ray = None
         self.head_id: str | None = None
         self.placed: dict[str, RayWorker] = {}   # live handles by worker name
+        self.specs: dict[str, dict] = {}         # and what they were started with
         self.last_lines: dict[str, str] = {}
         self._nodes: tuple[float, list[Node]] | None = None
 
@@ -188,6 +189,10 @@ class RaySpawner:
             raise OSError(f"no node of the Ray cluster has {need / 2**20:.0f} MiB free for {name} (free: {free}); "
                           f"add a node (`ray start --address HEAD --memory BYTES`) or lower the model's context")
         count = {n.id: sum(1 for h in self.placed.values() if h.node.id == n.id) for n in nodes}
+        # a pipeline's stages on different nodes when they can be: that is what splitting is for
+        mates = {h.node.id for w, h in self.placed.items()
+                 if spec.get("pipeline") and self.specs.get(w, {}).get("pipeline") == spec["pipeline"]}
+        fits = [n for n in fits if n.id not in mates] or fits
         # the fewest workers (replicas spread over the nodes), then a node other than the
         # supervisor's (it serves HTTP too), then the tightest fit (a big hole stays for a big model)
         return min(fits, key=lambda n: (count[n.id], n.head, n.memory - used.get(n.id, 0) - need))
@@ -219,6 +224,7 @@ class RaySpawner:
             self.keys.revoke(public)
             raise OSError(f"Ray could not start an actor on {node.label}: {type(e).__name__}: {e}") from None
         h = self.placed[name] = RayWorker(self, name, actor, start, exit_ref, token, public, node)
+        self.specs[name] = spec
         return h
 
     def finished(self, h: RayWorker) -> None:

@@ -88,7 +88,7 @@ class Router:
     # -- admission (the loop) -------------------------------------------------------------------
 
     def submit(self, op: str, body: Any, client: Client, target: Target,
-               timeout: float | None = None) -> str | None:
+               timeout: float | None = None, buffers: list | None = None) -> str | None:
         """Admit a request; its answer (or error) goes to `client`. Returns the router's id, or
         None when it was refused at once (the error was delivered)."""
         try:
@@ -118,7 +118,7 @@ class Router:
         timeout = timeout or self.request_timeout
         p = Pending(new_id(), op, body, client, target, now + timeout, timeout,
                     now + min(timeout, self.wait_for_worker), adapter=adapter, target_worker=w.name,
-                    keep_alive=keep_alive, min_ctx=min_ctx)
+                    keep_alive=keep_alive, min_ctx=min_ctx, buffers=buffers or [])
         self.pending[p.id] = p
         self.counts["admitted"] += 1
         log.debug("admitted %s %s for %s (%d pending)", p.op, p.id, w.name, len(self.pending))
@@ -243,7 +243,7 @@ class Router:
             p.worker = w.name
             p.attempts += 1
             self.sent[w.name] += 1
-            self.send(w, make("request", id=p.id, op=p.op, body=p.body,
+            self.send(w, make("request", id=p.id, op=p.op, body=p.body, buffers=p.buffers,
                               deadline=self.table.clock.time() + max(0.0, p.deadline - now)))
             return True
         if self.table.gone_for_good(w):
@@ -338,7 +338,7 @@ class Router:
         target = Target(model=body.pop("model", None), worker=body.pop("worker", None))
         dl = msg.get("deadline")
         timeout = max(1.0, dl - self.table.clock.time()) if isinstance(dl, (int, float)) else None
-        self.submit(op, body, client, target, timeout)
+        self.submit(op, body, client, target, timeout, msg.buffers)
 
     # -- cancel and endings -------------------------------------------------------------------
 

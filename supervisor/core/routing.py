@@ -25,6 +25,8 @@ ROUTED_OPS = MODEL_OPS + tuple(KIND_OPS)
 WORKER_ALLOWED: dict[str, frozenset] = {
     "evaluator": frozenset({"generate", "score", "tokenize", "detokenize", "apply_template", "info"}),
     "trainer": frozenset(),
+    # the first stage of a split model sends its rows to the later stages (workers/stage.py)
+    "inference": frozenset({"stage_forward"}),
 }
 
 
@@ -68,6 +70,7 @@ class Pending:
     keep_alive: Any = "default"    # seconds its model stays loaded after it (None: forever)
     min_ctx: int | None = None     # the context the client asked for (Ollama's num_ctx): a worker
                                    # whose context is shorter refuses it
+    buffers: list = field(default_factory=list)    # raw frames it carries (a stage's rows)
 
 
 class RouteError(Exception):

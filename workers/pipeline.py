@@ -1,0 +1,90 @@
+"""The first stage of a model split across processes (issue 41): an inference worker whose model
+holds layers 0..k-1 (and the embeddings and the output head), and sends each forward's rows on
+to the stage workers that hold the rest (workers/stage.py), through the supervisor's router —
+raw float32 frames, the same CURVE-protected socket every worker uses. Settings: `stage` =
+[0, count] and `stages` = the later stages' worker names, in order (`split = N` on a worker
+writes both, supervisor/core/config.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .stage import boot_id, stage_of
+from .worker import BootError, OpError
+
+STAGE_TIMEOUT = 120.0            # one call: a long prompt's chunk on a busy node
+BOOT_ID = boot_id()              # a stage that says the same shares this machine's cores
+
+
+def stage_kw(path, settings: dict) -> dict:
+    """load_model's `stage` for a first stage, or nothing for a whole model."""
+    if not settings.get("stage"):
+        return {}
+    first, end = stage_of(path, settings["stage"])
+    if first != 0:
+        raise BootError(f"stage = {settings['stage']}: an inference worker is a model's first stage (index 0); "
+                        f"later stages are stage workers")
+    names = settings.get("stages")
+    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
+            and len(names) == settings["stage"][1] - 1):
+        raise BootError(f"stages = {names!r}: the names of the {settings['stage'][1] - 1} later stage worker(s)")
+    return {"stage": (first, end)}
+
+
+def attach(worker, model) -> "RemoteStages":
+    """Make `model` (a first stage) send its rows to the later stages; refuse what a split model
+    cannot do yet, by name, instead of ignoring it."""
+    st = worker.settings
+    for key, why in (("draft_model", "a draft model drafts with a whole model's layers"),):
+        if st.get(key):
+            raise BootError(f"{key}: a model split across processes runs without it ({why})")
+    if st.get("mmproj") not in (None, "off"):
+        raise BootError("mmproj: a model split across processes reads no images yet")
+    st["mmproj"] = "off"
+    if model.family.recurrent_state(model.config):
+        raise BootError(f"{model.path.name}: a model with recurrent layers cannot be split (their state cannot be "
+                        f"rolled back in step with the later stages)")
+    model.remote = RemoteStages(worker, st["stages"], model.config.n_embd)
+    return model.remote
+
+
+class RemoteStages:
+    """model.remote of a first stage: the rows through each later stage in turn."""
+
+    def __init__(self, worker, names: list[str], n_embd: int):
+        self.worker, self.names, self.n_embd = worker, names, n_embd
+        self.calls = 0
+        self.bytes_out = self.bytes_in = 0
+        self.seconds = 0.0                   # waiting for the later stages: their compute and the hops
+        self.cpu_here = 0.0                  # CPU seconds the stages on this machine spent on our calls
+
+    def __call__(self, x: np.ndarray, seqs: list, keep) -> np.ndarray:
+        picked = np.arange(x.shape[0])[keep]
+        whole = len(picked) == x.shape[0]
+        for i, name in enumerate(self.names):
+            last = i == len(self.names) - 1
+            body = {"worker": name, "seqs": [list(s) for s in seqs]}
+            if last and not whole:
+                body["keep"] = picked.tolist()
+            out = np.ascontiguousarray(x, np.float32).tobytes()
+            reply, t0 = None, time.perf_counter()
+            for m in self.worker.request_up("stage_forward", body, STAGE_TIMEOUT, [out]):
+                reply = m
+            if reply is None or len(reply.buffers) != 1 or len(reply.buffers[0]) % (4 * self.n_embd):
+                raise OpError("op_failed", f"stage {name} answered without its rows")
+            self.seconds += time.perf_counter() - t0
+            cpu = reply.body.get("cpu_s") if isinstance(reply.body, dict) else None
+            if isinstance(cpu, (int, float)) and reply.body.get("boot_id") == BOOT_ID:
+                self.cpu_here += cpu
+            self.calls += 1
+            self.bytes_out += len(out)
+            self.bytes_in += len(reply.buffers[0])
+            x = np.frombuffer(reply.buffers[0], np.float32).reshape(-1, self.n_embd)
+        return x                 # the last stage sent back only the rows `keep` picked
+
+    def status(self) -> dict:
+        return {"stages": self.names, "stage_calls": self.calls, "stage_bytes_out": self.bytes_out,
+                "stage_bytes_in": self.bytes_in, "stage_wait_s": round(self.seconds, 4)}
