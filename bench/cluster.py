@@ -57,8 +57,25 @@ def stats(d: Daemon, worker: str) -> dict:
     return d.command("call", {"worker": worker, "op": "stats"})
 
 
+LONG = "Summarize this: " + " ".join(f"On day {i} the baker made {i * 3} loaves of rye bread." for i in range(40))
+
+
+def first_token_s(d: Daemon, model: str, run: int) -> float:
+    """Seconds to the first token of a ~700-token prompt (its prefill: through both stages of a
+    split model in parts, each stage computing while the other does); a new first word each run,
+    so no prompt cache serves it."""
+    body = {"model": model, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "user", "content": f"Run {run}. {LONG}"}]}
+    req = urllib.request.Request(d.http + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    urllib.request.urlopen(req, timeout=600).read()
+    return time.perf_counter() - t0
+
+
 def bench_split(d: Daemon, runs: int, tokens: int) -> dict:
     whole, split, same = [], [], True
+    pre_whole, pre_split = [], []
     f0, s0 = stats(d, "sp"), stats(d, "sp.stage1")
     n_split = 0
     for _ in range(runs):
@@ -66,6 +83,8 @@ def bench_split(d: Daemon, runs: int, tokens: int) -> dict:
         s, ts, n = stream(d, "sp", tokens)
         whole.append(w)
         split.append(s)
+        pre_whole.append(first_token_s(d, "whole", len(pre_whole)))
+        pre_split.append(first_token_s(d, "sp", len(pre_split)))
         n_split += n
         same = same and tw == ts
     f1, s1 = stats(d, "sp"), stats(d, "sp.stage1")
@@ -74,6 +93,9 @@ def bench_split(d: Daemon, runs: int, tokens: int) -> dict:
     compute = s1["compute_s"] - s0["compute_s"]
     return {"whole_tok_s": round(statistics.median(whole), 1), "split_tok_s": round(statistics.median(split), 1),
             "ratio": round(statistics.median(split) / statistics.median(whole), 3), "text_identical": same,
+            "prefill_700_tokens_s": {"whole": round(statistics.median(pre_whole), 3),
+                                     "split": round(statistics.median(pre_split), 3),
+                                     "ratio": round(statistics.median(pre_whole) / statistics.median(pre_split), 3)},
             "calls": calls, "tokens": n_split,
             "bytes_per_call_out": round((f1["stage_bytes_out"] - f0["stage_bytes_out"]) / calls),
             "bytes_per_call_in": round((f1["stage_bytes_in"] - f0["stage_bytes_in"]) / calls),

@@ -37,6 +37,10 @@ from .vision.layout import MediaRows
 
 __all__ = ["FUSED_RUN", "WEIGHTS", "Model", "check_weights", "load_model"]
 
+# a split model's prompt rows go to the next stage in parts of about this many, so that the
+# stages compute at once (a part is computed here while the one before is computed there)
+PIPELINE_ROWS = 64
+
 WEIGHTS = ("mapped", "private")
 
 
@@ -205,11 +209,15 @@ class Model:
         if not tokens:
             raise ValueError("forward() needs at least one token")
         self._check(tokens)
-        cache.begin(tokens)
         keep = slice(None) if all_logits else slice(logits_from, None) if logits_from is not None else slice(-1, None)
-        rows = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
-                            adapter, keep)
-        cache.commit(tokens)
+        if self.remote is not None and len(tokens) >= 2 * PIPELINE_ROWS and adapter is None \
+                and getattr(self.remote, "pipelines", False):
+            rows = self._pipelined(tokens, cache, keep)
+        else:
+            cache.begin(tokens)
+            rows = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
+                                adapter, keep)
+            cache.commit(tokens)
         logits = matmul(rms_norm(rows, self.output_norm, c.rms_eps), self.output)
         return logits if (all_logits or logits_from is not None) else logits[0]
 
@@ -306,6 +314,32 @@ class Model:
         for (cache, _, _), past in zip(segments, history):
             cache.commit(past)               # the caller commits this call's own tokens after
         return out
+
+    def _pipelined(self, tokens: list[int], cache: KVCache, keep, replayed: bool = False) -> np.ndarray:
+        """A prompt's rows through a split model in parts: each part is sent on to the next stage
+        as soon as this one has computed it, and the next part computed meanwhile — both stages
+        work at once. The rows `keep` picks, as _layers gives them."""
+        n0, T = cache.n, len(tokens)
+        picked = np.arange(T)[keep]
+        parts = -(-T // PIPELINE_ROWS)
+        bounds = [T * i // parts for i in range(parts + 1)]
+        pending = []
+        try:
+            for a, e in zip(bounds, bounds[1:]):
+                part = tokens[a:e]
+                cache.begin(part)
+                x = self._stack(np.asarray(part), np.arange(cache.n, cache.n + e - a), [(cache, 0, e - a)])
+                mine = picked[(picked >= a) & (picked < e)] - a
+                pending.append(self.remote.submit(x, [(cache.uid, cache.n, e - a)], mine))
+                cache.commit(part)
+            return np.concatenate([p.result() for p in pending])
+        except BaseException as err:
+            history = list(cache.tokens[:n0])
+            cache.truncate(0)
+            if replayed or getattr(err, "code", None) != "stage_state_lost":
+                raise
+        # a later stage lost the sequence (it restarted): every position again, these rows last
+        return self._pipelined(history + list(tokens), cache, np.arange(n0, n0 + T)[keep], True)
 
     def run_stage(self, x: np.ndarray, segments: list, keep=slice(None)) -> np.ndarray:
         """A later stage's share of a forward: rows x (from the stage before) of the sequences in

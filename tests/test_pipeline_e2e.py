@@ -59,7 +59,8 @@ def _stream(d, model, text, n=40) -> str:
 
 
 def test_the_split_model_writes_the_whole_models_text(served):
-    for text in ("Write a haiku about the sea.", "List three prime numbers and explain why they are prime."):
+    long = "Summarize this: " + " ".join(f"On day {i} the baker made {i * 3} loaves of rye bread." for i in range(20))
+    for text in ("Write a haiku about the sea.", "List three prime numbers and explain why they are prime.", long):
         whole, split = _chat(served, "whole", text), _chat(served, "sp", text)
         assert whole["choices"][0]["message"]["content"] == split["choices"][0]["message"]["content"]
         for k in ("prompt_tokens", "completion_tokens"):       # (how many drafts were checked may differ: timing)
@@ -71,6 +72,7 @@ def test_the_split_model_writes_the_whole_models_text(served):
     n_embd_bytes = front["stage_bytes_out"] / max(1, stage["rows"])
     assert n_embd_bytes == 576 * 4                       # raw float32 rows, nothing else
     assert stage["layers"] == [15, 30] and stage["calls"] >= front["stage_calls"] - 1
+    assert stage["rows"] > stage["calls"]                 # the long prompt went in parts of many rows
     models = {m["id"] for m in http_json(served, "GET", "/v1/models")[1]["data"]}
     assert "sp" in models and "sp.stage1" not in models   # a stage is not a model clients name
 

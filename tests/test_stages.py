@@ -152,3 +152,42 @@ def test_a_stage_that_restarted_is_sent_the_whole_sequence_again_and_the_bits_ho
         assert np.array_equal(whole.forward([9], cw), first.forward([9], cf))
     finally:
         first.remote = real
+
+
+class _Submitting:
+    """A remote with `submit`, as workers/pipeline.py's: each part's answer collected after the
+    next part is computed (here the later stage computes at once; the order of calls is the
+    point, and the bits)."""
+    pipelines = True
+
+    def __init__(self, inner):
+        self.inner, self.parts = inner, []
+
+    def __call__(self, x, seqs, keep):
+        return self.inner(x, seqs, keep)
+
+    def submit(self, x, seqs, keep):
+        self.parts.append((seqs[0][1], x.shape[0], len(np.arange(x.shape[0])[keep])))
+        out = self.inner(x, seqs, keep)
+        return type("Done", (), {"result": lambda self: out})()
+
+
+def test_a_long_prompt_goes_through_in_parts_and_the_bits_hold(two):
+    from kiln.native.model import PIPELINE_ROWS
+    whole, first, _, _ = two
+    real = first.remote
+    first.remote = sub = _Submitting(real)
+    try:
+        toks = (whole.tokenizer.encode("Count: one two three four five six seven eight nine ten. ") * 20)[:3 * PIPELINE_ROWS + 5]
+        assert len(toks) == 3 * PIPELINE_ROWS + 5
+        cw, cf = whole.new_cache(512), first.new_cache(512)
+        assert np.array_equal(whole.forward(toks, cw), first.forward(toks, cf))
+        T = len(toks)
+        assert [p[0] for p in sub.parts] == [T * i // 4 for i in range(4)] and sum(p[1] for p in sub.parts) == T
+        assert [p[2] for p in sub.parts] == [0, 0, 0, 1]        # only the last row comes back
+        assert cf.n == cw.n == len(toks) and cf.tokens == cw.tokens
+        more = toks[:2 * PIPELINE_ROWS]
+        assert np.array_equal(whole.forward(more, cw, all_logits=True), first.forward(more, cf, all_logits=True))
+        assert np.array_equal(whole.forward([5], cw), first.forward([5], cf))
+    finally:
+        first.remote = real

@@ -56,35 +56,50 @@ class RemoteStages:
 
     def __init__(self, worker, names: list[str], n_embd: int):
         self.worker, self.names, self.n_embd = worker, names, n_embd
+        self.pipelines = len(names) == 1          # Model.forward may send a prompt's parts ahead
         self.calls = 0
         self.bytes_out = self.bytes_in = 0
         self.seconds = 0.0                   # waiting for the later stages: their compute and the hops
         self.cpu_here = 0.0                  # CPU seconds the stages on this machine spent on our calls
 
     def __call__(self, x: np.ndarray, seqs: list, keep) -> np.ndarray:
+        for i in range(len(self.names)):
+            x = self._call(i, x, seqs, keep, i == len(self.names) - 1).result()
+        return x
+
+    def submit(self, x: np.ndarray, seqs: list, keep) -> "_Pending":
+        """The rows sent on now, their answer collected later (`.result()`): a prompt's next
+        part is computed here meanwhile (Model.forward). With one later stage (`pipelines`);
+        with more, the caller goes step by step."""
+        return self._call(0, x, seqs, keep, True)
+
+    def _call(self, i: int, x: np.ndarray, seqs: list, keep, last: bool) -> "_Pending":
         picked = np.arange(x.shape[0])[keep]
-        whole = len(picked) == x.shape[0]
-        for i, name in enumerate(self.names):
-            last = i == len(self.names) - 1
-            body = {"worker": name, "seqs": [list(s) for s in seqs]}
-            if last and not whole:
-                body["keep"] = picked.tolist()
-            out = np.ascontiguousarray(x, np.float32).tobytes()
-            reply, t0 = None, time.perf_counter()
-            for m in self.worker.request_up("stage_forward", body, STAGE_TIMEOUT, [out]):
-                reply = m
-            if reply is None or len(reply.buffers) != 1 or len(reply.buffers[0]) % (4 * self.n_embd):
-                raise OpError("op_failed", f"stage {name} answered without its rows")
-            self.seconds += time.perf_counter() - t0
-            cpu = reply.body.get("cpu_s") if isinstance(reply.body, dict) else None
-            if isinstance(cpu, (int, float)) and reply.body.get("boot_id") == BOOT_ID:
-                self.cpu_here += cpu
-            self.calls += 1
-            self.bytes_out += len(out)
-            self.bytes_in += len(reply.buffers[0])
-            x = np.frombuffer(reply.buffers[0], np.float32).reshape(-1, self.n_embd)
-        return x                 # the last stage sent back only the rows `keep` picked
+        body = {"worker": self.names[i], "seqs": [list(s) for s in seqs]}
+        if last and len(picked) != x.shape[0]:
+            body["keep"] = picked.tolist()
+        out = np.ascontiguousarray(x, np.float32).tobytes()
+        self.bytes_out += len(out)
+        return _Pending(self, self.names[i], self.worker.send_up("stage_forward", body, STAGE_TIMEOUT, [out]))
 
     def status(self) -> dict:
         return {"stages": self.names, "stage_calls": self.calls, "stage_bytes_out": self.bytes_out,
                 "stage_bytes_in": self.bytes_in, "stage_wait_s": round(self.seconds, 4)}
+
+
+class _Pending:
+    def __init__(self, stages: RemoteStages, name: str, call):
+        self.stages, self.name, self.call, self.t0 = stages, name, call, time.perf_counter()
+
+    def result(self) -> np.ndarray:
+        st = self.stages
+        reply = self.call.result()
+        if len(reply.buffers) != 1 or len(reply.buffers[0]) % (4 * st.n_embd):
+            raise OpError("op_failed", f"stage {self.name} answered without its rows")
+        st.seconds += time.perf_counter() - self.t0
+        st.calls += 1
+        st.bytes_in += len(reply.buffers[0])
+        cpu = reply.body.get("cpu_s") if isinstance(reply.body, dict) else None
+        if isinstance(cpu, (int, float)) and reply.body.get("boot_id") == BOOT_ID:
+            st.cpu_here += cpu
+        return np.frombuffer(reply.buffers[0], np.float32).reshape(-1, st.n_embd)

@@ -106,6 +106,12 @@ class Worker:
             raise OpError("no_supervisor", "this worker runs without a supervisor")
         return self.runtime.request_up(op, body, timeout, buffers)
 
+    def send_up(self, op: str, body: dict | None = None, timeout: float = 600.0, buffers: list | None = None):
+        """As request_up, the reply collected later: `.result()` (workers/upcall.py)."""
+        if self.runtime is None:
+            raise OpError("no_supervisor", "this worker runs without a supervisor")
+        return self.runtime.send_up(op, body, timeout, buffers)
+
     @op("ping")
     def _ping(self, req: Request):
         return {"pong": True, "name": self.name, "pid": os.getpid(), "state": self.state}

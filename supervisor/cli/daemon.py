@@ -316,7 +316,8 @@ def serve(model: Optional[str] = typer.Argument(None, help="a GGUF file, a libra
         env = os.environ.get("KILN_MODEL_PATH", "")
         model = env if env and os.path.isfile(env) else "default"
     up(detach=False, config=config, host=host, port=port, insecure_no_key=False, model=model, stream=False,
-       expert_cache="25%", weights=None, kv_type=kv_type, served_model_id=served_model_id, only_model=True)
+       expert_cache="25%", weights=None, kv_type=kv_type, served_model_id=served_model_id, only_model=True,
+       cluster=None)
 
 
 def register(app: typer.Typer) -> None:
