@@ -30,13 +30,16 @@ def _toml_value(v) -> str:
     return json.dumps(v)
 
 
-def write_config(home: Path, workers: dict, supervisor: dict | None = None, server: dict | None = None) -> Path:
+def write_config(home: Path, workers: dict, supervisor: dict | None = None, server: dict | None = None,
+                 cluster: dict | None = None) -> Path:
     sv = {"heartbeat_interval": 0.2, "liveness": 3, "graceful_timeout": 2.0, "start_secs": 0.3,
           "backoff_initial": 0.2, "backoff_max": 1.0, "max_restarts": 5, "restart_window": 30.0,
           "drain_timeout": 2.0, **(supervisor or {})}
     srv = {"port": 0, **(server or {})}
     lines = ["[server]"] + [f"{k} = {_toml_value(v)}" for k, v in srv.items()]
     lines += ["[supervisor]"] + [f"{k} = {_toml_value(v)}" for k, v in sv.items()]
+    if cluster:
+        lines += ["[cluster]"] + [f"{k} = {_toml_value(v)}" for k, v in cluster.items()]
     for name, spec in workers.items():
         lines.append(f"[workers.{name}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in spec.items()]
@@ -73,11 +76,11 @@ def kiln(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedPro
 class Daemon:
     def __init__(self, home: Path, workers: dict, supervisor: dict | None = None,
                  server: dict | None = None, extra_args: tuple = (), blocked_signals: frozenset = frozenset(),
-                 command: str = "up"):
+                 command: str = "up", cluster: dict | None = None):
         self.home = Path(home)
         self.command_name = command              # `kiln up`, or `kiln serve MODEL`
         self.blocked_signals = blocked_signals   # a signal mask `kiln up` inherits, as from some CI runners
-        self.config = write_config(self.home, workers, supervisor, server)
+        self.config = write_config(self.home, workers, supervisor, server, cluster)
         self.extra_args = extra_args
         self.paths = None
         self.proc: subprocess.Popen | None = None

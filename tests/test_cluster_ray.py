@@ -41,13 +41,17 @@ def cluster():
 def served(cluster, tmp_path_factory, default_model_path):
     c, _ = cluster
     home = tmp_path_factory.mktemp("cluster-home")
+    store = tmp_path_factory.mktemp("node-store")
     d = Daemon(home, {"big": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 4096}},
                       "small": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 1024},
                                 "replicas": 2},
                       "sp": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 1024},
                              "split": 2}},
                supervisor={"heartbeat_interval": 0.5, "liveness": 6, "start_secs": 0.5, "backoff_initial": 0.2},
-               extra_args=("--cluster", c.address))
+               extra_args=("--cluster", c.address),
+               # every node keeps its own checked copy of the model, as on machines that share no disk
+               cluster={"files": "fetch", "node_store": str(store)})
+    d.node_store = store
     d.start(timeout=90)
     try:
         for name in ("small", "small.2", "big", "sp", "sp.stage1"):
@@ -93,6 +97,18 @@ def test_each_model_runs_on_a_node_whose_budget_fits_it_and_answers(served, clus
     assert "Ray cluster" in out and "NODE" in out and nodes[_node_of(served, "big")]["node"] in out
     ps = kiln(served.home, "ps").stdout
     assert "NODE" in ps and nodes[_node_of(served, "big")]["node"] in ps
+
+
+def test_each_node_runs_its_own_checked_copy_of_the_model(served, default_model_path):
+    import hashlib
+    sha = hashlib.sha256(default_model_path.read_bytes()).hexdigest()
+    for name in ("small", "small.2", "big", "sp", "sp.stage1"):
+        w = served.command("call", {"worker": name, "op": "stats"})
+        path = os.path.realpath(w["path"])
+        assert path == os.path.join(os.path.realpath(served.node_store), _node_of(served, name)[:12],
+                                    f"{sha[:16]}-{default_model_path.name}"), (name, path)
+    fetched = [e for e in served.command("events", {"after": 0, "limit": 2000})["events"] if e["event"] == "model_fetched"]
+    assert fetched and "sha256 checked" in fetched[0]["detail"]
 
 
 def test_a_model_split_across_two_nodes_writes_the_whole_models_text(served):
@@ -142,7 +158,7 @@ def test_a_key_the_supervisor_did_not_issue_never_gets_a_request(served):
 def _stream(d, model: str, out: dict, started: threading.Event) -> None:
     """One streaming chat completion: its content chunks, its error events, whether it ended."""
     req = urllib.request.Request(d.http + "/v1/chat/completions", method="POST", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"model": model, "stream": True, "max_tokens": 120, "temperature": 0,
+                                 data=json.dumps({"model": model, "stream": True, "max_tokens": 64, "temperature": 0,
                                                   "messages": [{"role": "user", "content": "Count from one to fifty in words."}]}).encode())
     out.update(content=0, errors=[], done=False, content_before_error=None)
     try:

@@ -101,6 +101,11 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "bind": Field(str, "", "the address workers on other nodes reach the supervisor's worker socket by "
                       "(empty: this node's address as Ray knows it)"),
         "port": Field(int, 0, "the worker socket's TCP port (0: any free one)", 0, 65535),
+        "files": Field(str, "auto", "model files on the nodes: auto (a node uses the model's path when it holds a file "
+                       "of that size there, else fetches a copy from the supervisor, sha256-checked) or fetch (every "
+                       "node keeps its own checked copies)", choices=("auto", "fetch")),
+        "node_store": Field(str, "", "where nodes keep fetched model files (empty: KILN_HOME/models/cluster, as each "
+                            "node's environment says)"),
     },
 }
 

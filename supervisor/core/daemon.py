@@ -135,7 +135,7 @@ class Supervisor(SocketTraffic):
             l = placer.loaded.get(self.table[name].spec.get("pipeline") or name)
             return l.planned_bytes if l is not None else 0
         return RaySpawner(paths, sv["heartbeat_interval"], cl["address"], self.keys, self.files.worker_key,
-                          need=need, record=self.record)
+                          need=need, record=self.record, files=cl["files"], node_store=cl["node_store"])
 
     def _bind_worker_socket(self) -> None:
         """ipc:// on one machine; with the Ray backend, TCP with CURVE on the address the nodes
@@ -152,6 +152,10 @@ class Supervisor(SocketTraffic):
         host = cl["bind"] or spawner.node_ip()
         self.worker_sock.bind(f"tcp://{'[' + host + ']' if ':' in host else host}:{cl['port'] or '*'}")
         spawner.endpoint = self.worker_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.placer is not None:
+            # models placed on the nodes: the budget is the cluster's, each one fitted to nodes
+            self.placer.nodes_free = spawner.free
+            self.placer.budget = sum(n.memory for n in spawner.nodes())
         self.record("cluster_joined", None, f"Ray at {cl['address']}: {len(spawner.nodes())} node(s); workers "
                                             f"connect to {spawner.endpoint} (CURVE)")
 

@@ -12,12 +12,15 @@ Plain Python, no Ray import: the supervisor wraps it with `ray.remote` (ray_spaw
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+
+from .node_files import fetch, local_copy
 
 # what Ray puts in its workers' environment that a Kiln worker must not inherit: Ray pins
 # OpenMP to the actor's CPU count (1, or 0 → 1), which would run the engine on one core
@@ -43,20 +46,48 @@ class NodeHost:
         self._error: str | None = None
         self.code: int | None = None
 
-    def start(self, module: str, env: dict, secrets: bytes, log_path: str, banner: str) -> dict:
+    def start(self, module: str, env: dict, secrets: bytes, log_path: str, banner: str,
+              model_file: dict | None = None) -> dict:
         """Start `python -m module` (this node's Python: the one running the actor); its pid and
-        where it runs. The process is started by a
+        where it runs. `model_file`: the worker's model as the supervisor has it — used where it
+        is when this node has it (same size), else fetched from the supervisor's file server
+        into this node's store and checked first (node_files.py). The process is started by a
         thread that then waits for it: the parent-death signal follows the thread that forked,
         so that thread lives exactly as long as the process."""
-        self.log_path = self._log_file(log_path)
-        full_env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith("RAY_")}
-        full_env.update(env)
-        threading.Thread(target=self._run, args=([sys.executable, "-m", module], full_env, secrets, banner), daemon=True,
-                         name="kiln-node-host").start()
-        self._started.wait()
+        placed = {}
+        try:
+            self.log_path = self._log_file(log_path)
+            placed = self._place_model(model_file, env) if model_file else {}
+            full_env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith("RAY_")}
+            full_env.update(env)
+            threading.Thread(target=self._run, args=([sys.executable, "-m", module], full_env, secrets, banner),
+                             daemon=True, name="kiln-node-host").start()
+            self._started.wait()
+        except Exception as e:  # noqa: BLE001 - the supervisor reads it as the process's exit reason
+            self._error = self._error or f"{type(e).__name__}: {e}"
         if self._error:
+            self._exited.set()
             raise OSError(self._error)
-        return {"pid": self.proc.pid, "host": socket.gethostname(), "boot_id": boot_id(), "log": self.log_path}
+        return {"pid": self.proc.pid, "host": socket.gethostname(), "boot_id": boot_id(), "log": self.log_path,
+                **placed}
+
+    def _place_model(self, mf: dict, env: dict) -> dict:
+        import ray
+        path, size = mf["path"], mf["size"]
+        if mf["mode"] == "auto" and os.path.isfile(path) and os.path.getsize(path) == size:
+            return {"model_path": path, "fetched_bytes": 0}
+        server = mf["server"]
+        sha = ray.get(server.digest.remote(path))
+        store = mf.get("store") or os.path.join(os.environ.get("KILN_HOME") or os.path.expanduser("~/.kiln"),
+                                                "models", "cluster")
+        target = local_copy(store, mf["node"], path, sha)
+        with open(self.log_path, "a") as log:
+            n = fetch(lambda at, k: ray.get(server.read.remote(path, at, k)), size, sha, target,
+                      lambda line: (log.write(f"--- kiln: {line}\n"), log.flush()))
+        settings = json.loads(env.get("KILN_WORKER_SETTINGS") or "{}")
+        settings["model"] = target
+        env["KILN_WORKER_SETTINGS"] = json.dumps(settings)
+        return {"model_path": target, "fetched_bytes": n}
 
     def _run(self, argv, env, secrets, banner) -> None:
         try:

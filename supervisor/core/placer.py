@@ -26,6 +26,7 @@ from kiln.protocol.vocab import ALIVE, FATAL, STOPPED
 
 from . import policy
 from .config import kv_types
+from .cluster_place import no_room, split_specs, stages_needed
 from .process_table import ProcessTable, WorkerProcess
 
 MODEL_KINDS = ("inference", "moe-stream")
@@ -52,6 +53,7 @@ class Loaded:
     unloading: str | None = None    # why, once it is being stopped
     file: str | None = None         # the resolved file: a configured `model = "default"` is it too
     context_why: str | None = None  # why its context is what it is (plan's context_why), for `kiln ps`
+    stages: tuple = ()              # a model split over a cluster's nodes: its later stage workers
 
 
 class Placer:
@@ -64,13 +66,15 @@ class Placer:
         self.pressure_bytes, self.busy, self.record = pressure_bytes, busy, record
         self.resolve_path, self.plan, self.available, self.ctx = resolve, plan, available, ctx
         self.state_file, self.weights = state_file, weights
+        self.nodes_free: Callable[[], list[int]] | None = None   # on a cluster: free bytes of each node alive
         self.kv = tuple(kv)            # an on-demand model's KV cache types ([models] kv_type)
         self.loaded: dict[str, Loaded] = {}
         now = table.clock.monotonic()
         for w in table:
             if w.kind in MODEL_KINDS:
                 self.loaded[w.name] = Loaded(w.name, Path(str(w.spec.get("model"))).stem, str(w.spec.get("model")),
-                                             0, True, None, now, file=self._file(str(w.spec.get("model"))))
+                                             0, True, None, now, file=self._file(str(w.spec.get("model"))),
+                                             stages=tuple((w.spec.get("settings") or {}).get("stages") or ()))
         self.active = self._read_active()
 
     # -- the default model ---------------------------------------------------------------------
@@ -151,7 +155,7 @@ class Placer:
                 continue
             rss = (w.rss or 0) if w.pid else 0
             if w.pid or l.planned_bytes:
-                total += max(l.planned_bytes, rss)
+                total += max(l.planned_bytes, rss) + l.planned_bytes * len(l.stages)   # a split model's stages too
         return total
 
     def plan_pinned(self) -> None:
@@ -207,6 +211,12 @@ class Placer:
             kind = "moe-stream"
             settings["expert_cache"] = f"{int(p['expert_cache_bytes']) // 2**20}MiB"
             need = streamed_need(p, int(p["expert_cache_bytes"]))
+        stages = 1
+        if self.nodes_free is not None and kind == "inference":      # a cluster: a node, or several together
+            free = self.nodes_free()
+            stages = stages_needed(need, free)
+            if not stages:
+                raise PlaceError("insufficient_memory", no_room(path.stem, need, free), retry_after=5)
         if need > self.budget:
             raise PlaceError("insufficient_memory", (
                 f"{path.stem} needs {need / GiB:.2f} GiB (weights {p['weights_bytes'] / GiB:.2f} + KV cache "
@@ -217,14 +227,19 @@ class Placer:
         name = self._name_for(path.stem)
         spec = {"kind": kind, "enabled": True, "model": str(path), "module": "", "threads": 0,
                 "settings": settings}
-        w = self.table.add(name, spec)
+        group = split_specs(name, spec, stages) if stages > 1 else {name: spec}
+        for n, s in group.items():
+            self.table.add(n, s)
+        w = self.table[name]
         ka = self.keep_alive if keep_alive == "default" else keep_alive
-        self.loaded[name] = Loaded(name, path.stem, str(path), need, False, ka, self.table.clock.monotonic(),
-                                   file=str(path), context_why=p.get("context_why"))
+        self.loaded[name] = Loaded(name, path.stem, str(path), need // stages, False, ka, self.table.clock.monotonic(),
+                                   file=str(path), context_why=p.get("context_why"), stages=tuple(group)[1:])
         self.record("model_loading", name, f"{path.stem}{' (experts streamed)' if kind == 'moe-stream' else ''}: "
-                                           f"planned {need / GiB:.2f} GiB; "
+                                           f"planned {need / GiB:.2f} GiB"
+                                           + (f" in {stages} stages on as many nodes" if stages > 1 else "") + "; "
                                            f"{self.used_bytes() / GiB:.2f} of {self.budget / GiB:.2f} GiB in use")
-        self.table.apply(w, policy.Start(manual=False))
+        for n in group:
+            self.table.apply(self.table[n], policy.Start(manual=False))
         return w
 
     def _name_for(self, stem: str) -> str:
@@ -286,9 +301,10 @@ class Placer:
             return {"worker": worker, "unloading": l.unloading}
         l.unloading = why
         self.record("model_unloading", worker, f"{l.model}: {why}")
-        w = self.table[worker]
-        if w.ps.state in ALIVE or w.ps.state != STOPPED:
-            self.table.apply(w, policy.Stop())
+        for n in (worker, *l.stages):
+            w = self.table[n]
+            if w.ps.state in ALIVE or w.ps.state != STOPPED:
+                self.table.apply(w, policy.Stop())
         return {"worker": worker, "model": l.model, "unloading": why}
 
     def tick(self) -> None:
@@ -297,10 +313,11 @@ class Placer:
             if name not in self.table:
                 del self.loaded[name]
                 continue
-            w = self.table[name]
             if l.unloading:
-                if w.ps.state == STOPPED and w.proc is None:
-                    self.table.remove(name)
+                group = [self.table[n] for n in (name, *l.stages) if n in self.table]
+                if all(x.ps.state == STOPPED and x.proc is None for x in group):
+                    for x in group:
+                        self.table.remove(x.name)
                     del self.loaded[name]
                     self.record("model_unloaded", name, f"{l.model}: {l.unloading}")
                 continue

@@ -25,11 +25,12 @@ from typing import Callable
 
 from .config import BUILTIN_KINDS
 from .curve_keys import WorkerKeys
+from .node_files import FileServer
 from .node_host import NodeHost, boot_id
 from .paths import Paths
 
 log = logging.getLogger("kiln.cluster")
-NODE_LOST = 137                     # what a process lost with its node reads as: killed
+MODEL_FILE_KINDS = ("inference", "moe-stream", "stage", "trainer")      # kinds that load a model file
 
 
 class ClusterError(OSError):
@@ -63,9 +64,15 @@ class RayWorker:
         self.returncode: int | None = None
         self.exit_reason: str | None = None
         self.last_line: str | None = None
+        self.model_path: str | None = None       # where the node found or put the model
+        self.fetched: int | None = None
 
     def started(self, info: dict) -> None:
         self.pid, self.host = self.pid or info.get("pid"), info.get("host")
+        self.model_path, self.fetched = info.get("model_path"), info.get("fetched_bytes")
+        if self.fetched:
+            self.spawner.record("model_fetched", self.name, f"{self.fetched / 2**20:.0f} MiB to node {self.node.label} "
+                                                            f"({self.model_path}), sha256 checked")
         self.local = bool(info.get("boot_id")) and info.get("boot_id") == boot_id()
 
     def _resolve_start(self) -> None:
@@ -109,8 +116,14 @@ class RaySpawner:
 
     def __init__(self, paths: Paths, heartbeat_interval: float, address: str, keys: WorkerKeys,
                  hmac_key: bytes, need: Callable[[str], int] = lambda name: 0,
-                 record: Callable[..., None] = lambda *a, **k: None):
+                 record: Callable[..., None] = lambda *a, **k: None, files: str = "auto", node_store: str = ""):
+        """`files`: "auto" (a node uses the model's path when it holds a file of that size there,
+        else fetches a checked copy) or "fetch" (every node keeps its own checked copies, in
+        `node_store` — empty: KILN_HOME/models/cluster as each node's environment says)."""
         self.paths, self.heartbeat_interval, self.address = paths, heartbeat_interval, address
+        self.files_mode, self.node_store = files, node_store
+        self.file_server = None
+        self.served_files: dict[str, int] = {}   # model paths the file server hands out, with their sizes
         self.keys, self.hmac_key, self.need, self.record = keys, hmac_key, need, record
         self.endpoint: str | None = None         # the worker socket's tcp:// address (set once bound)
         self.ray = None
@@ -135,6 +148,11 @@ class RaySpawner:
                                f"`kiln up --cluster HOST:PORT`)") from None
         self.head_id = ray.get_runtime_context().get_node_id()
         self._host = ray.remote(NodeHost).options
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        # the model files the nodes fetch come from this machine's disk, read by an actor here
+        self.file_server = ray.remote(FileServer).options(
+            num_cpus=0, max_concurrency=4, name=f"kiln-files-{secrets.token_hex(4)}",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.head_id, soft=False)).remote()
 
     def node_ip(self) -> str:
         return self.ray.util.get_node_ip_address()
@@ -165,6 +183,11 @@ class RaySpawner:
             out.append(Node(nid, n.get("NodeManagerAddress", "?"), int(n.get("Resources", {}).get("memory", 0)),
                             nid == self.head_id, f"{n.get('NodeManagerAddress', '?')}/{nid[:6]}"))
         return out
+
+    def free(self) -> list[int]:
+        """Bytes each node alive offers and Kiln has not placed yet (the placer's question)."""
+        used = self.used()
+        return [max(0, n.memory - used.get(n.id, 0)) for n in self.nodes()]
 
     def used(self) -> dict[str, int]:
         """Planned bytes of the workers placed on each node (by node id)."""
@@ -218,7 +241,8 @@ class RaySpawner:
                                name=f"kiln-{name}-{token}",
                                scheduling_strategy=NodeAffinitySchedulingStrategy(node.id, soft=False)).remote()
             start = actor.start.remote(module, env, wire, str(self.paths.worker_log(name)),
-                                       f"starting {spec['kind']} worker {name} ({module})")
+                                       f"starting {spec['kind']} worker {name} ({module})",
+                                       self._model_file(spec, node))
             exit_ref = actor.wait_exit.remote()
         except Exception as e:  # noqa: BLE001 - the cluster refused the actor
             self.keys.revoke(public)
@@ -226,6 +250,21 @@ class RaySpawner:
         h = self.placed[name] = RayWorker(self, name, actor, start, exit_ref, token, public, node)
         self.specs[name] = spec
         return h
+
+    def _model_file(self, spec: dict, node: Node) -> dict | None:
+        """The worker's model file as the node should get it (node_host.py), or None: no model,
+        or one that does not resolve here — the worker's own boot says what is wrong."""
+        if spec["kind"] not in MODEL_FILE_KINDS or not spec.get("model"):
+            return None
+        from kiln.native.models.library import ModelNotFound, resolve_model
+        try:
+            path = str(resolve_model(str(spec["model"])))
+        except (ModelNotFound, OSError, ValueError):
+            return None
+        if path not in self.served_files:
+            self.served_files[path] = self.ray.get(self.file_server.allow.remote(path), timeout=30)
+        return {"path": path, "size": self.served_files[path], "mode": self.files_mode, "store": self.node_store,
+                "node": node.id, "server": self.file_server}
 
     def finished(self, h: RayWorker) -> None:
         """The process is gone: its key opens nothing any more, its actor is ended."""
