@@ -92,3 +92,35 @@ def test_a_message_naming_another_worker_than_its_key_is_refused_and_counted():
     t._on_worker_frames([b"small:42", b"KILN/1"], key_owner="small")
     t._on_worker_frames([b"small:42", b"KILN/1"], key_owner=None)      # ipc: no CURVE, no owner
     assert t.bad_frames["foreign_key"] == 1 and t.decoded == 2
+
+
+class _NodeProc:
+    """A cluster handle as the process table sees it: no pid until the hello, a spawn token."""
+    local, node = False, None
+
+    def __init__(self):
+        self.pid, self.token, self.returncode = None, "t0k3n", None
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, sig):
+        pass
+
+
+def test_a_hello_without_its_spawns_token_is_refused_as_a_stale_or_foreign_worker():
+    from fakes import FakeClock
+    from kiln.supervisor.core import policy
+    from kiln.supervisor.core.process_table import ProcessTable
+
+    class Spawner:
+        def spawn(self, name, spec):
+            return _NodeProc()
+    table = ProcessTable({"w": {"kind": "inference"}}, policy.Settings(1, 3, 60, 0.5, 8, 10, 10), Spawner(), FakeClock())
+    table.apply(table["w"], policy.Start(manual=False))
+    hello = {"kind": "inference", "ops": []}
+    assert table.on_hello(b"w:77", "w", 77, {**hello, "token": "stale"}, {}) is None
+    assert table.on_hello(b"w:77", "w", 77, hello, {}) is None                 # none at all
+    assert table.on_hello(b"w:78", "w", 77, {**hello, "token": "t0k3n"}, {}) is None   # identity not its pid
+    w = table.on_hello(b"w:77", "w", 77, {**hello, "token": "t0k3n"}, {})
+    assert w is not None and w.pid == 77 and table.by_peer(b"w:77") is w

@@ -95,6 +95,7 @@ class RayWorker:
             self.returncode, self.last_line = int(got["code"]), got.get("last_line")
             if got.get("error"):
                 self.exit_reason = f"could not start on {self.node.label}: {got['error']}"
+                self.spawner.refused[(self.node.id, self.name)] = got["error"]    # its next start goes elsewhere
         except Exception as e:  # noqa: BLE001 - RayActorError & co: the actor (its node) is gone
             self.spawner.forget_nodes()
             self.returncode = -signal.SIGKILL
@@ -132,6 +133,7 @@ class RaySpawner:
         self.specs: dict[str, dict] = {}         # and what they were started with
         self.last_lines: dict[str, str] = {}
         self._nodes: tuple[float, list[Node]] | None = None
+        self.refused: dict[tuple, str] = {}      # (node id, worker) -> why the node could not start it
 
     def connect(self) -> None:
         try:
@@ -207,6 +209,11 @@ class RaySpawner:
                 return here[0]
         used, need = self.used(), self.need(name)
         fits = [n for n in nodes if used.get(n.id, 0) + need <= n.memory]
+        skipped = [n for n in fits if (n.id, name) in self.refused]
+        if skipped and len(skipped) < len(fits):                 # a node that could not start it: skipped
+            fits = [n for n in fits if (n.id, name) not in self.refused]
+        elif skipped:
+            self.refused = {k: v for k, v in self.refused.items() if k[1] != name}   # every node failed once: try again
         if not fits:
             free = ", ".join(f"{n.label} {(n.memory - used.get(n.id, 0)) / 2**20:.0f} MiB" for n in nodes)
             raise OSError(f"no node of the Ray cluster has {need / 2**20:.0f} MiB free for {name} (free: {free}); "
