@@ -22,7 +22,10 @@ def served(tmp_path_factory, default_model_path):
     home = tmp_path_factory.mktemp("pipeline")
     model = str(default_model_path)
     d = Daemon(home, {"whole": {"kind": "inference", "model": model, "settings": {"ctx": 1024}},
-                      "sp": {"kind": "inference", "model": model, "split": 2, "settings": {"ctx": 1024}}},
+                      "sp": {"kind": "inference", "model": model, "split": 2,
+                             # the parts of a prompt overlapped even on one machine: the path a
+                             # split over two machines takes (auto leaves it to those)
+                             "settings": {"ctx": 1024, "pipeline_prefill": True}}},
                supervisor={"heartbeat_interval": 0.5, "liveness": 6, "start_secs": 0.3})
     d.start()
     try:

@@ -237,7 +237,7 @@ class RaySpawner:
         token = secrets.token_hex(8)
         env = {"KILN_WORKER_NAME": name, "KILN_ENDPOINT": self.endpoint, "KILN_SECRETS": "stdin",
                "KILN_WORKER_SETTINGS": json.dumps(settings), "KILN_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
-               "KILN_STATE_DIR": str(self.paths.home), "PYTHONUNBUFFERED": "1"}
+               "KILN_STATE_DIR": str(self.paths.home), "KILN_HOME": str(self.paths.home), "PYTHONUNBUFFERED": "1"}
         if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
             env["GOMP_SPINCOUNT"] = "30000"           # as processes.py says why
         wire = json.dumps({"hmac": self.hmac_key.hex(), "server_key": self.keys.public.decode(),

@@ -53,6 +53,9 @@ _INFERENCE_SETTINGS = {
                      "goes on (llama-server's --context-shift; default false: it stops, \"length\")",
     "stage": "[0, N]: the first of N pipeline stages (written by `split = N`)",
     "stages": "the later stages' worker names, in order (written by `split = N`)",
+    "pipeline_prefill": "a split model's prompt sent to the next stage in parts, both stages computing at "
+                        "once: auto (default: when that stage is on another machine — on one, they would "
+                        "share its cores), true or false",
 }
 _STAGE_SETTINGS = {"stage": "[index, N]: which of the N pipeline stages this worker runs",
                    "ctx": "the first stage's context", "parallel": "the first stage's slots (its caches are kept "
