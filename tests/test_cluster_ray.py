@@ -239,3 +239,14 @@ def test_the_dashboard_shows_each_workers_node(served, request):
         assert not page.errors, page.errors
     finally:
         page.close()
+
+
+def test_kiln_up_with_a_cluster_that_is_not_there_says_so_at_once(tmp_path):
+    import subprocess
+    import sys
+    from daemon_harness import env_for
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "up", "--cluster", "127.0.0.1:1", "--port", "0"],
+                         env=env_for(tmp_path), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode != 0 and "cannot reach the Ray cluster at '127.0.0.1:1'" in out.stderr + out.stdout
+    assert time.monotonic() - t0 < 30

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +36,20 @@ MODEL_FILE_KINDS = ("inference", "moe-stream", "stage", "trainer")      # kinds 
 
 class ClusterError(OSError):
     """The cluster cannot be joined or used (the message says what to do)."""
+
+
+def reach(address: str, timeout: float = 5.0) -> None:
+    """A TCP connection to the cluster's head first: Ray itself waits minutes on an address where
+    nothing listens ("auto" it resolves itself, and fails at once when no cluster runs here)."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot reach the Ray cluster at {address!r}: {e} (is `ray start --head` running "
+                           f"there, and is its port open? `kiln up --cluster auto` joins the one on this "
+                           f"machine)") from None
 
 
 @dataclass
@@ -141,6 +156,7 @@ class RaySpawner:
         except ImportError:
             raise ClusterError("cluster.backend = \"ray\" needs Ray: pip install 'kiln[ray]'") from None
         self.ray = ray
+        reach(self.address)
         try:
             ray.init(address=self.address, namespace="kiln", log_to_driver=False, logging_level=logging.WARNING,
                      configure_logging=False)
