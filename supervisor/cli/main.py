@@ -26,6 +26,7 @@ from .daemon import _command, _load_config, _paths
 from .debug import debug_app, eval_app
 from .engine import fail, models_app
 from .train import adapters_app, train_app
+from .hf import hf_app
 from . import eval as cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
 from . import quantize as cli_quantize  # noqa: F401,E402  (adds `kiln models quantize`)
 from . import retrieval as cli_retrieval
@@ -36,6 +37,7 @@ app.add_typer(models_app, name="models")
 app.add_typer(debug_app, name="debug")
 app.add_typer(eval_app, name="eval")
 app.add_typer(train_app, name="train")
+train_app.add_typer(hf_app, name="hf")
 app.add_typer(adapters_app, name="adapters")
 app.command("embed")(cli_retrieval.embed)
 app.command("rerank")(cli_retrieval.rerank)
