@@ -45,8 +45,10 @@ def served(cluster, tmp_path_factory, default_model_path):
     d = Daemon(home, {"big": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 4096}},
                       "small": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 1024},
                                 "replicas": 2},
-                      "sp": {"kind": "inference", "model": str(default_model_path), "settings": {"ctx": 1024},
-                             "split": 2}},
+                      # a prompt's parts overlapped across the stages even on this one machine: the
+                      # path a split over two machines takes (auto leaves it to those)
+                      "sp": {"kind": "inference", "model": str(default_model_path), "split": 2,
+                             "settings": {"ctx": 1024, "pipeline_prefill": True}}},
                supervisor={"heartbeat_interval": 0.5, "liveness": 6, "start_secs": 0.5, "backoff_initial": 0.2},
                extra_args=("--cluster", c.address),
                # every node keeps its own checked copy of the model, as on machines that share no disk
@@ -113,9 +115,35 @@ def test_each_node_runs_its_own_checked_copy_of_the_model(served, default_model_
 
 def test_a_model_split_across_two_nodes_writes_the_whole_models_text(served):
     assert _node_of(served, "sp") != _node_of(served, "sp.stage1")
-    for text in ("Write a haiku about the sea.", "Name three rivers."):
-        assert _chat(served, "sp", text, 32)["choices"][0]["message"]["content"] == \
-            _chat(served, "small", text, 32)["choices"][0]["message"]["content"]
+    long = "Summarize this: " + " ".join(f"On day {i} the baker made {i * 3} loaves of rye bread." for i in range(20))
+    before = served.command("call", {"worker": "sp.stage1", "op": "stats"})
+    sent = served.command("call", {"worker": "sp", "op": "stats"})["stage_bytes_out"]
+    for text in ("Write a haiku about the sea.", "Name three rivers.", long):
+        split, whole = _chat(served, "sp", text, 32), _chat(served, "small", text, 32)
+        assert split["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"]
+        assert split["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    front = served.command("call", {"worker": "sp", "op": "stats"})            # asked now, not a heartbeat's
+    stage = served.command("call", {"worker": "sp.stage1", "op": "stats"})
+    assert front["stages"] == ["sp.stage1"] and stage["layers"] == [15, 30]
+    calls, rows = stage["calls"] - before["calls"], stage["rows"] - before["rows"]
+    assert rows > calls + 300                                   # the long prompt went in parts of many rows
+    assert rows * 576 * 4 == front["stage_bytes_out"] - sent    # raw float32 rows, nothing else
+    models = {m["id"] for m in json.loads(urllib.request.urlopen(served.http + "/v1/models").read())["data"]}
+    assert "sp" in models and "sp.stage1" not in models          # a stage is not a model clients name
+
+
+def test_a_later_stage_killed_mid_conversation_comes_back_unseen(served):
+    import signal
+    text = "Tell me about the moon."
+    before = _chat(served, "sp", text, 24)["choices"][0]["message"]["content"]
+    pid = served.worker("sp.stage1")["pid"]
+    os.kill(pid, signal.SIGKILL)
+    served.wait(lambda st: next((w for w in st["workers"] if w["name"] == "sp.stage1" and w["pid"] not in (None, pid)
+                                 and w["worker_state"] == "ready"), None), 60, "the stage back")
+    # the first stage still holds the conversation's prefix, the new stage nothing: it is sent
+    # every position again, and the answer is the one the whole model gives
+    after = _chat(served, "sp", text, 24)["choices"][0]["message"]["content"]
+    assert after == before == _chat(served, "small", text, 24)["choices"][0]["message"]["content"]
 
 
 def test_requests_for_a_replicated_model_keep_both_copies_busy(served):

@@ -9,6 +9,7 @@ node side runs inside node_host.py's actor).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 
@@ -67,7 +68,15 @@ def local_copy(store: str, node: str, name: str, sha256: str) -> str:
 def fetch(read, size: int, sha256: str, target: str, log=lambda line: None) -> int:
     """Bring a file of `size` bytes to `target` with `read(offset, n) -> bytes`, its sha256
     checked before it takes its name (a copy that does not match is removed). Returns the bytes
-    fetched (0: a checked copy was already there)."""
+    fetched (0: a checked copy was already there). Two workers starting on one node fetch once:
+    the second waits on the first's lock, then finds its checked copy."""
+    os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+    with open(target + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch(read, size, sha256, target, log)
+
+
+def _fetch(read, size: int, sha256: str, target: str, log) -> int:
     done = target + ".sha256"
     if os.path.isfile(target) and os.path.getsize(target) == size and os.path.isfile(done) \
             and open(done).read().strip() == sha256:
