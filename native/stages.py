@@ -69,13 +69,14 @@ class StageCaches:
         return out
 
     def run(self, x: np.ndarray, seqs: list, keep: list | None) -> np.ndarray:
+        """Everything checked — rows, sequences, `keep` — before any cache changes."""
         rows = sum(s[2] for s in seqs if isinstance(s, (list, tuple)) and len(s) == 3 and isinstance(s[2], int))
         if x.shape[0] != rows:
             raise ValueError(f"{x.shape[0]} rows for sequences of {rows}")
-        segs = self.segments(seqs)
         picked = slice(None) if keep is None else np.asarray(keep, np.intp)
-        if keep is not None and (picked.ndim != 1 or (len(picked) and (picked.min() < 0 or picked.max() >= x.shape[0]))):
+        if keep is not None and (picked.ndim != 1 or (len(picked) and (picked.min() < 0 or picked.max() >= rows))):
             raise ValueError("keep names rows outside the batch")
+        segs = self.segments(seqs)
         return np.ascontiguousarray(self.model.run_stage(x, segs, picked))
 
     @property

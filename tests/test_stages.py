@@ -191,3 +191,24 @@ def test_a_long_prompt_goes_through_in_parts_and_the_bits_hold(two):
         assert np.array_equal(whole.forward([5], cw), first.forward([5], cf))
     finally:
         first.remote = real
+
+
+def test_a_stage_worker_refuses_hostile_frames_by_name(default_model_path):
+    from kiln.workers.stage import MAX_ROWS, StageWorker
+    from kiln.workers.worker import OpError, Request
+    w = StageWorker("s", {"model": str(default_model_path), "stage": [1, 2], "ctx": 64})
+    w.boot()
+    n = w.model.config.n_embd
+    row = np.zeros((1, n), np.float32).tobytes()
+    cases = [([], {"seqs": [["u", 0, 1]]}, "one buffer"), ([row, row], {"seqs": [["u", 0, 1]]}, "one buffer"),
+             ([row[:-4]], {"seqs": [["u", 0, 1]]}, "one buffer"),
+             ([b"\0" * 4 * n * (MAX_ROWS + 1)], {"seqs": [["u", 0, MAX_ROWS + 1]]}, f"at most {MAX_ROWS}"),
+             ([row * 2], {"seqs": [["u", 0, 1]]}, "rows for sequences"),
+             ([row], {"seqs": [["u", 70, 1]]}, "exceed the context"),
+             ([row], {"seqs": [["u", 0, 1]], "keep": [5]}, "outside the batch"),
+             ([row], {"seqs": [["u", 3, 1]]}, "holds nothing")]
+    for buffers, body, words in cases:
+        with pytest.raises(OpError, match=words):
+            w._forward(Request("r", "stage_forward", body, buffers, None))
+    out = w._forward(Request("r", "stage_forward", {"seqs": [["v", 0, 1]]}, [row], None))
+    assert out.body["rows"] == 1 and len(out.buffers[0]) == 4 * n

@@ -283,35 +283,8 @@ class Runtime:
         """Ask the supervisor's router for a service (e.g. the evaluator's `generate`): yields each
         chunk, then the reply; an error raises OpError with the router's code. The router checks
         the op against this worker kind's allow-list."""
-        msg = make("request", op=op, body=body or {}, deadline=time.time() + timeout, buffers=buffers)
-        q: queue.Queue = queue.Queue()
-        self.upward[msg.id] = q
-        out = self._outbox()
-        done = False
-        try:
-            out.send_pyobj(("up", msg))
-            deadline = time.monotonic() + timeout + 5
-            while True:
-                try:
-                    m = q.get(timeout=max(0.01, min(0.25, deadline - time.monotonic())))
-                except queue.Empty:
-                    if time.monotonic() > deadline:
-                        raise OpError("timeout", f"the supervisor did not answer {op} within {timeout:g} s",
-                                      retryable=True) from None
-                    continue
-                if m.type == "error":
-                    done = True
-                    raise OpError(m.get("code") or "error", m.get("message") or "", bool(m.get("retryable")))
-                if m.type == "reply":
-                    done = True
-                yield m
-                if done:
-                    return
-        finally:
-            self.upward.pop(msg.id, None)
-            if not done:                        # abandoned by the caller: the router drops it
-                out.send_pyobj(("up", make("cancel", id=msg.id)))
-            out.close()
+        from .upcall import UpCall
+        yield from UpCall(self, op, body or {}, timeout, buffers).messages()
 
     def _execute(self, req: Request) -> Iterator[Message]:
         try:

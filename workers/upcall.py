@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import time
+from typing import Iterator
 
 from kiln.protocol import Message, make
 
@@ -21,8 +22,9 @@ class UpCall:
         runtime.upward[msg.id] = self.q
         runtime.post_up(msg)
 
-    def result(self) -> Message:
-        """The reply (chunks are skipped); an error raises OpError with the router's code."""
+    def messages(self) -> Iterator[Message]:
+        """Each chunk, then the reply; an error raises OpError with the router's code. Left
+        before the reply, the request is cancelled (the router drops it)."""
         done = False
         try:
             while True:
@@ -36,10 +38,17 @@ class UpCall:
                 if m.type == "error":
                     done = True
                     raise OpError(m.get("code") or "error", m.get("message") or "", bool(m.get("retryable")))
-                if m.type == "reply":
-                    done = True
-                    return m
+                done = m.type == "reply"
+                yield m
+                if done:
+                    return
         finally:
             self.runtime.upward.pop(self.id, None)
-            if not done:                        # abandoned: the router drops it
+            if not done:
                 self.runtime.post_up(make("cancel", id=self.id))
+
+    def result(self) -> Message:
+        """The reply alone (chunks skipped)."""
+        for m in self.messages():
+            last = m
+        return last
