@@ -67,7 +67,8 @@ SCHEMAS: dict[str, Schema] = {
                     "replay_of": (str, False)},
     # trainer
     "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False), "method": (str, False),
-                     "model": (str, False)},
+                     "model": (str, False), "teacher": (str, False), "teacher_model": (str, False),
+                     "eval_file": (str, False)},
     "job_cancel": {"id": (str, True)},
     # a pipeline stage (workers/stage.py): rows of hidden states (one float32 buffer) of the
     # sequences [[uid, start, rows], …] through its layers; `keep`: the row indices to send back

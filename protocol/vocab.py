@@ -41,6 +41,7 @@ class ErrorCode:
 _CODES = [
     ErrorCode("bad_request", 400), ErrorCode("invalid_value", 400), ErrorCode("invalid_type", 400),
     ErrorCode("invalid_json", 400), ErrorCode("bad_data", 400), ErrorCode("bad_model", 400),
+    ErrorCode("bad_teacher", 400),        # OPD: the teacher cannot score for this student (vocabulary, reach)
     ErrorCode("bad_suite", 400), ErrorCode("suite_not_found", 404), ErrorCode("no_supervisor", 500),
     ErrorCode("context_length_exceeded", 400), ErrorCode("adapter_mismatch", 400), ErrorCode("context_too_small", 400),
     ErrorCode("unsupported_model", 400), ErrorCode("model_not_found", 404), ErrorCode("unknown_worker", 404),

@@ -51,6 +51,25 @@ def e8k2_path(default_model_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def student_path(default_model_path) -> Path:
+    """The default model's first two layers (its own embedding, head and tokenizer): a small
+    student of the same vocabulary for distillation from the whole model."""
+    from gguf import GGUFReader
+
+    from gguf_copy import copy_gguf
+    out = cache_dir() / "SmolLM2-135M-Instruct-2-layers.gguf"
+    if not out.exists():
+        r = GGUFReader(default_model_path)
+        drop = [t.name for t in r.tensors if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= 2]
+        del r
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        copy_gguf(default_model_path, tmp, meta={"llama.block_count": 2, "general.name": "SmolLM2 2 layers"},
+                  drop=drop)
+        os.replace(tmp, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def default_model(default_model_path):
     from kiln.native.model import load_model
     return load_model(default_model_path)

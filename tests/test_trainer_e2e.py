@@ -254,3 +254,38 @@ def test_adapter_smoke_test_answers_with_and_without_the_new_adapter(daemon, tmp
     base = kiln(daemon.home, "run", "-t", "0", "--max-tokens", "64", "--adapter", "", QUESTION, timeout=120)
     assert base.returncode == 0 and base.stdout.strip() == smoke[0]["base"], (base.stdout, smoke[0])
     assert kiln(daemon.home, "adapters", "delete", "smoke").returncode == 0
+
+
+def test_an_opd_job_learns_from_this_daemons_own_api_as_its_teacher(daemon, tmp_path, student_path):
+    """On-policy distillation with a URL teacher: the two-layer student samples in the trainer,
+    the daemon's own /v1/completions (the whole default model) scores every sampled token by id;
+    the held-out KL is measured before and after (the sampled estimate: the teacher is remote)."""
+    def write(name, topics):
+        f = tmp_path / name
+        f.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"One sentence about {t}."}]})
+                             + "\n" for t in topics))
+        return f
+    train, held = write("p.jsonl", ["the sea", "a cat", "bread", "rain"]), write("h.jsonl", ["trees", "the moon"])
+    common = ["--file", str(train), "--model", str(student_path), "--samples", "2", "--max-new-tokens", "8",
+              "--lr", "5e-3", "--rank", "4"]
+    r = kiln(daemon.home, "train", "opd", *common, "--adapter", "pupil", "--teacher", daemon.http + "/v1",
+             "--eval-file", str(held), "--follow", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr + r.stdout
+    job = json.loads(r.stdout.strip().splitlines()[-1])
+    assert job["state"] == "completed" and job["total_steps"] == 4, job
+    assert job["spec"]["teacher"] == daemon.http + "/v1" and job["spec"]["method"] == "opd"
+    for k in ("held_out_kl_before", "held_out_kl_after"):
+        assert job[k]["measure"] == "sampled" and job[k]["tokens"] > 0, job
+    assert np.isfinite(job["kl"]) and job["sampled_tokens"] > 0
+    meta = json.loads(kiln(daemon.home, "adapters", "list", "--json").stdout)["adapters"]
+    pupil = [a for a in meta if a["name"] == "pupil"][0]
+    assert pupil["method"] == "opd" and pupil["base_model"] == student_path.name
+    # a teacher that is not there, or not an http URL, is refused before anything is queued
+    for teacher, said in ((f"http://127.0.0.1:1/v1", "cannot be reached"), ("no-such-model", "teacher")):
+        r = kiln(daemon.home, "train", "opd", *common, "--adapter", "pupil2", "--teacher", teacher, timeout=300)
+        assert r.returncode != 0 and said in (r.stderr + r.stdout), (r.stderr, r.stdout)
+    status, body = http(daemon, "POST", "/v1/train/opd", {"data": train.read_text(), "adapter": "x"})
+    assert status == 400 and body["error"]["param"] == "teacher"
+    status, body = http(daemon, "POST", "/v1/train/sft", {"data": train.read_text(), "adapter": "x", "teacher": "y"})
+    assert status == 400 and "unknown field" in body["error"]["message"]
+    kiln(daemon.home, "adapters", "delete", "pupil")

@@ -41,10 +41,20 @@ from kiln.native.models.library import ModelNotFound, PullError, resolve_model  
 from kiln.native.lora import TRAINABLE_ARCHS, file_sha256  # noqa: E402
 from kiln.native.model import load_model  # noqa: E402
 from kiln.native.data_file import DataFileError, read_data_file  # noqa: E402
-from kiln.native.training.sft_data import DataError, load_grpo_file, load_sft_file  # noqa: E402
-
-LOADERS = {"sft": load_sft_file, "grpo": load_grpo_file}
+from kiln.native.training.sft_data import DataError, load_grpo_file, load_opd_file, load_sft_file  # noqa: E402
+from kiln.native.training.opd import LocalTeacher, TeacherError, URLTeacher, heldout_kl, is_url  # noqa: E402
+from kiln.native.training.opd_run import OPDRun, OPDSpec  # noqa: E402
 from kiln.native.training.sft_trainer import GRPORun, SFTRun, TrainSpec  # noqa: E402
+
+SPECS = {"sft": TrainSpec, "grpo": TrainSpec, "opd": OPDSpec}
+RUNS = {"sft": SFTRun, "grpo": GRPORun, "opd": OPDRun}
+GRPO_ONLY = ("beta", "clip")
+
+
+def load_examples(method: str, path, template, tokenizer, spec, raw: bytes | None = None) -> list:
+    if method == "opd":
+        return load_opd_file(path, template, tokenizer, spec.max_seq_len, raw, spec.max_new_tokens)
+    return {"sft": load_sft_file, "grpo": load_grpo_file}[method](path, template, tokenizer, spec.max_seq_len, raw)
 from kiln.protocol.store.job_store import FINAL, JobStore  # noqa: E402
 
 from .jobs import cancel_job  # noqa: E402
@@ -119,11 +129,18 @@ class TrainerWorker(Worker):
         method = b.get("method", "sft")
         try:
             check_name(name)
-            if method not in ("sft", "grpo"):
-                raise ValueError(f"method {method!r} is not sft or grpo")
-            if method == "sft" and {"beta", "clip"} & set(b.get("options") or {}):
-                raise ValueError("beta and clip are GRPO options; SFT has no use for them")
-            spec = TrainSpec.from_dict(dict(b.get("options") or {}))
+            if method not in SPECS:
+                raise ValueError(f"method {method!r} is not one of {', '.join(SPECS)}")
+            given = set(b.get("options") or {})
+            if method != "grpo" and set(GRPO_ONLY) & given:
+                raise ValueError(f"{' and '.join(sorted(set(GRPO_ONLY) & given))}: GRPO options; {method} has no use for them")
+            if method != "opd" and set(OPDSpec.METHOD_ONLY) & given:
+                raise ValueError(f"{', '.join(sorted(set(OPDSpec.METHOD_ONLY) & given))}: OPD options; "
+                                 f"{method} samples nothing")
+            if (method == "opd") != bool(b.get("teacher")):
+                raise ValueError("opd needs a teacher (a model of the library or an http(s) URL)" if method == "opd"
+                                 else f"teacher is an OPD field; {method} has no teacher")
+            spec = SPECS[method].from_dict(dict(b.get("options") or {}))
         except (ValueError, TypeError) as e:
             raise OpError("bad_request", str(e)) from None
         try:
@@ -143,19 +160,66 @@ class TrainerWorker(Worker):
         file = Path(b["file"])
         try:       # read once: what is checked, hashed and kept is the same bytes
             raw = read_data_file(file)
-            examples = LOADERS[method](file, template, m.tokenizer, spec.max_seq_len, raw)
+            examples = load_examples(method, file, template, m.tokenizer, spec, raw)
+            held_raw = read_data_file(Path(b["eval_file"])) if b.get("eval_file") else None
+            if held_raw is not None:
+                load_examples(method, Path(b["eval_file"]), template, m.tokenizer, spec, held_raw)
         except (DataFileError, DataError) as e:
             raise OpError("bad_data", str(e)) from None
+        extra = {}
+        if method == "opd":        # preflight: the teacher loads and reads the student's ids as its own
+            extra = {"teacher": self._teacher_spec(b["teacher"]), "teacher_model": b.get("teacher_model")}
+            self._check_teacher(extra, m, examples[0].tokens)
         flat = [c for g in examples for c in g.completions] if method == "grpo" else examples
+        targets = len(examples) * spec.samples * spec.max_new_tokens if method == "opd" \
+            else sum(len(e.targets) for e in flat)           # OPD: the most it will sample per epoch
         job = self.store.create({"adapter": name, "model": str(path), "file": str(file), "method": method,
                                  "data_sha256": hashlib.sha256(raw).hexdigest(), "options": spec.as_dict(),
                                  "examples": len(examples), "tokens": sum(len(e.tokens) for e in flat),
-                                 "target_tokens": sum(len(e.targets) for e in flat)},
+                                 "target_tokens": targets, "held_out": held_raw is not None, **extra},
                                 adapter=name, step=0, total_steps=None, epoch=0, loss=None, tokens_per_s=None,
                                 eta_s=None)
         self.store.path(job["id"], "data.jsonl").write_bytes(raw)
+        if held_raw is not None:
+            self.store.path(job["id"], "held_out.jsonl").write_bytes(held_raw)
         self.wake.set()
         return job
+
+    # -- OPD's teacher --------------------------------------------------------------------------------
+
+    def _teacher_spec(self, spec) -> str:
+        if not isinstance(spec, str):
+            raise OpError("bad_request", "teacher must be a model of the library or an http(s) URL")
+        if is_url(spec):
+            return spec
+        try:
+            return str(resolve_model(spec))
+        except (ModelNotFound, PullError) as e:
+            raise OpError("model_not_found", f"teacher: {e}") from None
+
+    def teacher(self, job_spec: dict, student):
+        """The job's teacher, checked against the student; a local one is kept loaded."""
+        spec = job_spec["teacher"]
+        try:
+            if is_url(spec):
+                return URLTeacher(spec, job_spec.get("teacher_model"))
+            if getattr(self, "_teacher", None) is None or self._teacher[0] != spec:
+                self._teacher = None
+                try:
+                    self._teacher = (spec, load_model(Path(spec)))
+                except (GGUFError, OSError) as e:
+                    raise OpError("bad_model", f"teacher {spec}: {e}") from None
+            return LocalTeacher(self._teacher[1], student)
+        except TeacherError as e:
+            raise OpError("bad_teacher", str(e)) from None
+
+    def _check_teacher(self, job_spec: dict, student, tokens: list[int]) -> None:
+        t = self.teacher(job_spec, student)
+        if isinstance(t, URLTeacher):
+            try:
+                t.check_vocabulary(tokens, student.tokenizer)
+            except TeacherError as e:
+                raise OpError("bad_teacher", str(e)) from None
 
     # -- the job thread -----------------------------------------------------------------------------
 
@@ -186,11 +250,16 @@ class TrainerWorker(Worker):
         spec = job["spec"]
         try:
             path, m, template = self.model(spec["model"])
-            opts = TrainSpec.from_dict(spec["options"])
             method = spec.get("method", "sft")
-            examples = LOADERS[method](self.store.path(jid, "data.jsonl"), template, m.tokenizer, opts.max_seq_len)
-            run = (GRPORun if method == "grpo" else SFTRun)(m, examples, opts, self.store.path(jid, ""))
+            opts = SPECS[method].from_dict(spec["options"])
+            examples = load_examples(method, self.store.path(jid, "data.jsonl"), template, m.tokenizer, opts)
+            held = load_examples(method, self.store.path(jid, "held_out.jsonl"), template, m.tokenizer, opts) \
+                if spec.get("held_out") else None
+            teacher = self.teacher(spec, m) if method == "opd" else None
+            run = RUNS[method](m, examples, opts, self.store.path(jid, ""), **({"teacher": teacher} if teacher else {}))
             job["total_steps"] = run.total_steps
+            if held and teacher and "held_out_kl_before" not in job:
+                job["held_out_kl_before"] = heldout_kl(m, teacher, held, opts)
             self.store.save(job)
 
             def on_step(p):
@@ -205,9 +274,12 @@ class TrainerWorker(Worker):
                 run.save(self.registry.gguf_path(name), name)
                 self.registry.register(name, {
                     "base_model": path.name, "base_path": str(path), "base_sha256": file_sha256(path),
-                    "job": jid, "data_sha256": spec["data_sha256"], "rank": opts.rank, "alpha": opts.alpha,
+                    "job": jid, "method": method, **({"teacher": spec["teacher"]} if teacher else {}),
+                    "data_sha256": spec["data_sha256"], "rank": opts.rank, "alpha": opts.alpha,
                     "targets": list(opts.targets), "steps": run.total_steps, "final_loss": job["loss"]})
                 self.store.path(jid, "checkpoint.npz").unlink(missing_ok=True)
+                if held and teacher:
+                    job["held_out_kl_after"] = heldout_kl(m, teacher, held, opts, run._student())
                 job.update(state="completed", finished=time.time(), eta_s=0)
             elif self.store.cancel_requested(jid):
                 job.update(state="cancelled", finished=time.time())
@@ -215,6 +287,8 @@ class TrainerWorker(Worker):
                 job.update(state="paused", pauses=job.get("pauses", 0) + 1, paused_at_step=job["step"])
         except OpError as e:
             job.update(state="failed", finished=time.time(), error=e.message)
+        except TeacherError as e:            # the teacher went away or answered nonsense mid-run
+            job.update(state="failed", finished=time.time(), error=str(e))
         except Exception as e:  # noqa: BLE001 - the job fails with its reason; the worker goes on
             traceback.print_exc()
             job.update(state="failed", finished=time.time(), error=f"{type(e).__name__}: {e}")

@@ -139,6 +139,17 @@ def load_sft_file(path: str | Path, template: ChatTemplate | None, tokenizer, ma
     return _load_jsonl(path, template, parse, "conversations", raw)
 
 
+def _check_prompt(obj, shape: str, answer: str) -> None:
+    """A line's {"prompt": [messages]}: messages that end before the assistant's turn."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), list) or not obj["prompt"]:
+        raise _Bad(f"expected {shape}")
+    why = _check_messages({"messages": obj["prompt"] + [{"role": "assistant", "content": "x"}]})
+    if why:
+        raise _Bad("prompt: " + why)
+    if obj["prompt"][-1].get("role") == "assistant":
+        raise _Bad(f"prompt: the last message is the assistant's; {answer} are the answer")
+
+
 @dataclass
 class Group:
     """GRPO: completions of one prompt (each an Example whose targets are its tokens) and rewards."""
@@ -154,13 +165,7 @@ def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, m
     import math
 
     def parse(obj, n):
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), list) or not obj["prompt"]:
-            raise _Bad('expected {"prompt": [messages], "completions": [{"text", "reward"}, …]}')
-        why = _check_messages({"messages": obj["prompt"] + [{"role": "assistant", "content": "x"}]})
-        if why:
-            raise _Bad("prompt: " + why)
-        if obj["prompt"][-1].get("role") == "assistant":
-            raise _Bad("prompt: the last message is the assistant's; the completions are the answer")
+        _check_prompt(obj, '{"prompt": [messages], "completions": [{"text", "reward"}, …]}', "the completions")
         comps = obj.get("completions")
         if not isinstance(comps, list) or len(comps) < 2:
             raise _Bad("completions: at least two completions per group (advantages compare them)")
@@ -177,3 +182,30 @@ def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, m
         return Group(n, examples, rewards)
     return _load_jsonl(path, template, parse, "groups", raw)
 
+
+
+@dataclass
+class Prompt:
+    """OPD: a prompt the student answers itself (its tokens end with the generation prompt)."""
+    line: int
+    tokens: list[int]
+
+
+def load_opd_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int,
+                  raw: bytes | None = None, max_new_tokens: int = 0) -> list[Prompt]:
+    """One prompt per line: {"prompt": [messages]}; a prompt plus `max_new_tokens` sampled
+    tokens must fit in max_seq_len. Validated whole, bad lines reported by number."""
+    def parse(obj, n):
+        _check_prompt(obj, '{"prompt": [messages]}', "the student's samples")
+        extra = set(obj) - {"prompt"}
+        if extra:
+            raise _Bad(f"unknown field(s) {sorted(extra)}: a line is {{\"prompt\": [messages]}}")
+        try:
+            tokens = render_and_tokenize(template, tokenizer, obj["prompt"], add_generation_prompt=True)[1]
+        except TemplateError as e:
+            raise _Bad(f"cannot render with the chat template: {e}") from None
+        if len(tokens) + max_new_tokens > max_seq_len:
+            raise _Bad(f"{len(tokens)} prompt tokens + max_new_tokens {max_new_tokens} exceed max_seq_len "
+                       f"{max_seq_len}")
+        return Prompt(n, tokens)
+    return _load_jsonl(path, template, parse, "prompts", raw)

@@ -160,7 +160,7 @@ def import_peft(bundle: str = typer.Option(..., "--bundle", help="a bundle's nam
     from kiln.protocol.store.hf_bundles import BundleError, unpack
     from kiln.protocol.store.hf_bundles import verify as check
 
-    from .train import adapters_import
+    from .adapters import adapters_import
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(bundle)
         try:

@@ -25,7 +25,8 @@ from . import daemon as daemon_commands
 from .daemon import _command, _load_config, _paths
 from .debug import debug_app, eval_app
 from .engine import fail, models_app
-from .train import adapters_app, train_app
+from .adapters import adapters_app
+from .train import train_app
 from .hf import hf_app
 from . import eval as cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
 from . import quantize as cli_quantize  # noqa: F401,E402  (adds `kiln models quantize`)

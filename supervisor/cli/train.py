@@ -1,5 +1,5 @@
-"""`kiln train …` and `kiln adapters …`: LoRA fine-tuning jobs and the adapter registry,
-through the running daemon."""
+"""`kiln train …`: LoRA fine-tuning jobs (SFT, GRPO, on-policy distillation) through the running
+daemon."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from kiln.protocol import vocab
 from .engine import fail, verbosity
 
 train_app = typer.Typer(help="Fine-tune the model with LoRA (jobs run in the trainer worker).", no_args_is_help=True)
-adapters_app = typer.Typer(help="LoRA adapters: list, load (make active), unload, delete.", no_args_is_help=True)
 
 
 def _client():
@@ -85,13 +84,14 @@ def sft(file: Path = typer.Option(..., "--file", "-f", help="JSONL: one {\"messa
 
 
 def _queue(method: str, file: Path, adapter: str, options: dict, model: Optional[str], follow: bool,
-           as_json: bool, items: str, tokens: str, smoke: list[str] = ()) -> None:
+           as_json: bool, items: str, tokens: str, smoke: list[str] = (), extra: dict | None = None) -> None:
     """Submit a training job (the trainer checks the whole file first) and report or follow it;
     with smoke prompts, follow it and then answer them with and without the adapter."""
     follow = follow or bool(smoke)
     from ..bus.client import CommandFailed
     body = {"file": str(file.resolve()), "adapter": adapter, "method": method,
-            "options": {k: v for k, v in options.items() if v is not None}}
+            "options": {k: v for k, v in options.items() if v is not None},
+            **{k: v for k, v in (extra or {}).items() if v is not None}}
     if model:
         body["model"] = model
     with _client() as c:
@@ -166,6 +166,51 @@ def grpo(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"promp
     _queue("grpo", file, adapter, options, model, follow, as_json, "groups", "completion tokens", smoke)
 
 
+@train_app.command("opd")
+def opd(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"prompt": [messages]} per line, which '
+                                  'the student answers itself'),
+        teacher: str = typer.Option(..., "--teacher", "-t", help="the teacher: a model of the library (the "
+                                    "student's family, a larger one) or the http(s) URL of an OpenAI-compatible "
+                                    "server that echoes log-probabilities (Kiln, vLLM)"),
+        teacher_model: Optional[str] = typer.Option(None, "--teacher-model", help="the model name to send to a URL "
+                                                    "teacher (its bearer key: KILN_TEACHER_API_KEY in the "
+                                                    "daemon's environment)"),
+        adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
+        eval_file: Optional[Path] = typer.Option(None, "--eval-file", help="held-out prompts (same format): the "
+                                                 "student's KL to the teacher on them is measured before and after"),
+        samples: Optional[int] = typer.Option(None, "--samples", help="completions sampled per prompt and step "
+                                              "(default 4)"),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="longest sampled completion "
+                                                     "(default 128)"),
+        temperature: Optional[float] = typer.Option(None, "--temperature", help="the student's sampling "
+                                                    "temperature (default 1)"),
+        epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the prompts (default 1)"),
+        lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
+        rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
+        alpha: Optional[float] = typer.Option(None, "--alpha", help="LoRA alpha (default 32)"),
+        grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="prompts per optimizer step (default 1)"),
+        seed: Optional[int] = typer.Option(None, "--seed", help="sampling, shuffling and initialisation seed"),
+        max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="longest prompt + completion, tokens "
+                                                  "(default 512)"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="the student (default: the trainer's model)"),
+        follow: bool = typer.Option(False, "--follow", help="then follow the job until it ends"),
+        smoke: list[str] = typer.Option([], "--adapter-smoke-test", help="after the job: answer this prompt with "
+                                        "the base model and with the new adapter, side by side (repeatable)"),
+        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Queue an on-policy distillation job: the student samples answers to the prompts, the
+    teacher scores every sampled token, and the LoRA learns to lower the student's reverse KL to
+    the teacher on its own samples. The teacher is checked (same vocabulary) before anything runs."""
+    for f in (file, eval_file):
+        if f is not None and not f.is_file():
+            fail(f"{f}: no such file")
+    options = {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "samples": samples,
+               "max_new_tokens": max_new_tokens, "temperature": temperature, "grad_accum": grad_accum,
+               "seed": seed, "max_seq_len": max_seq_len}
+    _queue("opd", file, adapter, options, model, follow, as_json, "prompts", "tokens to sample at most", smoke,
+           {"teacher": teacher, "teacher_model": teacher_model,
+            "eval_file": str(eval_file.resolve()) if eval_file else None})
+
+
 def _fmt_eta(s) -> str:
     if s is None:
         return "-"
@@ -179,7 +224,7 @@ def _line(job: dict) -> str:
     tps = f"{job['tokens_per_s']:.0f}" if job.get("tokens_per_s") else "-"
     state = job["state"] + (" (cancelling)" if job.get("cancel_requested") and job["state"] in ("queued", "running") else "")
     grpo = f"  reward {job['reward']:.3f} |adv| {job.get('advantage_abs', 0):.3f} kl {job.get('kl', 0):.4f}" \
-        if job.get("reward") is not None else ""
+        if job.get("reward") is not None else f"  kl {job['kl']:.4f}" if job.get("kl") is not None else ""
     return (f"{job['id']:<10}{state:<22}{job['adapter']:<18}{str(job['step']) + '/' + str(total):>11}"
             f"{job['epoch']:>7}{loss:>10}{tps:>9}{_fmt_eta(job.get('eta_s')):>9}{grpo}")
 
@@ -212,6 +257,10 @@ def _follow(c, job_id: str, as_json: bool) -> None:
             if as_json:
                 typer.echo(json.dumps({k: v for k, v in job.items() if k != "losses"}))
             else:
+                before, after = job.get("held_out_kl_before"), job.get("held_out_kl_after")
+                if before and after:
+                    typer.echo(f"held-out KL to the teacher ({before['measure']}, per token): "
+                               f"{before['kl']:.4f} before, {after['kl']:.4f} after")
                 typer.echo(f"{job_id} {job['state']}" + (f": {job['error']}" if job.get("error") else "")
                            + (f" — adapter {job['adapter']} is ready (`kiln run --adapter {job['adapter']} …`)"
                               if job["state"] == "completed" else ""))
@@ -262,125 +311,3 @@ def cancel(job: str = typer.Argument(..., help="the job id")):
     with _client() as c:
         j = _routed(c, "train.cancel", {"id": job})
         typer.echo(f"{j['id']}: cancel requested ({j['state']})")
-
-
-# -- adapters ------------------------------------------------------------------------------------
-
-@adapters_app.command("list")
-def adapters_list(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-    """Registered adapters; * marks the active one."""
-    with _client() as c:
-        r = _cmd(c, "adapters.list")
-    if as_json:
-        typer.echo(json.dumps(r))
-        return
-    if not r["adapters"]:
-        typer.echo("no adapters (`kiln train sft` makes one)")
-        return
-    typer.echo(f"  {'NAME':<20}{'BASE':<36}{'RANK':>5}{'ALPHA':>7}{'SIZE':>9}  JOB")
-    for a in r["adapters"]:
-        mark = "*" if a["active"] else " "
-        typer.echo(f"{mark} {a['name']:<20}{str(a.get('base_model') or '?'):<36}{a.get('rank') or '?':>5}"
-                   f"{a.get('alpha') or '?':>7}{a['size_bytes'] / 2**20:>7.1f}MB  {a.get('job') or '-'}")
-
-
-@adapters_app.command("load")
-def adapters_load(name: str = typer.Argument(..., help="adapter name")):
-    """Make NAME the active adapter (used by requests that name none)."""
-    with _client() as c:
-        _cmd(c, "adapters.load", {"name": name})
-    typer.echo(f"adapter {name} is active")
-
-
-@adapters_app.command("unload")
-def adapters_unload():
-    """Serve the base model again (requests may still name an adapter)."""
-    with _client() as c:
-        r = _cmd(c, "adapters.unload")
-    typer.echo(f"adapter {r['was']} unloaded" if r["was"] else "no adapter was active")
-
-
-@adapters_app.command("delete")
-def adapters_delete(name: str = typer.Argument(..., help="adapter name")):
-    """Delete an adapter (refused while it is active or in use)."""
-    with _client() as c:
-        _cmd(c, "adapters.delete", {"name": name})
-    typer.echo(f"adapter {name} deleted")
-
-
-def _heads(model_spec: str):
-    """(arch, n_head, n_head_kv, path) of a base model, from its GGUF metadata."""
-    from kiln.native.config import read_config
-    from kiln.native.gguf_file import GGUFError, read_gguf
-    from kiln.native.models.library import ModelNotFound, resolve_model
-    try:
-        path = resolve_model(model_spec)
-        c = read_config(read_gguf(path, skip_arrays=True))
-    except (ModelNotFound, GGUFError, ValueError) as e:
-        fail(str(e))
-    return c.arch, c.n_head, c.n_head_kv, path
-
-
-def _registry():
-    from kiln.protocol.store.adapter_registry import AdapterRegistry
-
-    from ..core.paths import Paths
-    return AdapterRegistry(Paths.from_env().home)
-
-
-@adapters_app.command("import")
-def adapters_import(path: str = typer.Argument(..., help="a Hugging Face PEFT LoRA folder (adapter_config.json + "
-                                               "adapter_model.safetensors)"),
-                    name: str = typer.Option(..., "--name", help="the adapter's name in Kiln"),
-                    model: str = typer.Option("default", "--model", "-m", help="the base model it was trained on"),
-                    force: bool = typer.Option(False, "--force", help="replace an adapter of that name")):
-    """Import a PEFT LoRA as a GGUF LoRA (what llama.cpp loads): names mapped, q/k rows permuted as
-    the GGUF converter permutes the base weights, alpha kept."""
-    from kiln.native.gguf_file import read_gguf
-    from kiln.native.lora import AdapterError, save_adapter
-    from kiln.native.training.peft import import_peft
-    from kiln.protocol.store.adapter_registry import check_name
-    reg = _registry()
-    try:
-        check_name(name)
-    except ValueError as e:
-        fail(str(e))
-    if name in reg.names() and not force:
-        fail(f"an adapter named {name!r} exists; choose another --name or give --force")
-    arch, n_head, n_head_kv, base = _heads(model)
-    try:
-        ad = import_peft(path, arch, n_head, n_head_kv)
-        ad.check_fits(read_gguf(base, skip_arrays=True))
-    except AdapterError as e:
-        fail(str(e))
-    save_adapter(ad, reg.gguf_path(name), name)
-    reg.register(name, {"base_model": base.name, "base_path": str(base), "rank": ad.rank, "alpha": ad.alpha,
-                        "targets": ad.targets, "source": f"peft:{Path(path).resolve()}"})
-    typer.echo(f"imported {path} as adapter {name} (rank {ad.rank}, alpha {ad.alpha:g}, "
-               f"{len(ad.tensors)} tensors, base {base.name})")
-
-
-@adapters_app.command("export")
-def adapters_export(name: str = typer.Argument(..., help="adapter name"),
-                    peft: str = typer.Option(..., "--peft", help="folder to write the PEFT adapter into"),
-                    model: Optional[str] = typer.Option(None, "--model", "-m", help="its base model (default: the "
-                                                        "one recorded when it was made)")):
-    """Export an adapter as a Hugging Face PEFT LoRA folder (the inverse of import)."""
-    from kiln.native.lora import AdapterError, load_adapter
-    from kiln.native.training.peft import export_peft
-    from kiln.protocol.store.adapter_registry import AdapterNotFound
-    reg = _registry()
-    try:
-        meta = reg.get(name)
-    except (AdapterNotFound, ValueError) as e:
-        fail(str(e))
-    base_spec = model or meta.get("base_path") or "default"
-    arch, n_head, n_head_kv, base = _heads(base_spec)
-    try:
-        ad = load_adapter(meta["path"])
-    except AdapterError as e:
-        fail(str(e))
-    if ad.arch != arch:
-        fail(f"adapter {name} is for {ad.arch}, {base.name} is {arch}")
-    out = export_peft(ad, peft, n_head, n_head_kv, base.stem)
-    typer.echo(f"wrote {out}/adapter_config.json and adapter_model.safetensors")
