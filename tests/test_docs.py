@@ -176,7 +176,7 @@ def test_the_eval_suite_in_the_docs_loads_and_scores():
     says (issue 42: the scorer format had to be read from the code)."""
     import json
     import re
-    from kiln.workers.scoring import load_suite, score
+    from kiln.native.scoring import load_suite, score
     text = (ROOT / "docs" / "training.md").read_text()
     block = re.search(r"```json\n(.*?)```", text, re.S).group(1)
     suite = load_suite(json.loads(block))

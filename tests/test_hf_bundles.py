@@ -146,3 +146,47 @@ def test_a_good_archive_unpacks_to_its_folder(tmp_path):
     _tar(archive, [("b/manifest.json", "file", b"{}"), ("b/adapter/manifest.json", "file", b"{}")])
     got = unpack(archive, tmp_path / "out")
     assert got == tmp_path / "out" / "b" and (got / "adapter" / "manifest.json").read_bytes() == b"{}"
+
+
+def test_a_grpo_bundle_rewards_with_kilns_own_scorer_and_its_data_loads(home, tmp_path):
+    """export-grpo: an evaluation suite's prompts, each example's scorer as the reward, Kiln's scoring
+    module carried byte for byte; the script's reward function (imported without TRL) scores as
+    Kiln scores; the rows load with `datasets`; a changed byte of the scorer fails verify."""
+    import importlib.util
+
+    import kiln.native.scoring as scoring
+    from conftest import DATA
+    r = run("train", "hf", "export-grpo", "--suite", str(DATA / "arith20.json"), "--name", "g1",
+            "--num-generations", "4", "--beta", "0.0")
+    assert r.exit_code == 0, r.output
+    folder = home / "hf" / "g1"
+    m = verify(folder)
+    assert m["kind"] == "grpo" and m["rows"] == 20 and m["suite"] == "arith20" and m["options"]["beta"] == 0.0
+    assert (folder / "kiln_scoring.py").read_bytes() == open(scoring.__file__, "rb").read()
+    rows = [json.loads(ln) for ln in (folder / "dataset.jsonl").read_text().splitlines()]
+    suite = scoring.read_suite_file(DATA / "arith20.json")
+    spec = importlib.util.spec_from_file_location("bundle_train_trl", folder / "train_trl.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    answers = [f"The answer is {ex['target']}." for ex in suite.examples[:3]] + ["I do not know."]
+    got = script.reward([[{"role": "assistant", "content": a}] for a in answers],
+                        [row["example"] for row in rows[:4]], [row["scorer"] for row in rows[:4]])
+    want = [scoring.score(a, ex, ex["scorer"]).score for a, ex in zip(answers, suite.examples[:4])]
+    assert got == want and got[:3] == [1.0, 1.0, 1.0] and got[3] == 0.0
+    datasets = pytest.importorskip("datasets") if os.environ.get("CI") != "true" else __import__("datasets")
+    ds = datasets.load_dataset("json", data_files=str(folder / "dataset.jsonl"), split="train",
+                               cache_dir=str(tmp_path / "hf-cache"))
+    assert len(ds) == 20 and ds[0]["prompt"] == rows[0]["prompt"]
+    with open(folder / "kiln_scoring.py", "ab") as f:
+        f.write(b"\n")
+    with pytest.raises(BundleError, match="files.kiln_scoring.py.bytes"):
+        verify(folder)
+
+
+def test_export_grpo_names_the_bad_field_of_a_suite_and_writes_nothing(home, tmp_path):
+    bad = tmp_path / "s.json"
+    bad.write_text(json.dumps({"name": "s", "examples": [{"messages": [{"role": "user", "content": "2+2?"}],
+                                                          "target": "4", "scorer": {"type": "nope"}}]}))
+    r = run("train", "hf", "export-grpo", "--suite", str(bad), "--name", "g2")
+    assert r.exit_code != 0 and "examples[0].scorer" in r.output and "nothing was written" in r.output
+    assert not (home / "hf" / "g2").exists()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.workers.scoring import SuiteError, load_suite, score
+from kiln.native.scoring import SuiteError, load_suite, score
 
 EX = {"target": "42", "aliases": ["forty-two"]}
 

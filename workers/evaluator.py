@@ -29,7 +29,7 @@ from .eval_metrics import compare, first_difference, metrics
 from .jobs import cancel_job
 from .runtime import main
 from .worker import OpError, Worker, op, state_dir
-from .scoring import SUITE_NAME, Suite, SuiteError, load_suite, read_suite_file, score
+from kiln.native.scoring import SUITE_NAME, Suite, SuiteError, load_suite, read_suite_file, score
 
 
 

@@ -75,7 +75,7 @@ def export_sft(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {
     checked first), train_trl.py, and a manifest with the sha256 of every byte."""
     from kiln.native.data_file import DataFileError, read_data_file
     from kiln.native.training.sft_data import _check_messages
-    from kiln.protocol.store.hf_bundles import BundleError, canonical_jsonl, write_bundle
+    from kiln.protocol.store.hf_bundles import canonical_jsonl
 
     from .hf_script import SFT_SCRIPT
     try:
@@ -99,17 +99,67 @@ def export_sft(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {
     if problems or not rows:
         fail(f"{file}: " + ("; ".join(problems[:10]) if problems else "no conversations") + "; nothing was written")
     repo = _hf_model(model, hf_model)
-    meta = {"kind": "sft", "hf_model": repo, "model": model, "rows": len(rows),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "options": {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "seed": seed}}
+    folder = _write(name, {"dataset.jsonl": canonical_jsonl(rows), "train_trl.py": SFT_SCRIPT.encode()},
+                    {"kind": "sft", "hf_model": repo, "model": model, "rows": len(rows),
+                     "options": {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "seed": seed}})
+    typer.echo(f"wrote {folder}: {len(rows)} conversations for {repo}; on the GPU machine: python train_trl.py, "
+               f"then `kiln train hf import-peft --bundle {name} --name ADAPTER`")
+
+
+def _write(name: str, files: dict, meta: dict):
+    from kiln.protocol.store.hf_bundles import BundleError, write_bundle
+    meta = {**meta, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         folder = _bundles().path(name)
         folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_bundle(folder, {"dataset.jsonl": canonical_jsonl(rows), "train_trl.py": SFT_SCRIPT.encode()}, meta)
+        write_bundle(folder, files, meta)
     except BundleError as e:
         fail(str(e))
-    typer.echo(f"wrote {folder}: {len(rows)} conversations for {repo}; on the GPU machine: python train_trl.py, "
-               f"then `kiln train hf import-peft --bundle {name} --name ADAPTER`")
+    return folder
+
+
+@hf_app.command("export-grpo")
+def export_grpo(suite: Path = typer.Option(..., "--suite", "-s", help="an evaluation suite (JSON, as `kiln eval "
+                                           "run` takes): its prompts, and each example's scorer as the reward"),
+                name: str = typer.Option(..., "--name", help="the bundle's name (KILN_HOME/hf/NAME)"),
+                model: str = typer.Option("default", "--model", "-m", help="the library model it is for"),
+                hf_model: Optional[str] = typer.Option(None, "--hf-model", help="its Transformers repo (default: "
+                                                       "from the GGUF's metadata)"),
+                num_generations: int = typer.Option(4, "--num-generations", min=2, max=64,
+                                                    help="completions TRL samples per prompt (a group)"),
+                max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, max=32768,
+                                                   help="longest sampled completion"),
+                temperature: float = typer.Option(1.0, "--temperature", min=0.05, max=4.0, help="sampling temperature"),
+                beta: float = typer.Option(0.04, "--beta", min=0.0, max=100.0, help="KL penalty to the base model"),
+                epochs: int = typer.Option(1, "--epochs", min=1, max=100, help="passes over the prompts"),
+                lr: float = typer.Option(1e-5, "--lr", help="peak learning rate"),
+                rank: int = typer.Option(16, "--rank", min=1, max=512, help="LoRA rank"),
+                alpha: float = typer.Option(32.0, "--alpha", help="LoRA alpha"),
+                seed: int = typer.Option(0, "--seed", help="the trainer's seed")):
+    """Write a bundle for GRPO on a GPU machine: TRL samples groups of completions and rewards each
+    with its example's Kiln scorer (Kiln's scoring module travels with it, byte for byte), so
+    the reward there is the score `kiln eval run` gives here."""
+    from kiln.protocol.store.hf_bundles import canonical_jsonl
+    from kiln.native import scoring
+
+    from .hf_script import GRPO_SCRIPT
+    try:
+        s = scoring.read_suite_file(suite)
+    except scoring.SuiteError as e:
+        fail(f"{e}; nothing was written")
+    system = [{"role": "system", "content": s.system_prompt}] if s.system_prompt else []
+    rows = [{"id": ex["id"], "prompt": system + [{"role": m["role"], "content": m["content"]} for m in ex["messages"]],
+             "example": {"target": ex["target"], "aliases": ex["aliases"]}, "scorer": ex["scorer"]}
+            for ex in s.examples]
+    repo = _hf_model(model, hf_model)
+    folder = _write(name, {"dataset.jsonl": canonical_jsonl(rows), "train_trl.py": GRPO_SCRIPT.encode(),
+                           "kiln_scoring.py": Path(scoring.__file__).read_bytes()},
+                    {"kind": "grpo", "hf_model": repo, "model": model, "rows": len(rows), "suite": s.name,
+                     "options": {"epochs": epochs, "lr": lr, "rank": rank, "alpha": alpha, "seed": seed,
+                                 "num_generations": num_generations, "max_new_tokens": max_new_tokens,
+                                 "temperature": temperature, "beta": beta}})
+    typer.echo(f"wrote {folder}: {len(rows)} prompts of suite {s.name} for {repo}; on the GPU machine: python "
+               f"train_trl.py, then `kiln train hf import-peft --bundle {name} --name ADAPTER`")
 
 
 @hf_app.command("verify")
