@@ -28,6 +28,7 @@ from .engine import fail, models_app
 from .adapters import adapters_app
 from .train import train_app
 from .hf import hf_app
+from .openenv import openenv_app
 from . import eval as cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
 from . import quantize as cli_quantize  # noqa: F401,E402  (adds `kiln models quantize`)
 from . import retrieval as cli_retrieval
@@ -40,6 +41,7 @@ app.add_typer(eval_app, name="eval")
 app.add_typer(train_app, name="train")
 train_app.add_typer(hf_app, name="hf")
 app.add_typer(adapters_app, name="adapters")
+app.add_typer(openenv_app, name="openenv")
 app.command("embed")(cli_retrieval.embed)
 app.command("rerank")(cli_retrieval.rerank)
 def _version(value: bool) -> None:

@@ -1,0 +1,157 @@
+"""`kiln openenv …`: reinforcement learning against an OpenEnv environment server — inspect its
+discovery documents, roll the running model out in it (groups of episodes from one seed each,
+actions constrained to the environment's action schema), verify a rollout offline, and train a
+LoRA with GRPO on its returns (supervisor/core/openenv_env.py and openenv_rollout.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .engine import fail, verbosity
+
+openenv_app = typer.Typer(help="Reinforcement learning in OpenEnv environments: inspect, rollout, verify, train.",
+                          no_args_is_help=True)
+
+
+def _env(url: str):
+    from ..core.openenv_env import Environment, EnvError
+    try:
+        return Environment(url)
+    except EnvError as e:
+        fail(str(e))
+
+
+@openenv_app.command("inspect")
+def inspect(url: str = typer.Argument(..., help="the environment server, e.g. http://127.0.0.1:8000"),
+            as_json: bool = typer.Option(False, "--json", help="the documents and their hashes as JSON")):
+    """The environment's health, metadata and action/observation/state schemas, each with the
+    sha256 of its canonical JSON."""
+    from ..core.openenv_env import EnvError
+    try:
+        d = _env(url).discover()
+    except EnvError as e:
+        fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(d, indent=2, sort_keys=True))
+        return
+    meta, schema = d["documents"]["metadata"], d["documents"]["schema"]
+    typer.echo(f"{meta.get('name', '?')}: {str(meta.get('description') or '')[:200]}")
+    typer.echo(f"health: {d['documents']['health'].get('status', '?')}")
+    for part in ("action", "observation", "state"):
+        props = ", ".join(sorted((schema.get(part) or {}).get("properties", {})))
+        typer.echo(f"{part:<12} {props or '-'}")
+    for name, h in d["sha256"].items():
+        typer.echo(f"sha256 {name:<9}{h}")
+
+
+def _actor(client, model: Optional[str], temperature: float, max_tokens: int):
+    """act(messages, schema, seed) -> the model's action text, through the daemon."""
+    from ..bus.client import CommandFailed
+    from ..core.openenv_env import EnvError
+
+    def act(messages, schema, seed):
+        body = {"messages": messages, "grammar": {"json_schema": schema},
+                "params": {"temperature": temperature, "max_tokens": max_tokens, "seed": seed},
+                **({"model": model} if model else {})}
+        try:
+            msgs = list(client.stream("generate", body, timeout=600))
+        except CommandFailed as e:
+            raise EnvError(f"the model could not act: {e.message}") from None
+        except TimeoutError as e:
+            raise EnvError(f"the model could not act: {e}") from None
+        return "".join(m.body.get("text", "") for m in msgs if isinstance(m.body, dict)).strip()
+    return act
+
+
+def _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model):
+    from ..core.openenv_env import EnvError
+    from ..core.openenv_rollout import rollout as run
+    from .train import _client
+    if out.exists():
+        fail(f"{out} exists: a rollout writes a new folder")
+    env = _env(url)
+    say = (lambda s: typer.echo(s, err=True)) if verbosity() >= 0 else (lambda s: None)
+    with _client() as c:
+        try:
+            return run(env, out, _actor(c, model, temperature, max_tokens), groups, group_size, seed, max_steps,
+                       {"temperature": temperature, "max_tokens": max_tokens, "model": model}, say)
+        except EnvError as e:
+            fail(str(e))
+
+
+ROLLOUT_OPTIONS = dict(
+    groups=typer.Option(4, "--groups", min=1, max=10000, help="groups of episodes (one reset seed each)"),
+    group_size=typer.Option(4, "--group-size", min=2, max=64, help="episodes per group (GRPO compares them)"),
+    seed=typer.Option(0, "--seed", min=0, help="group g resets with seed + g"),
+    max_steps=typer.Option(8, "--max-steps", min=1, max=1000, help="steps before an episode is cut"),
+    temperature=typer.Option(1.0, "--temperature", min=0.0, max=4.0, help="the model's sampling temperature"),
+    max_tokens=typer.Option(256, "--max-tokens", min=1, max=8192, help="longest action, tokens"),
+    model=typer.Option(None, "--model", "-m", help="the model that acts (default: the daemon's)"))
+
+
+@openenv_app.command("rollout")
+def rollout(url: str = typer.Argument(..., help="the environment server"),
+            out: Path = typer.Option(..., "--out", "-o", help="a new folder for the run"),
+            groups: int = ROLLOUT_OPTIONS["groups"], group_size: int = ROLLOUT_OPTIONS["group_size"],
+            seed: int = ROLLOUT_OPTIONS["seed"], max_steps: int = ROLLOUT_OPTIONS["max_steps"],
+            temperature: float = ROLLOUT_OPTIONS["temperature"], max_tokens: int = ROLLOUT_OPTIONS["max_tokens"],
+            model: Optional[str] = ROLLOUT_OPTIONS["model"]):
+    """Play groups × group-size episodes with the running model and record them: transcript,
+    GRPO dataset and a summary with the hash of every file and of the reward arithmetic."""
+    s = _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model)
+    typer.echo(f"{out}: {_said(s)}")
+
+
+def _said(s: dict) -> str:
+    mean = "-" if s["mean_return"] is None else f"{s['mean_return']:.4g}"
+    return f"{s['episodes']} episodes, mean return {mean}"
+
+
+@openenv_app.command("verify")
+def verify(folder: Path = typer.Argument(..., help="a rollout folder")):
+    """Re-check a rollout offline: every file's hash, every episode's return, every reward in the
+    dataset; names the first field that does not hold."""
+    from ..core.openenv_rollout import VerifyError
+    from ..core.openenv_rollout import verify as check
+    try:
+        s = check(folder)
+    except VerifyError as e:
+        fail(f"{folder}: {e}")
+    typer.echo(f"{folder}: verified ({_said(s)})" + ("" if s["complete"] else f"; the run ended early: {s['error']}"))
+
+
+@openenv_app.command("train")
+def train(url: str = typer.Argument(..., help="the environment server"),
+          adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
+          out: Path = typer.Option(..., "--out", "-o", help="a new folder for the rollout"),
+          groups: int = ROLLOUT_OPTIONS["groups"], group_size: int = ROLLOUT_OPTIONS["group_size"],
+          seed: int = ROLLOUT_OPTIONS["seed"], max_steps: int = ROLLOUT_OPTIONS["max_steps"],
+          temperature: float = ROLLOUT_OPTIONS["temperature"], max_tokens: int = ROLLOUT_OPTIONS["max_tokens"],
+          model: Optional[str] = ROLLOUT_OPTIONS["model"],
+          lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
+          rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
+          beta: Optional[float] = typer.Option(None, "--beta", help="KL penalty to the base model (default 0.04)"),
+          epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the groups (default 1)")):
+    """Roll out, then train a LoRA with GRPO on the groups' returns (each candidate's first action
+    with its episode's return). The training settings and the adapter name are checked before the
+    environment is touched."""
+    from kiln.native.training.sft_trainer import TrainSpec
+
+    from .train import _client, _cmd, _queue
+    options = {"lr": lr, "rank": rank, "beta": beta, "epochs": epochs}
+    try:
+        TrainSpec.from_dict({k: v for k, v in options.items() if v is not None})
+    except ValueError as e:
+        fail(f"training settings: {e}")
+    with _client() as c:                     # preflight: the name is free, a trainer is there
+        if adapter in [a["name"] for a in _cmd(c, "adapters.list")["adapters"]]:
+            fail(f"an adapter named {adapter!r} exists; choose another --adapter")
+        if not any(w.get("kind") == "trainer" for w in _cmd(c, "status")["workers"]):
+            fail("no trainer worker is configured ([workers.trainer] kind = \"trainer\"): nothing could train")
+    s = _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model)
+    typer.echo(f"{out}: {_said(s)}; training {adapter}")
+    _queue("grpo", out / "dataset.jsonl", adapter, options, model, True, False, "groups", "completion tokens")

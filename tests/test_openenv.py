@@ -1,0 +1,164 @@
+"""`kiln openenv` against real OpenEnv servers (openenv-core's own create_app + uvicorn, in
+tests/openenv_server.py) and a real daemon: inspect hashes the discovery documents; a rollout
+plays groups from one seed each with schema-constrained actions and verifies offline, and fails
+verify naming the field after one byte changes; train rolls out and trains GRPO through the
+trainer worker; a hostile server (oversized observation, socket closed mid-episode, a schema
+that is not an object's) ends the run with what happened and keeps what was recorded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from daemon_harness import Daemon, kiln
+
+pytest.importorskip("openenv")
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+HERE = Path(__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EnvServer:
+    def __init__(self, mode: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "openenv_server.py"), "--port", str(self.port),
+                                      "--mode", mode], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1).read()
+                return
+            except OSError:
+                assert self.proc.poll() is None, self.proc.stderr.read().decode()
+                time.sleep(0.1)
+        raise TimeoutError(f"environment server ({mode}) did not start")
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = {}
+
+    def get(mode="ok"):
+        if mode not in started or started[mode].proc.poll() is not None:
+            started[mode] = EnvServer(mode)
+        return started[mode]
+    yield get
+    for s in started.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(default_model_path, tmp_path_factory):
+    home = tmp_path_factory.mktemp("openenv")
+    workers = {"default": {"kind": "inference", "model": str(default_model_path)},
+               "trainer": {"kind": "trainer", "model": str(default_model_path)}}
+    with Daemon(home, workers) as d:
+        d.wait(lambda st: all(w["state"] == "running" and w["worker_state"] == "ready" for w in st["workers"]),
+               timeout=90, what="workers ready")
+        yield d
+
+
+def rollout(d, url, out, *extra):
+    return kiln(d.home, "openenv", "rollout", url, "--out", str(out), "--groups", "2", "--group-size", "2",
+                "--seed", "3", "--max-tokens", "40", *extra, timeout=300)
+
+
+def test_inspect_hashes_each_discovery_document(daemon, servers):
+    r = kiln(daemon.home, "openenv", "inspect", servers().url, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert set(d["sha256"]) == {"health", "metadata", "schema"}
+    assert d["documents"]["schema"]["action"]["properties"]["message"]["maxLength"] == 24
+    assert kiln(daemon.home, "openenv", "inspect", servers().url, "--json").stdout == r.stdout
+
+
+def test_a_rollout_verifies_offline_and_a_changed_byte_is_named(daemon, servers, tmp_path):
+    out = tmp_path / "run"
+    r = rollout(daemon, servers().url, out)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    episodes = [json.loads(ln) for ln in (out / "transcript.jsonl").read_text().splitlines()]
+    assert summary["complete"] and summary["episodes"] == len(episodes) == 4
+    for g in (0, 1):                                   # every candidate of a group from the group's seed
+        group = [e for e in episodes if e["group"] == g]
+        assert {e["seed"] for e in group} == {3 + g} and len({json.dumps(e["reset"]) for e in group}) == 1
+    assert episodes[0]["reset"]["prompt"] == "Say the word cloud." and episodes[2]["reset"]["prompt"] == "Say the word tiger."
+    for e in episodes:
+        step = e["steps"][0]
+        assert len(step["action"]["message"]) <= 24 and e["return"] == step["reward"] in (0.0, 1.0)
+    rows = [json.loads(ln) for ln in (out / "dataset.jsonl").read_text().splitlines()]
+    assert [[c["reward"] for c in row["completions"]] for row in rows] == [[e["return"] for e in episodes[:2]],
+                                                                           [e["return"] for e in episodes[2:]]]
+    assert kiln(daemon.home, "openenv", "verify", str(out)).returncode == 0
+    data = bytearray((out / "dataset.jsonl").read_bytes())
+    data[5] ^= 1
+    (out / "dataset.jsonl").write_bytes(bytes(data))
+    r = kiln(daemon.home, "openenv", "verify", str(out))
+    assert r.returncode != 0 and "sha256.dataset.jsonl" in r.stderr + r.stdout
+
+
+def test_a_reward_changed_with_its_hash_is_still_caught_by_the_arithmetic(daemon, servers, tmp_path):
+    """Someone edits a reward in the dataset and updates the file's hash: the rewards no longer
+    follow from the transcript, and verify says which one."""
+    import hashlib
+    out = tmp_path / "run"
+    assert rollout(daemon, servers().url, out).returncode == 0
+    rows = [json.loads(ln) for ln in (out / "dataset.jsonl").read_text().splitlines()]
+    rows[1]["completions"][0]["reward"] += 5
+    data = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in rows).encode()
+    (out / "dataset.jsonl").write_bytes(data)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["sha256"]["dataset.jsonl"] = hashlib.sha256(data).hexdigest()
+    (out / "summary.json").write_text(json.dumps(summary))
+    r = kiln(daemon.home, "openenv", "verify", str(out))
+    assert r.returncode != 0 and "dataset.jsonl line 2 completions[0].reward" in r.stderr + r.stdout
+
+
+def test_train_rolls_out_then_trains_grpo_in_the_trainer(daemon, servers, tmp_path):
+    r = kiln(daemon.home, "openenv", "train", servers().url, "--adapter", "sayer", "--out", str(tmp_path / "run"),
+             "--groups", "2", "--group-size", "2", "--max-tokens", "40", "--rank", "4", "--lr", "1e-3", timeout=600)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "adapter sayer is ready" in r.stdout
+    adapters = json.loads(kiln(daemon.home, "adapters", "list", "--json").stdout)["adapters"]
+    assert "sayer" in [a["name"] for a in adapters]
+    # preflight: the same name again is refused before the environment is touched
+    r = kiln(daemon.home, "openenv", "train", servers().url, "--adapter", "sayer", "--out", str(tmp_path / "run2"))
+    assert r.returncode != 0 and "exists" in r.stderr and not (tmp_path / "run2").exists()
+    r = kiln(daemon.home, "openenv", "train", servers().url, "--adapter", "s2", "--out", str(tmp_path / "run3"),
+             "--lr", "7")
+    assert r.returncode != 0 and "training settings: training option lr" in r.stderr and not (tmp_path / "run3").exists()
+
+
+@pytest.mark.parametrize("mode, said, kept", [("big", "over 4194304 bytes", 0),
+                                              ("die", "closed the connection mid-episode", 1),
+                                              ("schema", "field 'action' must be an object's JSON schema", None)])
+def test_a_hostile_environment_ends_the_run_clearly_and_keeps_what_was_recorded(daemon, servers, tmp_path, mode, said,
+                                                                                 kept):
+    out = tmp_path / "run"
+    r = rollout(daemon, servers(mode).url, out)
+    assert r.returncode != 0 and said in r.stderr, r.stderr
+    if kept is None:
+        return
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["complete"] and said in summary["error"] and summary["episodes"] == kept
+    assert len((out / "transcript.jsonl").read_text().splitlines()) == kept
+    assert kiln(daemon.home, "openenv", "verify", str(out)).returncode == 0   # what was kept still checks
+    assert daemon.status()["workers"][0]["state"] == "running"
