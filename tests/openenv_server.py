@@ -2,9 +2,9 @@
 tests: "say the word" — reset(seed) picks a word by the seed, one step, reward 1 when the action's
 message contains the word. `--mode` makes it hostile: `big` answers a 5 MB observation, `die`
 exits during the second episode's step (a socket closed mid-episode), `schema` serves an action
-schema that is not an object's.
+schema that is not an object's, `drift` words its task differently (as a changed version would).
 
-    python tests/openenv_server.py --port 8000 [--mode ok|big|die|schema]
+    python tests/openenv_server.py --port 8000 [--mode ok|big|die|schema|drift]
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class SayEnvironment(Environment):
     def reset(self, seed=None, episode_id=None, **_) -> SayObservation:
         self.word = WORDS[(seed or 0) % len(WORDS)]
         self._state = State(step_count=0)
-        return SayObservation(prompt=f"Say the word {self.word}.", done=False, reward=None)
+        end = "!" if MODE == "drift" else "."          # drift: the same environment, changed since a rollout
+        return SayObservation(prompt=f"Say the word {self.word}{end}", done=False, reward=None)
 
     def step(self, action: SayAction, **_) -> SayObservation:  # type: ignore[override]
         self._state.step_count += 1

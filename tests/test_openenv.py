@@ -1,7 +1,7 @@
 """`kiln openenv` against real OpenEnv servers (openenv-core's own create_app + uvicorn, in
 tests/openenv_server.py) and a real daemon: inspect hashes the discovery documents; a rollout
-plays groups from one seed each with schema-constrained actions and verifies offline, and fails
-verify naming the field after one byte changes; train rolls out and trains GRPO through the
+plays groups from one seed each with schema-constrained actions, verifies offline and replays
+live, and fails verify naming the field after one byte changes; train rolls out and trains GRPO through the
 trainer worker; a hostile server (oversized observation, socket closed mid-episode, a schema
 that is not an object's) ends the run with what happened and keeps what was recorded."""
 
@@ -108,6 +108,10 @@ def test_a_rollout_verifies_offline_and_a_changed_byte_is_named(daemon, servers,
     assert [[c["reward"] for c in row["completions"]] for row in rows] == [[e["return"] for e in episodes[:2]],
                                                                            [e["return"] for e in episodes[2:]]]
     assert kiln(daemon.home, "openenv", "verify", str(out)).returncode == 0
+    r = kiln(daemon.home, "openenv", "replay", str(out), timeout=120)
+    assert r.returncode == 0 and "4 episodes and 4 steps as recorded" in r.stdout, r.stderr
+    r = kiln(daemon.home, "openenv", "replay", str(out), "--url", servers("drift").url, timeout=120)
+    assert r.returncode != 0 and "transcript.jsonl line 1 (group 0 candidate 0): the reset observation" in r.stderr
     data = bytearray((out / "dataset.jsonl").read_bytes())
     data[5] ^= 1
     (out / "dataset.jsonl").write_bytes(bytes(data))

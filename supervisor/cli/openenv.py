@@ -124,6 +124,26 @@ def verify(folder: Path = typer.Argument(..., help="a rollout folder")):
     typer.echo(f"{folder}: verified ({_said(s)})" + ("" if s["complete"] else f"; the run ended early: {s['error']}"))
 
 
+@openenv_app.command("replay")
+def replay(folder: Path = typer.Argument(..., help="a rollout folder"),
+           url: Optional[str] = typer.Option(None, "--url", help="the environment server (default: the one recorded)")):
+    """Re-check a rollout live: play every episode again with its recorded actions and compare the
+    discovery documents, every observation, reward and done with what was recorded."""
+    from ..core.openenv_env import EnvError
+    from ..core.openenv_rollout import VerifyError
+    from ..core.openenv_rollout import replay as run
+    try:
+        recorded = json.loads((folder / "summary.json").read_text())["env"]
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"{folder}/summary.json: cannot be read ({e})")
+    say = (lambda s: typer.echo(s, err=True)) if verbosity() >= 0 else (lambda s: None)
+    try:
+        r = run(_env(url or recorded), folder, say)
+    except (VerifyError, EnvError) as e:
+        fail(f"{folder}: {e}")
+    typer.echo(f"{folder}: replayed live, {r['episodes']} episodes and {r['steps']} steps as recorded")
+
+
 @openenv_app.command("train")
 def train(url: str = typer.Argument(..., help="the environment server"),
           adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),

@@ -160,3 +160,33 @@ def verify(folder: Path) -> dict:
                 raise VerifyError(f"dataset.jsonl line {line} completions[{k}].reward: {c['reward']} is not episode "
                                   f"({g}, {k})'s return {returns.get((g, k))}")
     return summary
+
+
+def replay(env: Environment, folder: Path, progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Play every recorded episode again, live, with its recorded actions (no model): the same
+    discovery documents, and every reset observation, step observation, reward and done as
+    recorded; VerifyError naming the first that differs. The folder is verified first."""
+    summary = verify(folder)
+    live = env.discover()
+    for name, h in summary["sha256"]["discovery_documents"].items():
+        if live["sha256"].get(name) != h:
+            raise VerifyError(f"discovery {name}: the server's document is not the one recorded (another "
+                              f"environment, or another version of it)")
+    episodes = [json.loads(ln) for ln in (folder / "transcript.jsonl").read_text().splitlines() if ln.strip()]
+    steps = 0
+    for i, ep in enumerate(episodes):
+        where = f"transcript.jsonl line {i + 1} (group {ep['group']} candidate {ep['candidate']})"
+        with env.session() as s:
+            if s.reset(ep["seed"])["observation"] != ep["reset"]:
+                raise VerifyError(f"{where}: the reset observation for seed {ep['seed']} differs")
+            for n, rec in enumerate(ep["steps"]):
+                if rec.get("invalid"):
+                    break
+                got = s.step(rec["action"], n)
+                for field in ("observation", "reward", "done"):
+                    if got[field] != rec[field]:
+                        raise VerifyError(f"{where} step {n}: {field} {json.dumps(got[field])[:80]} was "
+                                          f"{json.dumps(rec[field])[:80]}")
+                steps += 1
+        progress(f"episode {i + 1}/{len(episodes)} matched")
+    return {"episodes": len(episodes), "steps": steps}
