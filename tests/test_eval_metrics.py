@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kiln.workers.eval_metrics import compare, first_difference, metrics, percentile, sign_test, wilson
+from kiln.native.eval_metrics import compare, first_difference, metrics, percentile, sign_test, wilson
 
 
 def test_wilson_interval_matches_published_values():

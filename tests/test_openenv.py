@@ -137,10 +137,20 @@ def test_a_reward_changed_with_its_hash_is_still_caught_by_the_arithmetic(daemon
 
 
 def test_train_rolls_out_then_trains_grpo_in_the_trainer(daemon, servers, tmp_path):
+    """Two held-out seeds cannot pass the gate (the sign test's p is at least 0.5 there): the
+    adapter's mean return is reported beside the base model's, and --load leaves it unloaded."""
     r = kiln(daemon.home, "openenv", "train", servers().url, "--adapter", "sayer", "--out", str(tmp_path / "run"),
-             "--groups", "2", "--group-size", "2", "--max-tokens", "40", "--rank", "4", "--lr", "1e-3", timeout=600)
+             "--groups", "2", "--group-size", "2", "--max-tokens", "40", "--rank", "4", "--lr", "1e-3",
+             "--eval-seeds", "2", "--load", timeout=600)
     assert r.returncode == 0, r.stderr + r.stdout
     assert "adapter sayer is ready" in r.stdout
+    ev = json.loads((tmp_path / "run" / "evaluation.json").read_text())
+    assert ev["seeds"] == [2, 3] and ev["base_mean"] is not None and ev["adapter_mean"] is not None
+    assert f"mean return base {ev['base_mean']:.4g}, sayer {ev['adapter_mean']:.4g}" in r.stdout
+    assert "adapter sayer was not loaded" in r.stdout and ev["p_value"] >= 0.5
+    assert json.loads(kiln(daemon.home, "adapters", "list", "--json").stdout)["active"] in (None, "")
+    for arm in ("eval-base", "eval-adapter"):
+        assert kiln(daemon.home, "openenv", "verify", str(tmp_path / "run" / arm)).returncode == 0
     adapters = json.loads(kiln(daemon.home, "adapters", "list", "--json").stdout)["adapters"]
     assert "sayer" in [a["name"] for a in adapters]
     # preflight: the same name again is refused before the environment is touched

@@ -25,7 +25,7 @@ from pathlib import Path
 from kiln.protocol.store.adapter_registry import AdapterNotFound, AdapterRegistry
 from kiln.protocol.store.job_store import JobNotFound, JobStore, write_json_atomic
 
-from .eval_metrics import compare, first_difference, metrics
+from kiln.native.eval_metrics import compare, first_difference, metrics
 from .jobs import cancel_job
 from .runtime import main
 from .worker import OpError, Worker, op, state_dir

@@ -48,15 +48,16 @@ def inspect(url: str = typer.Argument(..., help="the environment server, e.g. ht
         typer.echo(f"sha256 {name:<9}{h}")
 
 
-def _actor(client, model: Optional[str], temperature: float, max_tokens: int):
-    """act(messages, schema, seed) -> the model's action text, through the daemon."""
+def _actor(client, model: Optional[str], temperature: float, max_tokens: int, adapter: Optional[str] = None):
+    """act(messages, schema, seed) -> the model's action text, through the daemon ("" as the
+    adapter: the base model, whichever adapter is active)."""
     from ..bus.client import CommandFailed
     from ..core.openenv_env import EnvError
 
     def act(messages, schema, seed):
         body = {"messages": messages, "grammar": {"json_schema": schema},
                 "params": {"temperature": temperature, "max_tokens": max_tokens, "seed": seed},
-                **({"model": model} if model else {})}
+                **({"model": model} if model else {}), **({"adapter": adapter} if adapter is not None else {})}
         try:
             msgs = list(client.stream("generate", body, timeout=600))
         except CommandFailed as e:
@@ -67,7 +68,7 @@ def _actor(client, model: Optional[str], temperature: float, max_tokens: int):
     return act
 
 
-def _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model):
+def _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model, adapter=None):
     from ..core.openenv_env import EnvError
     from ..core.openenv_rollout import rollout as run
     from .train import _client
@@ -77,8 +78,9 @@ def _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tok
     say = (lambda s: typer.echo(s, err=True)) if verbosity() >= 0 else (lambda s: None)
     with _client() as c:
         try:
-            return run(env, out, _actor(c, model, temperature, max_tokens), groups, group_size, seed, max_steps,
-                       {"temperature": temperature, "max_tokens": max_tokens, "model": model}, say)
+            return run(env, out, _actor(c, model, temperature, max_tokens, adapter), groups, group_size, seed,
+                       max_steps, {"temperature": temperature, "max_tokens": max_tokens, "model": model,
+                                   "adapter": adapter}, say)
         except EnvError as e:
             fail(str(e))
 
@@ -144,6 +146,39 @@ def replay(folder: Path = typer.Argument(..., help="a rollout folder"),
     typer.echo(f"{folder}: replayed live, {r['episodes']} episodes and {r['steps']} steps as recorded")
 
 
+def _evaluate(url, out, adapter, seeds, start, episodes, max_steps, temperature, max_tokens, model, as_json=False):
+    """The base model and the adapter on the same held-out seeds; per-seed mean returns compared
+    with the exact sign test."""
+    from ..core.openenv_rollout import compare_returns
+    runs = [_rollout(url, out / name, seeds, episodes, start, max_steps, temperature, max_tokens, model, arm)
+            for name, arm in (("eval-base", ""), ("eval-adapter", adapter))]
+    c = compare_returns(*runs)
+    (out / "evaluation.json").write_text(json.dumps(c, indent=2) + "\n")
+    if as_json:
+        typer.echo(json.dumps(c))
+    else:
+        typer.echo(f"held-out seeds {c['seeds'][0]}..{c['seeds'][-1]}: mean return base {c['base_mean']:.4g}, "
+                   f"{adapter} {c['adapter_mean']:.4g} ({c['wins']} seeds better, {c['losses']} worse, {c['ties']} "
+                   f"tied; sign test p = {c['p_value']:.3g})")
+    return c
+
+
+@openenv_app.command("eval")
+def evaluate(url: str = typer.Argument(..., help="the environment server"),
+             adapter: str = typer.Option(..., "--adapter", "-a", help="the adapter to compare with the base model"),
+             out: Path = typer.Option(..., "--out", "-o", help="a new folder for the two rollouts"),
+             seeds: int = typer.Option(8, "--seeds", min=1, max=10000, help="held-out seeds"),
+             start: int = typer.Option(1000, "--start", min=0, help="the first held-out seed"),
+             episodes: int = typer.Option(2, "--episodes", min=1, max=64, help="episodes per seed and arm"),
+             max_steps: int = ROLLOUT_OPTIONS["max_steps"], temperature: float = ROLLOUT_OPTIONS["temperature"],
+             max_tokens: int = ROLLOUT_OPTIONS["max_tokens"], model: Optional[str] = ROLLOUT_OPTIONS["model"],
+             as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Mean return of the base model and of an adapter on held-out seeds, seed by seed, with the
+    exact sign test over the seeds where they differ."""
+    out.mkdir(parents=True, exist_ok=False)
+    _evaluate(url, out, adapter, seeds, start, episodes, max_steps, temperature, max_tokens, model, as_json)
+
+
 @openenv_app.command("train")
 def train(url: str = typer.Argument(..., help="the environment server"),
           adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
@@ -155,10 +190,16 @@ def train(url: str = typer.Argument(..., help="the environment server"),
           lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
           rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
           beta: Optional[float] = typer.Option(None, "--beta", help="KL penalty to the base model (default 0.04)"),
-          epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the groups (default 1)")):
+          epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the groups (default 1)"),
+          eval_seeds: int = typer.Option(4, "--eval-seeds", min=0, max=10000, help="held-out seeds after the "
+                                         "training ones, on which the adapter and the base model are compared "
+                                         "(0: no evaluation)"),
+          load: bool = typer.Option(False, "--load", help="make the adapter active if it beats the base model on "
+                                    "the held-out seeds (sign test p <= 0.05)")):
     """Roll out, then train a LoRA with GRPO on the groups' returns (each candidate's first action
-    with its episode's return). The training settings and the adapter name are checked before the
-    environment is touched."""
+    with its episode's return), then compare the adapter with the base model on held-out seeds;
+    --load makes it active only when it is better. The training settings and the adapter name are
+    checked before the environment is touched."""
     from kiln.native.training.sft_trainer import TrainSpec
 
     from .train import _client, _cmd, _queue
@@ -174,4 +215,19 @@ def train(url: str = typer.Argument(..., help="the environment server"),
             fail("no trainer worker is configured ([workers.trainer] kind = \"trainer\"): nothing could train")
     s = _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model)
     typer.echo(f"{out}: {_said(s)}; training {adapter}")
-    _queue("grpo", out / "dataset.jsonl", adapter, options, model, True, False, "groups", "completion tokens")
+    try:
+        _queue("grpo", out / "dataset.jsonl", adapter, options, model, True, False, "groups", "completion tokens")
+    except typer.Exit as e:
+        if e.exit_code:
+            raise
+    if eval_seeds:
+        c = _evaluate(url, out, adapter, eval_seeds, seed + groups, group_size, max_steps, temperature, max_tokens,
+                      model)
+        better = c["wins"] > c["losses"] and c["p_value"] <= 0.05
+        if load and better:
+            with _client() as cl:
+                _cmd(cl, "adapters.load", {"name": adapter})
+            typer.echo(f"adapter {adapter} is active (it beat the base model on the held-out seeds)")
+        elif load:
+            typer.echo(f"adapter {adapter} was not loaded: it did not beat the base model on the held-out seeds "
+                       f"(p = {c['p_value']:.3g}); `kiln adapters load {adapter}` loads it anyway")

@@ -190,3 +190,17 @@ def replay(env: Environment, folder: Path, progress: Callable[[str], None] = lam
                 steps += 1
         progress(f"episode {i + 1}/{len(episodes)} matched")
     return {"episodes": len(episodes), "steps": steps}
+
+
+def compare_returns(base: dict, tuned: dict) -> dict:
+    """Per-seed mean returns of two rollouts over the same seeds (summaries), and the exact sign
+    test over the seeds where they differ: the gate an adapter passes before it is loaded."""
+    from kiln.native.eval_metrics import sign_test
+    seeds = sorted(set(base["group_returns"]) & set(tuned["group_returns"]), key=int)
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    rows = [(int(g) + base["seed"], mean(base["group_returns"][g]), mean(tuned["group_returns"][g])) for g in seeds]
+    wins, losses = sum(1 for _, b, t in rows if t > b), sum(1 for _, b, t in rows if t < b)
+    return {"seeds": [r[0] for r in rows], "base_mean": mean([r[1] for r in rows]) if rows else None,
+            "adapter_mean": mean([r[2] for r in rows]) if rows else None, "wins": wins, "losses": losses,
+            "ties": len(rows) - wins - losses, "p_value": sign_test(wins, losses),
+            "per_seed": [{"seed": s, "base": b, "adapter": t} for s, b, t in rows]}
