@@ -32,18 +32,21 @@ def _free_port() -> int:
 
 
 class EnvServer:
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, log_dir: Path):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "openenv_server.py"), "--port", str(self.port),
-                                      "--mode", mode], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # its log goes to a file: a pipe nobody reads fills up and stalls the server
+        self.log = log_dir / f"openenv-{mode}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "openenv_server.py"), "--port", str(self.port),
+                                          "--mode", mode], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=1).read()
                 return
             except OSError:
-                assert self.proc.poll() is None, self.proc.stderr.read().decode()
+                assert self.proc.poll() is None, self.log.read_text()
                 time.sleep(0.1)
         raise TimeoutError(f"environment server ({mode}) did not start")
 
@@ -53,12 +56,12 @@ class EnvServer:
 
 
 @pytest.fixture(scope="module")
-def servers():
-    started = {}
+def servers(tmp_path_factory):
+    started, logs = {}, tmp_path_factory.mktemp("openenv-logs")
 
     def get(mode="ok"):
         if mode not in started or started[mode].proc.poll() is not None:
-            started[mode] = EnvServer(mode)
+            started[mode] = EnvServer(mode, logs)
         return started[mode]
     yield get
     for s in started.values():

@@ -105,9 +105,12 @@ class Session:
         return self
 
     def __exit__(self, *_):
+        # ask the server to end the session and let it close the socket: closing first makes
+        # openenv-core's server fail its own close (a traceback in its log per episode)
         try:
             self.ws.send(json.dumps({"type": "close"}))
-        except Exception:  # noqa: BLE001 - closing a socket that is already gone
+            self.ws.recv(timeout=2)
+        except Exception:  # noqa: BLE001 - the server closed it (expected) or it is already gone
             pass
         self.ws.close()
 
