@@ -98,8 +98,15 @@ let listAsked = 0;   // the latest list request: an older answer arriving after 
 async function loadList() {
   const q = $("#search").value.trim();
   const asked = ++listAsked;
-  const answer = await json(`/v1/sessions${q ? `?q=${encodeURIComponent(q)}` : ""}`);
+  let answer;
+  try {
+    answer = await json(`/v1/sessions${q ? `?q=${encodeURIComponent(q)}` : ""}`);
+  } catch (e) {       // a busy or restarting daemon: say so and ask again, or the list stays the old one
+    if (asked === listAsked) { $("#conn").textContent = `conversations: ${e.message}; retrying`; setTimeout(loadList, 1000); }
+    return;
+  }
   if (asked !== listAsked) return;   // a later search (or save) asked since: its list wins
+  if ($("#conn").textContent.startsWith("conversations:")) $("#conn").textContent = "";
   const data = answer.data.filter((x) => !x.error).sort((a, b) => (b.updated || 0) - (a.updated || 0));
   $("#list").replaceChildren(...data.map((x) => el("li", { "data-name": x.name, class: current && x.name === current.name ? "active" : "" },
     el("button", { type: "button", onclick: () => open(x.name) }, el("span", { class: "title" }, x.title || x.name),
