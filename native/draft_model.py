@@ -17,6 +17,7 @@ import numpy as np
 from .kv_cache import KVCache
 from .model import Model
 from .speculate import ema
+from .vocabulary import vocabulary_difference
 
 
 class DraftModelError(ValueError):
@@ -33,13 +34,12 @@ class DraftState:
 
 class DraftModel:
     def __init__(self, model: Model, target: Model):
-        a, b = model.tokenizer, target.tokenizer
-        if model.config.n_vocab != target.config.n_vocab or a.tokens != b.tokens:
+        differ = vocabulary_difference(model, target)
+        if differ:
             raise DraftModelError(
                 f"draft model {model.path.name} cannot draft for {target.path.name}: their vocabularies "
-                f"differ ({model.config.n_vocab} vs {target.config.n_vocab} tokens"
-                f"{'' if model.config.n_vocab != target.config.n_vocab else ', same count, other tokens'}); "
-                f"a draft model must use the same tokenizer (e.g. a smaller model of the same family)")
+                f"differ ({differ}); a draft model must use the same tokenizer (e.g. a smaller model of the "
+                f"same family)")
         if not model.new_cache(8).can_rewind:
             raise DraftModelError(f"draft model {model.path.name} cannot draft: its cache cannot be rolled back "
                                   f"(recurrent or sliding-window layers); use a plain transformer")

@@ -73,3 +73,13 @@ def building(gguf, model_type: str):
     except Exception as e:  # noqa: BLE001 - the library's errors have no narrower type
         key = "tokenizer.ggml.merges" if model_type == "gpt2" else "tokenizer.ggml.tokens"
         raise bad(gguf, key, f"the tokenizer cannot be built from it ({e})") from e
+
+
+def vocabulary_difference(a, b) -> str | None:
+    """How two loaded models' vocabularies differ ("49152 vs 288 tokens", "… same count, other
+    tokens"), or None when they are the same: what a draft model or a distillation teacher needs."""
+    if a.config.n_vocab != b.config.n_vocab:
+        return f"{a.config.n_vocab} vs {b.config.n_vocab} tokens"
+    if a.tokenizer.tokens != b.tokenizer.tokens:
+        return f"{a.config.n_vocab} vs {b.config.n_vocab} tokens, same count, other tokens"
+    return None

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..generate import PREFILL_CHUNK
 from ..sampling import log_softmax
+from ..vocabulary import vocabulary_difference
 
 KEY_ENV = "KILN_TEACHER_API_KEY"       # a URL teacher's bearer key, read by the trainer; never stored
 
@@ -57,13 +58,10 @@ class LocalTeacher:
     """A model of the library, scored with the engine (llama.cpp's arithmetic)."""
 
     def __init__(self, model, student):
-        a, b = model.tokenizer, student.tokenizer
-        if model.config.n_vocab != student.config.n_vocab or a.tokens != b.tokens:
-            raise TeacherError(
-                f"teacher {model.path.name} cannot teach {student.path.name}: their vocabularies differ "
-                f"({model.config.n_vocab} vs {student.config.n_vocab} tokens"
-                f"{'' if model.config.n_vocab != student.config.n_vocab else ', same count, other tokens'}); "
-                f"choose a teacher of the student's family (the same tokenizer)")
+        differ = vocabulary_difference(model, student)
+        if differ:
+            raise TeacherError(f"teacher {model.path.name} cannot teach {student.path.name}: their vocabularies "
+                               f"differ ({differ}); choose a teacher of the student's family (the same tokenizer)")
         self.model, self.name = model, model.path.name
 
     def logprobs(self, tokens: list[int], start: int) -> np.ndarray:
