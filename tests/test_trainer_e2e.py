@@ -288,4 +288,9 @@ def test_an_opd_job_learns_from_this_daemons_own_api_as_its_teacher(daemon, tmp_
     assert status == 400 and body["error"]["param"] == "teacher"
     status, body = http(daemon, "POST", "/v1/train/sft", {"data": train.read_text(), "adapter": "x", "teacher": "y"})
     assert status == 400 and "unknown field" in body["error"]["message"]
+    # a field a method has no use for is refused, not ignored (the bus takes what the CLI never sends)
+    from kiln.supervisor.bus.client import CommandFailed
+    with daemon.client() as c, pytest.raises(CommandFailed, match="eval_file holds OPD's held-out prompts"):
+        list(c.stream("train.submit", {"file": str(train), "adapter": "x", "method": "sft", "eval_file": str(held)},
+                      timeout=60))
     kiln(daemon.home, "adapters", "delete", "pupil")

@@ -137,6 +137,8 @@ class TrainerWorker(Worker):
             if method != "opd" and set(OPDSpec.METHOD_ONLY) & given:
                 raise ValueError(f"{', '.join(sorted(set(OPDSpec.METHOD_ONLY) & given))}: OPD options; "
                                  f"{method} samples nothing")
+            if method != "opd" and b.get("eval_file"):
+                raise ValueError(f"eval_file holds OPD's held-out prompts; {method} has no use for it")
             if (method == "opd") != bool(b.get("teacher")):
                 raise ValueError("opd needs a teacher (a model of the library or an http(s) URL)" if method == "opd"
                                  else f"teacher is an OPD field; {method} has no teacher")
