@@ -5,6 +5,7 @@ inert; conversations are searched, renamed, exported, imported and deleted; no c
 Screenshots go to tests/screenshots/ and docs/chat.png."""
 
 import json
+import time
 import shutil
 from pathlib import Path
 
@@ -135,8 +136,20 @@ def test_a_branch_keeps_both_histories(served, page):
 
 def test_search_rename_export_import_and_delete(served, page, tmp_path):
     put(served, "findme", {"messages": [{"role": "user", "content": "a question about zeppelins"}]})
+    # the user types while the page still loads (its adapters held back): when the page is ready it
+    # must leave the focus where the user put it — moving it sent the rest of a search into the composer
+    held = []
+    page.route("**/v1/adapters", lambda route: held.append(route))
     page.goto(served.http + "/ui/chat")
-    page.get_by_placeholder("Search conversations (/)").fill("zeppelin")
+    page.get_by_placeholder("Search conversations (/)").fill("zepp")
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(20)
+    held[0].continue_()
+    expect(page.locator("#name")).not_to_have_value("")              # ready: a new chat is open
+    page.keyboard.type("elin")
+    expect(page.locator("#search")).to_have_value("zeppelin")
+    expect(page.locator("#message")).to_have_value("")
     expect(page.locator("#list li")).to_have_count(1)
     page.locator('#list li[data-name="findme"] button').click()
     page.locator("#settings summary").click()

@@ -126,12 +126,12 @@ async function open(name) {
   checkVision();
 }
 
-function newChat() {
+function newChat(focus = true) {
   current = { name: stamp(), title: "", model: $("#model").value || "", adapter: "", params: Object.assign({}, DEFAULTS), messages: [], saved: false };
   localStorage.removeItem("kiln-chat");
   render();
   checkVision();
-  $("#message").focus();
+  if (focus) $("#message").focus();
 }
 
 async function save() {
@@ -352,7 +352,7 @@ $("#attach-file").addEventListener("change", async (ev) => {
 
 let searching = null;
 $("#search").addEventListener("input", () => { clearTimeout(searching); searching = setTimeout(loadList, 200); });
-$("#new").addEventListener("click", newChat);
+$("#new").addEventListener("click", () => newChat());
 $("#stop").addEventListener("click", () => controller && controller.abort());
 
 document.addEventListener("keydown", (ev) => {
@@ -374,7 +374,9 @@ async function start() {
     $("#adapter").replaceChildren(el("option", { value: "" }, "none"), ...adapters.map((n) => el("option", { value: n }, n)));
     await loadList();
     const last = localStorage.getItem("kiln-chat");
-    if (last && $(`#list li[data-name="${CSS.escape(last)}"]`)) await open(last); else newChat();
+    // the composer takes the focus only if the user has not put it somewhere while the page loaded:
+    // moving it mid-typing sent the rest of a search into the message box
+    if (last && $(`#list li[data-name="${CSS.escape(last)}"]`)) await open(last); else newChat(document.activeElement === document.body);
     $("#conn").textContent = "";
   } catch (e) { $("#conn").textContent = `error: ${e.message}`; }
 }
