@@ -290,7 +290,8 @@ static PyObject *py_features(PyObject *self, PyObject *noargs) {
 #ifdef _OPENMP
     omp = 1; maxt = omp_get_max_threads();
 #endif
-    return Py_BuildValue("{s:O,s:O,s:i,s:i}", "avx2_fma", g_avx2 ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:O,s:i,s:i}", "avx2_fma", g_avx2 ? Py_True : Py_False,
+                         "avx512_vnni", g_avx512 ? Py_True : Py_False,
                          "openmp", omp ? Py_True : Py_False, "max_threads", maxt, "threads", default_threads);
 }
 
@@ -301,11 +302,23 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#ifdef KILN_X86
+/* AVX-512 VNNI for the K-quant prefill kernels: when the CPU (and the OS, which libgcc's check
+ * asks) has it, unless KILN_SIMD=avx2 asks for the AVX2 kernels (the same bits either way) */
+static int avx512_wanted(void) {
+    const char *want = getenv("KILN_SIMD");
+    if (want && strcmp(want, "avx2") == 0) return 0;
+    return g_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
 static PyObject *py_set_simd(PyObject *self, PyObject *args) {  /* for tests: force the portable path */
-    int on;
-    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    int on, wide = 1;          /* wide: the AVX-512 kernels too, where the CPU has them */
+    if (!PyArg_ParseTuple(args, "p|p", &on, &wide)) return NULL;
 #ifdef KILN_X86
     g_avx2 = on && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    g_avx512 = on && wide && avx512_wanted();
 #endif
     return PyBool_FromLong(g_avx2);
 }
@@ -360,6 +373,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #ifdef KILN_X86
     __builtin_cpu_init();
     g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    g_avx512 = avx512_wanted();
 #endif
     return PyModule_Create(&module);
 }

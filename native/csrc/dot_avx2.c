@@ -86,6 +86,10 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_row2(int type, int
     const uint8_t *w1 = w0 + row_bytes;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); float m0 = 0.f, m1 = 0.f;
     for (int b = 0; b < nb; b++, w0 += bytes, w1 += bytes) {
+        if (((uintptr_t)w0 & 63) < (uintptr_t)bytes) {    /* a new cache line: ask for the rows ahead's */
+            _mm_prefetch((const char *)w0 + KILN_PF_ROWS * row_bytes, _MM_HINT_T0);
+            _mm_prefetch((const char *)w1 + KILN_PF_ROWS * row_bytes, _MM_HINT_T0);
+        }
         const size_t blk = (size_t)t * nb + b;
         const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + blk * 32));
         const float dx = a->d[blk];
@@ -110,6 +114,10 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_rows2(int type, in
     #pragma GCC unroll 4
     for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w0 += bytes, w1 += bytes) {
+        if (((uintptr_t)w0 & 63) < (uintptr_t)bytes) {
+            _mm_prefetch((const char *)w0 + KILN_PF_ROWS * row_bytes, _MM_HINT_T0);
+            _mm_prefetch((const char *)w1 + KILN_PF_ROWS * row_bytes, _MM_HINT_T0);
+        }
         const __m256i x0 = block_values(type, w0), x1 = block_values(type, w1);
         const size_t at = (size_t)b * a->ts;
         const __m256 dx = _mm256_loadu_ps(dT + at);

@@ -47,6 +47,7 @@ AVX2 void dotW2_q4_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int 
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     __m128 am0 = _mm_setzero_ps(), am1 = _mm_setzero_ps();
     for (int b = 0; b < nb; b++) {
+        prefetch_ahead(w + 144 * b, row_bytes, 144);
         q4_K_block(w + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0, &am0);
         q4_K_block(w1 + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1, &am1);
     }
@@ -97,6 +98,7 @@ AVX2 void dotW2_q5_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int 
     const uint8_t *w1 = w + row_bytes;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); float sm0 = 0.f, sm1 = 0.f;
     for (int b = 0; b < nb; b++) {
+        prefetch_ahead(w + 176 * b, row_bytes, 176);
         q5_K_block(w + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0, &sm0);
         q5_K_block(w1 + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1, &sm1);
     }
@@ -152,6 +154,7 @@ AVX2 void dotW2_q6_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int 
     const uint8_t *w1 = w + row_bytes;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
+        prefetch_ahead(w + 210 * b, row_bytes, 210);
         q6_K_block(w + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0);
         q6_K_block(w1 + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1);
     }

@@ -99,6 +99,8 @@ typedef struct {
     float *dT, *sT;       /* Q8_0/Q8_1: d and s again, block-major (block b of row t at b*ts + t),
                              so a multi-row kernel loads the rows' scales of a block as one vector */
     int ts;
+    int16_t *kT;          /* Q8_K: each block's bsums summed in pairs (8 values, ggml's hadd of them),
+                             block-major as dT is: several rows' minimum terms in one vector */
 } Act;
 
 #ifdef KILN_X86
@@ -168,12 +170,23 @@ AVX2 static inline float dot_f32_avx2(const float *w, const float *x, int n) {
  * attention loops ask for the rows this far ahead (measured: decode at 2k positions 1.3-1.45x,
  * docs/engine.md). A prefetch changes no value. */
 #define PREFETCH_ROWS 8
+/* A decode step streams every weight once from memory, a few rows at a time: its kernels ask for
+ * the rows this far ahead, or each row's loads wait on memory's latency before the next row's
+ * start (measured on a 1 B Q4_K_M decode: 12.3 -> 25.0 tok/s; a Q4_K matrix-vector product from
+ * memory 11 -> 34 GB/s, docs/engine.md). A prefetch changes no value. */
+#define KILN_PF_ROWS 4
 #ifdef KILN_X86
+/* the two K-quant weight rows KILN_PF_ROWS ahead, at this block */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *block, size_t row_bytes, int bytes) {
+    const char *p = (const char *)block + KILN_PF_ROWS * row_bytes;
+    for (int o = 0; o < 2 * bytes; o += 64) _mm_prefetch(p + o % bytes + (o >= bytes) * row_bytes, _MM_HINT_T0);
+}
 static inline __attribute__((always_inline)) void prefetch_row(const void *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
 #endif
 extern int g_avx2;            /* the AVX2/FMA/F16C paths are on (CPU detection; tests may turn them off) */
+extern int g_avx512;          /* the AVX-512 VNNI K-quant kernels are on (needs g_avx2; KILN_SIMD=avx2 turns it off) */
 extern int default_threads;   /* 0: OpenMP's default */
 int pick_threads(int requested);
 int type_info(int t, TypeInfo *ti);
@@ -187,6 +200,8 @@ int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, fl
 int dotW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res);
 int dotRW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, int R, float *res);
 int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax);
+/* dot_kquants_avx512.c */
+int dotR_kquant_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
 /* dot_kquants_avx2.c */
 float dot_q2_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
 float dot_q3_K_avx2(const uint8_t *w, const Act *a, int t, int nb);

@@ -240,6 +240,7 @@ static float dot_float(int type, const uint8_t *w, const Act *a, int t, int K) {
 
 
 int g_avx2 = 0;
+int g_avx512 = 0;
 
 float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int t, int K) {
     int nb = K / ti->block;
@@ -281,11 +282,12 @@ void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K) {
     if (ti->act >= A_Q8_0) {
         a->q = malloc((size_t)T * K); a->d = malloc((size_t)T * (K / B) * sizeof(float));
         a->s = malloc((size_t)T * (K / B) * sizeof(float));
-        if (ti->act == A_Q8_K) a->bs = malloc((size_t)T * (K / 16) * sizeof(int16_t));
-        else {              /* + 8: a kernel's vector load past the last row (lanes it ignores) */
-            a->dT = calloc((size_t)T * (K / B) + 8, sizeof(float));
-            a->sT = calloc((size_t)T * (K / B) + 8, sizeof(float));
-        }
+        /* + 8: a kernel's vector load past the last row (lanes it ignores) */
+        a->dT = calloc((size_t)T * (K / B) + 8, sizeof(float));
+        if (ti->act == A_Q8_K) {
+            a->bs = malloc((size_t)T * (K / 16) * sizeof(int16_t));
+            a->kT = calloc(((size_t)T * (K / B) + 8) * 8, sizeof(int16_t));
+        } else a->sT = calloc((size_t)T * (K / B) + 8, sizeof(float));
     }
 }
 void act_row(Act *a, int t, int K) {
@@ -297,10 +299,17 @@ void act_row(Act *a, int t, int K) {
     if (a->dT)
         for (int b = 0; b < K / B; b++) {
             a->dT[(size_t)b * a->ts + t] = a->d[(size_t)t * (K / B) + b];
-            a->sT[(size_t)b * a->ts + t] = a->s[(size_t)t * (K / B) + b];
+            if (a->sT) a->sT[(size_t)b * a->ts + t] = a->s[(size_t)t * (K / B) + b];
+            if (a->kT)
+                for (int i = 0; i < 8; i++) {
+                    const int16_t *bs = a->bs + (size_t)t * (K / 16) + 16 * b;
+                    a->kT[((size_t)b * a->ts + t) * 8 + i] = (int16_t)(bs[2 * i] + bs[2 * i + 1]);
+                }
         }
 }
-void act_free(Act *a) { free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); free(a->dT); free(a->sT); }
+void act_free(Act *a) {
+    free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); free(a->dT); free(a->sT); free(a->kT);
+}
 /* Row t of a as a one-row Act (no copy): to multiply one row of a batch on its own. */
 Act act_view(const Act *a, int t, int K) {
     int B = a->kind == A_Q8_K ? 256 : 32;
@@ -311,6 +320,7 @@ Act act_view(const Act *a, int t, int K) {
     if (a->d) v.d = a->d + (size_t)t * (K / B);
     if (a->s) v.s = a->s + (size_t)t * (K / B);
     if (a->bs) v.bs = a->bs + (size_t)t * (K / 16);
-    if (a->dT) { v.dT = a->dT + t; v.sT = a->sT + t; }      /* the same stride: row t is lane 0 */
+    if (a->dT) { v.dT = a->dT + t; v.sT = a->sT ? a->sT + t : NULL; }   /* the same stride: row t is lane 0 */
+    if (a->kT) v.kT = a->kT + (size_t)t * 8;
     return v;
 }
