@@ -49,10 +49,8 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q4_K_512(const uin
     for (int g = 0; g < R / 4; g++) { acc_m[g] = _mm512_setzero_ps(); pick_m[g] = spread_rows(4 * g, 4); }
     for (int b = 0; b < nb; b++, w += 144) {
         const float xd = H2F(w), xm = H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        __m128i mins; __m256i scales;
+        k4_block_scales(w, &mins, &scales);
         __m512i sumi[8];
         for (int r = 0; r < R; r++) sumi[r] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
@@ -95,10 +93,8 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q5_K_512(const uin
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); summs[r] = 0.f; }
     for (int b = 0; b < nb; b++, w += 176) {
         const float xd = H2F(w), xm = H2F(w + 2);
-        uint32_t u[4]; unpack_k4_scales(w + 4, u);
-        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m128i mins = _mm256_extracti128_si256(ms, 1), sc128 = _mm256_extracti128_si256(ms, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        __m128i mins; __m256i scales;
+        k4_block_scales(w, &mins, &scales);
         const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
         __m512i v[4], sc[4];
         __m256i hmask = mone;

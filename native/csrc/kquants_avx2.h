@@ -17,6 +17,15 @@ AVX2 static inline void unpack_k4_scales(const uint8_t *scales, uint32_t u[4]) {
     u[2] = uaux;
     u[0] &= kmask1;
 }
+/* a Q4_K/Q5_K block's eight mins (16 bits each) and its eight scales in both 128-bit lanes, as
+ * ggml's loops start a block */
+AVX2 static inline void k4_block_scales(const uint8_t *w, __m128i *mins, __m256i *scales) {
+    uint32_t u[4]; unpack_k4_scales(w + 4, u);
+    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+    const __m128i sc128 = _mm256_extracti128_si256(ms, 0);
+    *mins = _mm256_extracti128_si256(ms, 1);
+    *scales = _mm256_set_m128i(sc128, sc128);
+}
 AVX2 static inline __m256i scale_shuffle_k4(int i) {      /* 16-bit scale i in every lane pair */
     return _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8)));
 }
