@@ -54,7 +54,7 @@ def kernel_info() -> dict:
         why = "disabled (KILN_NATIVE_KERNELS=0)" if _C is not None else "extension not built"
         return {"path": "numpy", "compiled": why, "activation_rounding": _act_mode}
     f = _C.features()
-    return {"path": "compiled", "avx2_fma": f["avx2_fma"], "openmp": f["openmp"],
+    return {"path": "compiled", "avx2_fma": f["avx2_fma"], "avx512_vnni": f["avx512_vnni"], "openmp": f["openmp"],
             "threads": f["threads"] or f["max_threads"], "activation_rounding": "ggml"}
 
 

@@ -4,6 +4,10 @@ The reference is `gguf.quants.dequantize` + a numpy matmul of the activations ro
 rounds them for that weight type (kernels.py's numpy path), so what is compared is the kernel's
 block arithmetic, AVX2 and portable alike; float weight types are compared to plain float32."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
@@ -165,3 +169,11 @@ def test_the_numpy_path_computes_the_compiled_kernels_bits(qtype):
     experts, weights = np.empty((30, 2), np.int32), np.empty((30, 2), np.float32)
     C.route(logits, 30, 8, 2, False, experts, weights)
     assert np.array_equal(np.take_along_axis(ggml_round.softmax(logits), experts, 1), weights)
+
+
+def test_kiln_simd_avx2_turns_the_avx512_kernels_off_and_says_so():
+    show = "from kiln.native import kernels; print(kernels.kernel_info()['avx512_vnni'])"
+    off = subprocess.run([sys.executable, "-c", show], env={**os.environ, "KILN_SIMD": "avx2"},
+                         capture_output=True, text=True, timeout=60)
+    assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
+    assert kernels.kernel_info()["avx512_vnni"] == C.features()["avx512_vnni"]
