@@ -30,6 +30,12 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
                    Q.IQ1_S, Q.IQ1_M, Q.MXFP4)
 
+# which SIMD kernels the compiled extension picks (it reads the variable itself): a value it does
+# not know would be silently the default, so it is refused here, naming what is allowed
+if os.environ.get("KILN_SIMD", "auto") not in ("auto", "avx2"):
+    raise RuntimeError(f"KILN_SIMD={os.environ['KILN_SIMD']!r} is not a kernel choice: use 'avx2' (the AVX2 "
+                       "kernels only) or 'auto' (the widest this CPU has; the default), or unset it")
+
 try:
     from . import _kernels as _C
 except ImportError:          # built without a C compiler: the numpy path serves

@@ -177,3 +177,7 @@ def test_kiln_simd_avx2_turns_the_avx512_kernels_off_and_says_so():
                          capture_output=True, text=True, timeout=60)
     assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
     assert kernels.kernel_info()["avx512_vnni"] == C.features()["avx512_vnni"]
+    bad = subprocess.run([sys.executable, "-c", show], env={**os.environ, "KILN_SIMD": "sse9"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "KILN_SIMD='sse9' is not a kernel choice" in bad.stderr, bad.stderr
+

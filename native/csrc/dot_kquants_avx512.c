@@ -131,7 +131,6 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q6_K_512(const uin
     const int8_t *q8[8]; const float *yd[8]; const int16_t *bs[8];
     q8_K_rows(a, t, nb, R, q8, yd, bs);
     const float *dT = a->dT + t; const size_t ts = (size_t)a->ts;
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     __m512 acc[4];
     __m512i pick_d[4];
     for (int p = 0; p < R / 2; p++) { acc[p] = _mm512_setzero_ps(); pick_d[p] = spread_rows(2 * p, 8); }
@@ -141,16 +140,10 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q6_K_512(const uin
         const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
         __m512i v[4], sc[4];
         for (int j = 0; j < 2; j++) {
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + 64 * j));
-            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32));
-            const __m256i bH = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * j));
-            v[2 * j] = pair512(_mm256_or_si256(_mm256_and_si256(b1, m15), _mm256_slli_epi16(_mm256_and_si256(bH, m3), 4)),
-                               _mm256_or_si256(_mm256_and_si256(b2, m15),
-                                               _mm256_slli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(12)), 2)));
-            v[2 * j + 1] = pair512(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15),
-                                                   _mm256_and_si256(bH, _mm256_set1_epi8(48))),
-                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15),
-                                                   _mm256_srli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(-64)), 2)));
+            __m256i h[4];
+            q6_K_half(w, j, h);
+            v[2 * j] = pair512(h[0], h[1]);
+            v[2 * j + 1] = pair512(h[2], h[3]);
             for (int k = 0; k < 2; k++)
                 sc[2 * j + k] = pair512(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(4 * j + 2 * k))),
                                         _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(4 * j + 2 * k + 1))));

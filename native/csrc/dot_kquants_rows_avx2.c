@@ -95,7 +95,6 @@ AVX2 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
 AVX2 void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res) {
     const int8_t *q8[4]; const float *yd[4]; const int16_t *bs[4];
     q8_K_rows(a, t, nb, 4, q8, yd, bs);
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += 210) {
@@ -104,14 +103,7 @@ AVX2 void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
         const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
         __m256i v[8], sc[8];
         for (int j = 0; j < 2; j++) {
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + 64 * j));
-            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32));
-            const __m256i bH = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * j));
-            v[4 * j + 0] = _mm256_or_si256(_mm256_and_si256(b1, m15), _mm256_slli_epi16(_mm256_and_si256(bH, m3), 4));
-            v[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15), _mm256_slli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(12)), 2));
-            v[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), _mm256_and_si256(bH, _mm256_set1_epi8(48)));
-            v[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15),
-                                           _mm256_srli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(-64)), 2));
+            q6_K_half(w, j, v + 4 * j);
             for (int k = 0; k < 4; k++)
                 sc[4 * j + k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, scale_shuffle_q6(4 * j + k)));
         }

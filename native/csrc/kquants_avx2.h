@@ -26,6 +26,19 @@ AVX2 static inline void k4_block_scales(const uint8_t *w, __m128i *mins, __m256i
     *mins = _mm256_extracti128_si256(ms, 1);
     *scales = _mm256_set_m128i(sc128, sc128);
 }
+/* the four 32-value pieces of a Q6_K block's half j (128 values): six-bit codes, low nibbles
+ * from the first 128 bytes, high bits from the next 64 (ggml's unpacking) */
+AVX2 static inline void q6_K_half(const uint8_t *w, int j, __m256i v[4]) {
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + 64 * j));
+    const __m256i b2 = _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32));
+    const __m256i bH = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * j));
+    v[0] = _mm256_or_si256(_mm256_and_si256(b1, m15), _mm256_slli_epi16(_mm256_and_si256(bH, m3), 4));
+    v[1] = _mm256_or_si256(_mm256_and_si256(b2, m15), _mm256_slli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(12)), 2));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15), _mm256_and_si256(bH, _mm256_set1_epi8(48)));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15),
+                           _mm256_srli_epi16(_mm256_and_si256(bH, _mm256_set1_epi8(-64)), 2));
+}
 AVX2 static inline __m256i scale_shuffle_k4(int i) {      /* 16-bit scale i in every lane pair */
     return _mm256_set1_epi16((short)((2 * i) | ((2 * i + 1) << 8)));
 }
