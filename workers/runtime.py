@@ -14,7 +14,8 @@ it lets go of the GIL, as the compiled kernels and the tokenization of long text
 holds it anyway still shows in the process's CPU time, which the supervisor tells from a hang.
 
 Exit rules: `shutdown` or SIGTERM → finish or cancel the running op, exit 0; parent gone →
-exit; boot error → send `error` boot_failed, print the reason, exit 3.
+exit (its requests end as the supervisor tells a lost worker's: run again, or "lost"); boot
+error → send `error` boot_failed, print the reason, exit 3.
 """
 
 from __future__ import annotations
@@ -39,11 +40,18 @@ from kiln.protocol import (PROTOCOL_VERSION, Message, ProtocolError, SchemaError
 from .worker import EXIT_BOOT_ERROR, BootError, Chunk, OpError, Request, Worker
 
 
+# The parent-death signal is not SIGTERM: the kernel sends it when the thread that forked us exits,
+# which — while a process exits thread by thread — comes before getppid() changes. A SIGTERM then
+# began a graceful stop, and a stream cut by its node's loss read "worker is shutting down" (a
+# request the supervisor never asked to stop). SIGHUP only wakes the loop; getppid() decides.
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+
+
 def _set_parent_death_signal() -> None:
-    """Linux: have the kernel send SIGTERM when the supervisor (our parent thread) dies."""
+    """Linux: have the kernel signal us when the supervisor (our parent thread) dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)          # PR_SET_PDEATHSIG
+        libc.prctl(1, PARENT_DEATH_SIGNAL)     # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -89,9 +97,11 @@ class Runtime:
         # may be holding a lock that stopping needs; the loop below acts on it within 0.25 s
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        # a blocked SIGTERM (a mask inherited through the supervisor) would defeat both the
-        # supervisor's graceful stop and the parent-death signal
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1})
+        signal.signal(PARENT_DEATH_SIGNAL, lambda *_: None)   # the loop's getppid() check acts on it
+        # a blocked SIGTERM (a mask inherited through the supervisor) would defeat the supervisor's
+        # graceful stop, a blocked SIGHUP the parent-death signal
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1,
+                                                    PARENT_DEATH_SIGNAL})
         faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1`: stacks to the log
         self.sock.connect(self.endpoint)
         self.send(make("hello", name=self.worker.name, kind=self.worker.kind, pid=os.getpid(),
