@@ -96,3 +96,16 @@ def first_difference(a: str, b: str) -> int | None:
         return None
     n = min(len(x), len(y))
     return next((i for i in range(n) if x[i] != y[i]), n)
+
+
+def compare_returns(base: dict, tuned: dict) -> dict:
+    """Per-seed mean returns of two rollouts over the same seeds (summaries), and the exact sign
+    test over the seeds where they differ: the gate an adapter passes before it is loaded."""
+    seeds = sorted(set(base["group_returns"]) & set(tuned["group_returns"]), key=int)
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    rows = [(int(g) + base["seed"], mean(base["group_returns"][g]), mean(tuned["group_returns"][g])) for g in seeds]
+    wins, losses = sum(1 for _, b, t in rows if t > b), sum(1 for _, b, t in rows if t < b)
+    return {"seeds": [r[0] for r in rows], "base_mean": mean([r[1] for r in rows]) if rows else None,
+            "adapter_mean": mean([r[2] for r in rows]) if rows else None, "wins": wins, "losses": losses,
+            "ties": len(rows) - wins - losses, "p_value": sign_test(wins, losses),
+            "per_seed": [{"seed": s, "base": b, "adapter": t} for s, b, t in rows]}

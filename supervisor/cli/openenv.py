@@ -1,7 +1,7 @@
 """`kiln openenv …`: reinforcement learning against an OpenEnv environment server — inspect its
 discovery documents, roll the running model out in it (groups of episodes from one seed each,
 actions constrained to the environment's action schema), verify a rollout offline, and train a
-LoRA with GRPO on its returns (supervisor/core/openenv_env.py and openenv_rollout.py)."""
+LoRA with GRPO on its returns (protocol/openenv/)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ openenv_app = typer.Typer(help="Reinforcement learning in OpenEnv environments: 
 
 
 def _env(url: str):
-    from ..core.openenv_env import Environment, EnvError
+    from kiln.protocol.openenv.env import Environment, EnvError
     try:
         return Environment(url)
     except EnvError as e:
@@ -30,7 +30,7 @@ def inspect(url: str = typer.Argument(..., help="the environment server, e.g. ht
             as_json: bool = typer.Option(False, "--json", help="the documents and their hashes as JSON")):
     """The environment's health, metadata and action/observation/state schemas, each with the
     sha256 of its canonical JSON."""
-    from ..core.openenv_env import EnvError
+    from kiln.protocol.openenv.env import EnvError
     try:
         d = _env(url).discover()
     except EnvError as e:
@@ -52,7 +52,7 @@ def _actor(client, model: Optional[str], temperature: float, max_tokens: int, ad
     """act(messages, schema, seed) -> the model's action text, through the daemon ("" as the
     adapter: the base model, whichever adapter is active)."""
     from ..bus.client import CommandFailed
-    from ..core.openenv_env import EnvError
+    from kiln.protocol.openenv.env import EnvError
 
     def act(messages, schema, seed):
         body = {"messages": messages, "grammar": {"json_schema": schema},
@@ -69,8 +69,8 @@ def _actor(client, model: Optional[str], temperature: float, max_tokens: int, ad
 
 
 def _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model, adapter=None):
-    from ..core.openenv_env import EnvError
-    from ..core.openenv_rollout import rollout as run
+    from kiln.protocol.openenv.env import EnvError
+    from kiln.protocol.openenv.rollout import rollout as run
     from .train import _client
     if out.exists():
         fail(f"{out} exists: a rollout writes a new folder")
@@ -117,8 +117,8 @@ def _said(s: dict) -> str:
 def verify(folder: Path = typer.Argument(..., help="a rollout folder")):
     """Re-check a rollout offline: every file's hash, every episode's return, every reward in the
     dataset; names the first field that does not hold."""
-    from ..core.openenv_rollout import VerifyError
-    from ..core.openenv_rollout import verify as check
+    from kiln.protocol.openenv.rollout import VerifyError
+    from kiln.protocol.openenv.rollout import verify as check
     try:
         s = check(folder)
     except VerifyError as e:
@@ -131,9 +131,9 @@ def replay(folder: Path = typer.Argument(..., help="a rollout folder"),
            url: Optional[str] = typer.Option(None, "--url", help="the environment server (default: the one recorded)")):
     """Re-check a rollout live: play every episode again with its recorded actions and compare the
     discovery documents, every observation, reward and done with what was recorded."""
-    from ..core.openenv_env import EnvError
-    from ..core.openenv_rollout import VerifyError
-    from ..core.openenv_rollout import replay as run
+    from kiln.protocol.openenv.env import EnvError
+    from kiln.protocol.openenv.rollout import VerifyError
+    from kiln.protocol.openenv.rollout import replay as run
     try:
         recorded = json.loads((folder / "summary.json").read_text())["env"]
     except (OSError, ValueError, KeyError) as e:
@@ -149,7 +149,7 @@ def replay(folder: Path = typer.Argument(..., help="a rollout folder"),
 def _evaluate(url, out, adapter, seeds, start, episodes, max_steps, temperature, max_tokens, model, as_json=False):
     """The base model and the adapter on the same held-out seeds; per-seed mean returns compared
     with the exact sign test."""
-    from ..core.openenv_rollout import compare_returns
+    from kiln.native.eval_metrics import compare_returns
     runs = [_rollout(url, out / name, seeds, episodes, start, max_steps, temperature, max_tokens, model, arm)
             for name, arm in (("eval-base", ""), ("eval-adapter", adapter))]
     c = compare_returns(*runs)

@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-from .openenv_env import Environment, EnvError, canonical, sha256_of
+from .env import Environment, EnvError, canonical, sha256_of
 
 FILES = ("discovery.json", "transcript.jsonl", "dataset.jsonl")
 
@@ -50,55 +50,43 @@ def episode_return(steps: list[dict]) -> float:
 
 def rollout(env: Environment, out: Path, act: Callable[[list, dict, int], str], groups: int, group_size: int,
             seed: int = 0, max_steps: int = 8, settings: dict | None = None,
-            progress: Callable[[str], None] = lambda s: None) -> dict:
+            progress: Callable[[str], None] = lambda s: None, resume: bool = False,
+            stop: Callable[[], str | None] = lambda: None) -> dict:
     """Play the episodes into the new folder `out`; return the summary (also written). An
-    EnvError mid-run is recorded in the summary ("error") and raised after it is written."""
-    out.mkdir(parents=True, exist_ok=False)
-    discovery = env.discover()
-    (out / "discovery.json").write_bytes(canonical(discovery) + b"\n")
+    EnvError mid-run is recorded in the summary ("error") and raised after it is written.
+
+    `resume`: `out` holds an interrupted run of these settings — its whole episodes are kept (a
+    line cut by a crash is dropped) and the run goes on from the next one, against the same
+    environment (every discovery document must hash as recorded). Episode seeds depend only on
+    (seed, group, candidate, step), so a resumed run records what an uninterrupted one would.
+    `stop()`: checked before each episode; a reason ends the run there (summary "error")."""
+    if resume:
+        discovery, episodes = _resume_state(env, out, group_size)
+    else:
+        out.mkdir(parents=True, exist_ok=False)
+        discovery, episodes = env.discover(), []
+        (out / "discovery.json").write_bytes(canonical(discovery) + b"\n")
     schema = discovery["documents"]["schema"]["action"]
     system = instructions(discovery)
-    episodes, rows, error = [], [], None
-    with open(out / "transcript.jsonl", "wb") as transcript:
+    error, stopped = None, False
+    with open(out / "transcript.jsonl", "ab") as transcript:
         try:
-            for g in range(groups):
-                group_seed = seed + g
-                group = []
-                for k in range(group_size):
-                    with env.session() as s:
-                        first = s.reset(group_seed)
-                        messages = [{"role": "system", "content": system},
-                                    {"role": "user", "content": json.dumps(first["observation"], sort_keys=True)}]
-                        prompt, steps, done = list(messages), [], first["done"]
-                        while not done and len(steps) < max_steps:
-                            n = len(steps)
-                            text = act(messages, schema, _seed(seed, g, k, n))
-                            try:
-                                action = json.loads(text)
-                            except ValueError:      # cut short by max_tokens: the policy's fault, return 0
-                                steps.append({"action_text": text, "action": None, "observation": None,
-                                              "reward": 0.0, "done": True, "invalid": True})
-                                done = True
-                                break
-                            got = s.step(action, n)
-                            steps.append({"action_text": text, "action": action, **got})
-                            done = got["done"]
-                            messages += [{"role": "assistant", "content": text},
-                                         {"role": "user", "content": json.dumps(got["observation"], sort_keys=True)}]
-                    ep = {"group": g, "candidate": k, "seed": group_seed, "reset": first["observation"],
-                          "steps": steps, "return": episode_return(steps), "end": "invalid_action" if steps and steps[-1].get("invalid") else "done" if done else "max_steps"}
-                    transcript.write(canonical(ep) + b"\n")
-                    transcript.flush()
-                    episodes.append(ep)
-                    group.append((prompt, ep))
-                    progress(f"group {g + 1}/{groups} candidate {k + 1}/{group_size}: return {ep['return']:g} "
-                             f"in {len(steps)} step{'s' if len(steps) != 1 else ''}")
-                if all(ep["steps"] for _, ep in group):
-                    rows.append({"prompt": group[0][0],
-                                 "completions": [{"text": ep["steps"][0]["action_text"], "reward": ep["return"]}
-                                                 for _, ep in group]})
+            for i in range(len(episodes), groups * group_size):
+                error = stop()
+                if error:
+                    stopped = True
+                    break
+                g, k = divmod(i, group_size)
+                ep = _episode(env, act, system, schema, seed, g, k, max_steps)
+                transcript.write(canonical(ep) + b"\n")
+                transcript.flush()
+                episodes.append(ep)
+                n = len(ep["steps"])
+                progress(f"group {g + 1}/{groups} candidate {k + 1}/{group_size}: return {ep['return']:g} "
+                         f"in {n} step{'s' if n != 1 else ''}")
         except EnvError as e:
             error = str(e)
+    rows = _dataset_rows(episodes, group_size, system)
     (out / "dataset.jsonl").write_bytes(b"".join(canonical(r) + b"\n" for r in rows))
     rewards = [[ep["group"], ep["candidate"], [s["reward"] for s in ep["steps"]], ep["return"]] for ep in episodes]
     by_group: dict[int, list[float]] = {}
@@ -112,9 +100,82 @@ def rollout(env: Environment, out: Path, act: Callable[[list, dict, int], str], 
                "sha256": {**{f: _sha(out / f) for f in FILES}, "discovery_documents": discovery["sha256"],
                           "reward_arithmetic": sha256_of(rewards)}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    if error:
+    if error and not stopped:
         raise EnvError(f"{error} (the {len(episodes)} episodes before it are kept in {out})")
     return summary
+
+
+def _episode(env: Environment, act, system: str, schema: dict, seed: int, g: int, k: int, max_steps: int) -> dict:
+    """Candidate k of group g: a reset with the group's seed, then the model's actions until the
+    environment says done or max_steps."""
+    with env.session() as s:
+        first = s.reset(seed + g)
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": json.dumps(first["observation"], sort_keys=True)}]
+        steps, done = [], first["done"]
+        while not done and len(steps) < max_steps:
+            n = len(steps)
+            text = act(messages, schema, _seed(seed, g, k, n))
+            try:
+                action = json.loads(text)
+            except ValueError:      # cut short by max_tokens: the policy's fault, return 0
+                steps.append({"action_text": text, "action": None, "observation": None,
+                              "reward": 0.0, "done": True, "invalid": True})
+                done = True
+                break
+            got = s.step(action, n)
+            steps.append({"action_text": text, "action": action, **got})
+            done = got["done"]
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": json.dumps(got["observation"], sort_keys=True)}]
+    end = "invalid_action" if steps and steps[-1].get("invalid") else "done" if done else "max_steps"
+    return {"group": g, "candidate": k, "seed": seed + g, "reset": first["observation"], "steps": steps,
+            "return": episode_return(steps), "end": end}
+
+
+def _dataset_rows(episodes: list[dict], group_size: int, system: str) -> list[dict]:
+    """One GRPO group a line for every whole group whose candidates all acted: the first turn's
+    prompt and each candidate's first action with its episode's return."""
+    rows = []
+    for start in range(0, len(episodes) - group_size + 1, group_size):
+        group = episodes[start:start + group_size]
+        if all(ep["steps"] for ep in group):
+            prompt = [{"role": "system", "content": system},
+                      {"role": "user", "content": json.dumps(group[0]["reset"], sort_keys=True)}]
+            rows.append({"prompt": prompt, "completions": [{"text": ep["steps"][0]["action_text"],
+                                                            "reward": ep["return"]} for ep in group]})
+    return rows
+
+
+def _resume_state(env: Environment, out: Path, group_size: int) -> tuple[dict, list[dict]]:
+    """The recorded discovery (the live server's must hash the same) and the whole episodes of
+    an interrupted run, in order; the transcript is cut back to them."""
+    try:
+        discovery = json.loads((out / "discovery.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EnvError(f"{out}: nothing to resume (discovery.json: {e})") from None
+    live = env.discover()
+    for name, h in discovery["sha256"].items():
+        if live["sha256"].get(name) != h:
+            raise EnvError(f"discovery {name}: the server's document is not the one the run began with (another "
+                           f"environment, or another version of it): start a new run")
+    episodes, kept = [], 0
+    try:
+        raw = (out / "transcript.jsonl").read_bytes()
+    except OSError:
+        raw = b""
+    for line in raw.split(b"\n"):
+        try:
+            ep = json.loads(line)
+        except ValueError:
+            break                          # the line a crash cut (or the end)
+        if not isinstance(ep, dict) or (ep.get("group"), ep.get("candidate")) != divmod(len(episodes), group_size):
+            break
+        episodes.append(ep)
+        kept += len(line) + 1
+    with open(out / "transcript.jsonl", "ab") as f:
+        f.truncate(kept)
+    return discovery, episodes
 
 
 def _seed(seed: int, g: int, k: int, n: int) -> int:
@@ -153,7 +214,9 @@ def verify(folder: Path) -> dict:
     returns = {(ep["group"], ep["candidate"]): ep["return"] for ep in episodes}
     groups = sorted({ep["group"] for ep in episodes})
     rows = [json.loads(ln) for ln in (folder / "dataset.jsonl").read_text().splitlines() if ln.strip()]
-    complete = [g for g in groups if sum(1 for ep in episodes if ep["group"] == g) == summary["group_size"]]
+    size = summary["group_size"]
+    complete = [g for g in groups if len(eps := [ep for ep in episodes if ep["group"] == g]) == size
+                and all(ep["steps"] for ep in eps)]
     for line, (row, g) in enumerate(zip(rows, complete), 1):
         for k, c in enumerate(row["completions"]):
             if c["reward"] != returns.get((g, k)):
@@ -190,17 +253,3 @@ def replay(env: Environment, folder: Path, progress: Callable[[str], None] = lam
                 steps += 1
         progress(f"episode {i + 1}/{len(episodes)} matched")
     return {"episodes": len(episodes), "steps": steps}
-
-
-def compare_returns(base: dict, tuned: dict) -> dict:
-    """Per-seed mean returns of two rollouts over the same seeds (summaries), and the exact sign
-    test over the seeds where they differ: the gate an adapter passes before it is loaded."""
-    from kiln.native.eval_metrics import sign_test
-    seeds = sorted(set(base["group_returns"]) & set(tuned["group_returns"]), key=int)
-    mean = lambda v: sum(v) / len(v)  # noqa: E731
-    rows = [(int(g) + base["seed"], mean(base["group_returns"][g]), mean(tuned["group_returns"][g])) for g in seeds]
-    wins, losses = sum(1 for _, b, t in rows if t > b), sum(1 for _, b, t in rows if t < b)
-    return {"seeds": [r[0] for r in rows], "base_mean": mean([r[1] for r in rows]) if rows else None,
-            "adapter_mean": mean([r[2] for r in rows]) if rows else None, "wins": wins, "losses": losses,
-            "ties": len(rows) - wins - losses, "p_value": sign_test(wins, losses),
-            "per_seed": [{"seed": s, "base": b, "adapter": t} for s, b, t in rows]}
