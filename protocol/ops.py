@@ -65,6 +65,11 @@ SCHEMAS: dict[str, Schema] = {
     "eval_submit": {"suite": (str, False), "file": (str, False), "inline": (dict, False), "adapter": (str, False),
                     "adapters": (list, False), "seed": (int, False), "worker": (str, False),
                     "replay_of": (str, False)},
+    "openenv_submit": {"env": (str, True), "groups": (int, False), "group_size": (int, False), "seed": (int, False),
+                       "max_steps": (int, False), "temperature": (NUM, False), "max_tokens": (int, False),
+                       "model": (str, False), "adapter": (str, False), "train": (dict, False),
+                       "eval_seeds": (int, False)},
+    "openenv_resume": {"id": (str, True)},
     # trainer
     "train_submit": {"file": (str, True), "adapter": (str, True), "options": (dict, False), "method": (str, False),
                      "model": (str, False), "teacher": (str, False), "teacher_model": (str, False),

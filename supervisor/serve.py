@@ -4,7 +4,7 @@ front end. `kiln up` runs what this makes; everything else imports only in its o
 
 from __future__ import annotations
 
-from .bus import commands, eval_commands, model_commands, train_commands  # noqa: F401  (they register bus commands)
+from .bus import commands, eval_commands, model_commands, openenv_commands, train_commands  # noqa: F401  (they register bus commands)
 from .core.config import Config
 from .core.daemon import Supervisor
 from .core.paths import Paths

@@ -196,3 +196,25 @@ def test_the_expert_cache_panel_shows_a_streaming_workers_cache(e8k2_path, tmp_p
         pg.locator("#expert-panel").screenshot(path=str(SHOTS / "expert-panel-streaming.png"))
         pg.close()
         assert not errors, errors
+
+
+def test_the_openenv_panel_shows_a_run_and_resumes_it(served, page):
+    """A run whose environment is not there fails; its row says so (the reason on hover), cancel
+    is disabled and resume is not — and resume from the page runs it again."""
+    from daemon_harness import http_json
+    status, run = http_json(served, "POST", "/v1/openenv/runs", {"env": "http://127.0.0.1:9", "groups": 1})
+    assert status == 201, run
+    rid = run["id"]
+    served.wait(lambda st: http_json(served, "GET", f"/v1/openenv/runs/{rid}")[1]["state"] == "failed", 90,
+                "the run failed")
+    page.goto(served.http + "/ui")
+    row = page.locator(f'tr[data-run="{rid}"]')
+    expect(row.locator("td[data-state]")).to_have_text("failed", timeout=15000)
+    assert "cannot reach the environment server" in row.locator("td[data-state]").get_attribute("title")
+    expect(row.get_by_role("button", name=f"cancel {rid}", exact=True)).to_be_disabled()
+    row.get_by_role("button", name=f"resume {rid}", exact=True).click()
+    served.wait(lambda st: http_json(served, "GET", f"/v1/openenv/runs/{rid}")[1]["resumed"] == 1, 30,
+                "the run resumed")
+    shot(page, "openenv-panel")
+    assert_no_panel_scrolls(page)
+    assert not page.errors, page.errors

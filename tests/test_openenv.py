@@ -3,7 +3,9 @@ tests/openenv_server.py) and a real daemon: inspect hashes the discovery documen
 plays groups from one seed each with schema-constrained actions, verifies offline and replays
 live, and fails verify naming the field after one byte changes; train rolls out and trains GRPO through the
 trainer worker; a hostile server (oversized observation, socket closed mid-episode, a schema
-that is not an object's) ends the run with what happened and keeps what was recorded."""
+that is not an object's) ends the run with what happened and keeps what was recorded. Runs the
+daemon owns (the evaluator plays them): cancelled, resumed, their evaluator killed mid-run —
+and what they record is what an uninterrupted rollout records."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import Daemon, kiln
+import os
+import signal
+
+from daemon_harness import Daemon, http_json, kiln
 
 pytest.importorskip("openenv")
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -72,7 +77,7 @@ def servers(tmp_path_factory):
 def daemon(default_model_path, tmp_path_factory):
     home = tmp_path_factory.mktemp("openenv")
     workers = {"default": {"kind": "inference", "model": str(default_model_path)},
-               "trainer": {"kind": "trainer", "model": str(default_model_path)}}
+               "trainer": {"kind": "trainer", "model": str(default_model_path)}, "eval": {"kind": "evaluator"}}
     with Daemon(home, workers) as d:
         d.wait(lambda st: all(w["state"] == "running" and w["worker_state"] == "ready" for w in st["workers"]),
                timeout=90, what="workers ready")
@@ -179,3 +184,89 @@ def test_a_hostile_environment_ends_the_run_clearly_and_keeps_what_was_recorded(
     assert len((out / "transcript.jsonl").read_text().splitlines()) == kept
     assert kiln(daemon.home, "openenv", "verify", str(out)).returncode == 0   # what was kept still checks
     assert daemon.status()["workers"][0]["state"] == "running"
+
+
+def _run(d, run_id):
+    status, run = http_json(d, "GET", f"/v1/openenv/runs/{run_id}")
+    assert status == 200, run
+    return run
+
+
+def _episodes(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_a_run_the_daemon_owns_survives_cancel_resume_and_its_evaluators_death(daemon, servers, tmp_path):
+    """Cancelled after 2 of 6 episodes, resumed, its evaluator SIGKILLed after 4: the run ends
+    complete, verifies, and recorded exactly the episodes of an uninterrupted `kiln openenv
+    rollout` with the same settings (seeds depend only on group, candidate and step)."""
+    url = servers().url
+    status, run = http_json(daemon, "POST", "/v1/openenv/runs", {"env": url, "groups": 3, "group_size": 2, "seed": 3,
+                                                                 "max_tokens": 40})
+    assert status == 201 and run["state"] == "queued" and run["total"] == 6, run
+    rid = run["id"]
+    daemon.wait(lambda st: _run(daemon, rid)["done"] >= 2, 120, "two episodes")
+    assert http_json(daemon, "DELETE", f"/v1/openenv/runs/{rid}")[0] == 200
+    daemon.wait(lambda st: _run(daemon, rid)["state"] == "cancelled", 120, "the run cancelled")
+    run = _run(daemon, rid)
+    assert 2 <= run["done"] < 6 and run["summary"]["error"] == "cancelled" and not run["summary"]["complete"]
+    status, again = http_json(daemon, "POST", f"/v1/openenv/runs/{rid}")
+    assert status == 405
+    status, again = http_json(daemon, "POST", f"/v1/openenv/runs/{rid}/resume")
+    assert status == 200 and again["state"] == "queued", again
+    pid = daemon.worker("eval")["pid"]
+    daemon.wait(lambda st: _run(daemon, rid)["done"] >= 4, 120, "four episodes")
+    os.kill(pid, signal.SIGKILL)
+    daemon.wait(lambda st: _run(daemon, rid)["state"] == "completed", 180, "the run completed")
+    run = _run(daemon, rid)
+    assert run["resumed"] >= 2 and run["done"] == 6 and run["summary"]["complete"], run
+    assert daemon.worker("eval")["pid"] != pid
+    folder = daemon.home / "openenv" / "jobs" / rid / "rollout"
+    assert kiln(daemon.home, "openenv", "verify", str(folder)).returncode == 0
+    out = tmp_path / "whole"
+    r = kiln(daemon.home, "openenv", "rollout", url, "--out", str(out), "--groups", "3", "--group-size", "2",
+             "--seed", "3", "--max-tokens", "40", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert _episodes(folder / "transcript.jsonl") == _episodes(out / "transcript.jsonl")
+    assert (folder / "dataset.jsonl").read_bytes() == (out / "dataset.jsonl").read_bytes()
+    with urllib.request.urlopen(f"{daemon.http}/v1/openenv/runs/{rid}/artifacts/transcript.jsonl") as resp:
+        assert resp.read() == (folder / "transcript.jsonl").read_bytes()
+    listed = kiln(daemon.home, "openenv", "runs")
+    assert rid in listed.stdout and "completed" in listed.stdout
+
+
+@pytest.mark.parametrize("body, status, said", [
+    ({"env": "ftp://x"}, 400, "env: 'ftp://x' is not an http(s) URL"),
+    ({"env": "http://127.0.0.1:9", "groups": 0}, 400, "groups: 0 is not an integer in [1, 10000]"),
+    ({"env": "http://127.0.0.1:9", "group_size": 1.5}, 400, "'group_size' must be int"),
+    ({"env": "http://127.0.0.1:9", "load": True}, 400, "unknown field(s) ['load']"),
+    ({"env": "http://127.0.0.1:9", "train": {"lr": 1e-3}}, 400, "no adapter to train"),
+    ({"env": "http://127.0.0.1:9", "adapter": "x", "train": {"lr": 7}}, 400, "training settings: training option lr"),
+    ({"env": "http://127.0.0.1:9", "adapter": "../x"}, 400, "adapter: "),
+])
+def test_a_run_with_bad_settings_is_refused_naming_the_field_and_nothing_is_queued(daemon, body, status, said):
+    before = http_json(daemon, "GET", "/v1/openenv/runs")[1]["data"]
+    got, err = http_json(daemon, "POST", "/v1/openenv/runs", body)
+    assert got == status and said in err["error"]["message"], err
+    assert http_json(daemon, "GET", "/v1/openenv/runs")[1]["data"] == before
+
+
+def test_a_run_whose_environment_is_not_there_fails_saying_so_and_gives_only_its_named_records(daemon):
+    status, run = http_json(daemon, "POST", "/v1/openenv/runs", {"env": "http://127.0.0.1:9", "groups": 1})
+    assert status == 201, run
+    rid = run["id"]
+    daemon.wait(lambda st: _run(daemon, rid)["state"] == "failed", 60, "the run failed")
+    assert "cannot reach the environment server" in _run(daemon, rid)["error"]
+    for name in ("job.json", "..%2Fjob.json", "summary.json"):
+        status, err = http_json(daemon, "GET", f"/v1/openenv/runs/{rid}/artifacts/{name}")
+        assert status == 404, (name, err)
+    assert "has no rollout/summary.json yet" in err["error"]["message"]
+    status, err = http_json(daemon, "GET", f"/v1/openenv/runs/{rid}/artifacts/job.json")
+    assert "a run has summary.json" in err["error"]["message"]
+    status, again = http_json(daemon, "POST", f"/v1/openenv/runs/{rid}/resume")       # a failed run may go on
+    assert status == 200 and again["state"] == "queued" and again["resumed"] == 1
+    daemon.wait(lambda st: _run(daemon, rid)["state"] == "failed", 60, "the run failed again")
+    for path, method in (("/v1/openenv/runs/openenv-9999", "GET"), ("/v1/openenv/runs/.cancel", "GET"),
+                         ("/v1/openenv/runs/openenv-9999/resume", "POST"), ("/v1/openenv/runs/openenv-9999", "DELETE")):
+        status, err = http_json(daemon, method, path)
+        assert status == 404 and "no OpenEnv run" in err["error"]["message"], (path, err)

@@ -1,5 +1,5 @@
 """The evaluator worker (kind `evaluator`): suites run against the served model, arms compared,
-runs replayed byte for byte.
+runs replayed byte for byte; and the OpenEnv runs the daemon owns (workers/openenv_runs.py).
 
 It loads no weights: every completion is a `generate` request it sends up its own socket to the
 supervisor's router (which checks it against the evaluator's allow-list, waits through restarts
@@ -27,6 +27,7 @@ from kiln.protocol.store.job_store import JobNotFound, JobStore, write_json_atom
 
 from kiln.native.eval_metrics import compare, first_difference, metrics
 from .jobs import cancel_job
+from .openenv_runs import OpenEnvRuns
 from .runtime import main
 from .worker import OpError, Worker, op, state_dir
 from kiln.native.scoring import SUITE_NAME, Suite, SuiteError, load_suite, read_suite_file, score
@@ -48,6 +49,7 @@ class EvaluatorWorker(Worker):
                            error=f"the evaluator stopped during the run (killed or crashed) after "
                                  f"{job.get('done', 0)} of {job.get('total', '?')} completions; run it again")
                 self.store.save(job)
+        self.openenv = OpenEnvRuns(self, self.state_dir)
         self.wake, self.stopping = threading.Event(), threading.Event()
         threading.Thread(target=self._loop, name="kiln-evaluator", daemon=True).start()
 
@@ -84,7 +86,21 @@ class EvaluatorWorker(Worker):
 
     @op("job_cancel", concurrent=True)
     def job_cancel(self, req):
+        if str(req.body["id"]).startswith("openenv-"):
+            return cancel_job(self.openenv.store, req.body["id"], "OpenEnv", "run")
         return cancel_job(self.store, req.body["id"], "evaluation")
+
+    @op("openenv_submit")
+    def openenv_submit(self, req):
+        job = self.openenv.submit(req.body)
+        self.wake.set()
+        return job
+
+    @op("openenv_resume")
+    def openenv_resume(self, req):
+        job = self.openenv.resume(req.body["id"])
+        self.wake.set()
+        return job
 
     @op("eval_register")
     def register(self, req):
@@ -140,18 +156,24 @@ class EvaluatorWorker(Worker):
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            job = next((j for j in self.store.list() if j["state"] == "queued"), None)
-            if job is None:
+            queued = [j for j in (next((j for j in self.store.list() if j["state"] == "queued"), None),
+                                  self.openenv.next_queued()) if j]
+            if not queued:
                 self.wake.wait(1.0)
                 self.wake.clear()
                 continue
+            job = min(queued, key=lambda j: j["created"])         # the older of the two queues' first
+            store = self.openenv.store if job["id"].startswith("openenv-") else self.store
             self.current = job
             try:
-                self._run(job)
+                if store is self.store:
+                    self._run(job)
+                else:
+                    self.openenv.run(job, self.stopping)
             except Exception as e:  # noqa: BLE001 - the job fails with its reason; the worker goes on
                 traceback.print_exc()
                 job.update(state="failed", finished=time.time(), error=f"{type(e).__name__}: {e}")
-                self.store.save(job)
+                store.save(job)
             finally:
                 self.current = None
 

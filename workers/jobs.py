@@ -9,13 +9,13 @@ from kiln.protocol.store.job_store import FINAL, JobNotFound, JobStore
 from .worker import OpError
 
 
-def cancel_job(store: JobStore, job_id: str, what: str) -> dict:
+def cancel_job(store: JobStore, job_id: str, what: str, noun: str = "job") -> dict:
     try:
         job = store.get(str(job_id))
     except JobNotFound:
         ids = [j["id"] for j in store.list()]
-        raise OpError("job_not_found", f"no {what} job {job_id!r}"
-                      + (f" (jobs: {', '.join(ids[-10:])})" if ids else " (no jobs yet)")) from None
+        raise OpError("job_not_found", f"no {what} {noun} {job_id!r}"
+                      + (f" ({noun}s: {', '.join(ids[-10:])})" if ids else f" (no {noun}s yet)")) from None
     if job["state"] in FINAL:
-        raise OpError("job_finished", f"job {job['id']} is already {job['state']}")
+        raise OpError("job_finished", f"{noun} {job['id']} is already {job['state']}")
     return store.request_cancel(job["id"])

@@ -148,15 +148,18 @@ def _dataset_rows(episodes: list[dict], group_size: int, system: str) -> list[di
 
 
 def _resume_state(env: Environment, out: Path, group_size: int) -> tuple[dict, list[dict]]:
-    """The recorded discovery (the live server's must hash the same) and the whole episodes of
-    an interrupted run, in order; the transcript is cut back to them."""
+    """The live discovery (its documents must hash as recorded) and the whole episodes of an
+    interrupted run, in order; the transcript is cut back to them. The live documents, not the
+    recorded ones: discovery.json is canonical (keys sorted), and the order of the action
+    schema's properties is the order the grammar makes the model write them — a resumed run
+    reading the sorted copy acted differently from an uninterrupted one."""
     try:
-        discovery = json.loads((out / "discovery.json").read_text())
+        recorded = json.loads((out / "discovery.json").read_text())
     except (OSError, ValueError) as e:
         raise EnvError(f"{out}: nothing to resume (discovery.json: {e})") from None
-    live = env.discover()
-    for name, h in discovery["sha256"].items():
-        if live["sha256"].get(name) != h:
+    discovery = env.discover()
+    for name, h in recorded["sha256"].items():
+        if discovery["sha256"].get(name) != h:
             raise EnvError(f"discovery {name}: the server's document is not the one the run began with (another "
                            f"environment, or another version of it): start a new run")
     episodes, kept = [], 0
@@ -164,11 +167,11 @@ def _resume_state(env: Environment, out: Path, group_size: int) -> tuple[dict, l
         raw = (out / "transcript.jsonl").read_bytes()
     except OSError:
         raw = b""
-    for line in raw.split(b"\n"):
+    for line in raw.split(b"\n")[:-1]:    # whole lines only: a crash may cut the last one anywhere
         try:
             ep = json.loads(line)
         except ValueError:
-            break                          # the line a crash cut (or the end)
+            break
         if not isinstance(ep, dict) or (ep.get("group"), ep.get("candidate")) != divmod(len(episodes), group_size):
             break
         episodes.append(ep)

@@ -1,4 +1,5 @@
-"""Job queues on disk: <state>/train/jobs/<id>/ (training), <state>/eval/jobs/<id>/ (evaluation).
+"""Job queues on disk: <state>/train/jobs/<id>/ (training), <state>/eval/jobs/<id>/ (evaluation),
+<state>/openenv/jobs/<id>/ (OpenEnv runs).
 
 Each job folder holds `job.json` (spec and status; written only by the trainer, atomically),
 `losses.jsonl` (one line per optimizer step), `checkpoint.npz`, and a `cancel` marker that
@@ -36,7 +37,7 @@ class JobNotFound(KeyError):
 class JobStore:
     def __init__(self, state_dir: str | os.PathLike, kind: str = "train"):
         self.kind = kind
-        self.prefix = "job" if kind == "train" else kind         # job-0001, eval-0001
+        self.prefix = "job" if kind == "train" else kind         # job-0001, eval-0001, openenv-0001
         self.root = Path(state_dir) / kind / "jobs"
 
     def _dir(self, job_id: str) -> Path:
@@ -89,6 +90,10 @@ class JobStore:
             (self._dir(job_id) / "cancel").touch()
             job["cancel_requested"] = True
         return job
+
+    def clear_cancel(self, job_id: str) -> None:
+        """A job resumed after a cancel (an OpenEnv run) runs again."""
+        (self._dir(job_id) / "cancel").unlink(missing_ok=True)
 
     def cancel_requested(self, job_id: str) -> bool:
         return (self._dir(job_id) / "cancel").exists()

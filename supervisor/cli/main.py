@@ -29,6 +29,7 @@ from .adapters import adapters_app
 from .train import train_app
 from .hf import hf_app
 from .openenv import openenv_app
+from . import openenv_runs as cli_openenv_runs  # noqa: F401,E402  (adds the daemon-owned run commands)
 from . import eval as cli_eval  # noqa: F401,E402  (adds its commands to `kiln eval`)
 from . import quantize as cli_quantize  # noqa: F401,E402  (adds `kiln models quantize`)
 from . import retrieval as cli_retrieval

@@ -1,7 +1,7 @@
 """`kiln openenv …`: reinforcement learning against an OpenEnv environment server — inspect its
 discovery documents, roll the running model out in it (groups of episodes from one seed each,
-actions constrained to the environment's action schema), verify a rollout offline, and train a
-LoRA with GRPO on its returns (protocol/openenv/)."""
+actions constrained to the environment's action schema), verify a rollout offline, replay it live,
+compare an adapter with the base model. Training runs are the daemon's: supervisor/cli/openenv_runs.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import typer
 
 from .engine import fail, verbosity
 
-openenv_app = typer.Typer(help="Reinforcement learning in OpenEnv environments: inspect, rollout, verify, train.",
+openenv_app = typer.Typer(help="Reinforcement learning in OpenEnv environments: inspect, rollout, verify, replay, "
+                          "eval here; train and start as runs the daemon owns (runs, status, cancel, resume, artifact).",
                           no_args_is_help=True)
 
 
@@ -177,57 +178,3 @@ def evaluate(url: str = typer.Argument(..., help="the environment server"),
     exact sign test over the seeds where they differ."""
     out.mkdir(parents=True, exist_ok=False)
     _evaluate(url, out, adapter, seeds, start, episodes, max_steps, temperature, max_tokens, model, as_json)
-
-
-@openenv_app.command("train")
-def train(url: str = typer.Argument(..., help="the environment server"),
-          adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
-          out: Path = typer.Option(..., "--out", "-o", help="a new folder for the rollout"),
-          groups: int = ROLLOUT_OPTIONS["groups"], group_size: int = ROLLOUT_OPTIONS["group_size"],
-          seed: int = ROLLOUT_OPTIONS["seed"], max_steps: int = ROLLOUT_OPTIONS["max_steps"],
-          temperature: float = ROLLOUT_OPTIONS["temperature"], max_tokens: int = ROLLOUT_OPTIONS["max_tokens"],
-          model: Optional[str] = ROLLOUT_OPTIONS["model"],
-          lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
-          rank: Optional[int] = typer.Option(None, "--rank", help="LoRA rank (default 16)"),
-          beta: Optional[float] = typer.Option(None, "--beta", help="KL penalty to the base model (default 0.04)"),
-          epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the groups (default 1)"),
-          eval_seeds: int = typer.Option(4, "--eval-seeds", min=0, max=10000, help="held-out seeds after the "
-                                         "training ones, on which the adapter and the base model are compared "
-                                         "(0: no evaluation)"),
-          load: bool = typer.Option(False, "--load", help="make the adapter active if it beats the base model on "
-                                    "the held-out seeds (sign test p <= 0.05)")):
-    """Roll out, then train a LoRA with GRPO on the groups' returns (each candidate's first action
-    with its episode's return), then compare the adapter with the base model on held-out seeds;
-    --load makes it active only when it is better. The training settings and the adapter name are
-    checked before the environment is touched."""
-    from kiln.native.training.sft_trainer import TrainSpec
-
-    from .train import _client, _cmd, _queue
-    options = {"lr": lr, "rank": rank, "beta": beta, "epochs": epochs}
-    try:
-        TrainSpec.from_dict({k: v for k, v in options.items() if v is not None})
-    except ValueError as e:
-        fail(f"training settings: {e}")
-    with _client() as c:                     # preflight: the name is free, a trainer is there
-        if adapter in [a["name"] for a in _cmd(c, "adapters.list")["adapters"]]:
-            fail(f"an adapter named {adapter!r} exists; choose another --adapter")
-        if not any(w.get("kind") == "trainer" for w in _cmd(c, "status")["workers"]):
-            fail("no trainer worker is configured ([workers.trainer] kind = \"trainer\"): nothing could train")
-    s = _rollout(url, out, groups, group_size, seed, max_steps, temperature, max_tokens, model)
-    typer.echo(f"{out}: {_said(s)}; training {adapter}")
-    try:
-        _queue("grpo", out / "dataset.jsonl", adapter, options, model, True, False, "groups", "completion tokens")
-    except typer.Exit as e:
-        if e.exit_code:
-            raise
-    if eval_seeds:
-        c = _evaluate(url, out, adapter, eval_seeds, seed + groups, group_size, max_steps, temperature, max_tokens,
-                      model)
-        better = c["wins"] > c["losses"] and c["p_value"] <= 0.05
-        if load and better:
-            with _client() as cl:
-                _cmd(cl, "adapters.load", {"name": adapter})
-            typer.echo(f"adapter {adapter} is active (it beat the base model on the held-out seeds)")
-        elif load:
-            typer.echo(f"adapter {adapter} was not loaded: it did not beat the base model on the held-out seeds "
-                       f"(p = {c['p_value']:.3g}); `kiln adapters load {adapter}` loads it anyway")

@@ -334,11 +334,10 @@ class Router:
             allowed = ", ".join(sorted(WORKER_ALLOWED.get(w.kind, ()))) or "nothing"
             self._error(client, "forbidden", f"worker {w.name} ({w.kind}) may not ask for {op!r} (allowed: {allowed})")
             return
-        body = dict(msg.body) if isinstance(msg.body, dict) else {}
-        target = Target(model=body.pop("model", None), worker=body.pop("worker", None))
+        worker_op, body, target = routed_target(op, msg.body)   # job ops (train.submit) go to their kind
         dl = msg.get("deadline")
         timeout = max(1.0, dl - self.table.clock.time()) if isinstance(dl, (int, float)) else None
-        self.submit(op, body, client, target, timeout, msg.buffers)
+        self.submit(worker_op, body, client, target, timeout, msg.buffers)
 
     # -- cancel and endings -------------------------------------------------------------------
 

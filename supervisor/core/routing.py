@@ -18,12 +18,14 @@ MODEL_OPS = ("generate", "score", "embed", "rerank", "tokenize", "detokenize", "
 MODEL_RUNS = ("generate", "score", "embed", "rerank")     # ops that run the model (and take an adapter)
 KIND_OPS = {"train.submit": ("trainer", "train_submit"), "train.cancel": ("trainer", "job_cancel"),
             "eval.submit": ("evaluator", "eval_submit"), "eval.register": ("evaluator", "eval_register"),
-            "eval.cancel": ("evaluator", "job_cancel")}
+            "eval.cancel": ("evaluator", "job_cancel"), "openenv.start": ("evaluator", "openenv_submit"),
+            "openenv.resume": ("evaluator", "openenv_resume"), "openenv.cancel": ("evaluator", "job_cancel")}
 ROUTED_OPS = MODEL_OPS + tuple(KIND_OPS)
 
 # What a worker may ask the router for (anything else is `forbidden`).
 WORKER_ALLOWED: dict[str, frozenset] = {
-    "evaluator": frozenset({"generate", "score", "tokenize", "detokenize", "apply_template", "info"}),
+    "evaluator": frozenset({"generate", "score", "tokenize", "detokenize", "apply_template", "info",
+                            "train.submit", "train.cancel"}),     # an OpenEnv run trains its adapter
     "trainer": frozenset(),
     # the first stage of a split model sends its rows to the later stages (workers/stage.py)
     "inference": frozenset({"stage_forward"}),

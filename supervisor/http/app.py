@@ -16,7 +16,8 @@ import waitress
 
 from . import (anthropic as anthropic_api, completions_batch, eval_routes as eval_api,
                llama_embeddings, llama_server as llama_server_api, llama_slots, observe, ollama as ollama_api,
-               openai as openai_api, openai_responses, rerank, train_routes as train_api, ui_app)
+               openai as openai_api, openai_responses, openenv_routes as openenv_api, rerank,
+               train_routes as train_api, ui_app)
 from .common import JSONError, action_body, bus, error_body
 from .admission import Admission
 from ..core.addresses import check_bind
@@ -172,6 +173,7 @@ def make_app(sup) -> falcon.App:
     ui_app.install(app, sup)
     train_api.install(app, sup, pipe.read_json)
     eval_api.install(app, sup, pipe.read_json)
+    openenv_api.install(app, sup, pipe.read_json)
     return app
 
 

@@ -160,6 +160,33 @@ async function refreshEval() {
   $("#evals tbody").replaceChildren(...rows);
 }
 
+function openenvRow(r) {
+  const ev = r.evaluation;
+  const heldOut = ev ? `${ev.base_mean.toFixed(3)} → ${ev.adapter_mean.toFixed(3)} (p ${ev.p_value.toFixed(3)})` : "–";
+  // cancel what may still run; resume what a cancel or a failure ended (it goes on from its episodes)
+  const act = (a, applies) => el("button", { type: "button", "aria-label": `${a} ${r.id}`, disabled: applies ? null : "",
+                                             onclick: () => openenvAction(r.id, a) }, a);
+  return el("tr", { "data-run": r.id },
+    el("th", { scope: "row" }, r.id), el("td", { "data-state": r.state, title: r.error || r.note || "" }, r.state),
+    el("td", {}, r.phase || "–"), el("td", {}, `${r.done ?? 0}/${r.total ?? "?"}`),
+    el("td", {}, r.mean_return == null ? "–" : r.mean_return.toFixed(3)), el("td", {}, heldOut),
+    el("td", {}, r.spec.env),
+    el("td", {}, act("cancel", ["queued", "running"].includes(r.state)), " ",
+       act("resume", ["failed", "cancelled"].includes(r.state))));
+}
+
+async function openenvAction(id, action) {
+  const [path, method] = action === "cancel" ? [`/v1/openenv/runs/${encodeURIComponent(id)}`, "DELETE"]
+                                             : [`/v1/openenv/runs/${encodeURIComponent(id)}/resume`, "POST"];
+  try { await json(path, { method }); } catch (e) { note(`${action} ${id}: ${e.message}`); }
+  refreshOpenEnv();
+}
+
+async function refreshOpenEnv() {
+  const runs = (await json("/v1/openenv/runs")).data.slice(-8).reverse();
+  $("#openenv-runs tbody").replaceChildren(...runs.map(openenvRow));
+}
+
 async function refreshSessions() {
   const rows = (await json("/v1/sessions")).data.map((x) => el("tr", { "data-session": x.name },
     el("th", { scope: "row" }, x.name), el("td", {}, x.model || "–"), el("td", {}, x.turns ?? "–"),
@@ -236,7 +263,7 @@ let pending = null;
 function soon(fn) { clearTimeout(pending); pending = setTimeout(fn, 150); }
 
 async function refreshAll() {
-  const jobs = [refreshWorkers(), refreshModels(), refreshAdapters(), refreshTraining(), refreshEval(), refreshSessions()];
+  const jobs = [refreshWorkers(), refreshModels(), refreshAdapters(), refreshTraining(), refreshEval(), refreshOpenEnv(), refreshSessions()];
   const done = await Promise.allSettled(jobs);
   const failed = done.filter((d) => d.status === "rejected");
   if (failed.length) $("#conn").textContent = `error: ${failed[0].reason.message}`;
