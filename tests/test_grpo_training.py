@@ -150,3 +150,43 @@ def test_progress_counts_epochs_from_one(tiny, tmp_path):
     assert [p.epoch for p in seen] == [1, 1, 2, 2]
     history = [json.loads(ln)["epoch"] for ln in (tmp_path / "job" / "losses.jsonl").read_text().splitlines()]
     assert history == [1, 1, 2, 2]
+
+
+def test_an_episode_of_several_steps_learns_every_action_and_nothing_it_saw(tiny, tmp_path):
+    """A completion given as `messages` (an agent's actions and the observations between them):
+    its targets are the tokens of both actions — exactly those `text` completions of each action
+    would learn at their places — never the observation's, never the prompt's own assistant turn."""
+    m, tpl = tiny
+    prompt = [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "Ready."},
+              {"role": "user", "content": "Go."}]
+    turns = [{"role": "assistant", "content": "left"}, {"role": "user", "content": "a wall"},
+             {"role": "assistant", "content": "right"}]
+    line = {"prompt": prompt, "completions": [{"messages": turns, "reward": 1.0}, {"text": "up", "reward": 0.0}]}
+    g = load_grpo_file(write(tmp_path, [line]), tpl, m.tokenizer, 256)[0]
+    multi, single = g.completions
+    def learned(ex):
+        return m.tokenizer.decode([ex.tokens[j] for j in ex.targets])
+    assert "left" in learned(multi) and "right" in learned(multi)
+    assert "wall" not in learned(multi) and "Ready" not in learned(multi) and "Ready" not in learned(single)
+    first = load_grpo_file(write(tmp_path, [{"prompt": prompt, "completions": [{"text": "left", "reward": 1},
+                                                                              {"text": "up", "reward": 0}]}],
+                                 "first.jsonl"), tpl, m.tokenizer, 256)[0].completions[0]
+    assert multi.tokens[:len(first.tokens)] == first.tokens
+    assert [j for j in multi.targets if j < len(first.tokens)] == first.targets
+
+
+@pytest.mark.parametrize("completion, said", [
+    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}], "reward": 1},
+     "alternate assistant, user"),
+    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}], "reward": 1},
+     "the last turn is the assistant's"),
+    ({"messages": [], "reward": 1}, "messages is empty"),
+    ({"text": "a", "messages": [{"role": "assistant", "content": "a"}], "reward": 1}, "give text (the answer) or messages"),
+    ({"messages": [{"role": "assistant", "content": "a", "name": "x"}], "reward": 1}, "role and content only"),
+])
+def test_a_bad_multi_turn_completion_is_named(tiny, tmp_path, completion, said):
+    m, tpl = tiny
+    line = {"prompt": [{"role": "user", "content": "x"}], "completions": [completion, {"text": "b", "reward": 0}]}
+    with pytest.raises(DataError) as e:
+        load_grpo_file(write(tmp_path, [line]), tpl, m.tokenizer, 256)
+    assert "line 1: completions[0]" in str(e.value) and said in str(e.value), str(e.value)

@@ -36,38 +36,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SHARED_MODES = ("ok", "big", "schema", "drift", "twice")     # one process serves these, each under /MODE
+
+
 class EnvServer:
-    def __init__(self, mode: str, log_dir: Path):
+    def __init__(self, modes: tuple, log_dir: Path):
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.base = f"http://127.0.0.1:{self.port}"
         # its log goes to a file: a pipe nobody reads fills up and stalls the server
-        self.log = log_dir / f"openenv-{mode}.log"
+        self.log = log_dir / f"openenv-{'-'.join(modes)}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, str(HERE / "openenv_server.py"), "--port", str(self.port),
-                                          "--mode", mode], stdout=log, stderr=subprocess.STDOUT)
+                                          "--mode", *modes], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(self.url + "/health", timeout=1).read()
+                urllib.request.urlopen(f"{self.base}/{modes[0]}/health", timeout=1).read()
                 return
             except OSError:
                 assert self.proc.poll() is None, self.log.read_text()
                 time.sleep(0.1)
-        raise TimeoutError(f"environment server ({mode}) did not start")
+        raise TimeoutError(f"environment server ({modes}) did not start")
 
     def stop(self):
         self.proc.kill()
         self.proc.wait()
 
 
+class Served:
+    def __init__(self, server: EnvServer, mode: str):
+        self.url = f"{server.base}/{mode}"
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
+    """servers(mode).url: the environment in that mode (`die` in a process of its own: it exits)."""
     started, logs = {}, tmp_path_factory.mktemp("openenv-logs")
 
     def get(mode="ok"):
-        if mode not in started or started[mode].proc.poll() is not None:
-            started[mode] = EnvServer(mode, logs)
-        return started[mode]
+        modes = SHARED_MODES if mode in SHARED_MODES else (mode,)
+        if modes not in started or started[modes].proc.poll() is not None:
+            started[modes] = EnvServer(modes, logs)
+        return Served(started[modes], mode)
     yield get
     for s in started.values():
         s.stop()
@@ -184,6 +194,31 @@ def test_a_hostile_environment_ends_the_run_clearly_and_keeps_what_was_recorded(
     assert len((out / "transcript.jsonl").read_text().splitlines()) == kept
     assert kiln(daemon.home, "openenv", "verify", str(out)).returncode == 0   # what was kept still checks
     assert daemon.status()["workers"][0]["state"] == "running"
+
+
+def test_an_episode_of_several_steps_trains_every_action_with_its_return(daemon, servers, tmp_path):
+    """Two steps an episode: the dataset gives each candidate's actions and the observation between
+    them as messages (every action learned with the episode's advantage), with the two steps'
+    rewards summed; the trainer takes it (queued, then cancelled) and the run verifies."""
+    out = tmp_path / "run"
+    r = rollout(daemon, servers("twice").url, out, "--max-steps", "2")
+    assert r.returncode == 0, r.stderr
+    episodes = _episodes(out / "transcript.jsonl")
+    rows = [json.loads(ln) for ln in (out / "dataset.jsonl").read_text().splitlines()]
+    for row, group in zip(rows, (episodes[:2], episodes[2:])):
+        for c, ep in zip(row["completions"], group):
+            if len(ep["steps"]) < 2:                   # an action cut short ends the episode at once
+                assert c["text"] == ep["steps"][0]["action_text"]
+                continue
+            assert [m["role"] for m in c["messages"]] == ["assistant", "user", "assistant"]
+            assert [c["messages"][0]["content"], c["messages"][2]["content"]] == [s["action_text"] for s in ep["steps"]]
+            assert json.loads(c["messages"][1]["content"])["prompt"] == "Say it again."
+            assert c["reward"] == ep["return"] == sum(s["reward"] for s in ep["steps"])
+    assert any("messages" in c for row in rows for c in row["completions"])
+    assert kiln(daemon.home, "openenv", "verify", str(out)).returncode == 0
+    r = kiln(daemon.home, "train", "grpo", "--file", str(out / "dataset.jsonl"), "--adapter", "twice", "--json")
+    assert r.returncode == 0, r.stderr
+    assert kiln(daemon.home, "train", "cancel", json.loads(r.stdout)["id"]).returncode == 0
 
 
 def _run(d, run_id):

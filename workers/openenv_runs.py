@@ -117,6 +117,9 @@ class OpenEnvRuns:
 
     def run(self, job: dict, stopping) -> None:
         jid, spec = job["id"], job["spec"]
+        if self.store.cancel_requested(jid):     # cancelled while it waited: the environment is never touched
+            job.update(state="cancelled", finished=time.time())
+            return self.store.save(job)
         job.update(state="running", started=job.get("started") or time.time())
         self.store.save(job)
 
@@ -136,7 +139,7 @@ class OpenEnvRuns:
                 self._evaluate(job, stop)
         except EnvError as e:
             job.update(state="failed", finished=time.time(),
-                       error=f"{e}; what was recorded is kept: resume the run once the environment answers")
+                       error=f"{e}; what was recorded is kept: `kiln openenv resume {jid}` goes on from it")
             return self.store.save(job)
         except OpError as e:
             job.update(state="failed", finished=time.time(), error=f"{e.code}: {e.message}")

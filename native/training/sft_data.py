@@ -160,8 +160,11 @@ class Group:
 
 def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, max_seq_len: int,
                    raw: bytes | None = None) -> list[Group]:
-    """One group per line: {"prompt": [messages], "completions": [{"text", "reward"}, …]} with at
-    least two completions; validated whole, bad lines reported by number."""
+    """One group per line: {"prompt": [messages], "completions": [{"text" | "messages", "reward"}, …]}
+    with at least two completions; validated whole, bad lines reported by number. A completion's
+    `messages` are the turns after the prompt — an agent's actions and what it saw between them,
+    assistant first and last — and every assistant turn of them is learned with the completion's
+    advantage (an OpenEnv episode of several steps); the prompt's own turns never are."""
     import math
 
     def parse(obj, n):
@@ -169,19 +172,45 @@ def load_grpo_file(path: str | Path, template: ChatTemplate | None, tokenizer, m
         comps = obj.get("completions")
         if not isinstance(comps, list) or len(comps) < 2:
             raise _Bad("completions: at least two completions per group (advantages compare them)")
+        try:
+            start = len(render_and_tokenize(template, tokenizer, obj["prompt"], add_generation_prompt=True)[1])
+        except TemplateError as e:
+            raise _Bad(f"cannot render with the chat template: {e}") from None
         examples, rewards = [], []
         for k, c in enumerate(comps):
-            if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not c["text"].strip():
-                raise _Bad(f"completions[{k}]: needs a non-empty text")
+            turns = _completion_turns(c, k)
             r = c.get("reward")
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
                 raise _Bad(f"completions[{k}]: reward must be a finite number, got {json.dumps(r)[:20]}")
-            examples.append(_example(template, tokenizer, obj["prompt"] + [{"role": "assistant", "content": c["text"]}],
-                                     max_seq_len, n))
+            ex = _example(template, tokenizer, obj["prompt"] + turns, max_seq_len, n)
+            learned = [j for j in ex.targets if j >= start]
+            if not learned:
+                raise _Bad(f"completions[{k}]: no token of it survives templating")
+            examples.append(Example(n, ex.tokens, learned))
             rewards.append(float(r))
         return Group(n, examples, rewards)
     return _load_jsonl(path, template, parse, "groups", raw)
 
+
+def _completion_turns(c, k: int) -> list[dict]:
+    """A completion's turns: its text as the one assistant turn, or its messages checked."""
+    if not isinstance(c, dict) or ("text" in c) == ("messages" in c):
+        raise _Bad(f"completions[{k}]: give text (the answer) or messages (the turns after the prompt)")
+    if "text" in c:
+        if not isinstance(c["text"], str) or not c["text"].strip():
+            raise _Bad(f"completions[{k}]: needs a non-empty text")
+        return [{"role": "assistant", "content": c["text"]}]
+    turns = c["messages"]
+    why = _check_messages({"messages": turns}) if isinstance(turns, list) and turns else "messages is empty"
+    if why:
+        raise _Bad(f"completions[{k}].{why}")
+    for i, m in enumerate(turns):
+        if m["role"] != ("assistant" if i % 2 == 0 else "user") or set(m) - {"role", "content"}:
+            raise _Bad(f"completions[{k}].messages[{i}]: the turns alternate assistant, user, … (role and "
+                       f"content only)")
+    if turns[-1]["role"] != "assistant":
+        raise _Bad(f"completions[{k}].messages: the last turn is the assistant's (what follows is not learned)")
+    return turns
 
 
 @dataclass

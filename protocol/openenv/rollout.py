@@ -9,8 +9,8 @@ environment says done or after `max_steps`; its return is the sum of its rewards
 
 A run folder holds discovery.json (the three discovery documents and their hashes),
 transcript.jsonl (one episode a line, appended as each ends: an error later loses none of
-them), dataset.jsonl (one GRPO group a line: the first turn's prompt, each candidate's first
-action and its episode's return — `kiln train grpo`'s format) and summary.json (the settings,
+them), dataset.jsonl (one GRPO group a line: the first turn's prompt, each candidate's actions
+and its episode's return — `kiln train grpo`'s format) and summary.json (the settings,
 each episode's rewards and return, and the sha256 of every file and of the reward arithmetic).
 `verify` re-checks all of it offline and names the field that does not hold.
 """
@@ -135,16 +135,28 @@ def _episode(env: Environment, act, system: str, schema: dict, seed: int, g: int
 
 def _dataset_rows(episodes: list[dict], group_size: int, system: str) -> list[dict]:
     """One GRPO group a line for every whole group whose candidates all acted: the first turn's
-    prompt and each candidate's first action with its episode's return."""
+    prompt and each candidate's episode with its return — its one action as `text`, or, for an
+    episode of several steps, every action and the observations between them as `messages`, so
+    that each action is learned with the episode's advantage (not the first alone)."""
     rows = []
     for start in range(0, len(episodes) - group_size + 1, group_size):
         group = episodes[start:start + group_size]
         if all(ep["steps"] for ep in group):
             prompt = [{"role": "system", "content": system},
                       {"role": "user", "content": json.dumps(group[0]["reset"], sort_keys=True)}]
-            rows.append({"prompt": prompt, "completions": [{"text": ep["steps"][0]["action_text"],
-                                                            "reward": ep["return"]} for ep in group]})
+            rows.append({"prompt": prompt, "completions": [{**_turns(ep), "reward": ep["return"]} for ep in group]})
     return rows
+
+
+def _turns(ep: dict) -> dict:
+    steps = ep["steps"]
+    if len(steps) == 1:
+        return {"text": steps[0]["action_text"]}
+    turns = [{"role": "assistant", "content": steps[0]["action_text"]}]
+    for before, step in zip(steps, steps[1:]):        # the observation the model saw, then its next action
+        turns += [{"role": "user", "content": json.dumps(before["observation"], sort_keys=True)},
+                  {"role": "assistant", "content": step["action_text"]}]
+    return {"messages": turns}
 
 
 def _resume_state(env: Environment, out: Path, group_size: int) -> tuple[dict, list[dict]]:

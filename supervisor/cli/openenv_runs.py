@@ -93,7 +93,7 @@ def train(url: str = typer.Argument(..., help="the environment server"),
                                          "(0: no evaluation)"),
           load: bool = typer.Option(False, "--load", help="make the adapter active if it beats the base model on "
                                     "the held-out seeds (sign test p <= 0.05)")):
-    """Roll out, then train a LoRA with GRPO on the groups' returns (each candidate's first action
+    """Roll out, then train a LoRA with GRPO on the groups' returns (every action of each candidate
     with its episode's return), then compare the adapter with the base model on held-out seeds;
     --load makes it active only when it is better. A run the daemon owns, followed here: Ctrl-C
     leaves it running (`kiln openenv status ID`). The training settings and the adapter name are

@@ -138,7 +138,8 @@ def _smoke(c, adapter: str, model: Optional[str], prompts: list[str], as_json: b
 
 @train_app.command("grpo")
 def grpo(file: Path = typer.Option(..., "--file", "-f", help='JSONL: one {"prompt": [messages], "completions": '
-                                   '[{"text", "reward"}, …]} group per line (two or more completions)'),
+                                   '[{"text", "reward"}, …]} group per line (two or more completions; a completion '
+                                   'of several turns gives "messages" instead of "text")'),
          adapter: str = typer.Option(..., "--adapter", "-a", help="name of the adapter to make"),
          epochs: Optional[int] = typer.Option(None, "--epochs", help="passes over the groups (default 1)"),
          lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (default 2e-4)"),
