@@ -88,6 +88,25 @@ def vec_dot_f32(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return r.astype(F32)
 
 
+def vec_dot_f32_rows(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """vec_dot_f32 of every row of x (T, K) with every row of w (N, K): (T, N) — what ggml's
+    mul_mat runs for F32 weights when the activations are not contiguous (a permuted view:
+    tinyBLAS is not tried). The tail past the last 32 is multiplied, then added (not fused:
+    tested against llama.cpp on a 16-wide product, where the tail is everything)."""
+    T, K = x.shape
+    N = w.shape[0]
+    full = K - K % 32
+    acc = np.zeros((T, N, 4, 8), F32)
+    for i in range(0, full, 32):
+        acc = _fma(w[None, :, i:i + 32].reshape(1, N, 4, 8), x[:, None, i:i + 32].reshape(T, 1, 4, 8), acc)
+    s = (acc[:, :, 0] + acc[:, :, 2]) + (acc[:, :, 1] + acc[:, :, 3])
+    t = s[..., :4] + s[..., 4:]
+    r = (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
+    for i in range(full, K):
+        r = (r + w[None, :, i] * x[:, None, i]).astype(F32)
+    return r.astype(F32)
+
+
 def libm_tanhf(x: np.ndarray) -> np.ndarray:
     """The C library's tanhf, element by element (ggml_tanh's)."""
     import ctypes

@@ -105,9 +105,9 @@ class Model:
         self._rope_long_short = (extra["rope_long"], extra["rope_short"]) if "rope_long" in extra else None
         self.rope_yarn = None
         if c.rope_scaling == "yarn":
-            orig, fast, slow, attn = c.yarn
+            orig, fast, slow, _ = c.yarn
             self.rope_yarn = yarn_params(c.rope_dim, c.rope_base, c.rope_scale, orig or c.n_ctx_train, fast, slow,
-                                         1.0, attn)
+                                         1.0, fam.yarn_attn_factor(c))
         elif c.rope_attn_factor != 1.0:
             self.rope_yarn = (0.0, 0.0, 0.0, c.rope_attn_factor)   # no ramp: cos/sin times the factor
         self.use_context(c.n_ctx_train)
@@ -192,7 +192,10 @@ class Model:
                 tables[base] = rope_shift_table(-n_discard, c.rope_dim, base, c.rope_scale,
                                                 self.rope_factors, self.rope_yarn)
             cos, sin = tables[base]
-            apply_rope(k, np.repeat(cos, len(k), 0), np.repeat(sin, len(k), 0), c.rope_style)
+            at = self.family.rotated_key_start(c)     # MLA's key rows rotate their last dimensions
+            part = np.ascontiguousarray(k[..., at:at + c.rope_dim])
+            k[..., at:at + c.rope_dim] = apply_rope(part, np.repeat(cos, len(k), 0), np.repeat(sin, len(k), 0),
+                                                    c.rope_style)
 
         cache.shift(n_keep, n_discard, rope_keys)
 

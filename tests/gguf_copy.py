@@ -10,15 +10,15 @@ from gguf import GGUFReader, GGUFWriter
 
 
 def copy_gguf(src: Path, out: Path, arch: str | None = None, *, meta: dict | None = None, drop=(),
-              add: dict | None = None, rename=None) -> Path:
+              add: dict | None = None, rename=None, drop_keys=()) -> Path:
     """`arch`: the copy's architecture (default the source's); `meta`: keys whose values change
     (by their name in the copy); `drop`: tensors left out; `add`: tensors added (name -> array);
-    `rename(key) -> key`: each metadata key's name in the copy."""
+    `rename(key) -> key`: each metadata key's name in the copy; `drop_keys`: keys left out."""
     r = GGUFReader(src)
     arch = arch or r.fields["general.architecture"].contents()
     w = GGUFWriter(str(out), arch)
     for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
+        if k.startswith("GGUF.") or k == "general.architecture" or k in drop_keys:
             continue
         name = rename(k) if rename else k
         v = meta[name] if meta and name in meta else f.contents()
@@ -36,6 +36,8 @@ def copy_gguf(src: Path, out: Path, arch: str | None = None, *, meta: dict | Non
                 w.add_string(k, v)
             elif isinstance(v, list):
                 w.add_array(k, v)
+            elif isinstance(v, bool):
+                w.add_bool(k, v)
             elif isinstance(v, float):
                 w.add_float32(k, v)
             else:

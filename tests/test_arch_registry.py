@@ -15,12 +15,13 @@ from kiln.native.model import load_model
 FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2moe",
              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3",
              "qwen35": "qwen35", "qwen35moe": "qwen35moe", "gpt-oss": "gpt-oss", "smollm3": "smollm3",
-             "ernie4_5": "ernie4_5", "ernie4_5-moe": "ernie4_5-moe", "lfm2": "lfm2"}
+             "ernie4_5": "ernie4_5", "ernie4_5-moe": "ernie4_5-moe", "lfm2": "lfm2", "deepseek2": "deepseek2",
+             "deepseek2-v3": "deepseek2"}
 
 
 def test_the_registry_lists_every_family_with_what_it_needed():
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "gemma3", "qwen35",
-            "qwen35moe", "gpt-oss", "smollm3", "ernie4_5", "ernie4_5-moe", "lfm2"} <= set(FAMILIES)
+            "qwen35moe", "gpt-oss", "smollm3", "ernie4_5", "ernie4_5-moe", "lfm2", "deepseek2"} <= set(FAMILIES)
     assert all(f.notes for f in FAMILIES.values())
     assert family("mistral") is family("llama")
 
@@ -206,4 +207,29 @@ def test_per_layer_key_heads_are_refused_for_a_family_that_has_one_count(tmp_pat
     from gguf_copy import copy_gguf
     out = copy_gguf(tiny_path("llama"), tmp_path / "odd.gguf", meta={"llama.attention.head_count_kv": [2, 2]})
     with pytest.raises(GGUFError, match="a llama model has one key-head count, not one per layer"):
+        load_model(out)
+
+
+@pytest.mark.parametrize("meta, drop, message", [
+    ({"deepseek2.attention.head_count_kv": 4}, (), "head_count_kv = 4: must be 1"),
+    ({"deepseek2.attention.key_length": 64}, (), "key_length = 64: must be kv_lora_rank"),
+    ({"deepseek2.rope.scaling.yarn_beta_fast": 16.0}, (), "llama.cpp does not read YaRN's betas"),
+    ({"deepseek2.expert_group_count": 3, "deepseek2.expert_group_used_count": 1}, (), "must divide expert_count"),
+    ({}, ("blk.0.attn_k_b.weight",), "attn_k_b"),
+])
+def test_a_deepseek2_file_llama_cpp_would_run_otherwise_is_refused(tmp_path, meta, drop, message):
+    from gguf_copy import copy_gguf
+    out = copy_gguf(tiny_path("deepseek2"), tmp_path / "odd.gguf", meta=meta, drop=drop)
+    with pytest.raises(GGUFError, match=message):
+        load_model(out)
+
+
+def test_a_deepseek2_file_of_the_legacy_layout_says_to_convert_it_again(tmp_path):
+    import numpy as np
+    from gguf_copy import copy_gguf
+    drop = [f"blk.{i}.attn_{t}_b.weight" for i in (0, 1) for t in ("k", "v")]
+    add = {f"blk.{i}.attn_kv_b.weight": np.zeros((4 * 48, 64), np.float32) for i in (0, 1)}
+    out = copy_gguf(tiny_path("deepseek2"), tmp_path / "legacy.gguf", drop=drop, add=add,
+                    drop_keys=("deepseek2.attention.key_length_mla", "deepseek2.attention.value_length_mla"))
+    with pytest.raises(GGUFError, match="legacy layout .attn_kv_b.* re-convert"):
         load_model(out)

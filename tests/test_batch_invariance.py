@@ -203,7 +203,7 @@ def test_a_long_decode_with_heads_split_between_threads_keeps_the_bits(kv, defau
     assert m.config.n_head % 2 == 1 and np.array_equal(fused, stepwise)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe", "gpt-oss", "deepseek2"])
 def test_new_families_batch_exactly_as_they_run_alone(arch):
     """Batched decode steps of the newer families (gemma3's sliding windows and own rope base,
     phi3's split projections, llama3's rope factors) give each sequence its solo tokens."""

@@ -75,11 +75,13 @@ def test_the_scheduler_shifts_as_a_sequence_alone_does(default_model):
     assert events[-1].context_shifts == len(ref["shifts"])
 
 
-@pytest.mark.parametrize("arch,kv", [("llama3", "f16"), ("qwen3", "f16"), ("llama", "q8_0"), ("llama", "q4_0")])
+@pytest.mark.parametrize("arch,kv", [("llama3", "f16"), ("qwen3", "f16"), ("llama", "q8_0"), ("llama", "q4_0"),
+                                     ("deepseek2", "f16")])
 def test_a_shift_leaves_layer_0_as_a_fresh_run_at_the_new_positions(arch, kv):
     """Layer 0's keys depend only on the token and its position: after a shift the moved ones
     must be what a fresh run of the kept tokens makes (rope-style normal with Llama 3's factors,
-    neox; fp16 and quantized rows), and its values the very bytes."""
+    neox; fp16 and quantized rows; MLA's rows, rotated in their last dimensions, with YaRN), and
+    its values the very bytes."""
     m = load_model(tiny_path(arch))
     if m.config.head_dim % 32 and kv != "f16":
         pytest.skip("head_dim holds no q8_0/q4_0 block")

@@ -70,7 +70,7 @@ def test_streamed_logits_equal_in_ram_logits(e8k2_path, slots_per_layer):
         assert cache.stats()["misses"] == before
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "olmoe", "qwen35moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "olmoe", "qwen35moe", "gpt-oss", "deepseek2", "deepseek2-v3"])
 def test_tiny_moe_architectures_stream_bit_exactly(arch):
     ref, _ = reference(f"tiny/tiny-{arch}")
     ids = ref["prompts"][1]["ids"]
@@ -96,7 +96,8 @@ def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so(e8k2_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-moe-e8k2", "tiny/tiny-qwen2moe", "tiny/tiny-qwen3moe", "tiny/tiny-olmoe",
-                                  "tiny/tiny-qwen35moe", "tiny/tiny-gpt-oss"])
+                                  "tiny/tiny-qwen35moe", "tiny/tiny-gpt-oss", "tiny/tiny-deepseek2",
+                                  "tiny/tiny-deepseek2-v3"])
 def test_streamed_models_meet_llama_cpps_bars(name, e8k2_path):
     """Prompts and greedy continuations through a 25 % slot cache, held to the engine's bars."""
     path = e8k2_path if name == "smollm2-moe-e8k2" else tiny_path(name.removeprefix("tiny/tiny-"))

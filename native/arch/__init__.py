@@ -6,6 +6,7 @@ architecture not listed is refused with the list of those that are."""
 from __future__ import annotations
 
 from .base import Family
+from .deepseek2 import DeepSeek2
 from .ernie import Ernie45, Ernie45Moe
 from .gemma3 import Gemma3
 from .gpt_oss import GptOss
@@ -18,7 +19,7 @@ from .smollm3 import SmolLM3
 
 FAMILIES: dict[str, Family] = {}
 for _f in (Llama(), Qwen2(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe(), GptOss(), SmolLM3(), Ernie45(),
-           Ernie45Moe(), Lfm2()):
+           Ernie45Moe(), Lfm2(), DeepSeek2()):
     for _name in (_f.name, *_f.aliases):
         FAMILIES[_name] = _f
 

@@ -158,6 +158,14 @@ class Family:
         """Does layer i attend within a sliding window (of c.get("sliding_window") positions)?"""
         return False
 
+    def rotated_key_start(self, c) -> int:
+        """Where a cached key row's rotated dimensions begin (a context shift turns them)."""
+        return 0
+
+    def yarn_attn_factor(self, c) -> float:
+        """The attention factor YaRN's rope tables are made with (the file's; deepseek2 has its own)."""
+        return c.yarn[3]
+
     def attention_scales(self, c) -> tuple[float, float]:
         """(q_scale, kq_scale): q multiplied after RoPE (0: not), the scores' scale (0: 1/sqrt(d))."""
         return 0.0, 0.0
