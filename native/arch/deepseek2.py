@@ -155,8 +155,9 @@ class DeepSeek2(Family):
                 "gating": key("expert_gating_func", SOFTMAX, required=False, kind=int, lo=0, hi=2),   # 0: softmax
                 "groups": key("expert_group_count", 0, required=False, kind=int, lo=0, hi=MAX_WIDTH),
                 "groups_used": key("expert_group_used_count", 0, required=False, kind=int, lo=0, hi=MAX_WIDTH),
-                "yarn_log_mul": key("rope.scaling.yarn_log_multiplier", 0.0, required=False, kind=float, lo=0.0,
-                                    hi=1e6) / 0.1,
+                # stored as 0.1 · mscale_all_dim; llama.cpp divides by 0.1f in float
+                "yarn_log_mul": float(F32(key("rope.scaling.yarn_log_multiplier", 0.0, required=False, kind=float,
+                                              lo=0.0, hi=1e6)) / F32(0.1)),
                 "probs_b": any(n.endswith(".exp_probs_b.bias") for n in key.g.tensors)}
 
     def check(self, c, key) -> None:
