@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
-from kiln.protocol.store.job_store import JobNotFound, JobStore
+from kiln.protocol.store.job_store import JobStore
 
-from ..core.registry import CommandError, command
+from ..core.registry import command
+from .job_lookup import job_or_404
 
 
 def _store(sup) -> JobStore:
@@ -25,10 +26,7 @@ def eval_jobs(sup, args):
 def eval_job(sup, args):
     """One job with its per-example results."""
     store = _store(sup)
-    try:
-        job = store.get(str(args.get("id")))
-    except JobNotFound:
-        raise CommandError("job_not_found", f"no evaluation job {args.get('id')!r}", status=404) from None
+    job = job_or_404(store, args.get("id"), "evaluation")
     try:
         lines = store.path(job["id"], "results.jsonl").read_text().splitlines()
         job["results"] = [json.loads(ln) for ln in lines if ln.strip()]

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 
-from kiln.protocol.store.job_store import JobNotFound, JobStore
+from kiln.protocol.store.job_store import JobStore
 
 from ..core.registry import CommandError, command
+from .job_lookup import job_or_404
 
 # what a run folder holds that a client may read, and the folders a run writes
 ARTIFACTS = ("summary.json", "transcript.jsonl", "dataset.jsonl", "discovery.json")
@@ -21,12 +22,7 @@ def _store(sup) -> JobStore:
 
 
 def _run(sup, run_id) -> dict:
-    try:
-        return _store(sup).get(str(run_id))
-    except JobNotFound:
-        ids = [j["id"] for j in _store(sup).list()]
-        raise CommandError("job_not_found", f"no OpenEnv run {run_id!r}"
-                           + (f" (runs: {', '.join(ids[-10:])})" if ids else " (no runs yet)"), status=404) from None
+    return job_or_404(_store(sup), run_id, "OpenEnv", "run")
 
 
 @command("openenv.preflight", off_loop=True)

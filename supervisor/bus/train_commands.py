@@ -10,9 +10,10 @@ from __future__ import annotations
 from kiln.protocol.store.adapter_registry import AdapterNotFound
 from kiln.native.gguf_file import GGUFError, read_gguf
 from kiln.native.lora import AdapterError, load_adapter
-from kiln.protocol.store.job_store import JobNotFound, JobStore
+from kiln.protocol.store.job_store import JobStore
 
 from ..core.registry import CommandError, command
+from .job_lookup import job_or_404
 
 
 def _store(sup) -> JobStore:
@@ -20,12 +21,7 @@ def _store(sup) -> JobStore:
 
 
 def _job(sup, job_id) -> dict:
-    try:
-        return _store(sup).get(str(job_id))
-    except JobNotFound:
-        ids = [j["id"] for j in _store(sup).list()]
-        raise CommandError("job_not_found", f"no training job {job_id!r}"
-                           + (f" (jobs: {', '.join(ids[-10:])})" if ids else " (no jobs yet)"), status=404) from None
+    return job_or_404(_store(sup), job_id, "training")
 
 
 @command("train.jobs", off_loop=True)
