@@ -235,3 +235,33 @@ def test_kiln_up_streams_qwen35moe_with_the_same_greedy_text_as_in_ram(tmp_path)
         assert w["kind"] == "moe-stream"
         assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
         assert settled_stats(d)["misses"] > 0
+
+
+def _slots_budget(path, slots: int) -> str:
+    """An expert_cache size that holds exactly `slots` experts of the model."""
+    from kiln.native.experts.cache import ENTRY_BYTES, ExpertCache
+    from kiln.native.experts.store import ExpertStore
+    from kiln.native.gguf_file import read_gguf
+    probe = ExpertCache.__new__(ExpertCache)
+    probe._geometry(read_gguf(path), ExpertStore(path))
+    return f"{4096 + slots * (probe.slot_bytes + ENTRY_BYTES)}B"
+
+
+def test_the_mla_moe_streams_a_quarter_of_its_experts_to_the_in_ram_text_and_a_cache_too_small_is_named(tmp_path):
+    """deepseek2 (MLA, shared experts) through the moe-stream worker with 2 of its 8 experts
+    resident: the answer is the in-RAM engine's; a cache holding 1 expert — fewer than the 2 a
+    token uses in a layer — fails the worker's boot naming the size it needs."""
+    from conftest import tiny_path
+    path = tiny_path("deepseek2")
+    engine = subprocess.run([sys.executable, "-m", "kiln.supervisor.cli", "debug", "generate", str(path),
+                             "Once upon a time", "--max-tokens", "12", "--json"],
+                            capture_output=True, text=True, env=env_for(tmp_path), check=True)
+    workers = {"default": stream_worker(path, _slots_budget(path, 2)),
+               "small": stream_worker(path, _slots_budget(path, 1))}
+    with Daemon(tmp_path, workers) as d:
+        w = d.wait_state("small", "fatal", timeout=60)
+        assert "holds 1 expert(s)" in w["reason"] and "uses 2 per token" in w["reason"] and "at least" in w["reason"]
+        ready(d)
+        assert d.command("health")["workers"]["default"]["expert_cache"]["slots"] == 2
+        assert complete(d, "Once upon a time") == json.loads(engine.stdout)["text"]
+        assert settled_stats(d)["misses"] > 0

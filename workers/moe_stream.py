@@ -42,6 +42,8 @@ class MoEStreamWorker(InferenceWorker):
         if not getattr(self.model.config, "is_moe", False):
             raise BootError(f"{self.model.path.name} is not a mixture-of-experts model; use kind = \"inference\"")
         shm, slots, size = (self.settings.get(k) for k in ("shm", "cache_slots", "cache_bytes"))
+        if self.settings.get("cache_error"):
+            raise BootError(f"the expert cache cannot be made: {self.settings['cache_error']}")
         if not slots or not size:
             raise BootError("the expert cache was not sized (moe-stream workers are started by `kiln up`; "
                             "its events say why the cache could not be made)")

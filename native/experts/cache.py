@@ -36,6 +36,11 @@ def segment_bytes(g: GGUFFile, store: ExpertStore, budget: int) -> tuple[int, in
     probe._geometry(g, store)
     per_slot = probe.slot_bytes + ENTRY_BYTES
     slots = min(probe.expert_count, max(1, (budget - 4096) // per_slot))
+    used = int(g.metadata.get(f"{g.architecture}.expert_used_count") or 1)
+    if slots < used:                  # one layer's chosen experts must be resident together
+        raise ValueError(f"an expert cache of {budget / 2**20:.2f} MiB holds {slots} expert(s) of {g.path.name}, "
+                         f"which uses {used} per token in a layer: give expert_cache at least "
+                         f"{(4096 + used * per_slot) / 2**20:.2f} MiB")
     return int(slots), int(ExpertCache.index_bytes(slots) + slots * probe.slot_bytes)
 
 

@@ -100,6 +100,7 @@ def make_for_workers(home: Path, table, record) -> list[Path]:
             slots, size = size_cache(home, w.name, w.spec, record)
         except (ModelNotFound, GGUFError, ValueError, OSError) as e:
             record("segment_failed", w.name, str(e))
+            w.spec = dict(w.spec, settings={**w.spec["settings"], "cache_error": str(e)})   # its boot says it
             continue
         settings = {**w.spec["settings"], "cache_slots": slots, "cache_bytes": size}
         try:
