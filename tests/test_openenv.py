@@ -298,6 +298,9 @@ def test_a_run_whose_environment_is_not_there_fails_saying_so_and_gives_only_its
     assert "has no rollout/summary.json yet" in err["error"]["message"]
     status, err = http_json(daemon, "GET", f"/v1/openenv/runs/{rid}/artifacts/job.json")
     assert "a run has summary.json" in err["error"]["message"]
+    for folder in ("..", "../..", "%2Fetc", "rollout%2F.."):          # only the run's own folders
+        status, err = http_json(daemon, "GET", f"/v1/openenv/runs/{rid}/artifacts/discovery.json?folder={folder}")
+        assert status == 404 and "a run has summary.json" in err["error"]["message"], (folder, err)
     status, again = http_json(daemon, "POST", f"/v1/openenv/runs/{rid}/resume")       # a failed run may go on
     assert status == 200 and again["state"] == "queued" and again["resumed"] == 1
     daemon.wait(lambda st: _run(daemon, rid)["state"] == "failed", 60, "the run failed again")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kiln.native.eval_metrics import compare_returns
 from kiln.protocol.openenv.env import Environment, EnvError
-from kiln.protocol.openenv.rollout import rollout
+from kiln.protocol.openenv.rollout import RUN_FOLDERS, rollout
 from kiln.protocol.store.adapter_registry import AdapterNotFound, check_name
 from kiln.protocol.store.job_store import FINAL, JobNotFound, JobStore, write_json_atomic
 
@@ -37,7 +37,6 @@ DEFAULTS = {"groups": 4, "group_size": 4, "seed": 0, "max_steps": 8, "temperatur
             "eval_seeds": 4}
 TRAIN_OPTIONS = ("lr", "rank", "beta", "epochs")
 RESUMABLE = ("failed", "cancelled")
-RUN_FOLDERS = ("rollout", "eval-base", "eval-adapter")
 
 
 def check_spec(body: dict) -> dict:

@@ -26,6 +26,8 @@ from typing import Callable
 from .env import Environment, EnvError, canonical, sha256_of
 
 FILES = ("discovery.json", "transcript.jsonl", "dataset.jsonl")
+RECORDS = ("summary.json", *FILES)                         # what a rollout folder holds
+RUN_FOLDERS = ("rollout", "eval-base", "eval-adapter")    # a daemon-owned run's rollout folders
 
 
 class VerifyError(ValueError):

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 
+from kiln.protocol.openenv.rollout import RECORDS as ARTIFACTS  # what a client may read of a run folder
+from kiln.protocol.openenv.rollout import RUN_FOLDERS as FOLDERS
 from kiln.protocol.store.job_store import JobStore
 
 from ..core.registry import CommandError, command
 from .job_lookup import job_or_404
-
-# what a run folder holds that a client may read, and the folders a run writes
-ARTIFACTS = ("summary.json", "transcript.jsonl", "dataset.jsonl", "discovery.json")
-FOLDERS = ("rollout", "eval-base", "eval-adapter")
 
 
 def _store(sup) -> JobStore:

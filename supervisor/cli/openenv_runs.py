@@ -14,11 +14,12 @@ from typing import Optional
 
 import typer
 
+from kiln.protocol.openenv.rollout import RECORDS, RUN_FOLDERS
+
 from .engine import fail, verbosity
 from .openenv import ROLLOUT_OPTIONS, _said, openenv_app
 from .train import _client, _cmd, _routed
 
-RUN_FILES = ("summary.json", "transcript.jsonl", "dataset.jsonl", "discovery.json")
 FINISHED = ("completed", "failed", "cancelled")
 
 
@@ -130,8 +131,9 @@ def _copy_out(run: dict, out: Path) -> None:
     """The run's folders as `kiln openenv rollout --out` lays them out: the rollout's files at the
     top, eval-base/ and eval-adapter/ beside them, evaluation.json."""
     with _client() as c:
-        for folder, dest in (("rollout", out), ("eval-base", out / "eval-base"), ("eval-adapter", out / "eval-adapter")):
-            for name in RUN_FILES:
+        for folder in RUN_FOLDERS:
+            dest = out if folder == "rollout" else out / folder
+            for name in RECORDS:
                 try:
                     where = c.command("openenv.artifact", {"id": run["id"], "name": name, "folder": folder}, 30)
                 except Exception:  # noqa: BLE001 - a folder the run did not reach
