@@ -11,6 +11,7 @@ import numpy as np
 
 from .blocks import attention, rms_norm, rope_tables
 from .kernels import Weight, matmul, matmul_many
+from .vision.mrope import section_of_pairs
 
 
 _MIXED = object()            # Batch.adapter when the sequences have different adapters
@@ -44,7 +45,16 @@ class Batch:
 
     def _tables(self, base: float) -> tuple[np.ndarray, np.ndarray]:
         rope_dim, scale, factors, yarn = self._rope
-        return rope_tables(self.positions, rope_dim, base, scale, factors, yarn)
+        if self.positions.ndim == 1:
+            return rope_tables(self.positions, rope_dim, base, scale, factors, yarn)
+        # M-RoPE rows (time, height, width): each pair's angle from its section's position, the
+        # fourth section's from 0 — ggml's mrope cache, whose angles are the plain cache's
+        T = len(self.positions)
+        pos = np.concatenate([self.positions, np.zeros((T, 1), np.int64)], 1)
+        cos, sin = (a.reshape(T, 4, -1) for a in rope_tables(pos.reshape(-1), rope_dim, base, scale, factors, yarn))
+        sel = section_of_pairs(self.config.get("rope_sections"), cos.shape[2])
+        pairs = np.arange(cos.shape[2])
+        return np.ascontiguousarray(cos[:, sel, pairs]), np.ascontiguousarray(sin[:, sel, pairs])
 
     def rope(self, base: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(cos, sin) of these rows' positions; `base`: another rope base (gemma3's sliding layers)."""

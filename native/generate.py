@@ -64,7 +64,8 @@ def check_context(prompt: list[int], params: SamplingParams, n_ctx: int, can_shi
         raise ContextLengthError(len(prompt), params.max_tokens, n_ctx)
     if not can_shift:
         raise ContextLengthError(len(prompt), params.max_tokens, n_ctx, "; the context cannot shift on this "
-                                 "model (its sliding-window or recurrent layers keep no earlier keys)")
+                                 "model (its sliding-window or recurrent layers keep no earlier keys) or past "
+                                 "this prompt's images (M-RoPE placed them)")
     if len(prompt) >= n_ctx - 4:
         raise ContextLengthError(len(prompt), params.max_tokens, n_ctx, "; a context shift makes room for "
                                  "what is generated, not for the prompt, which must fit with a few tokens to spare")
@@ -234,7 +235,7 @@ class Sequence:
         self.cache: KVCache = model.new_cache(self.n_ctx)
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        check_context(prompt, params, self.n_ctx, self.cache.can_shift)
+        check_context(prompt, params, self.n_ctx, self.cache.can_shift and self.model.can_shift_over(prompt))
 
     def start(self, prompt: list[int], adapter=None) -> int:
         """Keep the cache's longest prefix shared with `prompt` (at least one token is left to

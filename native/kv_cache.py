@@ -48,6 +48,7 @@ class KVCache:
         self.n = 0                         # positions filled
         self.adapter = None                # the LoRA the keys/values were computed with
         self.tokens: list[int] = []        # the token at each filled position
+        self.position_memo = None          # an M-RoPE model's (index, delta) here (native/vision/mrope.py)
         # leading positions that hold what a plain run of their tokens gives (after a context
         # shift the later ones saw tokens since dropped: no other prompt may reuse them)
         self.exact = 0
@@ -175,6 +176,8 @@ class KVCache:
         self.n = min(self.n, n)
         self.exact = min(self.exact, self.n)
         del self.tokens[self.n:]
+        if self.position_memo is not None and self.position_memo[0] > self.n:
+            self.position_memo = None
 
     @property
     def can_rewind(self) -> bool:
@@ -257,6 +260,7 @@ class KVCache:
         self.n -= n_discard
         del self.tokens[n_keep:src]
         self.exact = min(self.exact, n_keep)
+        self.position_memo = None
 
     def copy_from(self, other: "KVCache") -> None:
         """Become a copy of `other` (same model): the n sequences of one request share the
@@ -264,7 +268,7 @@ class KVCache:
         if other.types != self.types:
             raise ValueError(f"a cache of {'/'.join(self.types)} cannot copy one of {'/'.join(other.types)}")
         self.n, self.tokens, self.adapter, self._cap = other.n, list(other.tokens), other.adapter, other._cap
-        self.exact = other.exact
+        self.exact, self.position_memo = other.exact, other.position_memo
         self._k = [a.copy() for a in other._k]
         self._v = [a.copy() for a in other._v]
         self._off = dict(other._off)

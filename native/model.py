@@ -24,7 +24,8 @@ from . import kernels
 from .arch import family
 from .arch.parts import arrays
 from .batch import Batch
-from .blocks import apply_rope, rms_norm, rope_shift_table, yarn_params
+from .blocks import rms_norm, yarn_params
+from .context_shift import shift_cache
 from .config import ModelConfig, check_tensors, read_config
 from .experts.source import IN_RAM, StreamedExperts
 from .gguf_file import GGUFError, GGUFFile, read_gguf
@@ -33,6 +34,7 @@ from .kv_cache import KVCache
 from .kv_types import DEFAULT_KV_TYPE, check_head_dim, kv_type
 from .runners import FUSED_RUN, BlocksLayer, blocks_runners, choose_runners
 from .tokenizer import GGUFTokenizer
+from .vision import mrope
 from .vision.layout import MediaRows
 
 __all__ = ["FUSED_RUN", "WEIGHTS", "Model", "check_weights", "load_model"]
@@ -71,6 +73,7 @@ class Model:
         self._load(threads or min(4, os.cpu_count() or 1))
         self.expert_provider = None    # experts from the mapped file; the runners are chosen
         self.media = MediaRows()       # image rows by placeholder id (native/vision/layout.py)
+        self.mrope = self.config.get("rope_sections") is not None    # rows placed by native/vision/mrope.py
         self.load_seconds = time.perf_counter() - t0
 
     # -- loading ------------------------------------------------------------------------------
@@ -181,25 +184,22 @@ class Model:
                        self.family.recurrent_state(c), windows, v, held=self.stage)
 
     def shift_cache(self, cache: KVCache, n_keep: int, n_discard: int) -> None:
-        """A context shift on `cache` (KVCache.shift): the keys after the dropped positions
-        turned back by n_discard positions with each layer's rope, as llama.cpp's K-shift."""
-        c = self.config
-        tables: dict = {}
+        shift_cache(self, cache, n_keep, n_discard)           # native/context_shift.py
 
-        def rope_keys(i: int, k: np.ndarray) -> None:
-            base = getattr(getattr(self.layers[i], "attn", None), "rope_base", None) or c.rope_base
-            if base not in tables:
-                tables[base] = rope_shift_table(-n_discard, c.rope_dim, base, c.rope_scale,
-                                                self.rope_factors, self.rope_yarn)
-            cos, sin = tables[base]
-            at = self.family.rotated_key_start(c)     # MLA's key rows rotate their last dimensions
-            part = np.ascontiguousarray(k[..., at:at + c.rope_dim])
-            k[..., at:at + c.rope_dim] = apply_rope(part, np.repeat(cos, len(k), 0), np.repeat(sin, len(k), 0),
-                                                    c.rope_style)
-
-        cache.shift(n_keep, n_discard, rope_keys)
+    def can_shift_over(self, tokens) -> bool:
+        """Can a context shift move these tokens? Not an M-RoPE model's image rows (mrope.py)."""
+        return not (self.mrope and any(t < 0 for t in tokens))
 
     # -- forward ------------------------------------------------------------------------------
+
+    def _positions(self, cache: KVCache, tokens) -> np.ndarray:
+        """Where `tokens` appended to `cache` sit: the next indices, or M-RoPE's (mrope.py)."""
+        if not self.mrope:
+            return np.arange(cache.n, cache.n + len(tokens))
+        pos = mrope.positions(self.media, cache, tokens)
+        if self.remote is not None and (pos.ndim > 1 or pos[0] != cache.n):
+            raise ValueError("a model split across processes does not take images placed by M-RoPE yet")
+        return pos
 
     def forward(self, tokens: list[int], cache: KVCache, *, all_logits: bool = False,
                 logits_from: int | None = None, adapter=None) -> np.ndarray:
@@ -218,7 +218,7 @@ class Model:
             rows = self._pipelined(tokens, cache, keep)
         else:
             cache.begin(tokens)
-            rows = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
+            rows = self._layers(np.asarray(tokens), self._positions(cache, tokens), [(cache, 0, len(tokens))],
                                 adapter, keep)
             cache.commit(tokens)
         logits = matmul(rms_norm(rows, self.output_norm, c.rms_eps), self.output)
@@ -232,7 +232,7 @@ class Model:
             raise ValueError("hidden() needs at least one token")
         self._check(tokens)
         cache.begin(tokens)
-        x = self._layers(np.asarray(tokens), np.arange(cache.n, cache.n + len(tokens)), [(cache, 0, len(tokens))],
+        x = self._layers(np.asarray(tokens), self._positions(cache, tokens), [(cache, 0, len(tokens))],
                          adapter)
         cache.commit(tokens)
         return rms_norm(x, self.output_norm, c.rms_eps)
@@ -257,9 +257,9 @@ class Model:
         for toks, cache in runs:
             cache.begin(toks)
             segments.append((cache, at, at + len(toks)))
-            positions.append(np.arange(cache.n, cache.n + len(toks)))
+            positions.append(self._positions(cache, toks))
             at += len(toks)
-        last = self._layers(np.asarray([t for toks, _ in runs for t in toks]), np.concatenate(positions), segments,
+        last = self._layers(np.asarray([t for toks, _ in runs for t in toks]), mrope.stack(positions), segments,
                             adapter, np.array([b - 1 for _, _, b in segments]))
         for toks, cache in runs:
             cache.commit(toks)
@@ -331,7 +331,7 @@ class Model:
             for a, e in zip(bounds, bounds[1:]):
                 part = tokens[a:e]
                 cache.begin(part)
-                x = self._stack(np.asarray(part), np.arange(cache.n, cache.n + e - a), [(cache, 0, e - a)])
+                x = self._stack(np.asarray(part), self._positions(cache, part), [(cache, 0, e - a)])
                 mine = picked[(picked >= a) & (picked < e)] - a
                 pending.append(self.remote.submit(x, [(cache.uid, cache.n, e - a)], mine))
                 cache.commit(part)

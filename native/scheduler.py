@@ -105,7 +105,7 @@ class Scheduler(SlotAccess, Speculation):
                adapter=None, n: int = 1, show: frozenset = frozenset()) -> Job:
         """Queue a generation; with n > 1, n sequences that share the prompt (prefilled once)
         and put their events, each carrying its index, on the first job's queue."""
-        check_context(prompt, params, self.n_ctx, self.seqs[0].cache.can_shift)
+        check_context(prompt, params, self.n_ctx, self.seqs[0].cache.can_shift and self.model.can_shift_over(prompt))
         if not 1 <= n <= len(self.seqs):
             raise ValueError(f"n = {n} sequences do not fit: this worker runs at most {len(self.seqs)} "
                              f"at once (its `parallel` setting)")

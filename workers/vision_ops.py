@@ -58,8 +58,9 @@ class VisionOps:
         if self.vision is None:
             return {"vision": False, **({"vision_note": self.vision_note} if self.vision_note else {})}
         c = self.vision.config
-        return {"vision": True, "mmproj": {"path": str(self.vision.path), "projector": c.projector,
-                                           "image_size": c.image_size, "tokens_per_tile": c.tokens_per_tile}}
+        size = {"max_image_tokens": c.max_pixels // (2 * c.patch_size) ** 2} if c.dynamic else \
+            {"image_size": c.image_size, "tokens_per_tile": c.tokens_per_tile}
+        return {"vision": True, "mmproj": {"path": str(self.vision.path), "projector": c.projector, **size}}
 
     def _images(self, body: dict) -> list[list[int]] | None:
         """Each of the request's images as the ids its prompt carries (rows held by the model),
@@ -87,6 +88,7 @@ class VisionOps:
             media = self.model.media
             squares = [media.ids_if_held(k, bidirectional) for k in keys]   # seen lately: not encoded again
             if any(sq is None for sq in squares):
-                squares = [media.add(k, r, bidirectional) for k, r in zip(keys, enc.encode_image(tiles))]
+                grid = tiles.grid if enc.config.dynamic else None     # M-RoPE places its rows in 2D
+                squares = [media.add(k, r, bidirectional, grid) for k, r in zip(keys, enc.encode_image(tiles))]
             out.append(self.image_tokens.around(squares, tiles.grid))
         return out

@@ -43,6 +43,27 @@ class Qwen2(Family):
         return super().vectors(c, i) | _bias(i)
 
 
+class Qwen2VL(Qwen2):
+    """Qwen2-VL / Qwen2.5-VL's text model: qwen2 whose rope takes three positions a row (M-RoPE:
+    time, height, width, each turning its section of a head's pairs). A text row's three are its
+    one position — plain rope; an image's rows are placed by native/vision/mrope.py."""
+    name = "qwen2vl"
+    notes = "q/k/v biases, rotate-half M-RoPE (sections of time, height, width positions)"
+
+    def hparams(self, key):
+        sections = key("rope.dimension_sections", kind=None)
+        if not isinstance(sections, (list, tuple, np.ndarray)) or len(sections) != 4 or not all(
+                isinstance(s, (int, np.integer)) and 0 <= s <= 4096 for s in sections):
+            key.fail("rope.dimension_sections", sections, "must be 4 section sizes (M-RoPE's t, h, w, e)")
+        return {"rope_sections": tuple(int(s) for s in sections)}
+
+    def check(self, c, key) -> None:
+        super().check(c, key)
+        s = c.get("rope_sections")
+        if not 0 < sum(s) <= c.rope_dim // 2:
+            key.fail("rope.dimension_sections", list(s), f"must cover 1..{c.rope_dim // 2} of the rotated pairs")
+
+
 class Qwen3(Family):
     name, rope, norm_topk = "qwen3", "neox", True
     notes = "per-head q/k RMSNorm"

@@ -14,7 +14,8 @@ from ..arch.base import MAX_WIDTH
 from ..config import Keys
 from ..gguf_file import GGUFError, GGUFFile
 
-PROJECTORS = ("gemma3", "idefics3")      # what Kiln runs; llama.cpp knows ~50 more
+QWEN25VL = "qwen2.5vl_merger"
+PROJECTORS = ("gemma3", "idefics3", QWEN25VL)      # what Kiln runs; llama.cpp knows ~50 more
 MAX_IMAGE_SIDE = 4096                    # the encoder's own tile side (pixels); real ones are 224..896
 _LAYER = re.compile(r"^v\.blk\.(\d+)\.")
 
@@ -26,7 +27,7 @@ def is_mmproj(g: GGUFFile) -> bool:
 @dataclass(frozen=True)
 class VisionConfig:
     name: str
-    projector: str           # gemma3 | idefics3
+    projector: str           # gemma3 | idefics3 | qwen2.5vl_merger
     n_layer: int
     n_embd: int              # the vision transformer's width
     n_head: int
@@ -40,6 +41,14 @@ class VisionConfig:
     std: tuple
     longest_edge: int = 0    # idefics3: an image's longer side is resized to this, then cut in tiles
     ffn_swapped: bool = False   # legacy files: ffn_up and ffn_down stored under each other's names
+    wa_pattern: int = 0      # qwen2.5vl: every wa_pattern-th layer attends over the whole image, the rest in windows
+    min_pixels: int = 0      # qwen2.5vl: an image is resized to between these many pixels (mtmd's 8..4096 tokens)
+    max_pixels: int = 0
+
+    @property
+    def dynamic(self) -> bool:
+        """Does the encoder take an image at (about) its own size, not squares of image_size?"""
+        return self.projector == QWEN25VL
 
     @property
     def head_dim(self) -> int:
@@ -63,8 +72,11 @@ def read_vision_config(g: GGUFFile) -> VisionConfig:
     proj = g.metadata.get("clip.projector_type") or g.metadata.get("clip.vision.projector_type")
     if proj not in PROJECTORS:
         raise GGUFError(f"{g.path}: projector type {str(proj)[:40]!r} is not one Kiln runs (it runs "
-                        f"{', '.join(PROJECTORS)}: Gemma 3 and SmolVLM/Idefics3 vision)")
-    if key("use_silu", False, required=False, kind=bool) or not key("use_gelu", False, required=False, kind=bool):
+                        f"{', '.join(PROJECTORS)}: Gemma 3, SmolVLM/Idefics3 and Qwen2.5-VL vision)")
+    if proj == QWEN25VL:
+        if not key("use_silu", False, required=False, kind=bool) or key("use_gelu", False, required=False, kind=bool):
+            key.fail("use_silu", g.metadata.get("clip.use_silu"), "a Qwen2.5-VL vision tower's FFN is SwiGLU")
+    elif key("use_silu", False, required=False, kind=bool) or not key("use_gelu", False, required=False, kind=bool):
         key.fail("use_gelu", g.metadata.get("clip.use_gelu"), f"a {proj} vision tower uses GELU")
     n_layer = key("vision.block_count", kind=int, lo=1, hi=4096)
     present = {int(m.group(1)) for n in g.tensors if (m := _LAYER.match(n))}
@@ -78,6 +90,8 @@ def read_vision_config(g: GGUFFile) -> VisionConfig:
         key.fail("vision.attention.head_count_kv", g.metadata["clip.vision.attention.head_count_kv"],
                  "a SigLIP tower's key heads are its query heads")
     image_size = key("vision.image_size", kind=int, lo=1, hi=MAX_IMAGE_SIDE)
+    if proj == QWEN25VL:
+        return _qwen25vl(g, key, n_layer, n_embd, n_head, image_size)
     patch = key("vision.patch_size", kind=int, lo=1, hi=image_size)
     if image_size % patch:
         key.fail("vision.patch_size", patch, f"must divide image_size, {image_size}")
@@ -87,18 +101,9 @@ def read_vision_config(g: GGUFFile) -> VisionConfig:
         key.fail("vision.projector.scale_factor", merge, "idefics3's pixel shuffle needs a factor of 2 or more")
     if (image_size // patch) % merge:
         key.fail("vision.projector.scale_factor", merge, f"must divide the patches per side, {image_size // patch}")
-    stats = []
-    for name in ("vision.image_mean", "vision.image_std"):
-        v = g.metadata.get(f"clip.{name}")
-        if not isinstance(v, (list, np.ndarray)) or len(v) < 3 or not all(
-                isinstance(x, (int, float, np.number)) and np.isfinite(x) for x in v[:3]):
-            key.fail(name, v, "must be 3 finite numbers")
-        if name.endswith("std") and not all(x > 0 for x in v[:3]):
-            key.fail(name, v, "must be 3 positive numbers")
-        stats.append(tuple(np.float32(x) for x in v[:3]))
+    stats = _mean_std(g, key)
     n_ff = key("vision.feed_forward_length", kind=int, lo=1, hi=MAX_WIDTH)
-    swapped = "v.blk.0.ffn_down.weight" in g.tensors and g.tensor("v.blk.0.ffn_down.weight").shape[-1] == n_embd \
-        and n_ff != n_embd
+    swapped = _swapped(g, n_embd, n_ff)
     if proj == "gemma3":
         n_text = _shape(g, "mm.input_projection.weight", 2)[1]
     else:
@@ -113,6 +118,48 @@ def read_vision_config(g: GGUFFile) -> VisionConfig:
         ffn_swapped=swapped)
 
 
+def _qwen25vl(g: GGUFFile, key: Keys, n_layer: int, n_embd: int, n_head: int, image_size: int) -> VisionConfig:
+    """Qwen2.5-VL's tower (clip.cpp's qwen2vl graph): patches of patch_size from an image of its own
+    size (a multiple of 2 patches each way), 2×2 of them merged into one text row, 2D rope over a
+    head's quarters — so a head's width must split in 4."""
+    patch = key("vision.patch_size", kind=int, lo=1, hi=MAX_IMAGE_SIDE // 2)
+    if key("vision.spatial_merge_size", 2, required=False, kind=int) != 2:
+        key.fail("vision.spatial_merge_size", g.metadata["clip.vision.spatial_merge_size"],
+                 "Qwen2.5-VL's merger joins 2×2 patches")
+    if (n_embd // n_head) % 4:
+        key.fail("vision.attention.head_count", n_head, f"a head's width, {n_embd // n_head}, must split in 4 "
+                 f"for the 2D rope")
+    stats = _mean_std(g, key)
+    n_ff = key("vision.feed_forward_length", kind=int, lo=1, hi=MAX_WIDTH)
+    area = (2 * patch) ** 2                        # pixels a text row covers
+    return VisionConfig(
+        name=str(g.metadata.get("general.name", g.path.stem))[:200], projector=QWEN25VL, n_layer=n_layer,
+        n_embd=n_embd, n_head=n_head, n_ff=n_ff,
+        eps=key("vision.attention.layer_norm_epsilon", kind=float, lo=0.0, hi=1.0),
+        image_size=image_size, patch_size=patch, n_merge=2, n_text=_shape(g, "mm.2.bias", 1)[0],
+        mean=stats[0], std=stats[1], ffn_swapped=_swapped(g, n_embd, n_ff),
+        wa_pattern=key("vision.n_wa_pattern", kind=int, lo=0, hi=n_layer),
+        min_pixels=8 * area, max_pixels=4096 * area)
+
+
+def _swapped(g: GGUFFile, n_embd: int, n_ff: int) -> bool:
+    return "v.blk.0.ffn_down.weight" in g.tensors and g.tensor("v.blk.0.ffn_down.weight").shape[-1] == n_embd \
+        and n_ff != n_embd
+
+
+def _mean_std(g: GGUFFile, key: Keys) -> list:
+    stats = []
+    for name in ("vision.image_mean", "vision.image_std"):
+        v = g.metadata.get(f"clip.{name}")
+        if not isinstance(v, (list, np.ndarray)) or len(v) < 3 or not all(
+                isinstance(x, (int, float, np.number)) and np.isfinite(x) for x in v[:3]):
+            key.fail(name, v, "must be 3 finite numbers")
+        if name.endswith("std") and not all(x > 0 for x in v[:3]):
+            key.fail(name, v, "must be 3 positive numbers")
+        stats.append(tuple(np.float32(x) for x in v[:3]))
+    return stats
+
+
 def _shape(g: GGUFFile, name: str, dims: int) -> tuple:
     shape = g.tensor(name).shape                 # a missing tensor: named
     if len(shape) != dims or not all(0 < s <= MAX_WIDTH * 4 for s in shape):
@@ -123,6 +170,8 @@ def _shape(g: GGUFFile, name: str, dims: int) -> tuple:
 def tensor_plan(g: GGUFFile, c: VisionConfig) -> tuple[dict, list]:
     """Every tensor the encoder reads with the shape clip.cpp's graph needs (numpy order: rows
     first), and which are matrices; optional biases and the pre-norm where the file has them."""
+    if c.projector == QWEN25VL:
+        return _checked(g, c, *_qwen25vl_plan(g, c))
     d, f, p = c.n_embd, c.n_ff, c.patch_size
     want = {"v.patch_embd.weight": (d, 3, p, p), "v.position_embd.weight": (c.patches_per_side ** 2, d)}
     mats = ["v.patch_embd.weight"]
@@ -150,10 +199,42 @@ def tensor_plan(g: GGUFFile, c: VisionConfig) -> tuple[dict, list]:
     else:
         want["mm.model.fc.weight"] = (c.n_text, d * c.n_merge * c.n_merge)
         mats.append("mm.model.fc.weight")
+    return _checked(g, c, want, mats)
+
+
+def _qwen25vl_plan(g: GGUFFile, c: VisionConfig) -> tuple[dict, list]:
+    d, f, p = c.n_embd, c.n_ff, c.patch_size
+    want = {"v.patch_embd.weight": (d, 3, p, p), "v.patch_embd.weight.1": (d, 3, p, p)}
+    mats = list(want)
+    if "v.patch_embd.bias" in g.tensors:
+        raise GGUFError(f"{g.path}: a Qwen2.5-VL patch embedding has no bias (clip.cpp refuses it too); the file "
+                        f"is not one Kiln can run")
+    up, down = ("ffn_down", "ffn_up") if c.ffn_swapped else ("ffn_up", "ffn_down")
+    for i in range(c.n_layer):
+        b = f"v.blk.{i}."
+        for t, shape, bias in (("attn_q", (d, d), True), ("attn_k", (d, d), True), ("attn_v", (d, d), True),
+                               ("attn_out", (d, d), False), ("ffn_gate", (f, d), False), (up, (f, d), False),
+                               (down, (d, f), False)):
+            want[b + t + ".weight"] = shape
+            mats.append(b + t + ".weight")
+            if bias or b + t + ".bias" in g.tensors:       # q, k, v's biases the graph adds unconditionally
+                want[b + t + ".bias"] = (shape[0],)
+        for t in ("ln1", "ln2"):
+            want |= {b + t + ".weight": (d,)} | ({b + t + ".bias": (d,)} if b + t + ".bias" in g.tensors else {})
+    for t in ("pre_ln", "post_ln"):
+        if f"v.{t}.weight" in g.tensors:
+            want |= {f"v.{t}.weight": (d,)} | ({f"v.{t}.bias": (d,)} if f"v.{t}.bias" in g.tensors else {})
+    want |= {"mm.0.weight": (4 * d, 4 * d), "mm.0.bias": (4 * d,), "mm.2.weight": (c.n_text, 4 * d),
+             "mm.2.bias": (c.n_text,)}
+    return want, mats + ["mm.0.weight", "mm.2.weight"]
+
+
+def _checked(g: GGUFFile, c: VisionConfig, want: dict, mats: list) -> tuple[dict, list]:
     for name, shape in want.items():
         have = g.tensor(name).shape
         if tuple(have) != shape:
             raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(have)}, expected {list(shape)} for this "
-                            f"{c.projector} vision encoder (width {d}, FFN {f}, patch {p}, image {c.image_size}); "
+                            f"{c.projector} vision encoder (width {c.n_embd}, FFN {c.n_ff}, patch {c.patch_size}, "
+                            f"image {c.image_size}); "
                             f"the file is corrupt")
     return want, mats

@@ -26,6 +26,8 @@ from .. import kernels
 from ..blocks import rms_norm
 from ..gguf_file import read_gguf
 from ..kernels import Q, Weight, matmul, matmul_many
+from . import qwen_vl
+from .attention import patch_attention
 from .clip_config import is_mmproj, read_vision_config, tensor_plan
 from .images import Tiles, decode, preprocess
 
@@ -45,11 +47,14 @@ class VisionEncoder:
                             f"model's projector is the separate mmproj-*.gguf beside it")
         self.config = c = read_vision_config(g)
         want, mats = tensor_plan(g, c)
-        mats = [m for m in mats if m != "v.patch_embd.weight"]
+        kernels_ = ("v.patch_embd.weight", "v.patch_embd.weight.1")    # convolutions: (n_embd, 3·p·p) matrices
+        mats = [m for m in mats if m not in kernels_]
         self.w = kernels.load_weights(g, mats, threads or min(4, os.cpu_count() or 1))
         self.v = {n: kernels.load_vector(g, n) for n in want if n not in self.w and n not in
-                  ("v.patch_embd.weight", "mm.input_projection.weight")}
+                  (*kernels_, "mm.input_projection.weight")}
         self.patch = _as_matrix(g, "v.patch_embd.weight", c.n_embd)
+        if c.dynamic:                    # Qwen2.5-VL's second temporal kernel
+            self.patch1 = _as_matrix(g, "v.patch_embd.weight.1", c.n_embd)
         if c.projector == "gemma3":      # ggml multiplies by its transpose, made contiguous (same type)
             self.proj = _transposed(g, "mm.input_projection.weight")
         self.up, self.down = ("ffn_down", "ffn_up") if c.ffn_swapped else ("ffn_up", "ffn_down")
@@ -59,7 +64,8 @@ class VisionEncoder:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(w.nbytes for w in self.w.values()) + sum(a.nbytes for a in self.v.values()) + self.patch.nbytes
+        return sum(w.nbytes for w in self.w.values()) + sum(a.nbytes for a in self.v.values()) + self.patch.nbytes \
+            + (self.patch1.nbytes if self.config.dynamic else 0)
 
     def _b(self, x: np.ndarray, name: str) -> np.ndarray:
         b = self.v.get(name)
@@ -92,9 +98,7 @@ class VisionEncoder:
             q, k, v = (self._b(y, b + t + ".bias") for y, t in zip(
                 matmul_many(h, [self.w[b + t + ".weight"] for t in ("attn_q", "attn_k", "attn_v")]),
                 ("attn_q", "attn_k", "attn_v")))
-            a = kernels.encoder_attention(q, k, v, H, scale)
-            if a is None:
-                a = _attention(q, k, v, H, scale)
+            a = patch_attention(q, k, v, H, scale)
             x = self._b(matmul(a, self.w[b + "attn_out.weight"]), b + "attn_out.bias") + x
             h = self._ln(x, b + "ln2")
             h = kernels.gelu(self._b(matmul(h, self.w[b + self.up + ".weight"]), b + self.up + ".bias"), in_place=True)
@@ -104,8 +108,11 @@ class VisionEncoder:
         return x
 
     def encode(self, square: np.ndarray) -> np.ndarray:
-        """(tokens_per_tile, n_text) float32: what the text model reads for one square."""
+        """(tokens_per_tile, n_text) float32: what the text model reads for one square (for a
+        dynamic projector: the image's rows, one per 2×2 patches)."""
         c = self.config
+        if c.dynamic:
+            return qwen_vl.encode(self, square)
         x = self.tower(square)
         n, m = c.patches_per_side, c.n_merge
         if c.projector == "gemma3":
@@ -130,16 +137,6 @@ class VisionEncoder:
     def read(self, data: bytes, what: str = "image") -> Tiles:
         """Untrusted bytes to the squares this encoder takes (an ImageError if they are not an image)."""
         return preprocess(decode(data, what), self.config)
-
-
-def _attention(q, k, v, H: int, scale) -> np.ndarray:
-    n, width = q.shape
-    d = width // H
-    qh, kh, vh = (m.reshape(n, H, d).transpose(1, 0, 2) for m in (q, k, v))
-    s = (qh @ kh.transpose(0, 2, 1)) * scale
-    s = np.exp(s - s.max(-1, keepdims=True))
-    s /= s.sum(-1, keepdims=True)
-    return (s @ vh).transpose(1, 0, 2).reshape(n, width).astype(F32)
 
 
 def _as_matrix(g, name: str, rows: int) -> Weight:

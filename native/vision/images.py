@@ -8,6 +8,9 @@ and standard deviation.
     idefics3:  the longer side resized to longest_edge (Lanczos), both sides then rounded up to
                whole tiles; the tiles row by row, and the whole image shrunk to one tile (the
                overview, which the text sees last)
+    qwen2.5vl: the image's own size rounded to whole 2×2 patches and kept between the
+               projector's pixel limits (transformers' smart_resize, float32 as mtmd), the image
+               fitted inside (bicubic), centred on black
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class ImageError(ValueError):
 @dataclass
 class Tiles:
     """What one image becomes: the squares to encode (each (3, side, side) float32, planar RGB as
-    clip.cpp lays its input out), and for a tiled projector the grid they came from."""
+    clip.cpp lays its input out), and for a tiled projector the grid they came from — for a
+    dynamic one (qwen2.5vl) the one image (3, h, w) and its grid of text rows (across, down)."""
     squares: list
     grid: tuple = (0, 0)            # (columns, rows) of tiles; (0, 0): one square, no overview
     overview: np.ndarray | None = None
@@ -84,22 +88,43 @@ def _resize(img, size: tuple[int, int], algo: str):
     from PIL import Image
     if img.size == tuple(size):
         return img.copy()
-    f = {"bilinear": Image.Resampling.BILINEAR, "lanczos": Image.Resampling.LANCZOS}[algo]
+    f = {"bilinear": Image.Resampling.BILINEAR, "lanczos": Image.Resampling.LANCZOS,
+         "bicubic": Image.Resampling.BICUBIC}[algo]
     return img.resize(size, f)
 
 
-def _fit(img, side: int, algo: str):
-    """mtmd's resize with PAD_CEIL: aspect kept (float32 arithmetic, sides rounded up), centred on
-    black."""
+def _fit(img, size: tuple[int, int], algo: str):
+    """mtmd's resize with PAD_CEIL to size (w, h): aspect kept (float32 arithmetic, sides rounded
+    up), centred on black."""
     from PIL import Image
     w, h = img.size
-    if (w, h) == (side, side):
+    tw, th = size
+    if (w, h) == (tw, th):
         return img.copy()
-    scale = min(F32(side) / F32(w), F32(side) / F32(h))
-    nw, nh = min(int(math.ceil(F32(w) * scale)), side), min(int(math.ceil(F32(h) * scale)), side)
-    out = Image.new("RGB", (side, side), (0, 0, 0))
-    out.paste(_resize(img, (nw, nh), algo), ((side - nw) // 2, (side - nh) // 2))
+    scale = min(F32(tw) / F32(w), F32(th) / F32(h))
+    nw, nh = min(int(math.ceil(F32(w) * scale)), tw), min(int(math.ceil(F32(h) * scale)), th)
+    out = Image.new("RGB", (tw, th), (0, 0, 0))
+    out.paste(_resize(img, (nw, nh), algo), ((tw - nw) // 2, (th - nh) // 2))
     return out
+
+
+def smart_size(w: int, h: int, align: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(w, h) rounded to multiples of `align`, scaled into [min_pixels, max_pixels] with the aspect
+    about kept — mtmd's calc_size_preserved_ratio, its float32 arithmetic and std::round (half away
+    from zero) included."""
+    f = F32(align)
+
+    def by(x, op):
+        return int(op(np.float64(F32(x) / f))) * align
+    rnd = lambda v: math.floor(v + 0.5)            # noqa: E731  (x ≥ 0: half away from zero)
+    wb, hb = max(align, by(w, rnd)), max(align, by(h, rnd))
+    if wb * hb > max_pixels:
+        beta = np.sqrt(F32(F32(h) * F32(w)) / F32(max_pixels), dtype=F32)
+        hb, wb = max(align, by(F32(h) / beta, math.floor)), max(align, by(F32(w) / beta, math.floor))
+    elif wb * hb < min_pixels:
+        beta = np.sqrt(F32(min_pixels) / F32(F32(h) * F32(w)), dtype=F32)
+        hb, wb = by(F32(h) * beta, math.ceil), by(F32(w) * beta, math.ceil)
+    return wb, hb
 
 
 def normalize(img, c: VisionConfig) -> np.ndarray:
@@ -111,7 +136,11 @@ def normalize(img, c: VisionConfig) -> np.ndarray:
 
 def preprocess(img, c: VisionConfig) -> Tiles:
     if c.projector == "gemma3":
-        return Tiles([normalize(_fit(img, c.image_size, "bilinear"), c)])
+        return Tiles([normalize(_fit(img, (c.image_size, c.image_size), "bilinear"), c)])
+    if c.dynamic:
+        tw, th = smart_size(*img.size, 2 * c.patch_size, c.min_pixels, c.max_pixels)
+        side = 2 * c.patch_size                    # the grid: text rows across and down
+        return Tiles([normalize(_fit(img, (tw, th), "bicubic"), c)], (tw // side, th // side))
     return _idefics3(img, c)
 
 

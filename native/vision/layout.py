@@ -4,6 +4,7 @@ is tokenized piece by piece (special tokens parsed, BOS before the first), and e
 the projector's image tokens around the encoder's rows:
 
     gemma3:    <start_of_image> [rows] <end_of_image>
+    qwen2.5vl: <|vision_start|> [rows] <|vision_end|>  (its rows placed by M-RoPE: vision/mrope.py)
     idefics3:  per tile  <fake_token_around_image><row_R_col_C> [rows], "\\n" after each row but the
                last; then "\\n\\n" <fake_token_around_image><global-img> [overview rows]
                <fake_token_around_image>
@@ -23,6 +24,8 @@ import numpy as np
 
 MARKER = "<__media__>"            # where an image goes in a raw prompt (llama-server's, mtmd's default)
 IMAGE = "\ue002"                   # where an image goes in a message's content (the front ends write it)
+AROUND = {"gemma3": ("<start_of_image>", "<end_of_image>"),             # one image: its rows between these
+          "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>")}
 _ROW_BITS = 20
 MAX_ROWS = 1 << _ROW_BITS
 
@@ -38,12 +41,34 @@ class MediaRows:
         self.budget, self.bytes = budget, 0
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._bidirectional: set[int] = set()
+        # (across, down) of images whose rows an M-RoPE model places in 2D — kept past their
+        # rows (a cache holding them still needs where they sat), the oldest dropped past GRIDS
+        self._grids: OrderedDict[int, tuple[int, int]] = OrderedDict()
 
-    def add(self, key: int, rows: np.ndarray, bidirectional: bool = False) -> list[int]:
+    GRIDS = 1 << 16
+
+    def add(self, key: int, rows: np.ndarray, bidirectional: bool = False, grid: tuple | None = None) -> list[int]:
         """Hold `rows` under `key`; their placeholder ids. `bidirectional`: the text model's
-        attention among these rows goes both ways (mtmd's non-causal decode: Gemma 3's images)."""
+        attention among these rows goes both ways (mtmd's non-causal decode: Gemma 3's images);
+        `grid`: (across, down) the rows fill, row by row (Qwen2.5-VL's)."""
         with self._lock:
+            if grid is not None:
+                if grid[0] * grid[1] != len(rows):
+                    raise ValueError(f"a grid of {grid[0]}×{grid[1]} for {len(rows)} image rows")
+                self._grids[key] = (int(grid[0]), int(grid[1]))
+                self._grids.move_to_end(key)
+                while len(self._grids) > self.GRIDS:
+                    self._grids.popitem(last=False)
             return self._add(key, rows, bidirectional)
+
+    def grid(self, key: int) -> tuple[int, int]:
+        """(across, down) of the image held under `key`: its grid, else one line of its rows."""
+        with self._lock:
+            if key in self._grids:
+                return self._grids[key]
+            if key in self._blocks:
+                return len(self._blocks[key]), 1
+        raise KeyError(f"image {key} is no longer known: send the image again")
 
     def ids_if_held(self, key: int, bidirectional: bool = False) -> list[int] | None:
         """The ids of rows held under `key` (refreshed as recently used), or None."""
@@ -116,8 +141,8 @@ class ImageTokens:
         for i in range(tokenizer.vocab_size):
             by_text.setdefault(tokenizer.token_bytes(i), i)
         self._by_text = by_text
-        if projector == "gemma3":
-            self.begin, self.end = self.find("<start_of_image>"), self.find("<end_of_image>")
+        if projector in AROUND:
+            self.begin, self.end = (self.find(t) for t in AROUND[projector])
         else:
             self.fake, self.glob = self.find("<fake_token_around_image>"), self.find("<global-img>")
             self.nl, self.nlnl = self.find("\n"), self.find("\n\n")
@@ -131,7 +156,7 @@ class ImageTokens:
 
     def around(self, squares: list[list[int]], grid: tuple[int, int]) -> list[int]:
         """One image's ids: the markup around its squares' placeholder rows."""
-        if self.projector == "gemma3":
+        if self.projector in AROUND:
             return [self.begin, *squares[0], self.end]
         gx, gy = grid
         out: list[int] = []

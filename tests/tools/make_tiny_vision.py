@@ -7,7 +7,12 @@ written with gguf-py), their text models, test images, and llama.cpp's own mtmd 
   longest edge 64: up to 2×2 tiles and an overview), pixel shuffle by 2, one linear map to 128.
 - `tiny-gemma3v.gguf` — tiny-gemma3 with `<start_of_image>`/`<end_of_image>`; `mmproj-tiny-gemma3.gguf`
   — a gemma3 projector: the ViT at 32 pixels, patch 4, 2×2 average pooling, RMS norm, projection.
-- `cat.png` (40×28), `square.png` (32×32), `wide.png` (70×50): smooth gradients with noise.
+- `tiny-qwen25vl.gguf` — tiny-qwen2 as the `qwen2vl` architecture (M-RoPE sections 4/6/6 of its
+  16 rotated pairs) with `<|vision_start|>`/`<|vision_end|>`; `mmproj-tiny-qwen25vl.gguf` — a
+  qwen2.5vl_merger projector: patch 14 (two temporal kernels), 4 layers 64 wide, window attention
+  in layers 0 and 2 (windows of 112 pixels), SwiGLU, RMS norms, the 2×2 merger MLP to 128.
+- `cat.png` (40×28), `square.png` (32×32), `wide.png` (70×50): smooth gradients with noise;
+  `large.png` (300×200, Qwen2.5-VL only: 22×14 patches, six attention windows).
 
 `references.json`/`.npz`: for each (model, image) llama.cpp's mtmd (llama-cpp-python 0.3.36, its
 libmtmd, 2 threads, flash attention off): the chunks of the tokenized prompt (text ids, image token
@@ -34,15 +39,18 @@ MARKER = "<__media__>"
 SMOLVLM_TOKENS = ["<fake_token_around_image>", "<global-img>", "<image>", "ĊĊ"] + [
     f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]
 GEMMA_TOKENS = ["<start_of_image>", "<end_of_image>"]
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+QWEN_SECTIONS = [4, 6, 6, 0]             # Qwen2.5-VL's 16/24/24 of 64 pairs, for 16 pairs
 PROMPTS = {
     "tiny-smolvlm": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
     "tiny-gemma3v": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
+    "tiny-qwen25vl": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
 }
 
 
-def text_model(src: str, out: str, tokens: list[str]) -> Path:
+def text_model(src: str, out: str, tokens: list[str], arch: str | None = None, meta: dict | None = None) -> Path:
     """`src` with its unused control tokens renamed to `tokens` ("ĊĊ" a normal token: mtmd looks
-    "\\n\\n" up by its text)."""
+    "\\n\\n" up by its text); `arch`: its architecture renamed (its keys with it)."""
     sys.path.insert(0, str(HERE))
     from gguf_copy import copy_gguf
     r = GGUFReader(TINY / f"{src}.gguf")
@@ -52,9 +60,22 @@ def text_model(src: str, out: str, tokens: list[str]) -> Path:
     free = [i for i, t in enumerate(vocab) if t.startswith("<|unused")]
     for i, t in zip(free, tokens):
         vocab[i], types[i] = t, (1 if t == "ĊĊ" else 3)
-    return copy_gguf(TINY / f"{src}.gguf", OUT / f"{out}.gguf",
+    old = r.fields["general.architecture"].contents()
+    rename = (lambda k: arch + k[len(old):] if k.startswith(old + ".") else k) if arch else None
+    return copy_gguf(TINY / f"{src}.gguf", OUT / f"{out}.gguf", arch, rename=rename,
                      meta={"tokenizer.ggml.tokens": vocab, "tokenizer.ggml.token_type": types,
-                           "general.name": out})
+                           "general.name": out} | (meta or {}))
+
+
+def random_tensors(w: GGUFWriter, rng):
+    """mat(name, *shape): F16 of about unit-norm rows; vec(name, n, base, scale): F32 near base."""
+    def mat(name, *shape, scale=None):
+        a = rng.standard_normal(shape).astype(np.float32) * (scale or shape[-1] ** -0.5)
+        w.add_tensor(name, a.astype(np.float16), raw_dtype=T.F16)
+
+    def vec(name, n, base=0.0, scale=0.1):
+        w.add_tensor(name, (base + scale * rng.standard_normal(n)).astype(np.float32))
+    return mat, vec
 
 
 def mmproj(path: Path, projector: str, *, image_size: int, patch: int, merge: int, n_text: int,
@@ -80,13 +101,7 @@ def mmproj(path: Path, projector: str, *, image_size: int, patch: int, merge: in
     for k, v in extra.items():
         w.add_uint32(k, v)
 
-    def mat(name, *shape, scale=None):
-        a = rng.standard_normal(shape).astype(np.float32) * (scale or shape[-1] ** -0.5)
-        w.add_tensor(name, a.astype(np.float16), raw_dtype=T.F16)
-
-    def vec(name, n, base=0.0, scale=0.1):
-        w.add_tensor(name, (base + scale * rng.standard_normal(n)).astype(np.float32))
-
+    mat, vec = random_tensors(w, rng)
     n_pos = (image_size // patch) ** 2
     mat("v.patch_embd.weight", n_embd, 3, patch, patch, scale=(3 * patch * patch) ** -0.5)
     vec("v.patch_embd.bias", n_embd)
@@ -116,11 +131,56 @@ def mmproj(path: Path, projector: str, *, image_size: int, patch: int, merge: in
     return path
 
 
+def mmproj_qwen25vl(path: Path, *, n_text: int, seed: int, n_embd: int = 64, n_ff: int = 96, n_head: int = 4,
+                    n_layer: int = 4, patch: int = 14, wa_pattern: int = 2) -> Path:
+    """A random-weight Qwen2.5-VL projector (clip.cpp's qwen2.5vl_merger): two patch kernels (the
+    temporal pair, summed for a still image), RMS norms, SwiGLU FFNs with biases, window attention
+    but every `wa_pattern`-th layer, the 2×2 merger MLP."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "clip")
+    w.add_string("general.name", path.stem)
+    w.add_string("clip.projector_type", "qwen2.5vl_merger")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_silu", True)
+    for k, v in {"embedding_length": n_embd, "feed_forward_length": n_ff, "block_count": n_layer,
+                 "projection_dim": n_text, "attention.head_count": n_head, "image_size": 560, "patch_size": patch,
+                 "n_wa_pattern": wa_pattern, "spatial_merge_size": 2}.items():
+        w.add_uint32(f"clip.vision.{k}", v)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    w.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+
+    mat, vec = random_tensors(w, rng)
+    mat("v.patch_embd.weight", n_embd, 3, patch, patch, scale=(6 * patch * patch) ** -0.5)
+    mat("v.patch_embd.weight.1", n_embd, 3, patch, patch, scale=(6 * patch * patch) ** -0.5)
+    for i in range(n_layer):
+        for p in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            mat(f"v.blk.{i}.{p}.weight", n_embd, n_embd)
+            vec(f"v.blk.{i}.{p}.bias", n_embd)
+        for p in ("ln1", "ln2"):
+            vec(f"v.blk.{i}.{p}.weight", n_embd, 1.0)
+        for p in ("ffn_gate", "ffn_up"):
+            mat(f"v.blk.{i}.{p}.weight", n_ff, n_embd)
+            vec(f"v.blk.{i}.{p}.bias", n_ff)
+        mat(f"v.blk.{i}.ffn_down.weight", n_embd, n_ff)
+        vec(f"v.blk.{i}.ffn_down.bias", n_embd)
+    vec("v.post_ln.weight", n_embd, 1.0)
+    mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
+    vec("mm.0.bias", 4 * n_embd)
+    mat("mm.2.weight", n_text, 4 * n_embd)
+    vec("mm.2.bias", n_text)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def images() -> dict[str, Path]:
     from PIL import Image
     rng = np.random.default_rng(7)
     out = {}
-    for name, (wd, ht) in {"cat": (40, 28), "square": (32, 32), "wide": (70, 50)}.items():
+    for name, (wd, ht) in {"cat": (40, 28), "square": (32, 32), "wide": (70, 50), "large": (300, 200)}.items():
         y, x = np.mgrid[0:ht, 0:wd]
         rgb = np.stack([x * 255 / wd, y * 255 / ht, (x + y) * 127 / (wd + ht) + 64], -1)
         rgb = np.clip(rgb + rng.normal(0, 24, rgb.shape), 0, 255).astype(np.uint8)
@@ -191,9 +251,14 @@ def main() -> None:
                     seed=1, extra={"clip.vision.preproc_image_size": 64})
     p_gemma = mmproj(OUT / "mmproj-tiny-gemma3.gguf", "gemma3", image_size=32, patch=4, merge=2, n_text=128,
                      seed=2, extra={})
+    qwen = text_model("tiny-qwen2", "tiny-qwen25vl", QWEN_TOKENS, "qwen2vl",
+                      {"qwen2vl.rope.dimension_sections": QWEN_SECTIONS})
+    p_qwen = mmproj_qwen25vl(OUT / "mmproj-tiny-qwen25vl.gguf", n_text=128, seed=3)
     refs, arrays = {"llama_cpp_python": llama_cpp.__version__, "cases": []}, {}
-    for model, proj in ((smol, p_smol), (gemma, p_gemma)):
+    for model, proj in ((smol, p_smol), (gemma, p_gemma), (qwen, p_qwen)):
         for name, image in pics.items():
+            if name == "large" and model is not qwen:     # the windows of Qwen2.5-VL's attention
+                continue
             ref, arr = mtmd_reference(model, proj, image, PROMPTS[model.stem])
             key = f"{model.stem}/{name}"
             ref["key"] = key

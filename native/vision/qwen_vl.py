@@ -1,0 +1,118 @@
+"""Qwen2.5-VL's vision tower as llama.cpp's mtmd runs it (tools/mtmd/models/qwen2vl.cpp, clip.cpp's
+qwen2.5vl inputs): an image of its own size (images.py rounds it to whole 2×2 patches) becomes
+one text row per 2×2 patches.
+
+    x = patches · patch_embd + patches · patch_embd.1        (the temporal pair of a still image)
+    patches in merge order: 2×2 blocks row by row, each block's four patches together
+    windows: the blocks regrouped window by window (112 pixels a side), every layer but each
+             wa_pattern-th attending within its window only
+    per layer:  x += out(attn(rope2d(RMS1(x))));  x += down(silu(gate(RMS2 x)) * up(RMS2 x))
+    x = post RMS(x); each block's four patches one row · mm.0, GELU, · mm.2; back in block order
+
+The 2D rope turns a head's first quarter pairs by the patch's row and the second by its column
+(ggml's vision rope: pairs (i, i + d/2), angles base 10000 over d/2 dimensions)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..blocks import apply_rope, rms_norm, rope_tables
+from ..ggml_round import silu
+from ..kernels import matmul, matmul_many
+from .attention import patch_attention
+
+F32 = np.float32
+WINDOW_PIXELS = 112          # mtmd's attn_window_size when the file names none
+
+
+def merge_order(py: int, px: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of each patch in merge order: blocks of 2×2 row by row, within a block
+    (0,0) (0,1) (1,0) (1,1) — how clip.cpp lays the convolution's output out."""
+    y, x = np.mgrid[0:py:2, 0:px:2]
+    dy, dx = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
+    return (y.reshape(-1, 1) + dy).reshape(-1), (x.reshape(-1, 1) + dx).reshape(-1)
+
+
+def windows(ph: int, pw: int, side: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The blocks (of a ph × pw grid) regrouped window by window, `side` blocks a window's side:
+    the block at each new place, and each window's (first, end) in the new order."""
+    order, bounds = [], []
+    for y in range(0, ph, side):
+        for x in range(0, pw, side):
+            first = len(order)
+            order += [(y + dy) * pw + x + dx for dy in range(min(side, ph - y)) for dx in range(min(side, pw - x))]
+            bounds.append((first, len(order)))
+    return np.asarray(order, np.int64), bounds
+
+
+def encode(enc, image: np.ndarray) -> np.ndarray:
+    """(rows, n_text): the text rows of one (3, h, w) image, row by row of 2×2 blocks."""
+    c, w, v = enc.config, enc.w, enc.v
+    p = c.patch_size
+    _, H, W = image.shape
+    if H % (2 * p) or W % (2 * p) or not H or not W:
+        raise ValueError(f"an image must be whole 2×2 patches of {p} pixels, not {W}×{H}")
+    py, px = H // p, W // p
+    ys, xs = merge_order(py, px)
+    order, bounds = windows(py // 2, px // 2, max(1, WINDOW_PIXELS // p // 2)) if c.wa_pattern else (None, None)
+    if order is not None:          # the patches window by window: each block's four stay together
+        rows = (order[:, None] * 4 + np.arange(4)).reshape(-1)
+        ys, xs = ys[rows], xs[rows]
+    # im2col: each patch's channels, then rows, then columns — the kernel's (3, p, p) order
+    cols = image.reshape(3, py, p, px, p).transpose(1, 3, 0, 2, 4)[ys, xs].reshape(len(ys), 3 * p * p)
+    cols = np.ascontiguousarray(cols, F32)
+    x = matmul(cols, enc.patch) + matmul(cols, enc.patch1)
+    x = _norm(x, v, "v.pre_ln", c.eps)
+    H_, d = c.n_head, c.head_dim
+    cy, sy = rope_tables(ys, d // 2, 10000.0, 1.0)
+    cx, sx = rope_tables(xs, d // 2, 10000.0, 1.0)
+    cos, sin = np.concatenate([cy, cx], 1), np.concatenate([sy, sx], 1)
+    scale = F32(1) / np.sqrt(F32(d))
+    n = len(ys)
+    for i in range(c.n_layer):
+        b = f"v.blk.{i}."
+        h = _norm(x, v, b + "ln1", c.eps)
+        q, k, val = (m + v[b + t + ".bias"] for m, t in zip(
+            matmul_many(h, [w[b + t + ".weight"] for t in ("attn_q", "attn_k", "attn_v")]), ("attn_q", "attn_k", "attn_v")))
+        q = apply_rope(np.ascontiguousarray(q.reshape(n, H_, d)), cos, sin, "neox").reshape(n, -1)
+        k = apply_rope(np.ascontiguousarray(k.reshape(n, H_, d)), cos, sin, "neox").reshape(n, -1)
+        full = order is None or (i + 1) % c.wa_pattern == 0
+        spans = [(0, n)] if full else [(4 * a, 4 * e) for a, e in bounds]
+        a = np.empty_like(q)
+        for s, e in spans:
+            a[s:e] = patch_attention(q[s:e], k[s:e], val[s:e], H_, scale)
+        x = _bias(matmul(a, w[b + "attn_out.weight"]), v, b + "attn_out.bias") + x
+        h = _norm(x, v, b + "ln2", c.eps)
+        g, u = matmul_many(h, [w[b + "ffn_gate.weight"], w[b + enc.up + ".weight"]])
+        g, u = _bias(g, v, b + "ffn_gate.bias"), _bias(u, v, b + enc.up + ".bias")
+        C = kernels.compiled_module()
+        if C is not None:
+            C.swiglu(g, u)
+        else:
+            g = silu(g) * u
+        x = x + _bias(matmul(g, w[b + enc.down + ".weight"]), v, b + enc.down + ".bias")
+    x = _norm(x, v, "v.post_ln", c.eps)
+    merged = np.ascontiguousarray(x.reshape(n // 4, 4 * c.n_embd))
+    hidden = kernels.gelu(matmul(merged, w["mm.0.weight"]) + v["mm.0.bias"], in_place=True)
+    out = matmul(hidden, w["mm.2.weight"]) + v["mm.2.bias"]
+    if order is not None:
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        out = out[back]
+    return np.ascontiguousarray(out, F32)
+
+
+def _bias(x: np.ndarray, v: dict, name: str) -> np.ndarray:
+    b = v.get(name)
+    if b is not None:
+        x += b
+    return x
+
+
+def _norm(x: np.ndarray, v: dict, name: str, eps: float) -> np.ndarray:
+    """RMS norm × weight (+ bias), as clip.cpp's build_norm; x itself without that norm."""
+    if name + ".weight" not in v:
+        return x
+    return _bias(rms_norm(x, v[name + ".weight"], eps), v, name + ".bias")
+
