@@ -180,26 +180,32 @@ done:
     return ret;
 }
 
-/* encoder_attention(q, k, v, out (n, H*D) float32, n, H, D, scale, threads, window[, slopes (H)]) ->
- * whether it ran (False without AVX2: the caller computes it itself); window > 0: a symmetric
- * sliding window; slopes: ALiBi's, one per head */
+/* encoder_attention(q, k, v, out (n, H*D) float32, n, H, D, scale, threads, window[, slopes (H)[,
+ * blocks (n int32)]]) -> whether it ran (False without AVX2: the caller computes it itself);
+ * window > 0: a symmetric sliding window; slopes: ALiBi's, one per head (b"": none); blocks: a
+ * row sees only the rows of its own block (Qwen2.5-VL's attention windows) */
 static PyObject *py_encoder_attention(PyObject *self, PyObject *args) {
-    Py_buffer qb, kb, vb, ob, sb = {0}; int n, H, D, nt, win; float scale;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiifii|y*", &qb, &kb, &vb, &ob, &n, &H, &D, &scale, &nt, &win, &sb)) return NULL;
+    Py_buffer qb, kb, vb, ob, sb = {0}, bb = {0}; int n, H, D, nt, win; float scale;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*iiifii|y*y*", &qb, &kb, &vb, &ob, &n, &H, &D, &scale, &nt, &win, &sb, &bb))
+        return NULL;
     PyObject *ret = NULL;
     size_t need = (size_t)n * H * D * 4;
+    const float *slopes = sb.buf && sb.len ? sb.buf : NULL;
+    const int *blocks = bb.buf && bb.len ? bb.buf : NULL;
     if (n < 1 || H < 1 || D < 1 || (size_t)qb.len < need || (size_t)kb.len < need || (size_t)vb.len < need
-            || (size_t)ob.len < need || (sb.buf && (size_t)sb.len < (size_t)H * 4)) {
+            || (size_t)ob.len < need || (slopes && (size_t)sb.len < (size_t)H * 4)
+            || (blocks && (size_t)bb.len < (size_t)n * 4)) {
         PyErr_SetString(PyExc_ValueError, "encoder_attention: a buffer is smaller than its shape"); goto done;
     }
     int ran;
     Py_BEGIN_ALLOW_THREADS
-    ran = encoder_attention(qb.buf, kb.buf, vb.buf, ob.buf, n, H, D, scale, nt > 0 ? nt : 1, sb.buf, win);
+    ran = encoder_attention(qb.buf, kb.buf, vb.buf, ob.buf, n, H, D, scale, nt > 0 ? nt : 1, slopes, win, blocks);
     Py_END_ALLOW_THREADS
     ret = PyBool_FromLong(ran);
 done:
     PyBuffer_Release(&qb); PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
     if (sb.buf) PyBuffer_Release(&sb);
+    if (bb.buf) PyBuffer_Release(&bb);
     return ret;
 }
 

@@ -92,10 +92,12 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
 
 
 def encoder_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float,
-                      slopes: np.ndarray | None = None, window: int = 0) -> np.ndarray | None:
+                      slopes: np.ndarray | None = None, window: int = 0,
+                      blocks: np.ndarray | None = None) -> np.ndarray | None:
     """Bidirectional attention over one input's rows q, k, v (n, H*d) float32 in C, as llama.cpp's
     encoder graph computes it (csrc/encoder_attention.c); `slopes`: ALiBi's, one per head; `window`
-    > 0: a symmetric sliding window. None on the numpy path."""
+    > 0: a symmetric sliding window; `blocks` (n): a row sees only its own block's rows (the others
+    masked, as a ggml mask does). None on the numpy path."""
     if not _compiled_on:
         return None
     n, width = q.shape
@@ -103,7 +105,8 @@ def encoder_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, 
     ran = _C.encoder_attention(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k, np.float32),
                                np.ascontiguousarray(v, np.float32), out, n, n_head, width // n_head, float(scale),
                                max_threads(), int(window),
-                               *(() if slopes is None else (np.ascontiguousarray(slopes, np.float32),)))
+                               b"" if slopes is None else np.ascontiguousarray(slopes, np.float32),
+                               b"" if blocks is None else np.ascontiguousarray(blocks, np.int32))
     return out if ran else None
 
 

@@ -181,6 +181,26 @@ AVX2 static float dot_f16_avx2(const uint8_t *w, const float *x, int K) {
         acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i))), _mm256_loadu_ps(x + i), acc);
     return hsum_avx(acc);
 }
+/* A row of K not a multiple of 8 (a 14-pixel patch: 588), which tinyBLAS declines: ggml_vec_dot_f16
+ * — four 8-lane FMA accumulators over steps of 32, summed 0+2, 1+3, then 0+1, across the lanes by
+ * hadds, and the products past the last step added in double. */
+AVX2 static float dot_f16_vec_avx2(const uint8_t *w, const float *x, int K) {
+    const int np = K & ~31;
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int i = 0; i < np; i += 32)
+        for (int j = 0; j < 4; j++)
+            s[j] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * (i + 8 * j)))),
+                                   _mm256_loadu_ps(x + i + 8 * j), s[j]);
+    s[0] = _mm256_add_ps(s[0], s[2]);
+    s[1] = _mm256_add_ps(s[1], s[3]);
+    s[0] = _mm256_add_ps(s[0], s[1]);
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(s[0]), _mm256_extractf128_ps(s[0], 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    double sum = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+    for (int i = np; i < K; i++)
+        sum += (double)(fp16_to_fp32(rd16(w + 2 * i)) * x[i]);
+    return (float)sum;
+}
 AVX2 static void dot4_f16_avx2(const uint8_t *w, const Act *a, int t, int K, float *r) {
     const float *x0 = a->xr + (size_t)t * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
@@ -235,7 +255,7 @@ int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb,
     case T_Q5_K: *out = dot_q5_K_avx2(w, a, t, nb); return 1;
     case T_Q6_K: *out = dot_q6_K_avx2(w, a, t, nb); return 1;
     case T_F32: *out = dot_f32_avx2((const float *)w, a->xf + (size_t)t * K, K); return 1;
-    case T_F16: if (K % 8) return 0; *out = dot_f16_avx2(w, a->xr + (size_t)t * K, K); return 1;
+    case T_F16: *out = (K % 8 ? dot_f16_vec_avx2 : dot_f16_avx2)(w, a->xr + (size_t)t * K, K); return 1;
     }
     return 0;
 }

@@ -95,13 +95,15 @@ AVX2 static int cvar8_avx2(const float *x, float *y, int n, float mean, double *
 }
 
 /* ggml_compute_forward_soft_max_f32 on one row, in place; slope != 0: ALiBi, the mask -|i - j|
- * (query row `row`) times the head's slope added after the scale, as ggml adds a mask */
-AVX2 static void softmax_ggml(float *w, int n, float scale, float slope, int row, int window) {
+ * (query row `row`) times the head's slope added after the scale, as ggml adds a mask; `blocks`:
+ * keys of another block masked (their weights 0, still in every sum's lanes, as ggml's) */
+AVX2 static void softmax_ggml(float *w, int n, float scale, float slope, int row, int window, const int *blocks) {
     float max = -INFINITY;
     for (int j = 0; j < n; j++) {
         w[j] *= scale;
         if (slope != 0.0f) w[j] += slope * (float)(-abs(row - j));
         if (window > 0 && abs(row - j) > window) w[j] = -INFINITY;     /* outside a local layer's window */
+        if (blocks && blocks[j] != blocks[row]) w[j] = -INFINITY;
         max = w[j] > max ? w[j] : max;
     }
     double sum = 0;
@@ -125,7 +127,7 @@ AVX2 static void softmax_ggml(float *w, int n, float scale, float slope, int row
 
 /* q, k, v, out: (n, H*D) float32 rows; scale multiplies the scores. Returns 0 without AVX2. */
 int encoder_attention(const float *q, const float *k, const float *v, float *out, int n, int H, int D,
-                      float scale, int nt, const float *slopes, int window) {
+                      float scale, int nt, const float *slopes, int window, const int *blocks) {
     if (!g_avx2 || n < 1) return 0;
     const int tiny = n >= 2 && n % 8 == 0 && D % 4 == 0;      /* llamafile_sgemm takes the values' product */
     float *vt = malloc((size_t)H * D * n * sizeof(float));    /* each head's values, a row per channel */
@@ -144,7 +146,7 @@ int encoder_attention(const float *q, const float *k, const float *v, float *out
                 for (; j + 1 < n; j += 2)
                     vdot2_ggml(k + (size_t)j * H * D + h * D, k + (size_t)(j + 1) * H * D + h * D, qi, D, p + j, p + j + 1);
             for (; j < n; j++) p[j] = vdot_ggml(k + (size_t)j * H * D + h * D, qi, D);
-            softmax_ggml(p, n, scale, slopes ? slopes[h] : 0.0f, i, window);
+            softmax_ggml(p, n, scale, slopes ? slopes[h] : 0.0f, i, window, blocks);
             float *o = out + (size_t)i * H * D + h * D;
             const float *rows = vt + (size_t)h * D * n;
             if (tiny)                          /* D % 4 == 0 when tinyBLAS takes the product */
@@ -161,7 +163,7 @@ int encoder_attention(const float *q, const float *k, const float *v, float *out
 }
 #else
 int encoder_attention(const float *q, const float *k, const float *v, float *out, int n, int H, int D,
-                      float scale, int nt, const float *slopes, int window) { return 0; }
+                      float scale, int nt, const float *slopes, int window, const int *blocks) { return 0; }
 #endif
 
 /* ggml_norm's AVX2 arithmetic on T rows of n, then times w plus b (an encoder's LayerNorm): the

@@ -227,7 +227,7 @@ void matmul_core(const float *x, int T, int K, int type, const TypeInfo *ti, int
 
 /* ---- encoder_attention.c ------------------------------------------------------------------- */
 int encoder_attention(const float *q, const float *k, const float *v, float *out, int n, int H, int D,
-                      float scale, int nt, const float *slopes, int window);
+                      float scale, int nt, const float *slopes, int window, const int *blocks);
 void layer_norm_rows(const float *x, const float *w, const float *b, float *out, int T, int n, float eps);
 void gelu_rows(float *x, size_t n, const float *table);
 

@@ -5,7 +5,7 @@ one text row per 2×2 patches.
     x = patches · patch_embd + patches · patch_embd.1        (the temporal pair of a still image)
     patches in merge order: 2×2 blocks row by row, each block's four patches together
     windows: the blocks regrouped window by window (112 pixels a side), every layer but each
-             wa_pattern-th attending within its window only
+             wa_pattern-th attending within its window only (a mask over all the patches)
     per layer:  x += out(attn(rope2d(RMS1(x))));  x += down(silu(gate(RMS2 x)) * up(RMS2 x))
     x = post RMS(x); each block's four patches one row · mm.0, GELU, · mm.2; back in block order
 
@@ -59,6 +59,8 @@ def encode(enc, image: np.ndarray) -> np.ndarray:
     if order is not None:          # the patches window by window: each block's four stay together
         rows = (order[:, None] * 4 + np.arange(4)).reshape(-1)
         ys, xs = ys[rows], xs[rows]
+        # each patch's window: the others masked over the whole image, as mtmd's window_mask
+        window_of = np.repeat(np.concatenate([np.full(e - a, w) for w, (a, e) in enumerate(bounds)]), 4)
     # im2col: each patch's channels, then rows, then columns — the kernel's (3, p, p) order
     cols = image.reshape(3, py, p, px, p).transpose(1, 3, 0, 2, 4)[ys, xs].reshape(len(ys), 3 * p * p)
     cols = np.ascontiguousarray(cols, F32)
@@ -78,10 +80,7 @@ def encode(enc, image: np.ndarray) -> np.ndarray:
         q = apply_rope(np.ascontiguousarray(q.reshape(n, H_, d)), cos, sin, "neox").reshape(n, -1)
         k = apply_rope(np.ascontiguousarray(k.reshape(n, H_, d)), cos, sin, "neox").reshape(n, -1)
         full = order is None or (i + 1) % c.wa_pattern == 0
-        spans = [(0, n)] if full else [(4 * a, 4 * e) for a, e in bounds]
-        a = np.empty_like(q)
-        for s, e in spans:
-            a[s:e] = patch_attention(q[s:e], k[s:e], val[s:e], H_, scale)
+        a = patch_attention(q, k, val, H_, scale, None if full else window_of)
         x = _bias(matmul(a, w[b + "attn_out.weight"]), v, b + "attn_out.bias") + x
         h = _norm(x, v, b + "ln2", c.eps)
         g, u = matmul_many(h, [w[b + "ffn_gate.weight"], w[b + enc.up + ".weight"]])
