@@ -38,6 +38,28 @@ class Batch:
         self.residual: np.ndarray | None = None   # the stream an FFN's output is added to (streamed experts read ahead from it)
         self.scratch: dict = {}                   # what a runner works out once per batch (native/runners.py)
         self.spans: list = []                     # (first, end) rows of images attended both ways
+        self.deepstack = None                     # (image rows, (rows, layers, n_embd) slices) — Qwen3-VL's
+
+    def take_image_rows(self, x: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:
+        """Image rows in place of embeddings at `where`; a row wider than the model (Qwen3-VL's
+        deepstack slices after its first n_embd values) keeps the rest for after_layer."""
+        n = self.config.n_embd
+        if rows.shape[1] == n:
+            x[where] = rows
+            return
+        layers = self.config.get("deepstack", 0)
+        if rows.shape[1] != n * (1 + layers):
+            raise ValueError(f"image rows of {rows.shape[1]} values for a model that reads {n} "
+                             f"(and {layers} deepstack slices): they were made for another model")
+        x[where] = rows[:, :n]
+        self.deepstack = (np.flatnonzero(where), rows[:, n:].reshape(len(rows), layers, n))
+
+    def after_layer(self, i: int, x: np.ndarray) -> None:
+        """Layer i's output, before the next layer: Qwen3-VL adds each image row's i-th deepstack
+        slice (llama.cpp: cur + a view of the input embeddings; a text row's slice is zeros)."""
+        if self.deepstack is not None and i < self.deepstack[1].shape[1]:
+            at, slices = self.deepstack
+            x[at] += slices[:, i]
 
     @property
     def n_rows(self) -> int:
@@ -45,14 +67,18 @@ class Batch:
 
     def _tables(self, base: float) -> tuple[np.ndarray, np.ndarray]:
         rope_dim, scale, factors, yarn = self._rope
-        if self.positions.ndim == 1:
+        sections = self.config.get("rope_sections")
+        sel = None if sections is None else \
+            section_of_pairs(sections, rope_dim // 2, self.config.get("rope_interleaved", False))
+        if self.positions.ndim == 1 and (sel is None or not (sel == 3).any()):
             return rope_tables(self.positions, rope_dim, base, scale, factors, yarn)
-        # M-RoPE rows (time, height, width): each pair's angle from its section's position, the
-        # fourth section's from 0 — ggml's mrope cache, whose angles are the plain cache's
+        # M-RoPE rows (time, height, width; a text row's three its one): each pair's angle from its
+        # section's position, the fourth section's from 0 — ggml's mrope cache, whose angles are
+        # the plain cache's
         T = len(self.positions)
-        pos = np.concatenate([self.positions, np.zeros((T, 1), np.int64)], 1)
+        rows = self.positions if self.positions.ndim == 2 else np.repeat(self.positions[:, None], 3, 1)
+        pos = np.concatenate([rows, np.zeros((T, 1), np.int64)], 1)
         cos, sin = (a.reshape(T, 4, -1) for a in rope_tables(pos.reshape(-1), rope_dim, base, scale, factors, yarn))
-        sel = section_of_pairs(self.config.get("rope_sections"), cos.shape[2])
         pairs = np.arange(cos.shape[2])
         return np.ascontiguousarray(cos[:, sel, pairs]), np.ascontiguousarray(sin[:, sel, pairs])
 

@@ -12,7 +12,8 @@ from .blocks import apply_rope, rope_shift_table
 def shift_cache(model, cache, n_keep: int, n_discard: int) -> None:
     c = model.config
     if not model.can_shift_over(cache.tokens):
-        raise ValueError("the context cannot shift past an image on this model: M-RoPE placed its rows")
+        raise ValueError("the context cannot shift on this model: M-RoPE places its rows (an image takes fewer "
+                         "positions than rows; Qwen3-VL keeps some pairs at position 0), as llama.cpp refuses it")
     tables: dict = {}
 
     def rope_keys(i: int, k: np.ndarray) -> None:

@@ -64,8 +64,8 @@ def check_context(prompt: list[int], params: SamplingParams, n_ctx: int, can_shi
         raise ContextLengthError(len(prompt), params.max_tokens, n_ctx)
     if not can_shift:
         raise ContextLengthError(len(prompt), params.max_tokens, n_ctx, "; the context cannot shift on this "
-                                 "model (its sliding-window or recurrent layers keep no earlier keys) or past "
-                                 "this prompt's images (M-RoPE placed them)")
+                                 "model (its sliding-window or recurrent layers keep no earlier keys, or "
+                                 "M-RoPE places its rows)")
     if len(prompt) >= n_ctx - 4:
         raise ContextLengthError(len(prompt), params.max_tokens, n_ctx, "; a context shift makes room for "
                                  "what is generated, not for the prompt, which must fit with a few tokens to spare")

@@ -187,8 +187,8 @@ class Model:
         shift_cache(self, cache, n_keep, n_discard)           # native/context_shift.py
 
     def can_shift_over(self, tokens) -> bool:
-        """Can a context shift move these tokens? Not an M-RoPE model's image rows (mrope.py)."""
-        return not (self.mrope and any(t < 0 for t in tokens))
+        """Can a context shift move these tokens? Never on an M-RoPE model (mrope.py), as llama.cpp."""
+        return not self.mrope
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -196,10 +196,7 @@ class Model:
         """Where `tokens` appended to `cache` sit: the next indices, or M-RoPE's (mrope.py)."""
         if not self.mrope:
             return np.arange(cache.n, cache.n + len(tokens))
-        pos = mrope.positions(self.media, cache, tokens)
-        if self.remote is not None and (pos.ndim > 1 or pos[0] != cache.n):
-            raise ValueError("a model split across processes does not take images placed by M-RoPE yet")
-        return pos
+        return mrope.positions(self.media, cache, tokens, split=self.remote is not None)
 
     def forward(self, tokens: list[int], cache: KVCache, *, all_logits: bool = False,
                 logits_from: int | None = None, adapter=None) -> np.ndarray:
@@ -369,7 +366,7 @@ class Model:
                 x[real] = self.token_embd.rows(tokens[real])
                 if self.embed_scale:
                     x[real] *= np.float32(self.embed_scale)
-            x[~real] = self.media.rows(tokens[~real])
+            batch.take_image_rows(x, ~real, self.media.rows(tokens[~real]))
             batch.spans = [(a + s, a + e) for _, a, b in segments for s, e in self.media.spans(tokens[a:b])]
             if batch.spans and not all(isinstance(r, BlocksLayer) for r in self.runners):
                 return self._run(x, batch, blocks_runners(self.layers))   # the one-call kernel is causal only
@@ -377,8 +374,9 @@ class Model:
 
     @staticmethod
     def _run(x: np.ndarray, batch: Batch, runners: list) -> np.ndarray:
-        for run in runners:
+        for i, run in enumerate(runners):
             x = run(x, batch)
+            batch.after_layer(i, x)
         return x
 
 

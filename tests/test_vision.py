@@ -17,6 +17,7 @@ from gguf_copy import copy_gguf
 from kiln.native.gguf_file import GGUFError
 from kiln.native.model import load_model
 from kiln.native.vision import ImageError, decode, load_vision
+from kiln.native.vision.clip_config import QWEN25VL
 from kiln.native.vision.layout import MARKER, ImageTokens, image_key, prompt_ids
 
 VISION = DATA / "vision"
@@ -33,8 +34,9 @@ def cosine(a, b) -> float:
 @pytest.fixture(scope="module")
 def loaded():
     out = {}
-    for name in ("tiny-smolvlm", "tiny-gemma3v", "tiny-qwen25vl"):
-        proj = {"tiny-smolvlm": "smolvlm", "tiny-gemma3v": "gemma3", "tiny-qwen25vl": "qwen25vl"}[name]
+    for name in ("tiny-smolvlm", "tiny-gemma3v", "tiny-qwen25vl", "tiny-qwen3vl"):
+        proj = {"tiny-smolvlm": "smolvlm", "tiny-gemma3v": "gemma3", "tiny-qwen25vl": "qwen25vl",
+                "tiny-qwen3vl": "qwen3vl"}[name]
         out[name] = (load_model(VISION / f"{name}.gguf"), load_vision(VISION / f"mmproj-tiny-{proj}.gguf"))
     return out
 
@@ -75,13 +77,14 @@ def test_image_embeddings_and_text_after_match_mtmd(loaded, qwen_as_llama_cpp_ru
         assert np.array_equal(r, NPZ[f"{key}/image{i}"]), (i, np.abs(r - NPZ[f"{key}/image{i}"]).max())
     layout = [t for c in case["chunks"] for t in (c["text"] if "text" in c else ["image"] * c["image"])]
     assert ["image" if t < 0 else t for t in ids] == layout
-    as_llama_cpp = qwen_as_llama_cpp_runs_it if enc.config.dynamic else model
-    if enc.config.dynamic:
+    qwen25 = enc.config.projector == QWEN25VL
+    as_llama_cpp = qwen_as_llama_cpp_runs_it if qwen25 else model
+    if qwen25:
         _, ids = read_prompt(as_llama_cpp, enc, case)
     logits, greedy = greedy_after(as_llama_cpp, ids, len(case["greedy_ids"]))
     assert np.abs(logits - NPZ[f"{key}/last_logits"]).max() < 1e-6
     assert greedy == case["greedy_ids"]
-    if enc.config.dynamic:
+    if qwen25:
         _, ids = read_prompt(model, enc, case)
         assert greedy_after(model, ids, len(case["greedy_ids"]))[1] == case["greedy_ids"]
 
@@ -119,7 +122,7 @@ def test_qwen25vl_text_after_mtmds_rows_is_llama_cpps_bits(loaded, qwen_as_llama
 def test_qwen25vl_positions_carry_across_forwards_and_rollbacks(loaded):
     """A prompt fed in parts that end inside the image, a cache rolled back into the image and fed
     again, and a copied cache all give the one forward's logits (the positions' memo is the
-    cache's); a context shift past the image is refused."""
+    cache's); a context shift is refused (llama.cpp refuses it on M-RoPE models too)."""
     model, enc = loaded["tiny-qwen25vl"]
     _, ids = read_prompt(model, enc, CASES["tiny-qwen25vl/large"])
     whole = model.forward(ids, model.new_cache(256))
@@ -133,8 +136,24 @@ def test_qwen25vl_positions_carry_across_forwards_and_rollbacks(loaded):
     twin.copy_from(cache)
     assert np.array_equal(model.forward([5], twin), model.forward([5], cache))
     assert not model.can_shift_over(cache.tokens)
-    with pytest.raises(ValueError, match="cannot shift past an image"):
+    with pytest.raises(ValueError, match="cannot shift on this model: M-RoPE"):
         model.shift_cache(cache, 4, 10)
+
+
+def test_qwen3vl_deepstack_slices_reach_the_first_layers(loaded):
+    """Qwen3-VL's rows carry a slice per deepstack layer (the text model adds them after its first
+    layers): zeroed, the logits after the image are far from llama.cpp's; rows of another width are
+    refused naming why."""
+    model, enc = loaded["tiny-qwen3vl"]
+    case = CASES["tiny-qwen3vl/large"]
+    rows = NPZ["tiny-qwen3vl/large/image0"].copy()
+    assert rows.shape[1] == 3 * model.config.n_embd and enc.config.deepstack == (1, 2)
+    rows[:, model.config.n_embd:] = 0
+    _, ids = read_prompt(model, enc, case, [rows])
+    assert np.abs(model.forward(ids, model.new_cache(256)) - NPZ["tiny-qwen3vl/large/last_logits"]).max() > 0.1
+    narrow = model.media.add(image_key("narrow", b"", 0), rows[:, :2 * model.config.n_embd], grid=(9, 6))
+    with pytest.raises(ValueError, match="image rows of 256 values .* made for another model"):
+        model.forward([1, *narrow], model.new_cache(256))
 
 
 def test_gemma3_image_rows_attend_both_ways(loaded):
@@ -246,6 +265,20 @@ def test_qwen2vl_text_model_needs_its_rope_sections(tmp_path, sections, message)
     bad = copy_gguf(VISION / "tiny-qwen25vl.gguf", tmp_path / "bad.gguf", **change)
     with pytest.raises(GGUFError, match=message):
         load_model(bad)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(meta={"clip.use_gelu": False}), "use_gelu = False: a Qwen3-VL vision tower's FFN is GELU"),
+    (dict(drop=["v.position_embd.weight"], add={"v.position_embd.weight": np.zeros((15, 64), np.float32)}),
+     "has 15 positions: a Qwen3-VL table is a square"),
+    (dict(drop=["v.patch_embd.bias"]), "v.patch_embd.bias"),
+    (dict(drop=["v.deepstack.2.fc2.bias"]), "v.deepstack.2.fc2.bias"),
+    (dict(drop=["v.blk.0.attn_qkv.weight"]), "v.blk.0.attn_qkv.weight"),
+])
+def test_hostile_qwen3vl_mmproj_is_refused_naming_what(tmp_path, change, message):
+    bad = copy_gguf(VISION / "mmproj-tiny-qwen3vl.gguf", tmp_path / "bad.gguf", **change)
+    with pytest.raises(GGUFError, match=message):
+        load_vision(bad)
 
 
 def test_a_text_model_is_not_an_mmproj():

@@ -1,7 +1,7 @@
 """Images through a real daemon: the official openai, ollama and anthropic clients and llama-server's
 multimodal /completion send an image to a vision model (its mmproj found beside it) and get the
 answer the engine gives in-process for the same prompt; Gemma 3's image rows attended both ways
-and Qwen2.5-VL's placed by M-RoPE through the worker's chunked prefill; a malformed, huge, remote or misplaced image is a 400 naming the
+and Qwen2.5-VL's and Qwen3-VL's placed by M-RoPE through the worker's chunked prefill; a malformed, huge, remote or misplaced image is a 400 naming the
 field, and the worker that refused it keeps its pid."""
 
 import base64
@@ -32,9 +32,10 @@ N = 6
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("vision")
-    for name, proj in (("smol", "smolvlm"), ("gemma", "gemma3"), ("qwen", "qwen25vl")):
+    for name, proj in (("smol", "smolvlm"), ("gemma", "gemma3"), ("qwen", "qwen25vl"), ("qwen3", "qwen3vl")):
         (home / name).mkdir()
-        model = {"smol": "tiny-smolvlm.gguf", "gemma": "tiny-gemma3v.gguf", "qwen": "tiny-qwen25vl.gguf"}[name]
+        model = {"smol": "tiny-smolvlm.gguf", "gemma": "tiny-gemma3v.gguf", "qwen": "tiny-qwen25vl.gguf",
+                 "qwen3": "tiny-qwen3vl.gguf"}[name]
         shutil.copy(VISION / model, home / name / model)
         shutil.copy(VISION / f"mmproj-tiny-{proj}.gguf", home / name / f"mmproj-tiny-{proj}.gguf")
     with Daemon(home, {"vlm": {"kind": "inference", "model": str(home / "smol" / "tiny-smolvlm.gguf")},
@@ -42,6 +43,8 @@ def served(tmp_path_factory):
                                  "settings": {"prefill_chunk": 7}},
                        "qwen": {"kind": "inference", "model": str(home / "qwen" / "tiny-qwen25vl.gguf"),
                                 "settings": {"prefill_chunk": 7}},
+                       "qwen3": {"kind": "inference", "model": str(home / "qwen3" / "tiny-qwen3vl.gguf"),
+                                 "settings": {"prefill_chunk": 7}},
                        "text": {"kind": "inference", "model": str(DATA / "tiny" / "tiny-llama.gguf")}},
                 server={"fetch_images": True}) as d:
         d.wait(lambda st: all(w["worker_state"] == "ready" for w in st["workers"]), timeout=60, what="models loaded")
@@ -143,20 +146,23 @@ def test_gemma3_image_through_chunked_prefill_matches_the_engine(served):
     assert out.choices[0].message.content == text_of("tiny-gemma3v.gguf", want)
 
 
-def test_qwen25vl_image_through_chunked_prefill_matches_the_engine(served):
-    """Qwen2.5-VL's rows are placed by M-RoPE (an image of 11×7 rows takes 11 positions): the worker
-    prefills in chunks of 7, so chunks end inside the image and the positions carry across them;
-    the follow-up turn reuses the cached prefix, the image's rows included."""
+@pytest.mark.parametrize("worker, model_file, proj, rows", [("qwen", "tiny-qwen25vl.gguf", "qwen25vl", 77),
+                                                            ("qwen3", "tiny-qwen3vl.gguf", "qwen3vl", 54)])
+def test_qwen_vl_image_through_chunked_prefill_matches_the_engine(served, worker, model_file, proj, rows):
+    """Qwen2.5-VL's and Qwen3-VL's rows are placed by M-RoPE (an image of 11×7 rows takes 11
+    positions; Qwen3-VL's carry deepstack slices): the worker prefills in chunks of 7, so chunks end
+    inside the image and the positions carry across them; the follow-up turn reuses the cached
+    prefix, the image's rows included."""
     client = openai.OpenAI(base_url=served.http + "/v1", api_key="unused", max_retries=0, timeout=120)
     large = (VISION / "large.png").read_bytes()
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(large)}}
-    want = local_answer("tiny-qwen25vl.gguf", "qwen25vl", [{"role": "user", "content": IMAGE + "the cat"}], [large])
+    want = local_answer(model_file, proj, [{"role": "user", "content": IMAGE + "the cat"}], [large])
     for _ in range(2):
-        out = client.chat.completions.create(model="qwen", max_tokens=N, temperature=0, messages=[
+        out = client.chat.completions.create(model=worker, max_tokens=N, temperature=0, messages=[
             {"role": "user", "content": [image, {"type": "text", "text": "the cat"}]}])
-        assert out.choices[0].message.content == text_of("tiny-qwen25vl.gguf", want)
-        assert out.usage.prompt_tokens > 77                # the image's 77 rows
-    status, props = http_json(served, "GET", "/props?model=qwen")
+        assert out.choices[0].message.content == text_of(model_file, want)
+        assert out.usage.prompt_tokens > rows
+    status, props = http_json(served, "GET", f"/props?model={worker}")
     assert status == 200 and props["modalities"]["vision"] is True, props
 
 

@@ -79,9 +79,10 @@ class InferenceWorker(EmbeddingOps, SlotOps, VisionOps, Worker):
         self.context_shift = st.get("context_shift", False)
         if not isinstance(self.context_shift, bool):
             raise BootError(f"context_shift = {self.context_shift!r} must be true or false")
-        if self.context_shift and not self.model.new_cache(8).can_shift:
+        if self.context_shift and not (self.model.new_cache(8).can_shift and self.model.can_shift_over([])):
             raise BootError(f"context_shift: {self.model.path.name} cannot shift its context (its sliding-window "
-                            f"or recurrent layers keep no earlier keys); leave context_shift out for this model")
+                            f"or recurrent layers keep no earlier keys, or M-RoPE places its rows); leave "
+                            f"context_shift out for this model")
         draft = None
         if st.get("draft_model"):
             try:

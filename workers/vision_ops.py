@@ -41,9 +41,11 @@ class VisionOps:
         for path in paths:             # beside the model: the first that belongs to it
             try:
                 enc = load_vision(path)
-                if enc.config.n_text != self.model.config.n_embd:
-                    raise ValueError(f"its projector gives rows of {enc.config.n_text} values and "
-                                     f"{self.model.path.name} reads {self.model.config.n_embd}: it belongs to another model")
+                mc = self.model.config
+                reads = mc.n_embd * (1 + mc.get("deepstack", 0))      # Qwen3-VL: and a slice per deepstack layer
+                if enc.config.n_text != mc.n_embd or enc.config.row_width != reads:
+                    raise ValueError(f"its projector gives rows of {enc.config.row_width} values and "
+                                     f"{self.model.path.name} reads {reads}: it belongs to another model")
                 self.image_tokens = ImageTokens(self.model.tokenizer, enc.config.projector)
             except (GGUFError, ValueError) as e:
                 if explicit:

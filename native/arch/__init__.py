@@ -13,12 +13,12 @@ from .gpt_oss import GptOss
 from .lfm2 import Lfm2
 from .llama import Llama
 from .phi3 import Phi3
-from .qwen import Olmoe, Qwen2, Qwen2Moe, Qwen2VL, Qwen3, Qwen3Moe
+from .qwen import Olmoe, Qwen2, Qwen2Moe, Qwen2VL, Qwen3, Qwen3Moe, Qwen3VL
 from .qwen35 import Qwen35, Qwen35Moe
 from .smollm3 import SmolLM3
 
 FAMILIES: dict[str, Family] = {}
-for _f in (Llama(), Qwen2(), Qwen2VL(), Qwen3(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe(), GptOss(), SmolLM3(), Ernie45(),
+for _f in (Llama(), Qwen2(), Qwen2VL(), Qwen3(), Qwen3VL(), Qwen2Moe(), Qwen3Moe(), Olmoe(), Phi3(), Gemma3(), Qwen35(), Qwen35Moe(), GptOss(), SmolLM3(), Ernie45(),
            Ernie45Moe(), Lfm2(), DeepSeek2()):
     for _name in (_f.name, *_f.aliases):
         FAMILIES[_name] = _f

@@ -59,6 +59,10 @@ class Qwen2VL(Qwen2):
 
     def check(self, c, key) -> None:
         super().check(c, key)
+        self.check_sections(c, key)
+
+    @staticmethod
+    def check_sections(c, key) -> None:
         s = c.get("rope_sections")
         if not 0 < sum(s) <= c.rope_dim // 2:
             key.fail("rope.dimension_sections", list(s), f"must cover 1..{c.rope_dim // 2} of the rotated pairs")
@@ -72,6 +76,24 @@ class Qwen3(Family):
 
     def vectors(self, c, i):
         return super().vectors(c, i) | _qk_norm(i)
+
+
+class Qwen3VL(Qwen3):
+    """Qwen3-VL's text model: qwen3 with interleaved M-RoPE (time, height, width taking turns over
+    a head's pairs; the pairs past the sections turned by position 0 — on text too) and deepstack:
+    an image row carries n_deepstack_layers more slices, added to the output of the first layers."""
+    name = "qwen3vl"
+    notes = "per-head q/k RMSNorm, interleaved M-RoPE, deepstack image slices"
+
+    def hparams(self, key):
+        return Qwen2VL.hparams(self, key) | {"rope_interleaved": True} | {
+            "deepstack": key("n_deepstack_layers", 0, required=False, kind=int, lo=0, hi=4096)}
+
+    def check(self, c, key) -> None:
+        super().check(c, key)
+        Qwen2VL.check_sections(c, key)
+        if c.get("deepstack") > c.n_layer:
+            key.fail("n_deepstack_layers", c.get("deepstack"), f"more than the model's {c.n_layer} layers")
 
 
 class Qwen2Moe(Qwen2):

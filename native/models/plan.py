@@ -98,9 +98,13 @@ def vision_bytes(mmproj: Path, compiled: bool) -> int:
     from ..vision.clip_config import read_vision_config
     g = read_gguf(mmproj, skip_arrays=True)
     c = read_vision_config(g)
+    weights = sum(_weights(g, compiled)[1].values())
+    if c.dynamic:      # the largest image it takes (mtmd's 4096 rows: 16384 patches), a head's scores at a time
+        patches = c.max_pixels // c.patch_size ** 2
+        scores = 64 * patches * 4 if compiled else patches * patches * 4
+        return weights + patches * (c.n_ff + 8 * c.n_embd) * 4 + scores
     patches = c.patches_per_side ** 2
-    return sum(_weights(g, compiled)[1].values()) + patches * (c.n_ff + 6 * c.n_embd) * 4 + \
-        c.n_head * patches * patches * 4
+    return weights + patches * (c.n_ff + 6 * c.n_embd) * 4 + c.n_head * patches * patches * 4
 
 
 def plan(path: Path, ctx: int | None = None, available: int | None = None, parallel: int | None = None,

@@ -18,10 +18,14 @@ def patch_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, H: int, scale,
         return out
     n, width = q.shape
     d = width // H
-    qh, kh, vh = (m.reshape(n, H, d).transpose(1, 0, 2) for m in (q, k, v))
-    s = (qh @ kh.transpose(0, 2, 1)) * scale
-    if blocks is not None:
-        s[:, blocks[:, None] != blocks[None, :]] = -np.inf
-    s = np.exp(s - s.max(-1, keepdims=True))
-    s /= s.sum(-1, keepdims=True)
-    return (s @ vh).transpose(1, 0, 2).reshape(n, width).astype(F32)
+    out = np.empty((n, width), F32)
+    hidden = None if blocks is None else blocks[:, None] != blocks[None, :]
+    for h in range(H):                 # one head's (n, n) scores at a time: a large image's are big
+        cols = slice(h * d, (h + 1) * d)
+        s = (q[:, cols] @ k[:, cols].T) * scale
+        if hidden is not None:
+            s[hidden] = -np.inf
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        out[:, cols] = s @ v[:, cols]
+    return out

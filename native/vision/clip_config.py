@@ -14,8 +14,8 @@ from ..arch.base import MAX_WIDTH
 from ..config import Keys
 from ..gguf_file import GGUFError, GGUFFile
 
-QWEN25VL = "qwen2.5vl_merger"
-PROJECTORS = ("gemma3", "idefics3", QWEN25VL)      # what Kiln runs; llama.cpp knows ~50 more
+QWEN25VL, QWEN3VL = "qwen2.5vl_merger", "qwen3vl_merger"
+PROJECTORS = ("gemma3", "idefics3", QWEN25VL, QWEN3VL)      # what Kiln runs; llama.cpp knows ~50 more
 MAX_IMAGE_SIDE = 4096                    # the encoder's own tile side (pixels); real ones are 224..896
 _LAYER = re.compile(r"^v\.blk\.(\d+)\.")
 
@@ -42,13 +42,20 @@ class VisionConfig:
     longest_edge: int = 0    # idefics3: an image's longer side is resized to this, then cut in tiles
     ffn_swapped: bool = False   # legacy files: ffn_up and ffn_down stored under each other's names
     wa_pattern: int = 0      # qwen2.5vl: every wa_pattern-th layer attends over the whole image, the rest in windows
-    min_pixels: int = 0      # qwen2.5vl: an image is resized to between these many pixels (mtmd's 8..4096 tokens)
+    min_pixels: int = 0      # qwen-vl: an image is resized to between these many pixels (mtmd's 8..4096 tokens)
     max_pixels: int = 0
+    deepstack: tuple = ()    # qwen3vl: the layers whose output also goes to the text model's first layers
 
     @property
     def dynamic(self) -> bool:
         """Does the encoder take an image at (about) its own size, not squares of image_size?"""
-        return self.projector == QWEN25VL
+        return self.projector in (QWEN25VL, QWEN3VL)
+
+    @property
+    def row_width(self) -> int:
+        """Values in one text row it gives: the text model's width, and one more such slice per
+        deepstack layer (Qwen3-VL's, added to the text model's first layers' outputs)."""
+        return self.n_text * (1 + len(self.deepstack))
 
     @property
     def head_dim(self) -> int:
@@ -72,8 +79,11 @@ def read_vision_config(g: GGUFFile) -> VisionConfig:
     proj = g.metadata.get("clip.projector_type") or g.metadata.get("clip.vision.projector_type")
     if proj not in PROJECTORS:
         raise GGUFError(f"{g.path}: projector type {str(proj)[:40]!r} is not one Kiln runs (it runs "
-                        f"{', '.join(PROJECTORS)}: Gemma 3, SmolVLM/Idefics3 and Qwen2.5-VL vision)")
-    if proj == QWEN25VL:
+                        f"{', '.join(PROJECTORS)}: Gemma 3, SmolVLM/Idefics3, Qwen2.5-VL and Qwen3-VL vision)")
+    if proj == QWEN3VL:
+        if not key("use_gelu", False, required=False, kind=bool) or key("use_silu", False, required=False, kind=bool):
+            key.fail("use_gelu", g.metadata.get("clip.use_gelu"), "a Qwen3-VL vision tower's FFN is GELU")
+    elif proj == QWEN25VL:
         if not key("use_silu", False, required=False, kind=bool) or key("use_gelu", False, required=False, kind=bool):
             key.fail("use_silu", g.metadata.get("clip.use_silu"), "a Qwen2.5-VL vision tower's FFN is SwiGLU")
     elif key("use_silu", False, required=False, kind=bool) or not key("use_gelu", False, required=False, kind=bool):
@@ -90,8 +100,8 @@ def read_vision_config(g: GGUFFile) -> VisionConfig:
         key.fail("vision.attention.head_count_kv", g.metadata["clip.vision.attention.head_count_kv"],
                  "a SigLIP tower's key heads are its query heads")
     image_size = key("vision.image_size", kind=int, lo=1, hi=MAX_IMAGE_SIDE)
-    if proj == QWEN25VL:
-        return _qwen25vl(g, key, n_layer, n_embd, n_head, image_size)
+    if proj in (QWEN25VL, QWEN3VL):
+        return _qwen_vl(g, key, proj, n_layer, n_embd, n_head, image_size)
     patch = key("vision.patch_size", kind=int, lo=1, hi=image_size)
     if image_size % patch:
         key.fail("vision.patch_size", patch, f"must divide image_size, {image_size}")
@@ -118,10 +128,11 @@ def read_vision_config(g: GGUFFile) -> VisionConfig:
         ffn_swapped=swapped)
 
 
-def _qwen25vl(g: GGUFFile, key: Keys, n_layer: int, n_embd: int, n_head: int, image_size: int) -> VisionConfig:
-    """Qwen2.5-VL's tower (clip.cpp's qwen2vl graph): patches of patch_size from an image of its own
-    size (a multiple of 2 patches each way), 2×2 of them merged into one text row, 2D rope over a
-    head's quarters — so a head's width must split in 4."""
+def _qwen_vl(g: GGUFFile, key: Keys, proj: str, n_layer: int, n_embd: int, n_head: int,
+             image_size: int) -> VisionConfig:
+    """Qwen2.5-VL's and Qwen3-VL's towers (clip.cpp's qwen2vl, qwen3vl graphs): patches of
+    patch_size from an image of its own size (a multiple of 2 patches each way), 2×2 of them merged
+    into one text row, 2D rope over a head's quarters — so a head's width must split in 4."""
     patch = key("vision.patch_size", kind=int, lo=1, hi=MAX_IMAGE_SIDE // 2)
     if key("vision.spatial_merge_size", 2, required=False, kind=int) != 2:
         key.fail("vision.spatial_merge_size", g.metadata["clip.vision.spatial_merge_size"],
@@ -132,14 +143,20 @@ def _qwen25vl(g: GGUFFile, key: Keys, n_layer: int, n_embd: int, n_head: int, im
     stats = _mean_std(g, key)
     n_ff = key("vision.feed_forward_length", kind=int, lo=1, hi=MAX_WIDTH)
     area = (2 * patch) ** 2                        # pixels a text row covers
+    deepstack = tuple(i for i in range(n_layer) if f"v.deepstack.{i}.fc1.weight" in g.tensors)
+    if proj == QWEN3VL:
+        side = int(round(np.sqrt(_shape(g, "v.position_embd.weight", 2)[0])))
+        if side * side != g.tensor("v.position_embd.weight").shape[0] or side < 2:
+            raise GGUFError(f"{g.path}: tensor 'v.position_embd.weight' has {g.tensor('v.position_embd.weight').shape[0]} "
+                            f"positions: a Qwen3-VL table is a square of 2 or more a side; the file is corrupt")
     return VisionConfig(
-        name=str(g.metadata.get("general.name", g.path.stem))[:200], projector=QWEN25VL, n_layer=n_layer,
+        name=str(g.metadata.get("general.name", g.path.stem))[:200], projector=proj, n_layer=n_layer,
         n_embd=n_embd, n_head=n_head, n_ff=n_ff,
         eps=key("vision.attention.layer_norm_epsilon", kind=float, lo=0.0, hi=1.0),
         image_size=image_size, patch_size=patch, n_merge=2, n_text=_shape(g, "mm.2.bias", 1)[0],
         mean=stats[0], std=stats[1], ffn_swapped=_swapped(g, n_embd, n_ff),
-        wa_pattern=key("vision.n_wa_pattern", kind=int, lo=0, hi=n_layer),
-        min_pixels=8 * area, max_pixels=4096 * area)
+        wa_pattern=key("vision.n_wa_pattern", kind=int, lo=0, hi=n_layer) if proj == QWEN25VL else 0,
+        min_pixels=8 * area, max_pixels=4096 * area, deepstack=deepstack)
 
 
 def _swapped(g: GGUFFile, n_embd: int, n_ff: int) -> bool:
@@ -172,6 +189,8 @@ def tensor_plan(g: GGUFFile, c: VisionConfig) -> tuple[dict, list]:
     first), and which are matrices; optional biases and the pre-norm where the file has them."""
     if c.projector == QWEN25VL:
         return _checked(g, c, *_qwen25vl_plan(g, c))
+    if c.projector == QWEN3VL:
+        return _checked(g, c, *_qwen3vl_plan(g, c))
     d, f, p = c.n_embd, c.n_ff, c.patch_size
     want = {"v.patch_embd.weight": (d, 3, p, p), "v.position_embd.weight": (c.patches_per_side ** 2, d)}
     mats = ["v.patch_embd.weight"]
@@ -221,6 +240,33 @@ def _qwen25vl_plan(g: GGUFFile, c: VisionConfig) -> tuple[dict, list]:
                 want[b + t + ".bias"] = (shape[0],)
         for t in ("ln1", "ln2"):
             want |= {b + t + ".weight": (d,)} | ({b + t + ".bias": (d,)} if b + t + ".bias" in g.tensors else {})
+    return _qwen_merger(g, c, want, mats)
+
+
+def _qwen3vl_plan(g: GGUFFile, c: VisionConfig) -> tuple[dict, list]:
+    d, f, p, n = c.n_embd, c.n_ff, c.patch_size, g.tensor("v.position_embd.weight").shape[0]
+    want = {"v.patch_embd.weight": (d, 3, p, p), "v.patch_embd.weight.1": (d, 3, p, p), "v.patch_embd.bias": (d,),
+            "v.position_embd.weight": (n, d)}
+    mats = ["v.patch_embd.weight", "v.patch_embd.weight.1"]
+    up, down = ("ffn_down", "ffn_up") if c.ffn_swapped else ("ffn_up", "ffn_down")
+    for i in range(c.n_layer):
+        b = f"v.blk.{i}."
+        for t, shape in (("attn_qkv", (3 * d, d)), ("attn_out", (d, d)), (up, (f, d)), (down, (d, f))):
+            want |= {b + t + ".weight": shape, b + t + ".bias": (shape[0],)}
+            mats.append(b + t + ".weight")
+        for t in ("ln1", "ln2"):
+            want |= {b + t + ".weight": (d,), b + t + ".bias": (d,)}
+    for i in c.deepstack:
+        b = f"v.deepstack.{i}."
+        want |= {b + "norm.weight": (4 * d,), b + "norm.bias": (4 * d,), b + "fc1.weight": (4 * d, 4 * d),
+                 b + "fc1.bias": (4 * d,), b + "fc2.weight": (c.n_text, 4 * d), b + "fc2.bias": (c.n_text,)}
+        mats += [b + "fc1.weight", b + "fc2.weight"]
+    return _qwen_merger(g, c, want, mats)
+
+
+def _qwen_merger(g: GGUFFile, c: VisionConfig, want: dict, mats: list) -> tuple[dict, list]:
+    """The norms around a Qwen tower, where the file has them, and its 2×2 merger MLP."""
+    d = c.n_embd
     for t in ("pre_ln", "post_ln"):
         if f"v.{t}.weight" in g.tensors:
             want |= {f"v.{t}.weight": (d,)} | ({f"v.{t}.bias": (d,)} if f"v.{t}.bias" in g.tensors else {})

@@ -4,7 +4,7 @@ is tokenized piece by piece (special tokens parsed, BOS before the first), and e
 the projector's image tokens around the encoder's rows:
 
     gemma3:    <start_of_image> [rows] <end_of_image>
-    qwen2.5vl: <|vision_start|> [rows] <|vision_end|>  (its rows placed by M-RoPE: vision/mrope.py)
+    qwen2.5vl, qwen3vl: <|vision_start|> [rows] <|vision_end|>  (placed by M-RoPE: vision/mrope.py)
     idefics3:  per tile  <fake_token_around_image><row_R_col_C> [rows], "\\n" after each row but the
                last; then "\\n\\n" <fake_token_around_image><global-img> [overview rows]
                <fake_token_around_image>
@@ -25,7 +25,8 @@ import numpy as np
 MARKER = "<__media__>"            # where an image goes in a raw prompt (llama-server's, mtmd's default)
 IMAGE = "\ue002"                   # where an image goes in a message's content (the front ends write it)
 AROUND = {"gemma3": ("<start_of_image>", "<end_of_image>"),             # one image: its rows between these
-          "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>")}
+          "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+          "qwen3vl_merger": ("<|vision_start|>", "<|vision_end|>")}
 _ROW_BITS = 20
 MAX_ROWS = 1 << _ROW_BITS
 

@@ -19,14 +19,17 @@ import numpy as np
 from .layout import MAX_ROWS
 
 
-def positions(media, cache, tokens) -> np.ndarray:
+def positions(media, cache, tokens, split: bool = False) -> np.ndarray:
     """The positions of `tokens` appended to `cache`: (T,) when they are text only — the one
-    position each — else (T, 3), each row's (time, height, width)."""
+    position each — else (T, 3), each row's (time, height, width). `split`: the model's later
+    layers run in other processes, which place rows by their cache index — refused past an image."""
     memo = cache.position_memo
     at, delta = memo if memo is not None and memo[0] <= cache.n else (0, 0)
     delta = _delta_after(media, cache.tokens[at:cache.n], delta)
     cache.position_memo = (cache.n, delta)
     toks = np.asarray(tokens, np.int64)
+    if split and (delta or (toks < 0).any()):
+        raise ValueError("a model split across processes does not take images placed by M-RoPE yet")
     if not (toks < 0).any():
         return np.arange(cache.n, cache.n + len(toks)) + delta
     out = np.empty((len(toks), 3), np.int64)
@@ -63,10 +66,16 @@ def _delta_after(media, tokens: list[int], delta: int) -> int:
     return delta
 
 
-def section_of_pairs(sections: tuple, half: int) -> np.ndarray:
-    """Which of the four positions (0 t, 1 h, 2 w, 3 e) turns each of a head's `half` pairs —
-    ggml's mrope sectors: pair k in sector k mod sum(sections), sections laid end to end."""
-    total = sum(sections)
-    bounds = np.cumsum(sections)
-    sector = np.arange(half) % total
-    return np.searchsorted(bounds, sector, side="right").clip(0, 3)
+def section_of_pairs(sections: tuple, half: int, interleaved: bool = False) -> np.ndarray:
+    """Which of the four positions (0 t, 1 h, 2 w, 3 e — e is 0 for every row llama.cpp places)
+    turns each of a head's `half` pairs — ggml's mrope sectors: pair k in sector k mod
+    sum(sections), sections laid end to end; `interleaved` (Qwen3-VL's IMRoPE): t, h, w taking
+    turns while each section lasts (sector mod 3), the rest e."""
+    sector = np.arange(half) % sum(sections)
+    if interleaved:
+        out = np.full(half, 3)
+        for which, turn in ((1, 1), (2, 2), (0, 0)):            # ggml's order of the tests
+            take = (sector % 3 == turn) & (sector < 3 * sections[which]) & (out == 3)
+            out[take] = which
+        return out
+    return np.searchsorted(np.cumsum(sections), sector, side="right").clip(0, 3)

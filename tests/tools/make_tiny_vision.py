@@ -11,8 +11,11 @@ written with gguf-py), their text models, test images, and llama.cpp's own mtmd 
   16 rotated pairs) with `<|vision_start|>`/`<|vision_end|>`; `mmproj-tiny-qwen25vl.gguf` — a
   qwen2.5vl_merger projector: patch 14 (two temporal kernels), 4 layers 64 wide, window attention
   in layers 0 and 2 (windows of 112 pixels), SwiGLU, RMS norms, the 2×2 merger MLP to 128.
+- `tiny-qwen3vl.gguf` — tiny-qwen3 as `qwen3vl` (interleaved M-RoPE 6/4/4/0, 2 deepstack layers);
+  `mmproj-tiny-qwen3vl.gguf` — a qwen3vl_merger projector: patch 16, a 4×4 learned position table,
+  4 LayerNorm layers 64 wide, a fused qkv, GELU, deepstack mergers after layers 1 and 2.
 - `cat.png` (40×28), `square.png` (32×32), `wide.png` (70×50): smooth gradients with noise;
-  `large.png` (300×200, Qwen2.5-VL only: 22×14 patches, six attention windows).
+  `large.png` (300×200, the Qwen models only: 22×14 patches of 14, six attention windows).
 
 `references.json`/`.npz`: for each (model, image) llama.cpp's mtmd (llama-cpp-python 0.3.36, its
 libmtmd, 2 threads, flash attention off): the chunks of the tokenized prompt (text ids, image token
@@ -41,10 +44,12 @@ SMOLVLM_TOKENS = ["<fake_token_around_image>", "<global-img>", "<image>", "ĊĊ"
 GEMMA_TOKENS = ["<start_of_image>", "<end_of_image>"]
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 QWEN_SECTIONS = [4, 6, 6, 0]             # Qwen2.5-VL's 16/24/24 of 64 pairs, for 16 pairs
+QWEN3_SECTIONS = [6, 4, 4, 0]            # interleaved as Qwen3-VL's 24/20/20 of 64: two pairs left at position 0
 PROMPTS = {
     "tiny-smolvlm": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
     "tiny-gemma3v": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
     "tiny-qwen25vl": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
+    "tiny-qwen3vl": f"<|im_start|>user\n{MARKER}the cat<|im_end|>\n<|im_start|>assistant\n",
 }
 
 
@@ -176,6 +181,64 @@ def mmproj_qwen25vl(path: Path, *, n_text: int, seed: int, n_embd: int = 64, n_f
     return path
 
 
+def mmproj_qwen3vl(path: Path, *, n_text: int, seed: int, n_embd: int = 64, n_ff: int = 96, n_head: int = 4,
+                   n_layer: int = 4, patch: int = 16, image_size: int = 64, deepstack=(1, 2)) -> Path:
+    """A random-weight Qwen3-VL projector (clip.cpp's qwen3vl_merger): two patch kernels and a patch
+    bias, learned position embeddings for an image_size square (resized bilinearly to the image's
+    patches), LayerNorms, a fused qkv, GELU FFNs, deepstack mergers after `deepstack` layers, the
+    2×2 merger MLP."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "clip")
+    w.add_string("general.name", path.stem)
+    w.add_string("clip.projector_type", "qwen3vl_merger")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", True)
+    for k, v in {"embedding_length": n_embd, "feed_forward_length": n_ff, "block_count": n_layer,
+                 "projection_dim": n_text, "attention.head_count": n_head, "image_size": image_size,
+                 "patch_size": patch, "spatial_merge_size": 2}.items():
+        w.add_uint32(f"clip.vision.{k}", v)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.is_deepstack_layers", [i in deepstack for i in range(n_layer)])
+    mat, vec = random_tensors(w, rng)
+    mat("v.patch_embd.weight", n_embd, 3, patch, patch, scale=(6 * patch * patch) ** -0.5)
+    mat("v.patch_embd.weight.1", n_embd, 3, patch, patch, scale=(6 * patch * patch) ** -0.5)
+    vec("v.patch_embd.bias", n_embd)
+    w.add_tensor("v.position_embd.weight",
+                 (0.2 * rng.standard_normal(((image_size // patch) ** 2, n_embd))).astype(np.float32))
+    for i in range(n_layer):
+        mat(f"v.blk.{i}.attn_qkv.weight", 3 * n_embd, n_embd)
+        vec(f"v.blk.{i}.attn_qkv.bias", 3 * n_embd)
+        mat(f"v.blk.{i}.attn_out.weight", n_embd, n_embd)
+        vec(f"v.blk.{i}.attn_out.bias", n_embd)
+        for p in ("ln1", "ln2"):
+            vec(f"v.blk.{i}.{p}.weight", n_embd, 1.0)
+            vec(f"v.blk.{i}.{p}.bias", n_embd)
+        mat(f"v.blk.{i}.ffn_up.weight", n_ff, n_embd)
+        vec(f"v.blk.{i}.ffn_up.bias", n_ff)
+        mat(f"v.blk.{i}.ffn_down.weight", n_embd, n_ff)
+        vec(f"v.blk.{i}.ffn_down.bias", n_embd)
+        if i in deepstack:
+            vec(f"v.deepstack.{i}.norm.weight", 4 * n_embd, 1.0)
+            vec(f"v.deepstack.{i}.norm.bias", 4 * n_embd)
+            mat(f"v.deepstack.{i}.fc1.weight", 4 * n_embd, 4 * n_embd)
+            vec(f"v.deepstack.{i}.fc1.bias", 4 * n_embd)
+            mat(f"v.deepstack.{i}.fc2.weight", n_text, 4 * n_embd)
+            vec(f"v.deepstack.{i}.fc2.bias", n_text)
+    vec("v.post_ln.weight", n_embd, 1.0)
+    vec("v.post_ln.bias", n_embd)
+    mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
+    vec("mm.0.bias", 4 * n_embd)
+    mat("mm.2.weight", n_text, 4 * n_embd)
+    vec("mm.2.bias", n_text)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def images() -> dict[str, Path]:
     from PIL import Image
     rng = np.random.default_rng(7)
@@ -207,7 +270,7 @@ def mtmd_reference(model: Path, proj: Path, image: Path, prompt: str, n_greedy: 
     text.text, text.text_len, text.add_special, text.parse_special = raw, len(raw), True, True
     chunks = M.mtmd_input_chunks_init()
     assert M.mtmd_tokenize(ctx, chunks, ctypes.byref(text), (M.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
-    layout, arrays, n_embd = [], {}, llm.n_embd()
+    layout, arrays, n_embd = [], {}, llama_cpp.llama_model_n_embd_inp(llm.model)    # Qwen3-VL: and its deepstack rows
     llm.reset()
     for i in range(M.mtmd_input_chunks_size(chunks)):
         chunk = M.mtmd_input_chunks_get(chunks, i)
@@ -254,10 +317,13 @@ def main() -> None:
     qwen = text_model("tiny-qwen2", "tiny-qwen25vl", QWEN_TOKENS, "qwen2vl",
                       {"qwen2vl.rope.dimension_sections": QWEN_SECTIONS})
     p_qwen = mmproj_qwen25vl(OUT / "mmproj-tiny-qwen25vl.gguf", n_text=128, seed=3)
+    qwen3 = text_model("tiny-qwen3", "tiny-qwen3vl", QWEN_TOKENS, "qwen3vl",
+                       {"qwen3vl.rope.dimension_sections": QWEN3_SECTIONS, "qwen3vl.n_deepstack_layers": 2})
+    p_qwen3 = mmproj_qwen3vl(OUT / "mmproj-tiny-qwen3vl.gguf", n_text=128, seed=4)
     refs, arrays = {"llama_cpp_python": llama_cpp.__version__, "cases": []}, {}
-    for model, proj in ((smol, p_smol), (gemma, p_gemma), (qwen, p_qwen)):
+    for model, proj in ((smol, p_smol), (gemma, p_gemma), (qwen, p_qwen), (qwen3, p_qwen3)):
         for name, image in pics.items():
-            if name == "large" and model is not qwen:     # the windows of Qwen2.5-VL's attention
+            if name == "large" and model not in (qwen, qwen3):     # the windows of Qwen2.5-VL's attention
                 continue
             ref, arr = mtmd_reference(model, proj, image, PROMPTS[model.stem])
             key = f"{model.stem}/{name}"
