@@ -140,6 +140,25 @@ def test_qwen25vl_positions_carry_across_forwards_and_rollbacks(loaded):
         model.shift_cache(cache, 4, 10)
 
 
+@pytest.mark.parametrize("key", ["tiny-qwen25vl/large", "tiny-qwen3vl/large", "tiny-gemma3v/wide", "tiny-smolvlm/wide"])
+def test_the_numpy_path_meets_the_bars(loaded, key):
+    """Without the compiled kernels: the image's rows correlate ≥ 0.999 with mtmd's and the greedy
+    text after them is llama.cpp's."""
+    from kiln.native import kernels
+    case = CASES[key]
+    model, enc = loaded[case["model"][:-5]]
+    previous = kernels.use_compiled(False)
+    try:
+        data = (VISION / case["image"]).read_bytes()
+        rows = enc.encode_image(enc.read(data))
+        for i, r in enumerate(rows):
+            assert cosine(r, NPZ[f"{key}/image{i}"]) >= 0.999
+        _, ids = read_prompt(model, enc, case, [NPZ[f"{key}/image{i}"] for i in range(len(rows))])
+        assert greedy_after(model, ids, len(case["greedy_ids"]))[1] == case["greedy_ids"]
+    finally:
+        kernels.use_compiled(previous)
+
+
 def test_qwen3vl_deepstack_slices_reach_the_first_layers(loaded):
     """Qwen3-VL's rows carry a slice per deepstack layer (the text model adds them after its first
     layers): zeroed, the logits after the image are far from llama.cpp's; rows of another width are
