@@ -6,7 +6,12 @@ names (tests/tools/make_tiny_vision.py) into `.cache/bench-models/`:
   smolvlm   SmolVLM-256M's SigLIP-B/16 at 512 px: 12 layers, 768 wide, FFN 3072, 1,024 patches a tile
   gemma3    Gemma 3's SigLIP-So400m/14 at 896 px, cut to --layers (27 in the real one): 1152 wide,
             FFN 4304, 4,096 patches (the time scales with the layers)
-Their projection maps to tiny-smolvlm's width (mtmd requires the text model's): its cost is nil.
+  qwen25vl  Qwen2.5-VL-3B/7B's tower, cut to --layers (32): 1280 wide, FFN 3420 (SwiGLU), patch 14,
+            window attention but every 8th layer; a 672×672 image: 2,304 patches, 576 rows
+  qwen3vl   Qwen3-VL-2B's tower, cut to --layers (24): 1024 wide, FFN 4096, patch 16, a 48×48
+            position table, 2 deepstack layers (3 in the real one: the tiny text model reads 2); a
+            672×672 image: 1,764 patches, 441 rows
+Their projection maps to a tiny text model's width (mtmd requires the text model's): its cost is nil.
 
     python bench/vision.py                    # both, 3 runs each
     python bench/vision.py --which smolvlm --runs 5 --threads 2
@@ -31,22 +36,33 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "tools"))
 OUT = ROOT / ".cache" / "bench-models"
-TEXT = ROOT / "tests" / "data" / "vision" / "tiny-smolvlm.gguf"
+VISION = ROOT / "tests" / "data" / "vision"
 SHAPES = {"smolvlm": dict(projector="idefics3", image_size=512, patch=16, merge=4, n_embd=768, n_ff=3072, n_head=12,
                           n_layer=12, extra={"clip.vision.preproc_image_size": 512}),
           "gemma3": dict(projector="gemma3", image_size=896, patch=14, merge=4, n_embd=1152, n_ff=4304, n_head=16,
-                         n_layer=27, extra={})}
+                         n_layer=27, extra={}),
+          "qwen25vl": dict(n_embd=1280, n_ff=3420, n_head=16, n_layer=32, patch=14, wa_pattern=8),
+          "qwen3vl": dict(n_embd=1024, n_ff=4096, n_head=16, n_layer=24, patch=16, image_size=768, deepstack=(5, 11))}
+TEXT = {"smolvlm": "tiny-smolvlm", "gemma3": "tiny-smolvlm", "qwen25vl": "tiny-qwen25vl", "qwen3vl": "tiny-qwen3vl"}
+SIDE = {"smolvlm": 512, "gemma3": 896, "qwen25vl": 672, "qwen3vl": 672}       # the image's (one square's) side
 
 
 def build(which: str, layers: int | None) -> Path:
-    from make_tiny_vision import mmproj
+    from make_tiny_vision import mmproj, mmproj_qwen3vl, mmproj_qwen25vl
     shape = dict(SHAPES[which])
     if layers:
         shape["n_layer"] = layers
+        if "deepstack" in shape:
+            shape["deepstack"] = tuple(i * layers // SHAPES[which]["n_layer"] for i in shape["deepstack"])
     path = OUT / f"mmproj-bench-{which}-L{shape['n_layer']}.F16.gguf"
     if not path.exists():
         OUT.mkdir(parents=True, exist_ok=True)
-        mmproj(path, shape.pop("projector"), n_text=128, seed=3, **shape)
+        if which == "qwen25vl":
+            mmproj_qwen25vl(path, n_text=128, seed=3, **shape)
+        elif which == "qwen3vl":
+            mmproj_qwen3vl(path, n_text=128, seed=3, **shape)
+        else:
+            mmproj(path, shape.pop("projector"), n_text=128, seed=3, **shape)
     return path
 
 
@@ -75,12 +91,14 @@ def kiln_time(path: Path, data: bytes, runs: int, threads: int) -> tuple[float, 
     return statistics.median(times), out
 
 
-def mtmd_time(path: Path, data: bytes, runs: int, threads: int) -> tuple[float, np.ndarray]:
+def mtmd_time(path: Path, data: bytes, runs: int, threads: int, which: str) -> tuple[float, np.ndarray]:
     import llama_cpp
     from llama_cpp import mtmd_cpp as M
     from PIL import Image
     import io
-    llm = llama_cpp.Llama(str(TEXT), n_ctx=4096, n_threads=threads, n_batch=2048, verbose=False)
+    llm = llama_cpp.Llama(str(VISION / f"{TEXT[which]}.gguf"), n_ctx=4096, n_threads=threads, n_batch=2048,
+                          verbose=False)
+    width = llama_cpp.llama_model_n_embd_inp(llm.model)
     params = M.mtmd_context_params_default()
     params.use_gpu, params.n_threads, params.warmup = False, threads, False
     params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -100,7 +118,7 @@ def mtmd_time(path: Path, data: bytes, runs: int, threads: int) -> tuple[float, 
         t0 = time.perf_counter()
         assert M.mtmd_encode_chunk(ctx, chunk) == 0
         times.append(time.perf_counter() - t0)
-    out = np.ctypeslib.as_array(M.mtmd_get_output_embd(ctx), shape=(n * 128,)).reshape(n, 128).copy()
+    out = np.ctypeslib.as_array(M.mtmd_get_output_embd(ctx), shape=(n * width,)).reshape(n, width).copy()
     M.mtmd_input_chunks_free(chunks)
     M.mtmd_bitmap_free(bitmap)
     M.mtmd_free(ctx)
@@ -110,22 +128,23 @@ def mtmd_time(path: Path, data: bytes, runs: int, threads: int) -> tuple[float, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--which", choices=sorted(SHAPES), action="append")
-    ap.add_argument("--layers", type=int, default=None, help="cut the tower to this many layers (default: gemma3 6)")
+    ap.add_argument("--layers", type=int, default=None, help="cut the tower to this many layers (default: gemma3 6, "
+                                                               "the Qwen towers 8)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    for which in a.which or ["smolvlm", "gemma3"]:
-        layers = a.layers or (6 if which == "gemma3" else None)
+    for which in a.which or ["smolvlm", "gemma3", "qwen25vl", "qwen3vl"]:
+        layers = a.layers or {"gemma3": 6, "qwen25vl": 8, "qwen3vl": 8}.get(which)
         path = build(which, layers)
-        side = SHAPES[which]["image_size"]
+        side = SIDE[which]
         data = image(side)                 # one square: SmolVLM's one tile, Gemma 3's whole image
         k, kv = kiln_time(path, data, a.runs, a.threads)
-        m, mv = mtmd_time(path, data, a.runs, a.threads)
+        m, mv = mtmd_time(path, data, a.runs, a.threads, which)
         cos = float((kv.ravel() @ mv.ravel()) / np.linalg.norm(kv) / np.linalg.norm(mv))
         print(json.dumps({"projector": which, "layers": layers or SHAPES[which]["n_layer"], "side": side,
                           "patches": (side // SHAPES[which]["patch"]) ** 2, "threads": a.threads, "runs": a.runs,
                           "kiln_s": round(k, 3), "llama_cpp_s": round(m, 3), "llama_cpp_over_kiln": round(m / k, 2),
-                          "cosine": round(cos, 6)}), flush=True)
+                          "cosine": round(cos, 6), "bits_equal": bool(np.array_equal(kv, mv))}), flush=True)
 
 
 if __name__ == "__main__":

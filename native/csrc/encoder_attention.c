@@ -134,30 +134,45 @@ int encoder_attention(const float *q, const float *k, const float *v, float *out
     for (int h = 0; h < H; h++)
         for (int c = 0; c < D; c++)
             for (int j = 0; j < n; j++) vt[((size_t)h * D + c) * n + j] = v[(size_t)j * H * D + h * D + c];
+    /* blocks in runs (Qwen2.5-VL's windows) with tinyBLAS's product: a row computes only its run's
+     * keys, widened to whole groups of 8 — the masked keys' weights are 0 and every sum runs in
+     * 8-lane groups from key 0, so leaving them out changes no bit (a 64-patch window of 2,304) */
+    int *span = blocks && tiny && !slopes && !window ? malloc(2 * (size_t)n * sizeof(int)) : NULL;
+    for (int i = 0; span && i < n; ) {
+        int e = i;
+        while (e < n && blocks[e] == blocks[i]) e++;
+        for (int r = 0; r < i && span; r++)
+            if (blocks[r] == blocks[i]) { free(span); span = NULL; }       /* a block in two runs */
+        for (int r = i; span && r < e; r++) { span[2 * r] = i & ~7; span[2 * r + 1] = (e + 7) & ~7; }
+        i = e;
+    }
     #pragma omp parallel num_threads(nt)
     {
         float *p = malloc((size_t)n * sizeof(float));
         #pragma omp for schedule(static)
         for (int task = 0; task < H * n; task++) {
             const int h = task / n, i = task % n;
+            const int a = span ? span[2 * i] : 0, m = span ? span[2 * i + 1] - a : n;     /* keys a..a+m-1 */
             const float *qi = q + (size_t)i * H * D + h * D;
-            int j = 0;
+            float *pa = p + a;
+            int j = a;
             if (D % 32 == 0)                   /* no tail: two keys at a time */
-                for (; j + 1 < n; j += 2)
+                for (; j + 1 < a + m; j += 2)
                     vdot2_ggml(k + (size_t)j * H * D + h * D, k + (size_t)(j + 1) * H * D + h * D, qi, D, p + j, p + j + 1);
-            for (; j < n; j++) p[j] = vdot_ggml(k + (size_t)j * H * D + h * D, qi, D);
-            softmax_ggml(p, n, scale, slopes ? slopes[h] : 0.0f, i, window, blocks);
+            for (; j < a + m; j++) p[j] = vdot_ggml(k + (size_t)j * H * D + h * D, qi, D);
+            softmax_ggml(pa, m, scale, slopes ? slopes[h] : 0.0f, i - a, window, blocks ? blocks + a : NULL);
             float *o = out + (size_t)i * H * D + h * D;
-            const float *rows = vt + (size_t)h * D * n;
+            const float *rows = vt + (size_t)h * D * n + a;
             if (tiny)                          /* D % 4 == 0 when tinyBLAS takes the product */
                 for (int c = 0; c < D; c += 4)
                     vdot4_tinyblas(rows + (size_t)c * n, rows + (size_t)(c + 1) * n, rows + (size_t)(c + 2) * n,
-                                   rows + (size_t)(c + 3) * n, p, n, o + c, 1);
+                                   rows + (size_t)(c + 3) * n, pa, m, o + c, 1);
             else
-                for (int c = 0; c < D; c++) o[c] = vdot_ggml(rows + (size_t)c * n, p, n);
+                for (int c = 0; c < D; c++) o[c] = vdot_ggml(rows + (size_t)c * n, pa, m);
         }
         free(p);
     }
+    free(span);
     free(vt);
     return 1;
 }

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..arch.base import MAX_WIDTH
+from ..arch.base import MAX_LAYERS, MAX_WIDTH
 from ..config import Keys
 from ..gguf_file import GGUFError, GGUFFile
 
@@ -155,7 +155,7 @@ def _qwen_vl(g: GGUFFile, key: Keys, proj: str, n_layer: int, n_embd: int, n_hea
         eps=key("vision.attention.layer_norm_epsilon", kind=float, lo=0.0, hi=1.0),
         image_size=image_size, patch_size=patch, n_merge=2, n_text=_shape(g, "mm.2.bias", 1)[0],
         mean=stats[0], std=stats[1], ffn_swapped=_swapped(g, n_embd, n_ff),
-        wa_pattern=key("vision.n_wa_pattern", kind=int, lo=0, hi=n_layer) if proj == QWEN25VL else 0,
+        wa_pattern=key("vision.n_wa_pattern", kind=int, lo=0, hi=MAX_LAYERS) if proj == QWEN25VL else 0,
         min_pixels=8 * area, max_pixels=4096 * area, deepstack=deepstack)
 
 
