@@ -322,9 +322,6 @@ int dotW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t
     case T_Q5_0: dotW2_q5_0_avx2(w, row_bytes, a, t, nb, res); return 1;
     case T_Q5_1: dotW2_q5_1_avx2(w, row_bytes, a, t, nb, res); return 1;
     case T_Q8_0: dotW2_q8_0_avx2(w, row_bytes, a, t, nb, res); return 1;
-    case T_Q4_K: dotW2_q4_K_avx2(w, row_bytes, a, t, nb, res); return 1;
-    case T_Q5_K: dotW2_q5_K_avx2(w, row_bytes, a, t, nb, res); return 1;
-    case T_Q6_K: dotW2_q6_K_avx2(w, row_bytes, a, t, nb, res); return 1;
     }
     return 0;
 }

@@ -40,19 +40,6 @@ AVX2 float dot_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
 }
 /* One activation row against two consecutive weight rows (a decode step): two chains in flight,
  * each row's arithmetic the one-row kernel's. */
-AVX2 void dotW2_q4_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
-    const int16_t *bs = a->bs + (size_t)t * nb * 16;
-    const uint8_t *w1 = w + row_bytes;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    __m128 am0 = _mm_setzero_ps(), am1 = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        prefetch_ahead(w + 144 * b, row_bytes, 144);
-        q4_K_block(w + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0, &am0);
-        q4_K_block(w1 + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1, &am1);
-    }
-    res[0] = q4_K_end(acc0, am0); res[1] = q4_K_end(acc1, am1);
-}
 /* One Q5_K block (w: its 176 bytes) against one Q8_K activation block, into a row's accumulators. */
 AVX2 static inline void q5_K_block(const uint8_t *w, const int8_t *y, const int16_t *bs, float yd,
                                    __m256 *acc, float *summs) {
@@ -91,18 +78,6 @@ AVX2 float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     __m256 acc = _mm256_setzero_ps(); float summs = 0.f;
     for (int b = 0; b < nb; b++) q5_K_block(w + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc, &summs);
     return hsum_avx(acc) + summs;
-}
-AVX2 void dotW2_q5_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
-    const int16_t *bs = a->bs + (size_t)t * nb * 16;
-    const uint8_t *w1 = w + row_bytes;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); float sm0 = 0.f, sm1 = 0.f;
-    for (int b = 0; b < nb; b++) {
-        prefetch_ahead(w + 176 * b, row_bytes, 176);
-        q5_K_block(w + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0, &sm0);
-        q5_K_block(w1 + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1, &sm1);
-    }
-    res[0] = hsum_avx(acc0) + sm0; res[1] = hsum_avx(acc1) + sm1;
 }
 /* One Q6_K block (w: its 210 bytes) against one Q8_K activation block, into a row's accumulator. */
 AVX2 static inline void q6_K_block(const uint8_t *w, const int8_t *y, const int16_t *bs, float yd, __m256 *acc) {
@@ -147,18 +122,6 @@ AVX2 float dot_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) q6_K_block(w + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc);
     return hsum_avx(acc);
-}
-AVX2 void dotW2_q6_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res) {
-    const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
-    const int16_t *bs = a->bs + (size_t)t * nb * 16;
-    const uint8_t *w1 = w + row_bytes;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        prefetch_ahead(w + 210 * b, row_bytes, 210);
-        q6_K_block(w + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc0);
-        q6_K_block(w1 + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc1);
-    }
-    res[0] = hsum_avx(acc0); res[1] = hsum_avx(acc1);
 }
 AVX2 static inline __m256i scale_shuffle_q3k(int i) { /* int16 scale 2i in lane 0, 2i+1 in lane 1 */
     return _mm256_set_m128i(_mm_set1_epi16((short)((4 * i + 2) | ((4 * i + 3) << 8))),

@@ -210,9 +210,6 @@ float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
 float dot_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
 void dot4_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res);
 void dot8_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res);
-void dotW2_q4_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res);
-void dotW2_q5_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res);
-void dotW2_q6_K_avx2(const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res);
 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res);
 void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *res);
 #endif

@@ -56,9 +56,10 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
     int total = 0;
     for (int i = 0; i < nw; i++) total += N[i];
 #ifdef KILN_X86
-    if (g_avx2 && ((T <= PAIRED_ROWS_UP_TO &&
-                    (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0)) ||
-                   (T == 1 && (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K)))) {  /* K-quants: one row */
+    /* not the K-quants: their two-row kernels spill registers, and a decode step's Q6_K head over
+       152k rows ran at half the one-row kernel's speed (7.2 ms alone, 14 ms paired) */
+    if (g_avx2 && T <= PAIRED_ROWS_UP_TO &&
+            (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0)) {
         /* a decode step, a few sequences, a short draft: weight rows in pairs (twice the chains
            in flight, each activation block loaded once for both); a pair that would straddle two
            weights, and an odd last row, go one weight row at a time (the same bits: every
