@@ -56,10 +56,11 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
     int total = 0;
     for (int i = 0; i < nw; i++) total += N[i];
 #ifdef KILN_X86
-    /* not the K-quants: their two-row kernels spill registers, and a decode step's Q6_K head over
-       152k rows ran at half the one-row kernel's speed (7.2 ms alone, 14 ms paired) */
+    /* not the K-quants nor Q8_0: their two-row kernels lose to the one-row ones (a Q6_K head over
+       152k rows: 14 ms paired, 7.2 ms alone, one thread; a Q8_0 head of 49k rows: 2.0 ms paired,
+       1.1 ms alone, two) — the Q4/Q5 ones win (SmolLM2's Q4_1 decode: 200 tok/s paired, 158 not) */
     if (g_avx2 && T <= PAIRED_ROWS_UP_TO &&
-            (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0)) {
+            (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1)) {
         /* a decode step, a few sequences, a short draft: weight rows in pairs (twice the chains
            in flight, each activation block loaded once for both); a pair that would straddle two
            weights, and an odd last row, go one weight row at a time (the same bits: every
