@@ -314,6 +314,9 @@ def test_plan_and_capabilities_count_the_projector_beside_the_model():
     # two models' projectors in one folder: each model takes the one whose name is nearest its own
     assert mmprojs_beside(VISION / "tiny-gemma3v.gguf")[0].name == "mmproj-tiny-gemma3.gguf"
     assert mmprojs_beside(VISION / "tiny-smolvlm.gguf")[0].name == "mmproj-tiny-smolvlm.gguf"
+    # the plan pairs each Qwen text model with its own projector, not another of the same width
+    for name in ("qwen25vl", "qwen3vl"):
+        assert plan(VISION / f"tiny-{name}.gguf")["mmproj"].endswith(f"mmproj-tiny-{name}.gguf")
     with_vision, without = plan(VISION / "tiny-smolvlm.gguf"), plan(VISION / "tiny-smolvlm.gguf", mmproj="off")
     assert with_vision["mmproj"].endswith("mmproj-tiny-smolvlm.gguf") and with_vision["vision_bytes"] > 200_000
     assert with_vision["total_bytes"] - without["total_bytes"] == with_vision["vision_bytes"] and "mmproj" not in without

@@ -16,22 +16,26 @@ from ..kv_types import KV_TYPE_NAMES, KV_TYPES
 
 
 def vision_projector(g) -> Path | None:
-    """The mmproj beside the model that fits it (a projector Kiln runs, mapping to the model's
-    width) — what the inference worker pairs it with, judged from the files' metadata."""
+    """The mmproj beside the model that fits it (a projector Kiln runs, giving rows of the model's
+    width — with Qwen3-VL's deepstack slices — and whose image tokens the vocabulary has) — what
+    the inference worker pairs it with, judged from the files' metadata."""
     from ..gguf_file import GGUFError
-    from ..vision.clip_config import PROJECTORS
+    from ..vision.clip_config import read_vision_config
+    from ..vision.layout import AROUND
     from .hub_refs import mmprojs_beside
     arch = g.architecture
     width = g.get(f"{arch}.embedding_length")
+    reads = width * (1 + (g.get(f"{arch}.n_deepstack_layers") or 0)) if isinstance(width, int) else None
+    vocab = g.metadata.get("tokenizer.ggml.tokens")
     for p in mmprojs_beside(Path(g.path)):
         try:
-            m = read_gguf(p, skip_arrays=True)
-            proj = m.get("clip.projector_type") or m.get("clip.vision.projector_type")
-            name = "mm.input_projection.weight" if proj == "gemma3" else "mm.model.fc.weight"
-            if proj in PROJECTORS and name in m.tensors and width in m.tensor(name).shape:
-                return p
-        except (GGUFError, OSError):
+            c = read_vision_config(read_gguf(p, skip_arrays=True))
+        except (GGUFError, OSError, ValueError):
             continue
+        markup = AROUND.get(c.projector, ("<fake_token_around_image>", "<global-img>"))
+        if c.n_text == width and c.row_width == reads and (
+                not isinstance(vocab, (list, tuple)) or all(t in vocab for t in markup)):
+            return p
     return None
 
 
