@@ -136,24 +136,44 @@ def mmproj(path: Path, projector: str, *, image_size: int, patch: int, merge: in
     return path
 
 
+def clip_writer(path: Path, projector: str, act: str, sizes: dict, mean: list, std: list) -> GGUFWriter:
+    """A clip GGUF's writer with its keys: the projector, the FFN's activation, the vision sizes."""
+    w = GGUFWriter(str(path), "clip")
+    w.add_string("general.name", path.stem)
+    w.add_string("clip.projector_type", projector)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool(f"clip.use_{act}", True)
+    for k, v in sizes.items():
+        w.add_uint32(f"clip.vision.{k}", v)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", mean)
+    w.add_array("clip.vision.image_std", std)
+    return w
+
+
+def merger_and_write(w: GGUFWriter, mat, vec, n_embd: int, n_text: int) -> None:
+    """The 2×2 merger MLP (mm.0, mm.2), then the file written."""
+    mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
+    vec("mm.0.bias", 4 * n_embd)
+    mat("mm.2.weight", n_text, 4 * n_embd)
+    vec("mm.2.bias", n_text)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def mmproj_qwen25vl(path: Path, *, n_text: int, seed: int, n_embd: int = 64, n_ff: int = 96, n_head: int = 4,
                     n_layer: int = 4, patch: int = 14, wa_pattern: int = 2) -> Path:
     """A random-weight Qwen2.5-VL projector (clip.cpp's qwen2.5vl_merger): two patch kernels (the
     temporal pair, summed for a still image), RMS norms, SwiGLU FFNs with biases, window attention
     but every `wa_pattern`-th layer, the 2×2 merger MLP."""
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "clip")
-    w.add_string("general.name", path.stem)
-    w.add_string("clip.projector_type", "qwen2.5vl_merger")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_bool("clip.use_silu", True)
-    for k, v in {"embedding_length": n_embd, "feed_forward_length": n_ff, "block_count": n_layer,
-                 "projection_dim": n_text, "attention.head_count": n_head, "image_size": 560, "patch_size": patch,
-                 "n_wa_pattern": wa_pattern, "spatial_merge_size": 2}.items():
-        w.add_uint32(f"clip.vision.{k}", v)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    w.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
-    w.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    w = clip_writer(path, "qwen2.5vl_merger", "silu",
+                    {"embedding_length": n_embd, "feed_forward_length": n_ff, "block_count": n_layer,
+                     "projection_dim": n_text, "attention.head_count": n_head, "image_size": 560, "patch_size": patch,
+                     "n_wa_pattern": wa_pattern, "spatial_merge_size": 2},
+                    [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
 
     mat, vec = random_tensors(w, rng)
     mat("v.patch_embd.weight", n_embd, 3, patch, patch, scale=(6 * patch * patch) ** -0.5)
@@ -170,14 +190,7 @@ def mmproj_qwen25vl(path: Path, *, n_text: int, seed: int, n_embd: int = 64, n_f
         mat(f"v.blk.{i}.ffn_down.weight", n_embd, n_ff)
         vec(f"v.blk.{i}.ffn_down.bias", n_embd)
     vec("v.post_ln.weight", n_embd, 1.0)
-    mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
-    vec("mm.0.bias", 4 * n_embd)
-    mat("mm.2.weight", n_text, 4 * n_embd)
-    vec("mm.2.bias", n_text)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    merger_and_write(w, mat, vec, n_embd, n_text)
     return path
 
 
@@ -188,18 +201,10 @@ def mmproj_qwen3vl(path: Path, *, n_text: int, seed: int, n_embd: int = 64, n_ff
     patches), LayerNorms, a fused qkv, GELU FFNs, deepstack mergers after `deepstack` layers, the
     2×2 merger MLP."""
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "clip")
-    w.add_string("general.name", path.stem)
-    w.add_string("clip.projector_type", "qwen3vl_merger")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_bool("clip.use_gelu", True)
-    for k, v in {"embedding_length": n_embd, "feed_forward_length": n_ff, "block_count": n_layer,
-                 "projection_dim": n_text, "attention.head_count": n_head, "image_size": image_size,
-                 "patch_size": patch, "spatial_merge_size": 2}.items():
-        w.add_uint32(f"clip.vision.{k}", v)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w = clip_writer(path, "qwen3vl_merger", "gelu",
+                    {"embedding_length": n_embd, "feed_forward_length": n_ff, "block_count": n_layer,
+                     "projection_dim": n_text, "attention.head_count": n_head, "image_size": image_size,
+                     "patch_size": patch, "spatial_merge_size": 2}, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
     w.add_array("clip.vision.is_deepstack_layers", [i in deepstack for i in range(n_layer)])
     mat, vec = random_tensors(w, rng)
     mat("v.patch_embd.weight", n_embd, 3, patch, patch, scale=(6 * patch * patch) ** -0.5)
@@ -228,14 +233,7 @@ def mmproj_qwen3vl(path: Path, *, n_text: int, seed: int, n_embd: int = 64, n_ff
             vec(f"v.deepstack.{i}.fc2.bias", n_text)
     vec("v.post_ln.weight", n_embd, 1.0)
     vec("v.post_ln.bias", n_embd)
-    mat("mm.0.weight", 4 * n_embd, 4 * n_embd)
-    vec("mm.0.bias", 4 * n_embd)
-    mat("mm.2.weight", n_text, 4 * n_embd)
-    vec("mm.2.bias", n_text)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    merger_and_write(w, mat, vec, n_embd, n_text)
     return path
 
 
