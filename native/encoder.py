@@ -138,7 +138,7 @@ class Encoder:
                 up = self._project(x, p + "ffn_up")
                 gate, up = (up[:, :c.n_ff], up[:, c.n_ff:]) if p + "ffn_gate.weight" not in self.w else \
                     (matmul(x, self.w[p + "ffn_gate.weight"]), up)
-                h = self._project(ggml_round.geglu(np.ascontiguousarray(gate), np.ascontiguousarray(up)), p + "ffn_down")
+                h = self._project(kernels.geglu(np.ascontiguousarray(gate), np.ascontiguousarray(up)), p + "ffn_down")
             else:
                 h = self._project(kernels.gelu(self._project(x, p + "ffn_up")), p + "ffn_down")
             x = kernels.layer_norm(h + x, self.v[p + "layer_output_norm.weight"], self.v[p + "layer_output_norm.bias"],
@@ -165,7 +165,7 @@ class Encoder:
                 a[s:e] = self._attend(q[s:e], k[s:e], vv[s:e], c.n_swa // 2 if local else 0)
             x = matmul(a, self.w[p + "attn_output.weight"]) + x
             up = matmul(norm(x, p + "ffn_norm.weight"), self.w[p + "ffn_up.weight"])
-            g = ggml_round.geglu(np.ascontiguousarray(up[:, :c.n_ff]), np.ascontiguousarray(up[:, c.n_ff:]))
+            g = kernels.geglu(np.ascontiguousarray(up[:, :c.n_ff]), np.ascontiguousarray(up[:, c.n_ff:]))
             x = matmul(g, self.w[p + "ffn_down.weight"]) + x
         return norm(x, "output_norm.weight")
 

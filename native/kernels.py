@@ -132,6 +132,16 @@ def gelu(x: np.ndarray, in_place: bool = False) -> np.ndarray:
     return x
 
 
+def geglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """ggml_geglu_split: gelu(g) * u, the GELU by ggml's fp16 table; g (a product's fresh output)
+    is overwritten on the compiled path."""
+    if not _compiled_on:
+        return ggml_round.geglu(g, u)
+    y = gelu(g, in_place=True)
+    y *= u
+    return y
+
+
 def kv_store(t: KVType, x: np.ndarray, out: np.ndarray, rot: int = 0) -> None:
     """Write x (..., head_dim) float32 into `out`, t's elements (..., head_dim / block) — as
     llama.cpp writes a cache row of that type, rotated first by `rot` (kv_types.rotation)."""

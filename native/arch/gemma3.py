@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ggml_round
+from .. import kernels
 from ..kernels import matmul_many
 from .base import MAX_CONTEXT, MAX_LAYERS, Family, check_window
 from .parts import FFN, Layer, NormedAttention, take
@@ -26,7 +26,7 @@ class GeluFFN(FFN):
     def __call__(self, i, x, b):
         g, u = (b.project(x, w) for w in (self.gate, self.up)) if b.adapter is not None \
             else matmul_many(x, [self.gate, self.up])
-        return b.project(ggml_round.geglu(g, u), self.down)
+        return b.project(kernels.geglu(g, u), self.down)
 
 
 @dataclass(kw_only=True)
