@@ -33,6 +33,18 @@ def test_tune_measures_each_size_and_suggests_the_smallest_near_the_best(tuned):
 def test_sizes_that_do_not_fit_are_skipped_and_none_fitting_is_an_error():
     t = tune(tiny_path("qwen2moe"), tokens=2, warmup=1, available=(512 << 20) + 600_000, fractions=(0.1, 1.0))
     assert "skipped" in t["runs"][1] and t["suggested_fraction"] == 0.1
+    # the smallest size asked for gives the cache that was measured (it gave one slot fewer, which
+    # the worker's boot then refused as too small for the experts a token uses)
+    from kiln.native.experts.cache import segment_bytes
+    from kiln.native.experts.store import ExpertStore
+    from kiln.native.gguf_file import read_gguf
+    g = read_gguf(tiny_path("qwen2moe"), skip_arrays=True)
+    store = ExpertStore(tiny_path("qwen2moe"), parts=g.parts)
+    try:
+        slots, _ = segment_bytes(g, store, t["suggested_bytes"])
+        assert slots == max(g.metadata["qwen2moe.expert_used_count"], int(0.1 * 2 * 8))
+    finally:
+        store.close()
     with pytest.raises(ValueError, match="fits in the"):
         tune(tiny_path("qwen2moe"), tokens=2, warmup=1, available=1 << 20)
 

@@ -29,6 +29,12 @@ from .store import ExpertStore
 from .warm import WarmStart
 
 
+def budget_for(slots: int, slot_bytes: int) -> int:
+    """The expert_cache budget that segment_bytes turns into `slots` slots (its inverse): what a
+    measured cache of that many slots is to be asked for (native/models/tune.py)."""
+    return 4096 + slots * (slot_bytes + ENTRY_BYTES)
+
+
 def segment_bytes(g: GGUFFile, store: ExpertStore, budget: int) -> tuple[int, int]:
     """(slots, total bytes) of a cache segment that fits in `budget` bytes — no more slots than
     the model has experts (a budget of 25 % of RAM for a small MoE holds all of them)."""

@@ -61,7 +61,7 @@ def tune(path: Path, *, tokens: int = 32, warmup: int = 8, available: int | None
     hears about each run."""
     import psutil
 
-    from ..experts.cache import ExpertCache
+    from ..experts.cache import ExpertCache, budget_for
     from ..experts.store import ExpertStore, expert_map
     from ..model import load_model
 
@@ -84,8 +84,11 @@ def tune(path: Path, *, tokens: int = 32, warmup: int = 8, available: int | None
     runs = []
     for frac in fractions:
         slots = max(c.n_expert_used, int(total_slots * frac))
-        if slots * slot_bytes > room:
-            runs.append({"fraction": frac, "cache_bytes": slots * slot_bytes, "skipped": "does not fit in available RAM"})
+        # the budget that gives this many slots (a bare slots × slot_bytes gave one slot fewer: a
+        # cache of the smallest size was then refused at the worker's boot as too small)
+        cache_bytes = budget_for(slots, slot_bytes)
+        if cache_bytes > room:
+            runs.append({"fraction": frac, "cache_bytes": cache_bytes, "skipped": "does not fit in available RAM"})
             continue
         cache = ExpertCache(model.gguf, store, slots)
         model.expert_provider = cache
@@ -99,13 +102,13 @@ def tune(path: Path, *, tokens: int = 32, warmup: int = 8, available: int | None
             model.forward([t], kv)
         tok_s = tokens / (time.perf_counter() - t0)
         hits, misses = cache.hits - h0, cache.misses - m0
-        runs.append({"fraction": frac, "cache_bytes": slots * slot_bytes, "tok_s": round(tok_s, 2),
+        runs.append({"fraction": frac, "cache_bytes": cache_bytes, "tok_s": round(tok_s, 2),
                      "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None})
         model.expert_provider = None
         cache.close()
         del cache
         if progress:
-            progress(f"expert cache {frac:.0%} ({slots * slot_bytes / 2**30:.2f} GiB): {tok_s:.2f} tok/s, "
+            progress(f"expert cache {frac:.0%} ({cache_bytes / 2**30:.2f} GiB): {tok_s:.2f} tok/s, "
                      f"hit rate {runs[-1]['hit_rate']}")
     store.close()
     measured = [r for r in runs if "tok_s" in r]
