@@ -239,6 +239,24 @@ def test_hostile_images_are_refused_naming_the_problem(data, message):
         decode(data, "messages[0].content[1]")
 
 
+def thin_png(w: int, h: int) -> bytes:
+    import io
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 10, 10)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("proj", ["qwen25vl", "qwen3vl"])
+def test_a_thin_image_that_would_outgrow_a_qwen_encoder_is_refused(proj):
+    """Resized with each side kept at one block at least, a 400,000×1 image would have become
+    ~14,000 rows wide (its attention quadratic in them): refused naming the field."""
+    enc = load_vision(VISION / f"mmproj-tiny-{proj}.gguf")
+    with pytest.raises(ImageError, match=r"^images\[0\]: 400000×1 pixels is too long and thin"):
+        enc.read(thin_png(400_000, 1), "images[0]")
+    assert enc.read(thin_png(2_000, 10), "images[0]").grid[1] == 1       # long but within the rows
+
+
 def test_image_error_names_the_field():
     with pytest.raises(ImageError, match=r"^images\[2\]: "):
         decode(b"nope", "images[2]")

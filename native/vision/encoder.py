@@ -136,7 +136,7 @@ class VisionEncoder:
 
     def read(self, data: bytes, what: str = "image") -> Tiles:
         """Untrusted bytes to the squares this encoder takes (an ImageError if they are not an image)."""
-        return preprocess(decode(data, what), self.config)
+        return preprocess(decode(data, what), self.config, what)
 
 
 def _as_matrix(g, name: str, rows: int) -> Weight:

@@ -134,11 +134,15 @@ def normalize(img, c: VisionConfig) -> np.ndarray:
     return np.ascontiguousarray(a.transpose(2, 0, 1))
 
 
-def preprocess(img, c: VisionConfig) -> Tiles:
+def preprocess(img, c: VisionConfig, what: str = "image") -> Tiles:
     if c.projector == "gemma3":
         return Tiles([normalize(_fit(img, (c.image_size, c.image_size), "bilinear"), c)])
     if c.dynamic:
         tw, th = smart_size(*img.size, 2 * c.patch_size, c.min_pixels, c.max_pixels)
+        if tw * th > c.max_pixels:     # a side floored at one block: a 1,000,000×1 image became 1,792,000×28
+            raise ImageError(f"{what}: {img.size[0]}×{img.size[1]} pixels is too long and thin for this model "
+                             f"(it would be {tw // (2 * c.patch_size)}×{th // (2 * c.patch_size)} rows, over "
+                             f"its {c.max_pixels // (2 * c.patch_size) ** 2}); crop it")
         side = 2 * c.patch_size                    # the grid: text rows across and down
         return Tiles([normalize(_fit(img, (tw, th), "bicubic"), c)], (tw // side, th // side))
     return _idefics3(img, c)
