@@ -84,12 +84,17 @@ class KVCache:
         cap = min(self.max_tokens, max(total, self._cap + _CHUNK, -(-total // _CHUNK) * _CHUNK))
         # a recurrent layer keeps a state instead of keys and values: no room for it
         skip = set(self._recurrent_shapes) | set(self._windows) | (set(range(self.n_layer)) - set(self.held))
-        new_k = [self._rows(self.k_type, 0 if i in skip else cap) for i in range(self.n_layer)]
-        new_v = [self._rows(self.v_type, 0 if i in skip else cap) for i in range(self.n_layer)]
-        for old, new in zip(self._k + self._v, new_k + new_v):
-            if len(new):
-                new[:self.n] = old[:self.n]
-        self._k, self._v = new_k, new_v
+        # one buffer at a time, each old one let go as soon as it is copied: the cache's peak is
+        # its size plus one layer's, not twice its size (all new buffers beside all old ones)
+        for bufs, t in ((self._k, self.k_type), (self._v, self.v_type)):
+            for i in range(self.n_layer):
+                new = self._rows(t, 0 if i in skip else cap)
+                if i < len(bufs):
+                    if len(new):
+                        new[:self.n] = bufs[i][:self.n]
+                    bufs[i] = new
+                else:
+                    bufs.append(new)
         self._cap = cap
 
     def _rows(self, t, n: int) -> np.ndarray:
