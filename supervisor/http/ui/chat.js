@@ -118,11 +118,18 @@ async function loadList() {
 }
 
 async function open(name) {
-  const doc = await json(`/v1/sessions/${encodeURIComponent(name)}`);
-  current = { name, title: doc.title || "", model: doc.model || "", adapter: doc.adapter || "", params: Object.assign({}, DEFAULTS, doc.params || {}),
-              messages: doc.messages || [], branched_from: doc.branched_from || null, saved: true };
-  localStorage.setItem("kiln-chat", name);
-  render();
+  // the name box is the one being opened's only once it has come: typed into before (a slow
+  // daemon), the text would be overwritten by its name and a rename silently not made
+  $("#name").disabled = true;
+  try {
+    const doc = await json(`/v1/sessions/${encodeURIComponent(name)}`);
+    current = { name, title: doc.title || "", model: doc.model || "", adapter: doc.adapter || "", params: Object.assign({}, DEFAULTS, doc.params || {}),
+                messages: doc.messages || [], branched_from: doc.branched_from || null, saved: true };
+    localStorage.setItem("kiln-chat", name);
+    render();
+  } finally {
+    $("#name").disabled = false;
+  }
   checkVision();
 }
 
