@@ -151,8 +151,8 @@ def test_search_rename_export_import_and_delete(served, page, tmp_path):
     expect(page.locator("#search")).to_have_value("zeppelin")
     expect(page.locator("#message")).to_have_value("")
     expect(page.locator("#list li")).to_have_count(1)
-    # a slow daemon: while the chosen conversation comes, its name box takes no typing (what was
-    # typed there would be overwritten by the name when it came, and the rename silently not made)
+    # a slow daemon: while the chosen conversation comes, the boxes it fills take no typing (what
+    # was typed would be overwritten when it came: the rename silently not made)
     opening = []
     page.route("**/v1/sessions/findme", lambda route: opening.append(route))
     page.locator('#list li[data-name="findme"] button').click()
@@ -160,7 +160,8 @@ def test_search_rename_export_import_and_delete(served, page, tmp_path):
     deadline = time.monotonic() + 10
     while not opening and time.monotonic() < deadline:
         page.wait_for_timeout(20)
-    expect(page.locator("#name")).to_be_disabled()
+    for box in ("#name", "#system", "#model", "#temperature"):
+        expect(page.locator(box)).to_be_disabled()
     page.unroute("**/v1/sessions/findme")
     opening[0].continue_()
     expect(page.locator("#name")).to_have_value("findme")

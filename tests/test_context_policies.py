@@ -172,7 +172,7 @@ def test_a_prompt_comes_back_from_the_disk_cache_after_its_worker_is_killed(serv
     assert status == 200, again
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 64 - (64 if first["usage"]["prompt_tokens"] % 64 == 0 else 0)
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
-    # The worker's counters reach the supervisor with its next heartbeat, not with the answer.
+    # The worker's counters reach the supervisor with its next stats poll, not with the answer.
     served.wait(lambda s: _prefix(served).get("hits_disk", 0) >= blocks - 1, timeout=30,
                 what="the disk hits counted in the worker's stats")
 

@@ -4,6 +4,7 @@
 "use strict";
 
 const DEFAULTS = { temperature: null, top_p: null, max_tokens: null };
+const FORM = ["#name", "#system", "#model", "#adapter", ...Object.keys(DEFAULTS).map((k) => `#${k}`)];   // what render() fills
 let current = null;              // {name, title, model, params, messages, branched_from, saved}
 let controller = null;           // aborts the answer being streamed
 let models = [];
@@ -118,9 +119,10 @@ async function loadList() {
 }
 
 async function open(name) {
-  // the name box is the one being opened's only once it has come: typed into before (a slow
-  // daemon), the text would be overwritten by its name and a rename silently not made
-  $("#name").disabled = true;
+  // the boxes render() fills are the one being opened's only once it has come: typed into before
+  // (a slow daemon), what was typed would be overwritten — a rename silently not made, a setting
+  // saved into the conversation left behind
+  for (const id of FORM) $(id).disabled = true;
   try {
     const doc = await json(`/v1/sessions/${encodeURIComponent(name)}`);
     current = { name, title: doc.title || "", model: doc.model || "", adapter: doc.adapter || "", params: Object.assign({}, DEFAULTS, doc.params || {}),
@@ -128,7 +130,7 @@ async function open(name) {
     localStorage.setItem("kiln-chat", name);
     render();
   } finally {
-    $("#name").disabled = false;
+    for (const id of FORM) $(id).disabled = false;
   }
   checkVision();
 }
