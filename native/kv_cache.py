@@ -121,7 +121,16 @@ class KVCache:
         an absolute position off and `start` = n - off is the first new row's index in them.
         Positions no query from n on can see (before n - window + 1) are dropped first, so the
         layer holds at most window + T rows: memory bounded by the window, not the context."""
-        T, W = k.shape[0], self._windows[layer]
+        T = k.shape[0]
+        kb, vb, start = self.window_room(layer, T)
+        self._write(kb, vb, start, k, v)
+        return kb[:start + T], vb[:start + T], start
+
+    def window_room(self, layer: int, T: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """A sliding-window layer's whole key and value buffers with room for T new rows from
+        index `start` (position n), the rows no query from n on can see dropped — for
+        store_window, or a compiled step that writes the rows itself."""
+        W = self._windows[layer]
         off = self._off[layer]
         # drop whole groups of 8 positions: the attention kernels sum scores and values in lanes
         # by position mod 8, so the rows kept are summed exactly as with nothing dropped
@@ -138,10 +147,8 @@ class KVCache:
             kb, vb = self._wk[layer], self._wv[layer] = nk, nv
         elif drop > 0:
             kb[:have - drop], vb[:have - drop] = kb[drop:have].copy(), vb[drop:have].copy()
-        off = self._off[layer] = keep_from
-        start = self.n - off
-        self._write(kb, vb, start, k, v)
-        return kb[:start + T], vb[:start + T], start
+        self._off[layer] = keep_from
+        return kb, vb, self.n - keep_from
 
     def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The whole key and value arrays of `layer` (capacity, Hkv, elements), for a compiled step

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from . import ggml_round, kernels
+from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention
 from .arch.smollm3 import NoRopeAttention
 from .experts.source import StreamedExperts
@@ -109,7 +110,14 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
     their (E, 3) addresses in the cache (0: not resident), and where the chosen go; False when
     a chosen one was not resident and the FFN is left to the caller."""
     c, a, f = b.config, L.attn, L.ffn
-    seqs = [(*cache.layer_buffers(i), pos) for cache, pos in rows]
+    if a.window:              # a sliding-window layer's own buffers, rows indexed from their start
+        seqs = []
+        for cache, start, end in b.segments:
+            kb, vb, at = cache.window_room(i, end - start)
+            seqs += [(kb, vb, at + r) for r in range(end - start)]
+    else:
+        seqs = [(*cache.layer_buffers(i), pos) for cache, pos in rows]
+    gemma = isinstance(L, Gemma3Layer)
     if ffn == "dense":
         spec = (L.ffn_norm, f.gate.raw, f.up.raw, int(f.gate.qtype), f.down.raw, int(f.down.qtype), f.gate.shape[0])
     elif ffn == "moe":
@@ -118,13 +126,16 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
                 c.n_expert_used, c.expert_weights_norm, *experts)
     else:
         spec = None
+    cos, sin = b.rope(a.rope_base)
     return kernels.compiled_module().decode_layer(
         x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), (int(a.wq.qtype), int(a.wv.qtype)),
-        a.wo.raw, int(a.wo.qtype), seqs, b.cos, b.sin, c.n_head, c.n_head_kv,
+        a.wo.raw, int(a.wo.qtype), seqs, cos, sin, c.n_head, c.n_head_kv,
         c.head_dim, 0 if isinstance(a, NoRopeAttention) else c.rope_dim, c.rope_style != "normal", spec, 0, (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml),
         *b.attn_scales, lora_table(i, b, ffn == "dense") if b.any_adapter else None,
         (a.q_norm, a.k_norm) if isinstance(a, NormedAttention) else None,
-        (a.bq, a.bk, a.bv) if isinstance(a, BiasedAttention) else None)
+        (a.bq, a.bk, a.bv) if isinstance(a, BiasedAttention) else None, a.window,
+        (L.post_attn_norm, L.post_ffn_norm) if gemma else None,
+        ggml_round.gelu_table() if isinstance(f, GeluFFN) else None)
 
 
 # a LoRA on each projection of a row, as csrc/kiln.h's LoraPair: float32 A and B by address
@@ -186,16 +197,22 @@ def one_call(L, c) -> str | None:
     """How the one-call decode takes a layer: "dense" (llama attention and a dense FFN), "moe"
     (and routed experts without a shared one), "attention" (the FFN through its blocks), or None.
     The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases,
-    qwen3's per-head q/k norm or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions) — no
-    window — so only a `Layer` of exactly those parts qualifies, with weights the extension
-    multiplies: q and k of one type (v may have its own), gate/up of one type."""
-    if not kernels.one_call_decode() or type(L) is not Layer or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention):
+    qwen3's per-head q/k norm or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
+    and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
+    a GELU-gated FFN — in the call only) — so only a `Layer` of exactly those parts qualifies,
+    with weights the extension multiplies: q and k of one type (v may have its own), gate/up of
+    one type."""
+    if not kernels.one_call_decode() or type(L) not in (Layer, Gemma3Layer) \
+            or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention):
         return None
     a, f = L.attn, L.ffn
-    if a.window or a.rope_base is not None or not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) \
-            or a.wq.qtype != a.wk.qtype:
+    if not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) or a.wq.qtype != a.wk.qtype:
         return None
-    if type(f) is FFN and all(_compiled(w) for w in (f.gate, f.up, f.down)) and f.gate.qtype == f.up.qtype:
+    dense = all(_compiled(w) for w in (f.gate, f.up, f.down)) and f.gate.qtype == f.up.qtype \
+        if type(f) in (FFN, GeluFFN) else False
+    if type(L) is Gemma3Layer or type(f) is GeluFFN:      # its norms and GELU exist only inside the call
+        return "dense" if dense and type(L) is Gemma3Layer else None
+    if dense:
         return "dense"
     if type(f) is MoE and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
             and all(_compiled(w) for w in (f.gate_exps, f.up_exps, f.down_exps)) \

@@ -228,12 +228,15 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
 
 
 @pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "attention"), ("qwen3", "dense"),
-                                         ("qwen3moe", "moe"), ("smollm3", "dense")])
+                                         ("qwen3moe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
+                                         ("phi3", "dense")])
 def test_families_decode_in_one_call(arch, how):
-    """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm and smollm3's layers without RoPE are
-    part of the compiled layer: their decode steps (solo, batched, a short run) take the one call
-    — a fall back to the blocks fails here — with the blocks' bits; qwen2moe's shared-expert FFN
-    runs through its blocks after it."""
+    """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's
+    sliding windows (16 positions in the tiny file: the 19-token prompt and the steps after it
+    drop keys) with their own rope base, post-block norms and GELU FFN, and phi3's split
+    projections are part of the compiled layer: their decode steps (solo, batched, a short run)
+    take the one call — a fall back to the blocks fails here — with the blocks' bits; qwen2moe's
+    shared-expert FFN runs through its blocks after it."""
     m = load_model(tiny_path(arch))
     assert [r.kind for r in m.runners] == [f"one call ({how})"] * len(m.layers)
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73], [2, 4, 8, 16]]

@@ -76,3 +76,37 @@ def test_a_prompt_chunk_riding_with_other_adapters_keeps_its_bits(default_model)
     together = default_model.forward_runs([([314], c1), (chunk, c2)], [a1, a2])
     assert np.array_equal(together[0], default_model.forward([314], d1, adapter=a1))
     assert np.array_equal(together[1], default_model.forward(chunk, d2, adapter=a2))
+
+
+def test_gemma3_layers_with_adapters_keep_the_blocks_bits():
+    """gemma3's one call (sliding window, post-block norms, GELU FFN) adds each row's adapter to
+    the FFN's gate and up before the GELU, as its blocks do: mixed adapters, the blocks' bits."""
+    from conftest import tiny_path
+
+    from kiln.native.lora import Adapter, base_names
+    from kiln.native.model import load_model
+    m = load_model(tiny_path("gemma3"))
+    assert {r.kind for r in m.runners} == {"one call (dense)"}
+
+    def gemma_adapter(seed):          # Kiln trains no gemma3 adapter, but serves llama.cpp's
+        rng = np.random.default_rng(seed)
+        shapes = {n: m.gguf.tensor(n).shape for n in base_names(m.config.n_layer, LoraConfig(8, 16.0).targets)}
+        return Adapter("gemma3", 16.0, {n: (rng.normal(0, 0.1, (8, i)).astype(np.float32),
+                                            rng.normal(0, 0.1, (o, 8)).astype(np.float32)) for n, (o, i) in shapes.items()})
+    a1, a2 = gemma_adapter(1), gemma_adapter(2)
+    prompt, steps = list(range(3, 24)), [40, 41, 42, 43, 44]       # past the tiny file's 16-token window
+
+    def run(blocks):
+        saved = m.runners
+        if blocks:
+            m.runners = runners.blocks_runners(m.layers)
+        try:
+            caches = [m.new_cache(64) for _ in range(3)]
+            for c, ad in zip(caches, (a1, None, a2)):
+                m.forward(prompt, c, adapter=ad)
+            return np.stack([m.forward_runs([([t], c) for c in caches], [a1, None, a2]) for t in steps])
+        finally:
+            m.runners = saved
+    fast = run(False)
+    assert np.array_equal(fast, run(True))
+    assert not np.array_equal(fast[:, 0], fast[:, 1]), "the adapter must change the logits"

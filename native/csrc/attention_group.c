@@ -139,7 +139,7 @@ void attn_group_free(AttnGroupPlan *p) {
  * decode whose KV heads do not divide among the threads — each (row, KV head) in phases: scores
  * by positions, the softmax, the value lanes by halves (every piece a whole task's arithmetic). */
 void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H, int Hkv, int D, int f16,
-                     float scale, int split, int nt) {
+                     float scale, int split, int nt, int win) {
     int G = H / Hkv;
     size_t ks = (size_t)Hkv * D, esz = f16 ? 2 : 4;
     AttnQuery *qs = p->qs;
@@ -154,7 +154,7 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
                               scale);
         }
         #pragma omp for schedule(static)
-        for (int grp = 0; grp < B * Hkv; grp++) attn_group_softmax(qs + (size_t)grp * G, G, f16, 0);
+        for (int grp = 0; grp < B * Hkv; grp++) attn_group_softmax(qs + (size_t)grp * G, G, f16, win);
         #pragma omp for schedule(static)
         for (int c = 0; c < B * Hkv * 2; c++) {
             int grp = c / 2, b = grp / Hkv, kh = grp % Hkv, i0 = 4 * (c % 2);
@@ -171,7 +171,7 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
         for (int b = b0; b < b1; b++)
             for (int g = 0; g < G; g++) grp[nq++] = qs[(size_t)b * H + kh * G + g];
         attn_group_scores(grp, nq, (const uint8_t *)rows[b0].k + kh * D * esz, ks, D, f16, 0, rows[b1 - 1].pos + 1, scale);
-        attn_group_softmax(grp, nq, f16, 0);
+        attn_group_softmax(grp, nq, f16, win);
         attn_group_values(grp, nq, (const uint8_t *)rows[b0].v + kh * D * esz, ks, D, f16, 0, 8);
         attn_group_reduce(grp, nq, D);
     }

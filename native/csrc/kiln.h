@@ -326,6 +326,10 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     const float *bq, *bk, *bv;      /* q, k and v biases (qwen2), added after the products; NULL: none */
     const LoraPair *lora;     /* NULL, or B x LORA_TARGETS: row b's adapter on each projection
                                  (a == NULL: none) — each sequence its own, as S-LoRA batches them */
+    int win;                  /* > 0: a sliding-window layer (gemma3) — keys before pos - win + 1 masked */
+    const float *post_attn_norm, *post_ffn_norm;   /* gemma3: each block's output RMS-normed before
+                                                      the residual add; NULL: not */
+    const float *gelu_table;  /* a dense FFN gated by ggml's fp16-table GELU (gemma3), not SwiGLU; NULL: SwiGLU */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */
@@ -342,7 +346,7 @@ AttnGroupPlan *attn_group_plan(const DecodeRow *rows, int B, int H, int D, int S
 void attn_group_free(AttnGroupPlan *p);
 #ifdef KILN_X86
 void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H, int Hkv, int D, int f16,
-                     float scale, int split, int nt);
+                     float scale, int split, int nt, int win);
 #endif
 
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);

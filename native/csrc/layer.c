@@ -193,7 +193,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             }
         }
         if (grouped) {
-            attn_group_rows(gp, rows, B, H, Hkv, D, kv_f16, scale, split, nt);
+            attn_group_rows(gp, rows, B, H, Hkv, D, kv_f16, scale, split, nt, L->win);
         } else if (split) {
             /* a long decode with heads that do not divide among the threads (9 on 2): each
                (row, head) dealt in phases — scores by positions, the softmax whole, the value
@@ -209,12 +209,12 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 #pragma omp for schedule(static)
                 for (int task = 0; task < B * H; task++)
                     attn_kv_fa_pass(rowbuf + (size_t)task * (S + 8), rows[task / H].v, L->vt, task % H, H, Hkv, D,
-                                    rows[task / H].pos + 1, 0, NULL, att + (size_t)task * D);
+                                    rows[task / H].pos + 1, L->win, NULL, att + (size_t)task * D);
             } else {
                 #pragma omp for schedule(static)
                 for (int task = 0; task < B * H; task++) {
                     float *row = rowbuf + (size_t)task * (S + 8);
-                    attn_kv_softmax(row, rows[task / H].pos + 1, 0, NULL, L->vt);
+                    attn_kv_softmax(row, rows[task / H].pos + 1, L->win, NULL, L->vt);
                 }
                 #pragma omp for schedule(static)
                 for (int c = 0; c < B * H * 2; c++) {
@@ -231,9 +231,9 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++) {
                 int b = task / H;
-                if (!plain) attn_task_kv(q, rows[b].k, rows[b].v, L->kt, L->vt, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
-                else if (kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
-                else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, 0, NULL);
+                if (!plain) attn_task_kv(q, rows[b].k, rows[b].v, L->kt, L->vt, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, NULL);
+                else if (kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, NULL);
+                else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, NULL);
             }
         }
         #pragma omp for schedule(static)
@@ -243,6 +243,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *xb = x + (size_t)b * n, *ob = o + (size_t)b * n;
+            if (L->post_attn_norm) rms_row(ob, L->post_attn_norm, ob, n, L->eps);
             for (int i = 0; i < n; i++) xb[i] = xb[i] + ob[i];
             if (L->ffn) { rms_row(xb, L->ffn_norm, f + (size_t)b * n, n, L->eps); act_row(&ag, b, n); }
         }
@@ -254,13 +255,21 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             }
             #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
-                swiglu_row(g + (size_t)b * n_ff, u + (size_t)b * n_ff, n_ff);
+                float *gb = g + (size_t)b * n_ff, *ub = u + (size_t)b * n_ff;
+                if (L->gelu_table) {          /* ggml_geglu_split: gelu(g) * u */
+                    gelu_rows(gb, (size_t)n_ff, L->gelu_table);
+                    for (int i = 0; i < n_ff; i++) gb[i] = gb[i] * ub[i];
+                } else swiglu_row(gb, ub, n_ff);
                 act_row(&ad, b, n_ff);
             }
             rows_dot(&ad, B, n_ff, L->wd_t, &td, 1, Wd, Nd, Od);
             if (L->lora) lora_rows(L, LORA_DOWN, g, n_ff, dn, n, B, ltmp, lrmax);
-            #pragma omp single
-            for (size_t i = 0; i < (size_t)B * n; i++) x[i] = x[i] + dn[i];
+            #pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                float *xb = x + (size_t)b * n, *db = dn + (size_t)b * n;
+                if (L->post_ffn_norm) rms_row(db, L->post_ffn_norm, db, n, L->eps);
+                for (int i = 0; i < n; i++) xb[i] = xb[i] + db[i];
+            }
         } else if (moe && L->xtab) {
             /* streamed experts: route every row first; if a chosen expert is not resident, leave
                the FFN to the caller (x holds the attention's residual, as FFN_NONE leaves it) */

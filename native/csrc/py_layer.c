@@ -7,17 +7,19 @@
 
 /* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), (qk_type, v_type), wo, wo_type,
  *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
- *              (kt, vt))
+ *              (kt, vt), q_scale, kq_scale, lora, (q_norm, k_norm), (bq, bk, bv), window,
+ *              (post_attn_norm, post_ffn_norm), gelu_table)
  *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
  *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff).
  * One decode step of B sequences through one layer (csrc/layer.c). Each sequence's K/V caches
  * (capacity x Hkv rows of D values of ggml types kt and vt: F32, F16, Q8_0, Q4_0) get its position written; attention reads
- * positions 0..pos. */
+ * positions 0..pos (pos - window + 1..pos with a window: a sliding-window layer's own buffer). */
 #define MAX_BATCH 64
-typedef struct { Py_buffer b[2 * MAX_BATCH + 16]; int n; } Held;
+typedef struct { Py_buffer b[2 * MAX_BATCH + 32]; int n; } Held;    /* each row's K and V, and the layer's (25 at most) */
 
 static Py_buffer *hold(Held *h, PyObject *o, int writable) {
+    if (h->n >= (int)(sizeof h->b / sizeof h->b[0])) { PyErr_SetString(PyExc_ValueError, "decode_layer: too many buffers"); return NULL; }
     Py_buffer *b = &h->b[h->n];
     if (PyObject_GetBuffer(o, b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
     h->n++;
@@ -25,13 +27,14 @@ static Py_buffer *hold(Held *h, PyObject *o, int writable) {
 }
 
 PyObject *py_decode_layer(PyObject *self, PyObject *args) {
-    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None, *biaso = Py_None;
+    PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None, *biaso = Py_None,
+             *posto = Py_None, *geluo = Py_None;
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOOiOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
-                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso))
+                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso, &L.win, &posto, &geluo))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -135,6 +138,27 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "decode_layer: a bias is not its projection's size"); goto done;
         }
         L.bq = bqb->buf; L.bk = bkb->buf; L.bv = bvb->buf;
+    }
+    if (L.win < 0) { PyErr_Format(PyExc_ValueError, "decode_layer: a sliding window of %d positions", L.win); goto done; }
+    if (posto != Py_None) {                   /* (post_attn_norm, post_ffn_norm): float32 (n) each (gemma3) */
+        PyObject *pao, *pfo;
+        Py_buffer *pab, *pfb;
+        if (L.ffn != FFN_DENSE) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: post-block norms need the dense FFN in the call"); goto done;
+        }
+        if (!PyArg_ParseTuple(posto, "OO", &pao, &pfo) || !(pab = hold(h, pao, 0)) || !(pfb = hold(h, pfo, 0))) goto done;
+        if ((size_t)pab->len != (size_t)n * 4 || (size_t)pfb->len != (size_t)n * 4) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: a post-block norm is not n_embd floats"); goto done;
+        }
+        L.post_attn_norm = pab->buf; L.post_ffn_norm = pfb->buf;
+    }
+    if (geluo != Py_None) {                   /* ggml's GELU table: 65,536 float32 */
+        Py_buffer *gtb = hold(h, geluo, 0);
+        if (!gtb) goto done;
+        if ((size_t)gtb->len != 65536 * 4 || L.ffn != FFN_DENSE) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: the GELU table is 65,536 floats, for a dense FFN"); goto done;
+        }
+        L.gelu_table = gtb->buf;
     }
     if (lorao != Py_None) {
         /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
