@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from . import ggml_round
+from . import blas_threads, ggml_round
 from .gguf_file import GGUFError, GGUFFile, TensorInfo
 from .kv_types import KVType, decode, encode, kv_type, rotation
 
@@ -44,6 +44,7 @@ except ImportError:          # built without a C compiler: the numpy path serves
 COMPILED_TYPES = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)) if _C else frozenset()
 _compiled_on = _C is not None and os.environ.get("KILN_NATIVE_KERNELS", "1") != "0"
+blas_threads.for_engine(_compiled_on)
 
 
 def use_compiled(on: bool) -> bool:
@@ -51,6 +52,7 @@ def use_compiled(on: bool) -> bool:
     (KILN_NATIVE_KERNELS=0 starts on the numpy path.)"""
     global _compiled_on
     previous, _compiled_on = _compiled_on, bool(on) and _C is not None
+    blas_threads.for_engine(_compiled_on)
     return previous
 
 

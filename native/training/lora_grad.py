@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import blas_threads
 from ..arch.parts import BiasedAttention, NormedAttention
 from ..lora import TRAINABLE_ARCHS, AdapterError
 
@@ -127,6 +128,7 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+@blas_threads.all_threads()       # numpy-bound: every BLAS thread (the engine keeps one)
 def loss_and_grads(base: FrozenBase, lora: dict, scale: float, tokens, targets, grads: dict,
                    weight=1.0) -> tuple[float, int]:
     """Cross-entropy of predicting tokens[j] at position j - 1 for every j in `targets`.
