@@ -44,8 +44,11 @@ class Shape:
     ctx: int
     rope_base: float
     tied: bool = True            # the LM head is the token embedding (no output.weight)
-    sliding_window: int = 0      # gemma3's local layers
+    sliding_window: int = 0      # gemma3's local layers, gpt-oss's alternate ones
     note: str = ""
+    experts: tuple = ()          # (count, used, expert FFN width, shared expert FFN width or 0)
+    delta_net: tuple = ()        # qwen35: (key heads, key head size, value heads, value head size)
+    rope_dim: int = 0            # rotated dimensions when not all of head_dim (qwen35: a quarter)
 
 
 SHAPES: dict[str, Shape] = {
@@ -56,10 +59,20 @@ SHAPES: dict[str, Shape] = {
     "gemma-3-1b": Shape("gemma3", 1152, 26, 6912, 4, 1, 256, 262144, 32768, 1000000.0, sliding_window=512),
     "phi-3-mini-8l": Shape("phi3", 3072, 8, 8192, 32, 32, 96, 32064, 4096, 10000.0, tied=False,
                            note="Phi-3-mini's layer at 8 of its 32 layers"),
+    # Qwen 3.5: three gated delta-net layers, then one of gated full attention (q and its gate)
+    "qwen3.5-0.8b": Shape("qwen35", 1024, 24, 3584, 8, 2, 256, 248320, 262144, 10000000.0,
+                          delta_net=(16, 128, 16, 128), rope_dim=64),
+    "qwen3.5-35b-a3b-4l": Shape("qwen35moe", 2048, 4, 512, 16, 2, 256, 248320, 262144, 10000000.0, tied=False,
+                                delta_net=(16, 128, 32, 128), rope_dim=64, experts=(256, 8, 512, 512),
+                                note="Qwen3.5-35B-A3B's layers at 4 of its 40 (3 delta-net, 1 attention)"),
+    "gpt-oss-20b-2l": Shape("gpt-oss", 2880, 2, 2880, 64, 8, 64, 201088, 131072, 150000.0, tied=False,
+                            sliding_window=128, experts=(32, 4, 2880, 0),
+                            note="gpt-oss-20b's layers at 2 of its 24 (one sliding-window, one full)"),
 }
 
-# llama.cpp's file types, by the names people use (llama_cpp.LLAMA_FTYPE_MOSTLY_*)
-QUANTS = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0")
+# llama.cpp's file types, by the names people use (llama_cpp.LLAMA_FTYPE_MOSTLY_*); MXFP4_MOE puts
+# the experts in MXFP4 and the rest in Q8_0, as gpt-oss is released
+QUANTS = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "MXFP4_MOE")
 
 
 def tensors(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -71,6 +84,9 @@ def tensors(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(s.n_layer):
         b = f"blk.{i}."
         out.append((b + "attn_norm.weight", (s.n_embd,)))
+        if s.arch in ("qwen35", "qwen35moe", "gpt-oss"):
+            out += _newer_layer(s, i, b)
+            continue
         if s.arch == "phi3":
             out += [(b + "attn_qkv.weight", (q + 2 * kv, s.n_embd)), (b + "attn_output.weight", (s.n_embd, q)),
                     (b + "ffn_norm.weight", (s.n_embd,)), (b + "ffn_up.weight", (2 * s.n_ff, s.n_embd)),
@@ -91,6 +107,47 @@ def tensors(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     if not s.tied:
         out.append(("output.weight", (s.vocab, s.n_embd)))
     return out
+
+
+def _newer_layer(s: Shape, i: int, b: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A Qwen 3.5 or gpt-oss layer's tensors after its attn_norm, as llama.cpp's loader wants them."""
+    n, q, kv = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if s.arch == "gpt-oss":
+        for t, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            out += [(b + t + ".weight", (rows, n)), (b + t + ".bias", (rows,))]
+        out += [(b + "attn_output.weight", (n, q)), (b + "attn_output.bias", (n,)), (b + "attn_sinks.weight", (s.n_head,))]
+    elif i % 4 == 3:                                    # full attention: q with its output gate
+        out += [(b + "attn_q.weight", (2 * q, n)), (b + "attn_k.weight", (kv, n)), (b + "attn_v.weight", (kv, n)),
+                (b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,)),
+                (b + "attn_output.weight", (n, q))]
+    else:                                               # gated delta net
+        hk, dk, hv, dv = s.delta_net
+        conv = 2 * hk * dk + hv * dv
+        out += [(b + "attn_qkv.weight", (conv, n)), (b + "attn_gate.weight", (hv * dv, n)),
+                (b + "ssm_conv1d.weight", (conv, 4)), (b + "ssm_dt.bias", (hv,)), (b + "ssm_a", (hv,)),
+                (b + "ssm_beta.weight", (hv, n)), (b + "ssm_alpha.weight", (hv, n)), (b + "ssm_norm.weight", (dv,)),
+                (b + "ssm_out.weight", (n, hv * dv))]
+    out.append((b + "post_attention_norm.weight", (n,)))
+    if not s.experts:
+        return out + [(b + "ffn_gate.weight", (s.n_ff, n)), (b + "ffn_up.weight", (s.n_ff, n)),
+                      (b + "ffn_down.weight", (n, s.n_ff))]
+    E, _, ff, shared = s.experts
+    out += [(b + "ffn_gate_inp.weight", (E, n)), (b + "ffn_gate_exps.weight", (E, ff, n)),
+            (b + "ffn_up_exps.weight", (E, ff, n)), (b + "ffn_down_exps.weight", (E, n, ff))]
+    if s.arch == "gpt-oss":
+        out += [(b + "ffn_gate_inp.bias", (E,)), (b + "ffn_gate_exps.bias", (E, ff)),
+                (b + "ffn_up_exps.bias", (E, ff)), (b + "ffn_down_exps.bias", (E, n))]
+    if shared:
+        out += [(b + "ffn_gate_inp_shexp.weight", (n,)), (b + "ffn_gate_shexp.weight", (shared, n)),
+                (b + "ffn_up_shexp.weight", (shared, n)), (b + "ffn_down_shexp.weight", (n, shared))]
+    return out
+
+
+def _f32(tname: str) -> bool:
+    """Kept in float32 (as converters write them; the quantizer leaves them so): vectors, biases,
+    the router, the short convolution."""
+    return tname.endswith((".bias", "_sinks.weight", "ssm_a", "ssm_conv1d.weight", "ffn_gate_inp.weight"))
 
 
 def vocabulary(n: int) -> dict:
@@ -165,6 +222,26 @@ def write_f16(name: str, s: Shape, path: Path, seed: int = 0) -> None:
         w.add_rope_dimension_count(s.head_dim)
     if s.sliding_window:
         w.add_sliding_window(s.sliding_window)
+    if s.experts:
+        w.add_expert_count(s.experts[0])
+        w.add_expert_used_count(s.experts[1])
+        w.add_expert_feed_forward_length(s.experts[2])
+        if s.experts[3]:
+            w.add_expert_shared_feed_forward_length(s.experts[3])
+    if s.delta_net:                                      # qwen35: its delta nets and M-RoPE sections
+        hk, dk, hv, dv = s.delta_net
+        w.add_rope_dimension_count(s.rope_dim)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(dk)
+        w.add_ssm_group_count(hk)
+        w.add_ssm_time_step_rank(hv)
+        w.add_ssm_inner_size(hv * dv)
+        w.add_uint32(f"{a}.full_attention_interval", 4)
+    if a == "gpt-oss":                                   # YaRN to 128k, as released
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(v["pre"])
     w.add_token_list(v["tokens"])
@@ -176,7 +253,7 @@ def write_f16(name: str, s: Shape, path: Path, seed: int = 0) -> None:
     w.add_chat_template(v["template"])
     specs = tensors(s)
     for tname, shape in specs:
-        dtype = np.float32 if len(shape) == 1 else np.float16
+        dtype = np.float32 if len(shape) == 1 or _f32(tname) else np.float16
         w.add_tensor_info(tname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -185,12 +262,15 @@ def write_f16(name: str, s: Shape, path: Path, seed: int = 0) -> None:
     for tname, shape in specs:
         if tname == "rope_freqs.weight":
             arr = rope_factors(s)
+        elif tname.endswith(("ssm_a", ".bias", "_sinks.weight")):
+            arr = np.full(shape, -1.0 if tname.endswith("ssm_a") else 0.0, np.float32)   # decay -1; no offsets
         elif len(shape) == 1:
             arr = np.ones(shape, np.float32)             # norms: identity (gemma's stored weights are 1 + w)
         else:
-            arr = np.empty(shape, np.float16)
-            for r0 in range(0, shape[0], 4096):          # in slices: bounded float32 scratch
-                arr[r0:r0 + 4096] = rng.standard_normal((min(4096, shape[0] - r0), shape[1]), np.float32) * STD
+            arr = np.empty(shape, np.float32 if _f32(tname) else np.float16)
+            flat = arr.reshape(-1, shape[-1])
+            for r0 in range(0, flat.shape[0], 4096):     # in slices: bounded float32 scratch
+                flat[r0:r0 + 4096] = rng.standard_normal((min(4096, flat.shape[0] - r0), shape[-1]), np.float32) * STD
         w.write_tensor_data(arr)
         done += arr.size
         print(f"\r  {path.name}: {done / total:6.1%} ({time.time() - t0:.0f} s)", end="", file=sys.stderr)

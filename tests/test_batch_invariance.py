@@ -253,3 +253,22 @@ def test_families_decode_in_one_call(arch, how):
         return np.concatenate([np.array(out).reshape(-1, run.shape[-1]), run])
     fused, stepwise = _fused_and_stepwise(m, decode)
     assert np.array_equal(fused, stepwise)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "qwen35moe", "olmoe"])
+def test_a_prompts_routed_ffn_in_one_call_is_the_expert_loops_bits(arch):
+    """A prompt's routed experts in one compiled call (csrc/moe_rows.c) against the step-by-step
+    loop over experts (blocks.moe_ffn): every row's bits, whatever rows each expert gets."""
+    from kiln.native.blocks import moe_ffn, route, swiglu_ffn
+    from kiln.native.experts.source import IN_RAM, _compiled_ffn
+    m = load_model(tiny_path(arch))
+    assert all(_compiled_ffn(L.ffn) for L in m.layers), "the one call must take these experts"
+    c, rng = m.config, np.random.default_rng(3)
+    for T in (2, 5, 37):
+        for L in m.layers:
+            moe = L.ffn
+            x = rng.standard_normal((T, c.n_embd)).astype(np.float32)
+            experts, weights = route(x, moe.router, c.n_expert_used, c.expert_weights_norm)
+            one_call = IN_RAM.ffn(0, moe, x, experts, weights)
+            loop = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *moe.expert(e)))
+            assert np.array_equal(one_call, loop), f"{arch}: {T} rows"

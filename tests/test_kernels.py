@@ -91,12 +91,13 @@ def kernel_width(request):
     C.set_simd(True, was)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16],
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.MXFP4],
                          ids=lambda t: t.name)
 def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype, kernel_width):
     rng = np.random.default_rng(7)
-    w = random_weight(qtype, 64, 512, rng)             # two K-quant blocks
-    x = rng.standard_normal((17, 512)).astype(np.float32)
+    K = 544 if qtype == Q.MXFP4 else 512               # two K-quant blocks; 17 MXFP4 ones (an odd last)
+    w = random_weight(qtype, 64, K, rng)
+    x = rng.standard_normal((17, K)).astype(np.float32)
     alone = np.concatenate([kernels.matmul(x[i:i + 1], w) for i in range(17)])
     for rows in range(2, 18):           # every multi-row kernel (2..8 rows), and 8s with each remainder
         together = kernels.matmul(x[:rows], w)
@@ -104,7 +105,7 @@ def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype, kerne
     many = kernels.matmul_many(x, [w, w])
     assert all(np.array_equal(alone, m) for m in many)
     # one row takes the weight rows in pairs: odd counts, and a pair that would straddle two weights
-    odd = [random_weight(qtype, n, 512, rng) for n in (7, 5)]
+    odd = [random_weight(qtype, n, K, rng) for n in (7, 5)]
     one, two = kernels.matmul_many(x[:1], odd), kernels.matmul_many(x[:2], odd)
     assert all(np.array_equal(a, b[:1]) for a, b in zip(one, two)), f"{qtype.name}: one row, odd weights"
 

@@ -71,7 +71,8 @@ class BiasedMoE(MoE):
             rows, slot = np.nonzero(top == e)
             gate, up, down = b.experts.weights(i, self, int(e))
             xs = x[rows]
-            h = swiglu_oai(matmul(xs, gate) + self.gate_b[e], matmul(xs, up) + self.up_b[e])
+            g, u = matmul_many(xs, [gate, up]) if gate.qtype == up.qtype else (matmul(xs, gate), matmul(xs, up))
+            h = swiglu_oai(g + self.gate_b[e], u + self.up_b[e])
             per_slot[rows, slot] = weights[rows, slot, None] * (matmul(h, down) + self.down_b[e])
         out = per_slot[:, 0].copy()
         for j in range(1, top.shape[1]):          # summed slot by slot, in the chosen (logit) order, as ggml

@@ -213,34 +213,6 @@ AVX2 static void dot4_f16_avx2(const uint8_t *w, const Act *a, int t, int K, flo
     }
     r[0] = hsum_avx(c0); r[1] = hsum_avx(c1); r[2] = hsum_avx(c2); r[3] = hsum_avx(c3);
 }
-/* MXFP4 as ggml's AVX2 vec_dot_mxfp4_q8_0: the 4-bit codes looked up as doubled integers, two
- * accumulators over alternate blocks, the last odd block in the scalar order. */
-AVX2 static float dot_mxfp4_avx2(const uint8_t *w, const Act *a, int t, int nb) {
-    const int8_t *q = a->q + (size_t)t * nb * 32; const float *d = a->d + (size_t)t * nb;
-    const __m128i values = _mm_loadu_si128((const __m128i *)KVALUES_MXFP4), m4 = _mm_set1_epi8(0x0f);
-    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const uint8_t *w1 = w + (size_t)b * 17, *w2 = w1 + 17;
-        __m128i c1 = _mm_loadu_si128((const __m128i *)(w1 + 1)), c2 = _mm_loadu_si128((const __m128i *)(w2 + 1));
-        __m256i x1 = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(c1, 4), m4)),
-                                      _mm_shuffle_epi8(values, _mm_and_si128(c1, m4)));
-        __m256i x2 = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(c2, 4), m4)),
-                                      _mm_shuffle_epi8(values, _mm_and_si128(c2, m4)));
-        __m256 p1 = sum_i8_pairs(x1, _mm256_loadu_si256((const __m256i *)(q + (size_t)b * 32)));
-        __m256 p2 = sum_i8_pairs(x2, _mm256_loadu_si256((const __m256i *)(q + (size_t)(b + 1) * 32)));
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d[b] * e8m0_to_fp32_half(w1[0])), p1, acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_set1_ps(d[b + 1] * e8m0_to_fp32_half(w2[0])), p2, acc2);
-    }
-    float sum = hsum_avx(_mm256_add_ps(acc1, acc2));
-    for (; b < nb; b++) {
-        const uint8_t *wb = w + (size_t)b * 17, *qs = wb + 1; const int8_t *y = q + (size_t)b * 32; int s1 = 0, s2 = 0;
-        for (int j = 0; j < 16; j++) { s1 += y[j] * KVALUES_MXFP4[qs[j] & 0xf]; s2 += y[j + 16] * KVALUES_MXFP4[qs[j] >> 4]; }
-        sum = fmaf(d[b] * e8m0_to_fp32_half(wb[0]), (float)(s1 + s2), sum);
-    }
-    return sum;
-}
-
 int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *out) {
     switch (type) {
     case T_Q4_0: *out = dot_q4_0_avx2(w, a, t, nb); return 1;
@@ -297,7 +269,7 @@ AVX2 int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax_out) {
 /* Does this type have a four-row kernel (same bits as four one-row calls)? */
 int has_dot4_avx2(int type, int K) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 ||
-           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || (type == T_F16 && K % 8 == 0);
+           type == T_Q4_K || type == T_Q5_K || type == T_Q6_K || type == T_MXFP4 || (type == T_F16 && K % 8 == 0);
 }
 
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res) {
@@ -310,6 +282,7 @@ void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, f
     case T_Q4_K: dot4_q4_K_avx2(w, a, t, nb, res); break;
     case T_Q5_K: dot4_q5_K_avx2(w, a, t, nb, res); break;
     case T_Q6_K: dot4_q6_K_avx2(w, a, t, nb, res); break;
+    case T_MXFP4: dotR_mxfp4_avx2(w, a, t, nb, 4, res); break;
     default: dotR_q8_0_avx2(w, a, t, nb, 4, res);
     }
 }
@@ -347,6 +320,7 @@ int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, fl
     case T_Q5_0: dotR_q5_0_avx2(w, a, t, nb, R, res); return 1;
     case T_Q5_1: dotR_q5_1_avx2(w, a, t, nb, R, res); return 1;
     case T_Q8_0: dotR_q8_0_avx2(w, a, t, nb, R, res); return 1;
+    case T_MXFP4: dotR_mxfp4_avx2(w, a, t, nb, R, res); return 1;
     }
     return 0;
 }

@@ -195,6 +195,8 @@ float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int 
 /* ---- dot_avx2.c ------------------------------------------------------------------------------ */
 int dot_row_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *out);
 int has_dot4_avx2(int type, int K);
+float dot_mxfp4_avx2(const uint8_t *w, const Act *a, int t, int nb);                   /* dot_mxfp4_avx2.c */
+void dotR_mxfp4_avx2(const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
 void dot4_avx2(int type, const uint8_t *w, const Act *a, int t, int K, int nb, float *res);
 int dotR_avx2(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
 int dotW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int t, int nb, float *res);
@@ -352,6 +354,10 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
 int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
                     const uint64_t *ptrs, uint8_t *done, float *dn, int nt);
+/* moe_rows.c: a prompt's routed FFN (SwiGLU experts) in one call */
+void moe_ffn_rows(const float *x, int T, int n, const int32_t *experts, const float *weights, int k,
+                  const uint8_t *wg, const uint8_t *wu, int gu_t, const uint8_t *wd, int wd_t, int n_ff, int E,
+                  float *out, int nt);
 /* quantize.c: rows quantized as llama.cpp's quantizer writes them */
 int64_t quantized_row_bytes(int type, int64_t n);
 void quantize_rows(int type, const float *x, int64_t rows, int64_t n, uint8_t *out, int threads);

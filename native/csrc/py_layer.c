@@ -247,3 +247,53 @@ done:
     free(h);
     return ret;
 }
+
+/* moe_ffn(x (T, n), experts int32 (T, k), weights float32 (T, k), wg_exps, wu_exps, gu_type, wd_exps,
+ *         wd_type, n_ff, E, out (T, n), threads): the routed SwiGLU FFN of T rows, each row's weighted
+ * sum of its experts added to out (csrc/moe_rows.c). */
+PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
+    PyObject *xo, *eo, *wo, *go, *uo, *dwo, *oo;
+    int gu_t, wd_t, n_ff, E, threads;
+    if (!PyArg_ParseTuple(args, "OOOOOiOiiiOi", &xo, &eo, &wo, &go, &uo, &gu_t, &dwo, &wd_t, &n_ff, &E, &oo, &threads))
+        return NULL;
+    Held *h = calloc(1, sizeof(Held));
+    PyObject *ret = NULL;
+    Py_buffer *xb, *eb, *wb, *gb, *ub, *db, *ob;
+    if (!h) { PyErr_NoMemory(); return NULL; }
+    if (!(xb = hold(h, xo, 0)) || !(eb = hold(h, eo, 0)) || !(wb = hold(h, wo, 0)) || !(gb = hold(h, go, 0)) ||
+        !(ub = hold(h, uo, 0)) || !(db = hold(h, dwo, 0)) || !(ob = hold(h, oo, 1)))
+        goto done;
+    TypeInfo tg, td;
+    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "moe_ffn needs the AVX2 kernels"); goto done; }
+    if (!type_info(gu_t, &tg) || !type_info(wd_t, &td)) {
+        PyErr_SetString(PyExc_ValueError, "moe_ffn: a weight type has no compiled kernel"); goto done;
+    }
+    /* the shapes from the buffers: out and x (T, n), experts (T, k) */
+    Py_ssize_t T = 0, n = 0, k = 0;
+    if (E >= 1 && n_ff >= 1 && ob->len == xb->len && ob->len > 0) {
+        size_t row_bytes = (size_t)(n_ff / td.block) * td.bytes;      /* wd (E, n, n_ff): n from its size */
+        n = row_bytes && n_ff % td.block == 0 ? (Py_ssize_t)((size_t)db->len / ((size_t)E * row_bytes)) : 0;
+        T = n ? (Py_ssize_t)((size_t)xb->len / 4 / (size_t)n) : 0;
+        k = T ? (Py_ssize_t)((size_t)eb->len / 4 / (size_t)T) : 0;
+    }
+    size_t gu_row = n && n % tg.block == 0 ? (size_t)(n / tg.block) * tg.bytes : 0;
+    if (!T || !n || !k || k > E || k > MAX_K || !gu_row || (size_t)xb->len != (size_t)T * n * 4 ||
+        (size_t)eb->len != (size_t)T * k * 4 || (size_t)wb->len != (size_t)T * k * 4 ||
+        (size_t)gb->len < (size_t)E * n_ff * gu_row || (size_t)ub->len < (size_t)E * n_ff * gu_row ||
+        T > INT_MAX / (int)k) {
+        PyErr_SetString(PyExc_ValueError, "moe_ffn: a buffer is smaller than its shape"); goto done;
+    }
+    const int32_t *ex = eb->buf;
+    for (Py_ssize_t i = 0; i < T * k; i++)
+        if (ex[i] < 0 || ex[i] >= E) { PyErr_Format(PyExc_ValueError, "moe_ffn: expert %d of %d", ex[i], E); goto done; }
+    int nt = pick_threads(threads);
+    Py_BEGIN_ALLOW_THREADS
+    moe_ffn_rows(xb->buf, (int)T, (int)n, ex, wb->buf, (int)k, gb->buf, ub->buf, gu_t, db->buf, wd_t, n_ff, E,
+                 ob->buf, nt);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    while (h->n) PyBuffer_Release(&h->b[--h->n]);
+    free(h);
+    return ret;
+}

@@ -31,7 +31,23 @@ class InRamExperts:
         return moe.expert(e)
 
     def ffn(self, layer: int, moe, x: np.ndarray, experts, weights, residual=None) -> np.ndarray:
+        if len(x) > 1 and _compiled_ffn(moe):      # a prompt: every expert in one call, the same bits
+            out = np.zeros((len(x), x.shape[1]), np.float32)
+            kernels.compiled_module().moe_ffn(
+                np.ascontiguousarray(x, np.float32), np.ascontiguousarray(experts, np.int32),
+                np.ascontiguousarray(weights, np.float32), moe.gate_exps.raw, moe.up_exps.raw,
+                int(moe.gate_exps.qtype), moe.down_exps.raw, int(moe.down_exps.qtype), moe.gate_exps.shape[1],
+                moe.gate_exps.shape[0], out, 0)
+            return out
         return moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *moe.expert(e)))
+
+
+def _compiled_ffn(moe) -> bool:
+    """Can the compiled prompt FFN take this MoE's experts (stacked, of types it multiplies, gate
+    and up of one type)?"""
+    g, u, d = moe.gate_exps, moe.up_exps, moe.down_exps
+    return kernels.compiled_module() is not None and all(w.compiled and w.raw is not None for w in (g, u, d)) \
+        and g.qtype == u.qtype and len(g.shape) == 3
 
 
 IN_RAM = InRamExperts()
