@@ -19,6 +19,7 @@ import numpy as np
 
 from . import ggml_round, kernels
 from .arch.gemma3 import Gemma3Layer, GeluFFN
+from .arch.gpt_oss import BiasedMoE, SinkAttention
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention
 from .arch.smollm3 import NoRopeAttention
 from .experts.source import StreamedExperts
@@ -135,7 +136,9 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
         (a.q_norm, a.k_norm) if isinstance(a, NormedAttention) else None,
         (a.bq, a.bk, a.bv) if isinstance(a, BiasedAttention) else None, a.window,
         (L.post_attn_norm, L.post_ffn_norm) if gemma else None,
-        ggml_round.gelu_table() if isinstance(f, GeluFFN) else None)
+        ggml_round.gelu_table() if isinstance(f, GeluFFN) else None,
+        *((a.bo, a.sinks) if isinstance(a, SinkAttention) else (None, None)),
+        (f.router_b, f.gate_b, f.up_b, f.down_b) if ffn == "moe" and isinstance(f, BiasedMoE) else None)
 
 
 # a LoRA on each projection of a row, as csrc/kiln.h's LoraPair: float32 A and B by address
@@ -181,8 +184,10 @@ def choose_runners(layers: list, config, experts) -> list:
         if how is None:
             out.append(BlocksLayer(i, L))
         elif how == "moe" and isinstance(experts, StreamedExperts):
-            out.append(StreamedLayer(i, L, experts) if experts.table is not None
-                       else OneCallLayer(i, L, None))      # a plain provider: experts fetched through the blocks
+            # a plain provider, or gpt-oss's biased experts (the streamed call has no biases):
+            # experts fetched through the blocks
+            out.append(StreamedLayer(i, L, experts) if experts.table is not None and type(L.ffn) is MoE
+                       else OneCallLayer(i, L, None))
         else:
             out.append(OneCallLayer(i, L, None if how == "attention" else how))     # None: the FFN through its blocks
     return out
@@ -198,12 +203,12 @@ def one_call(L, c) -> str | None:
     (and routed experts without a shared one), "attention" (the FFN through its blocks), or None.
     The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases,
     qwen3's per-head q/k norm or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
-    and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
+    gpt-oss's (sinks, the output's bias, a window, its biased experts and swiglu-oai), and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
     a GELU-gated FFN — in the call only) — so only a `Layer` of exactly those parts qualifies,
     with weights the extension multiplies: q and k of one type (v may have its own), gate/up of
     one type."""
     if not kernels.one_call_decode() or type(L) not in (Layer, Gemma3Layer) \
-            or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention):
+            or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention, SinkAttention):
         return None
     a, f = L.attn, L.ffn
     if not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) or a.wq.qtype != a.wk.qtype:
@@ -214,7 +219,7 @@ def one_call(L, c) -> str | None:
         return "dense" if dense and type(L) is Gemma3Layer else None
     if dense:
         return "dense"
-    if type(f) is MoE and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
+    if type(f) in (MoE, BiasedMoE) and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
             and all(_compiled(w) for w in (f.gate_exps, f.up_exps, f.down_exps)) \
             and f.gate_exps.qtype == f.up_exps.qtype and c.n_expert <= 256 and 1 <= c.n_expert_used <= 16:
         return "moe"

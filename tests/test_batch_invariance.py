@@ -227,7 +227,7 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
     assert got == alone
 
 
-@pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "attention"), ("qwen3", "dense"),
+@pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "attention"), ("qwen3", "dense"), ("gpt-oss", "moe"),
                                          ("qwen3moe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
                                          ("phi3", "dense")])
 def test_families_decode_in_one_call(arch, how):

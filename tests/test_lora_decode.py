@@ -110,3 +110,30 @@ def test_gemma3_layers_with_adapters_keep_the_blocks_bits():
     fast = run(False)
     assert np.array_equal(fast, run(True))
     assert not np.array_equal(fast[:, 0], fast[:, 1]), "the adapter must change the logits"
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "qwen35"])
+def test_an_adapter_on_attention_is_applied_by_every_family(arch):
+    """gpt-oss's and Qwen 3.5's attention blocks multiplied q, k, v and the output without the
+    adapter's deltas: an adapter naming them loaded and changed nothing. Its deltas now change the
+    logits, and a zero adapter (B = 0) leaves every bit as it was."""
+    from conftest import tiny_path
+
+    from kiln.native.lora import Adapter
+    from kiln.native.model import load_model
+    m = load_model(tiny_path(arch))
+    layer = next(i for i, L in enumerate(m.layers) if hasattr(L.attn, "wq"))      # an attention layer
+    rng = np.random.default_rng(5)
+
+    def make(zero):
+        t = {}
+        for name in ("attn_q", "attn_v", "attn_output"):
+            n = f"blk.{layer}.{name}.weight"
+            o, i = m.gguf.tensor(n).shape
+            t[n] = (rng.normal(0, 0.1, (4, i)).astype(np.float32),
+                    np.zeros((o, 4), np.float32) if zero else rng.normal(0, 0.1, (o, 4)).astype(np.float32))
+        return Adapter(m.config.arch, 8.0, t)
+    prompt = list(range(3, 14))
+    base = m.forward(prompt, m.new_cache(32))
+    assert np.array_equal(m.forward(prompt, m.new_cache(32), adapter=make(True)), base)
+    assert not np.allclose(m.forward(prompt, m.new_cache(32), adapter=make(False)), base, atol=1e-4)

@@ -43,12 +43,12 @@ class SinkAttention(BiasedAttention):
     def __call__(self, i, x, b):
         c = b.config
         T = x.shape[0]
-        q, k, v = matmul_many(x, [self.wq, self.wk, self.wv])
+        q, k, v = b.project_many(x, (self.wq, self.wk, self.wv))      # an adapter's deltas, then the biases
         q = apply_rope(np.ascontiguousarray((q + self.bq).reshape(T, c.n_head, c.head_dim)), b.cos, b.sin, c.rope_style)
         k = apply_rope(np.ascontiguousarray((k + self.bk).reshape(T, c.n_head_kv, c.head_dim)), b.cos, b.sin,
                        c.rope_style)
         v = (v + self.bv).reshape(T, c.n_head_kv, c.head_dim)
-        return matmul(b.attend(i, q, k, v, None, self.window, self.sinks), self.wo) + self.bo
+        return b.project(b.attend(i, q, k, v, None, self.window, self.sinks), self.wo) + self.bo
 
 
 @dataclass(kw_only=True)

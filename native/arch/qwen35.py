@@ -53,7 +53,7 @@ class GatedAttention(NormedAttention):
     def __call__(self, i, x, b):
         c = b.config
         T, H, D = x.shape[0], c.n_head, c.head_dim
-        qg, k, v = matmul_many(x, [self.wq, self.wk, self.wv])
+        qg, k, v = b.project_many(x, (self.wq, self.wk, self.wv))     # an adapter on attn_q: both halves
         qg = qg.reshape(T, H, 2, D)
         q, gate = np.ascontiguousarray(qg[:, :, 0]), qg[:, :, 1].reshape(T, H * D)
         q = rms_norm(q, self.q_norm, c.rms_eps)
@@ -61,7 +61,7 @@ class GatedAttention(NormedAttention):
         v = v.reshape(T, c.n_head_kv, D)
         q = apply_rope(q, b.cos, b.sin, c.rope_style)
         k = apply_rope(np.ascontiguousarray(k), b.cos, b.sin, c.rope_style)
-        return matmul(b.attend(i, q, k, v) * _sigmoid(gate), self.wo)
+        return b.project(b.attend(i, q, k, v) * _sigmoid(gate), self.wo)
 
 
 @dataclass(kw_only=True)

@@ -113,7 +113,7 @@ void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks
  * sequence whose cache rows[b] is; queries q (B, H, D) -> att. A sequence's consecutive rows
  * (GROUP_ROWS at most) and a KV head's query heads walk the keys together. */
 AttnGroupPlan *attn_group_plan(const DecodeRow *rows, int B, int H, int D, int S, float *q, float *rowbuf,
-                               float *accbuf, float *att) {
+                               float *accbuf, float *att, const float *sinks) {
     AttnGroupPlan *p = malloc(sizeof(AttnGroupPlan));
     p->qs = malloc((size_t)B * H * sizeof(AttnQuery));
     p->qr = malloc((size_t)B * H * D * sizeof(float));
@@ -123,7 +123,7 @@ AttnGroupPlan *attn_group_plan(const DecodeRow *rows, int B, int H, int D, int S
         for (int h = 0; h < H; h++) {
             size_t i = (size_t)b * H + h;
             p->qs[i] = (AttnQuery){q + i * D, p->qr + i * D, rows[b].pos + 1, rowbuf + i * (S + 8), accbuf + i * 8 * D,
-                                   att + i * D, NULL};
+                                   att + i * D, sinks ? sinks + h : NULL};
         }
         if (b == 0 || rows[b].k != rows[b - 1].k || b - p->run0[p->nruns - 1] >= GROUP_ROWS) p->run0[p->nruns++] = b;
     }

@@ -332,6 +332,12 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     const float *post_attn_norm, *post_ffn_norm;   /* gemma3: each block's output RMS-normed before
                                                       the residual add; NULL: not */
     const float *gelu_table;  /* a dense FFN gated by ggml's fp16-table GELU (gemma3), not SwiGLU; NULL: SwiGLU */
+    const float *bo;          /* the output projection's bias (gpt-oss), added after it (and any adapter); NULL: none */
+    const float *sinks;       /* a sink logit per head in every softmax's denominator (gpt-oss); NULL: none */
+    const float *router_b, *gate_b, *up_b, *down_b;   /* gpt-oss's routed FFN (moe_rows.c moe_oai_row) when
+                                                         router_b is set: biased router, the top-k logits
+                                                         softmaxed, biased experts, swiglu-oai; (E), (E, n_ff),
+                                                         (E, n_ff), (E, n) */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */
@@ -344,7 +350,7 @@ typedef struct {              /* one sequence's row of a decode step */
 #define GROUP_ROWS 4              /* a sequence's rows whose queries walk the keys together */
 typedef struct { AttnQuery *qs; float *qr; int *run0; int nruns; } AttnGroupPlan;
 AttnGroupPlan *attn_group_plan(const DecodeRow *rows, int B, int H, int D, int S, float *q, float *rowbuf,
-                               float *accbuf, float *att);
+                               float *accbuf, float *att, const float *sinks);
 void attn_group_free(AttnGroupPlan *p);
 #ifdef KILN_X86
 void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H, int Hkv, int D, int f16,
@@ -354,7 +360,9 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
 int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
                     const uint64_t *ptrs, uint8_t *done, float *dn, int nt);
-/* moe_rows.c: a prompt's routed FFN (SwiGLU experts) in one call */
+/* moe_rows.c: a prompt's routed FFN (SwiGLU experts) in one call; gpt-oss's routed FFN of one decode row */
+void moe_oai_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, Act *ad, float *logits, float *g,
+                 float *u, float *dn, const TypeInfo *tg, const TypeInfo *td);
 void moe_ffn_rows(const float *x, int T, int n, const int32_t *experts, const float *weights, int k,
                   const uint8_t *wg, const uint8_t *wu, int gu_t, const uint8_t *wd, int wd_t, int n_ff, int E,
                   float *out, int nt);

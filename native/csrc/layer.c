@@ -150,7 +150,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     int fa = L->vt == T_Q8_0 || L->vt == T_Q4_0;  /* flash attention's pass after the scores (kv_quant.c) */
     float *rowbuf = split || grouped ? malloc((size_t)B * H * (S + 8) * sizeof(float)) : NULL;
     float *accbuf = split || grouped ? aligned_alloc(32, (size_t)B * H * 8 * D * sizeof(float)) : NULL;
-    AttnGroupPlan *gp = grouped ? attn_group_plan(rows, B, H, D, S, q, rowbuf, accbuf, att) : NULL;
+    AttnGroupPlan *gp = grouped ? attn_group_plan(rows, B, H, D, S, q, rowbuf, accbuf, att, L->sinks) : NULL;
     #pragma omp parallel num_threads(nt)
     {
         float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
@@ -209,12 +209,12 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 #pragma omp for schedule(static)
                 for (int task = 0; task < B * H; task++)
                     attn_kv_fa_pass(rowbuf + (size_t)task * (S + 8), rows[task / H].v, L->vt, task % H, H, Hkv, D,
-                                    rows[task / H].pos + 1, L->win, NULL, att + (size_t)task * D);
+                                    rows[task / H].pos + 1, L->win, L->sinks, att + (size_t)task * D);
             } else {
                 #pragma omp for schedule(static)
                 for (int task = 0; task < B * H; task++) {
                     float *row = rowbuf + (size_t)task * (S + 8);
-                    attn_kv_softmax(row, rows[task / H].pos + 1, L->win, NULL, L->vt);
+                    attn_kv_softmax(row, rows[task / H].pos + 1, L->win, L->sinks ? L->sinks + task % H : NULL, L->vt);
                 }
                 #pragma omp for schedule(static)
                 for (int c = 0; c < B * H * 2; c++) {
@@ -231,9 +231,9 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++) {
                 int b = task / H;
-                if (!plain) attn_task_kv(q, rows[b].k, rows[b].v, L->kt, L->vt, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, NULL);
-                else if (kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, NULL);
-                else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, NULL);
+                if (!plain) attn_task_kv(q, rows[b].k, rows[b].v, L->kt, L->vt, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, L->sinks);
+                else if (kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, L->sinks);
+                else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, L->sinks);
             }
         }
         #pragma omp for schedule(static)
@@ -243,6 +243,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *xb = x + (size_t)b * n, *ob = o + (size_t)b * n;
+            if (L->bo) for (int i = 0; i < n; i++) ob[i] = ob[i] + L->bo[i];
             if (L->post_attn_norm) rms_row(ob, L->post_attn_norm, ob, n, L->eps);
             for (int i = 0; i < n; i++) xb[i] = xb[i] + ob[i];
             if (L->ffn) { rms_row(xb, L->ffn_norm, f + (size_t)b * n, n, L->eps); act_row(&ag, b, n); }
@@ -292,7 +293,8 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         } else if (moe) {
             for (int b = 0; b < B; b++) {
                 Act arb = act_view(&ar, b, n), agb = act_view(&ag, b, n);
-                moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td, sel, wsel, 0);
+                if (L->router_b) moe_oai_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td);
+                else moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td, sel, wsel, 0);
             }
         }
         free(sc);

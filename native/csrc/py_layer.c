@@ -8,7 +8,7 @@
 /* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), (qk_type, v_type), wo, wo_type,
  *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
  *              (kt, vt), q_scale, kq_scale, lora, (q_norm, k_norm), (bq, bk, bv), window,
- *              (post_attn_norm, post_ffn_norm), gelu_table)
+ *              (post_attn_norm, post_ffn_norm), gelu_table, bo, sinks, (router_b, gate_b, up_b, down_b))
  *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
  *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff).
@@ -16,7 +16,7 @@
  * (capacity x Hkv rows of D values of ggml types kt and vt: F32, F16, Q8_0, Q4_0) get its position written; attention reads
  * positions 0..pos (pos - window + 1..pos with a window: a sliding-window layer's own buffer). */
 #define MAX_BATCH 64
-typedef struct { Py_buffer b[2 * MAX_BATCH + 32]; int n; } Held;    /* each row's K and V, and the layer's (25 at most) */
+typedef struct { Py_buffer b[2 * MAX_BATCH + 40]; int n; } Held;    /* each row's K and V, and the layer's (31 at most) */
 
 static Py_buffer *hold(Held *h, PyObject *o, int writable) {
     if (h->n >= (int)(sizeof h->b / sizeof h->b[0])) { PyErr_SetString(PyExc_ValueError, "decode_layer: too many buffers"); return NULL; }
@@ -28,13 +28,13 @@ static Py_buffer *hold(Held *h, PyObject *o, int writable) {
 
 PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None, *biaso = Py_None,
-             *posto = Py_None, *geluo = Py_None;
+             *posto = Py_None, *geluo = Py_None, *boo = Py_None, *sinko = Py_None, *oaio = Py_None;
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOOiOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOOiOOOOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
-                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso, &L.win, &posto, &geluo))
+                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso, &L.win, &posto, &geluo, &boo, &sinko, &oaio))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -159,6 +159,29 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "decode_layer: the GELU table is 65,536 floats, for a dense FFN"); goto done;
         }
         L.gelu_table = gtb->buf;
+    }
+    if (boo != Py_None || sinko != Py_None) {   /* gpt-oss: the output bias (n), a sink per head (H) */
+        Py_buffer *bob = boo != Py_None ? hold(h, boo, 0) : NULL, *skb = sinko != Py_None ? hold(h, sinko, 0) : NULL;
+        if ((boo != Py_None && !bob) || (sinko != Py_None && !skb)) goto done;
+        if ((bob && (size_t)bob->len != (size_t)n * 4) || (skb && (size_t)skb->len != (size_t)L.H * 4)) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: the output bias is not n_embd floats or the sinks not one per head");
+            goto done;
+        }
+        L.bo = bob ? bob->buf : NULL; L.sinks = skb ? skb->buf : NULL;
+    }
+    if (oaio != Py_None) {                    /* gpt-oss's routed FFN: (router_b (E), gate_b, up_b (E, n_ff), down_b (E, n)) */
+        PyObject *rbo, *gbo, *ubo, *dbo;
+        Py_buffer *rbb, *gbb, *ubb, *dbb;
+        if (L.ffn != FFN_MOE || L.xtab) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: gpt-oss's biases need its routed FFN in the call, in RAM"); goto done;
+        }
+        if (!PyArg_ParseTuple(oaio, "OOOO", &rbo, &gbo, &ubo, &dbo) || !(rbb = hold(h, rbo, 0)) || !(gbb = hold(h, gbo, 0)) ||
+            !(ubb = hold(h, ubo, 0)) || !(dbb = hold(h, dbo, 0))) goto done;
+        if ((size_t)rbb->len != (size_t)L.E * 4 || (size_t)gbb->len != (size_t)L.E * L.n_ff * 4 ||
+            (size_t)ubb->len != (size_t)L.E * L.n_ff * 4 || (size_t)dbb->len != (size_t)L.E * n * 4) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: an expert bias is not its shape"); goto done;
+        }
+        L.router_b = rbb->buf; L.gate_b = gbb->buf; L.up_b = ubb->buf; L.down_b = dbb->buf;
     }
     if (lorao != Py_None) {
         /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
