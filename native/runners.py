@@ -21,6 +21,7 @@ from . import ggml_round, kernels
 from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.gpt_oss import BiasedMoE, SinkAttention
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention
+from .arch.qwen import ProjectionNormedAttention
 from .arch.smollm3 import NoRopeAttention
 from .experts.source import StreamedExperts
 
@@ -133,7 +134,8 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
         a.wo.raw, int(a.wo.qtype), seqs, cos, sin, c.n_head, c.n_head_kv,
         c.head_dim, 0 if isinstance(a, NoRopeAttention) else c.rope_dim, c.rope_style != "normal", spec, 0, (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml),
         *b.attn_scales, lora_table(i, b, ffn == "dense") if b.any_adapter else None,
-        (a.q_norm, a.k_norm) if isinstance(a, NormedAttention) else None,
+        (a.q_norm, a.k_norm) if isinstance(a, NormedAttention) else
+        (a.q_norm, a.k_norm, True) if isinstance(a, ProjectionNormedAttention) else None,
         (a.bq, a.bk, a.bv) if isinstance(a, BiasedAttention) else None, a.window,
         (L.post_attn_norm, L.post_ffn_norm) if gemma else None,
         ggml_round.gelu_table() if isinstance(f, GeluFFN) else None,
@@ -202,13 +204,14 @@ def one_call(L, c) -> str | None:
     """How the one-call decode takes a layer: "dense" (llama attention and a dense FFN), "moe"
     (and routed experts without a shared one), "attention" (the FFN through its blocks), or None.
     The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases,
-    qwen3's per-head q/k norm or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
+    qwen3's per-head q/k norm (olmoe's over the whole projection) or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
     gpt-oss's (sinks, the output's bias, a window, its biased experts and swiglu-oai), and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
     a GELU-gated FFN — in the call only) — so only a `Layer` of exactly those parts qualifies,
     with weights the extension multiplies: q and k of one type (v may have its own), gate/up of
     one type."""
     if not kernels.one_call_decode() or type(L) not in (Layer, Gemma3Layer) \
-            or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention, SinkAttention):
+            or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention, SinkAttention,
+                                    ProjectionNormedAttention):
         return None
     a, f = L.attn, L.ffn
     if not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) or a.wq.qtype != a.wk.qtype:

@@ -228,7 +228,7 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
 
 
 @pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "attention"), ("qwen3", "dense"), ("gpt-oss", "moe"),
-                                         ("qwen3moe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
+                                         ("qwen3moe", "moe"), ("olmoe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
                                          ("phi3", "dense")])
 def test_families_decode_in_one_call(arch, how):
     """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's

@@ -325,6 +325,7 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     int32_t *chosen;          /* FFN_MOE: each row's k chosen experts written here, if not NULL */
     float *chosen_w;          /* and their weights, if not NULL */
     const float *q_norm, *k_norm;   /* per-head RMSNorm weights (D) of q and k before RoPE (qwen3); NULL: none */
+    int qk_norm_full;         /* q_norm/k_norm are over the whole projection (H*D, Hkv*D: olmoe), not per head */
     const float *bq, *bk, *bv;      /* q, k and v biases (qwen2), added after the products; NULL: none */
     const LoraPair *lora;     /* NULL, or B x LORA_TARGETS: row b's adapter on each projection
                                  (a == NULL: none) — each sequence its own, as S-LoRA batches them */

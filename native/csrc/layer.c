@@ -175,7 +175,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 for (int i = 0; i < qn; i++) qb[i] = qb[i] + L->bq[i];
                 for (int i = 0; i < kvn; i++) { kb[i] = kb[i] + L->bk[i]; vb[i] = vb[i] + L->bv[i]; }
             }
-            if (L->q_norm) {                  /* qwen3: each head RMS-normed before RoPE */
+            if (L->q_norm && L->qk_norm_full) {        /* olmoe: the whole projection RMS-normed */
+                rms_row(q + (size_t)b * qn, L->q_norm, q + (size_t)b * qn, qn, L->eps);
+                rms_row(kb, L->k_norm, kb, kvn, L->eps);
+            } else if (L->q_norm) {           /* qwen3: each head RMS-normed before RoPE */
                 for (int h = 0; h < H; h++) rms_row(q + (size_t)b * qn + h * D, L->q_norm, q + (size_t)b * qn + h * D, D, L->eps);
                 for (int h = 0; h < Hkv; h++) rms_row(kb + h * D, L->k_norm, kb + h * D, D, L->eps);
             }

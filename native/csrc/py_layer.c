@@ -119,12 +119,14 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         }
         L.ffn_norm = fnb->buf; L.router = rtb ? rtb->buf : NULL; L.wg = gb->buf; L.wu = ub->buf; L.wd = db->buf;
     }
-    if (qkno != Py_None) {                    /* (q_norm, k_norm): float32 (D) each */
+    if (qkno != Py_None) {                    /* (q_norm, k_norm): float32 (D) each, or (H*D), (Hkv*D) with full */
         PyObject *qno, *kno;
         Py_buffer *qnb, *knb;
-        if (!PyArg_ParseTuple(qkno, "OO", &qno, &kno) || !(qnb = hold(h, qno, 0)) || !(knb = hold(h, kno, 0))) goto done;
-        if ((size_t)qnb->len != (size_t)L.D * 4 || (size_t)knb->len != (size_t)L.D * 4) {
-            PyErr_SetString(PyExc_ValueError, "decode_layer: a q/k norm is not head_dim floats"); goto done;
+        if (!PyArg_ParseTuple(qkno, "OO|p", &qno, &kno, &L.qk_norm_full) || !(qnb = hold(h, qno, 0)) ||
+            !(knb = hold(h, kno, 0))) goto done;
+        size_t qw = L.qk_norm_full ? (size_t)qn : (size_t)L.D, kw = L.qk_norm_full ? (size_t)kvn : (size_t)L.D;
+        if ((size_t)qnb->len != qw * 4 || (size_t)knb->len != kw * 4) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: a q/k norm is not head_dim (or its projection's) floats"); goto done;
         }
         L.q_norm = qnb->buf; L.k_norm = knb->buf;
     }
