@@ -233,7 +233,8 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
 def test_families_decode_in_one_call(arch, how):
     """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's
     sliding windows (16 positions in the tiny file: the 19-token prompt and the steps after it
-    drop keys) with their own rope base, post-block norms and GELU FFN, and phi3's split
+    drop keys) with their own rope base, post-block norms and GELU FFN, gpt-oss's sinks, output
+    bias, windows and biased experts, olmoe's q/k norms over the whole projection, and phi3's split
     projections are part of the compiled layer: their decode steps (solo, batched, a short run)
     take the one call — a fall back to the blocks fails here — with the blocks' bits; qwen2moe's
     shared-expert FFN runs through its blocks after it."""
@@ -251,6 +252,32 @@ def test_families_decode_in_one_call(arch, how):
             out.append(rows)
         run = m.forward([int(np.argmax(last[0])), 42, 7], caches[0], all_logits=True)
         return np.concatenate([np.array(out).reshape(-1, run.shape[-1]), run])
+    fused, stepwise = _fused_and_stepwise(m, decode)
+    assert np.array_equal(fused, stepwise)
+
+
+@pytest.mark.parametrize("kv", [np.float32, "q8_0", "q4_0"], ids=["f32-kv", "q8_0-kv", "q4_0-kv"])
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
+def test_windows_and_sinks_keep_the_bits_in_every_kind_of_cache(arch, kv):
+    """The one call's sliding windows (their own buffers, keys dropped as the window moves) and
+    sinks through the float32 and the quantized caches' attention (the fp16 one is above): a
+    prompt past the window, decode steps alone and batched, a short run — the blocks' bits."""
+    m = load_model(tiny_path(arch))
+    prompts = [list(range(3, 43)), [2, 4, 8, 16, 32]]                 # 40 tokens: past both windows (16, 32)
+
+    def decode():
+        caches = [m.new_cache(dtype=kv) for _ in prompts]
+        last = [m.forward(p, c) for p, c in zip(prompts, caches)]
+        out = []
+        for step in range(6):
+            if step % 2:
+                last[0] = m.forward([int(np.argmax(last[0]))], caches[0])
+                out.append(last[0][None])
+            rows = m.forward_batch([int(np.argmax(x)) for x in last], caches)
+            last = list(rows)
+            out.append(np.array(rows))
+        out.append(m.forward([int(np.argmax(last[1])), 42, 7], caches[1], all_logits=True))
+        return np.concatenate(out)
     fused, stepwise = _fused_and_stepwise(m, decode)
     assert np.array_equal(fused, stepwise)
 
