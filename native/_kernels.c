@@ -291,6 +291,7 @@ done:
 PyObject *py_decode_layer(PyObject *self, PyObject *args);
 PyObject *py_moe_stream(PyObject *self, PyObject *args);
 PyObject *py_moe_ffn(PyObject *self, PyObject *args);
+PyObject *py_dequantize(PyObject *self, PyObject *args);
 
 static PyObject *py_features(PyObject *self, PyObject *noargs) {
     int omp = 0, maxt = 1;
@@ -356,6 +357,7 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, type, T, K, N, out, threads)"},
     {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
     {"decode_layer", py_decode_layer, METH_VARARGS, "one decode step of B sequences through a plain llama layer, in place"},
+    {"dequantize", py_dequantize, METH_VARARGS, "dequantize(blocks, type, out): Q4_0/Q4_1/Q8_0 to float32 as gguf-py; False: another type"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS, "moe_ffn(x, experts, weights, wg, wu, gu_type, wd, wd_type, n_ff, E, out, threads): a prompt's routed FFN"},
     {"moe_stream", py_moe_stream, METH_VARARGS, "moe_stream(x, ffn_norm, eps, gu_type, wd_type, n_ff, sel, wsel, ptrs, done, dn, threads) -> left"},
     {"route", py_route, METH_VARARGS, "route(logits, T, E, k, normalize, experts_out, weights_out)"},

@@ -269,7 +269,7 @@ class Weight:
     @property
     def dense(self) -> np.ndarray:
         if self._dense is None:
-            self._dense = np.ascontiguousarray(dequantize(self.raw, self.qtype).reshape(self.shape), np.float32)
+            self._dense = _dequantize(self.raw, self.qtype, self.shape)
         return self._dense
 
     @property
@@ -292,7 +292,7 @@ class Weight:
         """Rows `ids` as float32 (embedding lookup): only those rows are dequantized."""
         if self._dense is not None or self.raw is None:
             return self.dense[ids]
-        return dequantize(self.raw[ids], self.qtype).reshape(len(ids), self.shape[-1]).astype(np.float32)
+        return _dequantize(self.raw[ids], self.qtype, (len(ids), self.shape[-1]))
 
     @property
     def nbytes(self) -> int:
@@ -343,6 +343,15 @@ def matmul_many(x: np.ndarray, ws: list[Weight]) -> list[np.ndarray]:
     outs = [np.empty((T, w.shape[0]), np.float32) for w in ws]
     _C.matmul_many(x, int(ws[0].qtype), T, K, [(w.raw, w.shape[0], o) for w, o in zip(ws, outs)], 0)
     return outs
+
+
+def _dequantize(raw: np.ndarray, qtype: Q, shape: tuple) -> np.ndarray:
+    """Stored blocks as float32 of `shape`: gguf-py's values, in C for Q4_0/Q4_1/Q8_0 when built."""
+    if _C is not None and qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        out = np.empty(shape, np.float32)
+        if _C.dequantize(np.ascontiguousarray(raw), int(qtype), out):
+            return out
+    return np.ascontiguousarray(dequantize(np.asarray(raw), qtype).reshape(shape), np.float32)
 
 
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:

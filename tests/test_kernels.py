@@ -182,3 +182,20 @@ def test_kiln_simd_avx2_turns_the_avx512_kernels_off_and_says_so():
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "KILN_SIMD='sse9' is not a kernel choice" in bad.stderr, bad.stderr
 
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_dense_copies_and_looked_up_rows_are_gguf_pys_values(qtype):
+    """The compiled dequantizer (a training job's dense copy, an embedding row a step) gives
+    gguf-py's float32 bits, scales of every size and sign included."""
+    rng = np.random.default_rng(int(qtype))
+    w = random_weight(qtype, 37, 96, rng)
+    raw = w.raw.copy()
+    raw.reshape(37, 3, -1)[:, :, 0:2] = rng.choice(np.arange(0, 0x7c00, 7, dtype=np.uint16), (37, 3)).astype(
+        "<u2").view(np.uint8).reshape(37, 3, 2) | np.array([0, 0x80], np.uint8) * rng.integers(0, 2, (37, 3, 1), np.uint8)
+    w = Weight("w", qtype, (37, 96), raw)
+    want = dequantize(raw, qtype).reshape(37, 96).astype(np.float32)
+    assert np.array_equal(w.dense.view(np.uint32), want.view(np.uint32))
+    ids = np.array([5, 0, 36, 5])
+    fresh = Weight("w", qtype, (37, 96), raw)
+    assert np.array_equal(fresh.rows(ids).view(np.uint32), want[ids].view(np.uint32))
