@@ -299,3 +299,28 @@ def test_a_prompts_routed_ffn_in_one_call_is_the_expert_loops_bits(arch):
             one_call = IN_RAM.ffn(0, moe, x, experts, weights)
             loop = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *moe.expert(e)))
             assert np.array_equal(one_call, loop), f"{arch}: {T} rows"
+
+
+def test_a_prompts_routed_ffn_takes_any_number_of_experts_a_row():
+    """More experts a row than the decode call's 16 (a file may say so): the prompt's one call
+    still gives the expert loop's bits, with rows choosing experts in any order."""
+    from test_kernels import random_weight
+
+    from kiln.native.arch.parts import MoE
+    from kiln.native.blocks import moe_ffn, swiglu_ffn
+    from kiln.native.experts.source import IN_RAM, _compiled_ffn
+    from kiln.native.kernels import Q, Weight
+    rng = np.random.default_rng(11)
+    E, k, n, ff, T = 24, 20, 64, 96, 7
+
+    def stack(rows, cols):
+        ws = [random_weight(Q.Q8_0, rows, cols, rng) for _ in range(E)]
+        return Weight("exps", Q.Q8_0, (E, rows, cols), np.stack([w.raw for w in ws]))
+    moe = MoE(router=random_weight(Q.F32, E, n, rng), gate_exps=stack(ff, n), up_exps=stack(ff, n),
+              down_exps=stack(n, ff))
+    assert _compiled_ffn(moe)
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    loop = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *moe.expert(e)))
+    assert np.array_equal(IN_RAM.ffn(0, moe, x, experts, weights), loop)

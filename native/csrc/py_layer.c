@@ -302,7 +302,7 @@ PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
         k = T ? (Py_ssize_t)((size_t)eb->len / 4 / (size_t)T) : 0;
     }
     size_t gu_row = n && n % tg.block == 0 ? (size_t)(n / tg.block) * tg.bytes : 0;
-    if (!T || !n || !k || k > E || k > MAX_K || !gu_row || (size_t)xb->len != (size_t)T * n * 4 ||
+    if (!T || !n || !k || k > E || !gu_row || (size_t)xb->len != (size_t)T * n * 4 ||
         (size_t)eb->len != (size_t)T * k * 4 || (size_t)wb->len != (size_t)T * k * 4 ||
         (size_t)gb->len < (size_t)E * n_ff * gu_row || (size_t)ub->len < (size_t)E * n_ff * gu_row ||
         T > INT_MAX / (int)k) {
