@@ -8,6 +8,8 @@ forward is `for run in runners: x = run(x, batch)`.
                    through its blocks); other batches through its blocks
     StreamedLayer  the same with routed experts from an expert cache: one call when the chosen
                    experts are resident, else compiled steps as they arrive
+    DeltaNetLayer  a qwen35 delta-net layer whose decode steps (one row per sequence) run in one
+                   compiled call with its dense FFN (or the FFN then through its blocks)
 
 Every way computes the same bits. What depends on the batch — a decode step or a short run of
 one sequence's rows, against a prompt — is decided per call, inside the runner.
@@ -22,6 +24,7 @@ from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.gpt_oss import BiasedMoE, SinkAttention
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention
 from .arch.qwen import ProjectionNormedAttention
+from .arch.qwen35 import DeltaNet, GatedAttention
 from .arch.smollm3 import NoRopeAttention
 from .experts.source import StreamedExperts
 
@@ -104,6 +107,34 @@ class StreamedLayer(BlocksLayer):
         return x + L.ffn(i, b.norm(x, L.ffn_norm), b)
 
 
+class DeltaNetLayer(BlocksLayer):
+    """A delta-net layer (arch/qwen35.py): a decode step — one row per sequence, the recurrence;
+    longer runs take the blocks' chunked form — in one compiled call; `ffn` "dense" (in the
+    call) or None (its blocks after it)."""
+
+    def __init__(self, i: int, layer: Layer, ffn: str | None):
+        super().__init__(i, layer)
+        self.ffn = ffn
+        self.kind = f"one call (delta net, {ffn or 'attention'})"
+
+    def __call__(self, x, b):
+        if one_call_rows(b) is None or any(e - a != 1 for _, a, e in b.segments):
+            return self.layer(self.i, x, b)
+        i, L, c = self.i, self.layer, b.config
+        d, f = L.attn, L.ffn
+        states = [(st["conv"], st["ssm"]) for st in (cache.recurrent_state(i) for cache, _, _ in b.segments)]
+        ffn = (L.ffn_norm, f.gate.raw, f.up.raw, int(f.gate.qtype), f.down.raw, int(f.down.qtype), f.gate.shape[0]) \
+            if self.ffn else None
+        ws = (d.wqkv, d.wgate, d.ssm_beta, d.ssm_alpha, d.ssm_out)
+        kernels.compiled_module().decode_delta_layer(
+            x, L.attn_norm, c.rms_eps, tuple(w.raw for w in ws), tuple(int(w.qtype) for w in ws), d.spec(), d.dims(c),
+            states, ffn, 0, lora_table(i, b, True) if b.any_adapter and self.ffn else None)
+        if self.ffn is None:
+            b.residual = None
+            x = x + f(i, b.norm(x, L.ffn_norm), b)
+        return x
+
+
 def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None, experts: tuple = (None, None)) -> bool:
     """Rows of x (B, n), row r at position rows[r][1] of the sequence in cache rows[r][0], through
     layer i's attention, and its FFN unless `ffn` is None ("dense", or "moe": routed), in one
@@ -140,7 +171,8 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
         (L.post_attn_norm, L.post_ffn_norm) if gemma else None,
         ggml_round.gelu_table() if isinstance(f, GeluFFN) else None,
         *((a.bo, a.sinks) if isinstance(a, SinkAttention) else (None, None)),
-        (f.router_b, f.gate_b, f.up_b, f.down_b) if ffn == "moe" and isinstance(f, BiasedMoE) else None)
+        (f.router_b, f.gate_b, f.up_b, f.down_b) if ffn == "moe" and isinstance(f, BiasedMoE) else None,
+        isinstance(a, GatedAttention))
 
 
 # a LoRA on each projection of a row, as csrc/kiln.h's LoraPair: float32 A and B by address
@@ -183,7 +215,9 @@ def choose_runners(layers: list, config, experts) -> list:
         if L is None:                     # another pipeline stage's layer
             continue
         how = one_call(L, config)
-        if how is None:
+        if how is not None and type(L.attn) is DeltaNet:
+            out.append(DeltaNetLayer(i, L, how if how == "dense" else None))
+        elif how is None:
             out.append(BlocksLayer(i, L))
         elif how == "moe" and isinstance(experts, StreamedExperts):
             # a plain provider, or gpt-oss's biased experts (the streamed call has no biases):
@@ -206,15 +240,20 @@ def one_call(L, c) -> str | None:
     The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases,
     qwen3's per-head q/k norm (olmoe's over the whole projection) or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
     gpt-oss's (sinks, the output's bias, a window, its biased experts and swiglu-oai), and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
-    a GELU-gated FFN — in the call only) — so only a `Layer` of exactly those parts qualifies,
+    a GELU-gated FFN — in the call only), qwen35's gated attention (q and gate rows per head) and
+    its delta nets (a call of their own, DeltaNetLayer) — so only a `Layer` of exactly those parts qualifies,
     with weights the extension multiplies: q and k of one type (v may have its own), gate/up of
     one type."""
     if not kernels.one_call_decode() or type(L) not in (Layer, Gemma3Layer) \
             or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention, SinkAttention,
-                                    ProjectionNormedAttention):
+                                    ProjectionNormedAttention, GatedAttention, DeltaNet):
         return None
     a, f = L.attn, L.ffn
-    if not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) or a.wq.qtype != a.wk.qtype:
+    if type(a) is DeltaNet:
+        if not all(_compiled(w) for w in (a.wqkv, a.wgate, a.ssm_beta, a.ssm_alpha, a.ssm_out)) \
+                or a.dims(c)[3] > 1024 or a.dims(c)[2] > 1024:
+            return None
+    elif not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) or a.wq.qtype != a.wk.qtype:
         return None
     dense = all(_compiled(w) for w in (f.gate, f.up, f.down)) and f.gate.qtype == f.up.qtype \
         if type(f) in (FFN, GeluFFN) else False

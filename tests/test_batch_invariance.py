@@ -229,17 +229,21 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
 
 @pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "attention"), ("qwen3", "dense"), ("gpt-oss", "moe"),
                                          ("qwen3moe", "moe"), ("olmoe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
-                                         ("phi3", "dense")])
+                                         ("phi3", "dense"), ("qwen35", "dense"), ("qwen35moe", "attention")])
 def test_families_decode_in_one_call(arch, how):
     """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's
     sliding windows (16 positions in the tiny file: the 19-token prompt and the steps after it
     drop keys) with their own rope base, post-block norms and GELU FFN, gpt-oss's sinks, output
     bias, windows and biased experts, olmoe's q/k norms over the whole projection, and phi3's split
-    projections are part of the compiled layer: their decode steps (solo, batched, a short run)
-    take the one call — a fall back to the blocks fails here — with the blocks' bits; qwen2moe's
-    shared-expert FFN runs through its blocks after it."""
+    projections, qwen35's gated attention (q and gate rows per head) and its delta-net layers (the
+    conv, the recurrence, the gated norm: a delta layer's decode step is one call with its FFN)
+    are part of the compiled layer: their decode steps (solo, batched, a short run) take the one
+    call — a fall back to the blocks fails here — with the blocks' bits; qwen2moe's and
+    qwen35moe's shared-expert FFNs run through their blocks after it."""
+    from kiln.native.arch.qwen35 import DeltaNet
     m = load_model(tiny_path(arch))
-    assert [r.kind for r in m.runners] == [f"one call ({how})"] * len(m.layers)
+    assert [r.kind for r in m.runners] == [f"one call (delta net, {how})" if type(L.attn) is DeltaNet else
+                                           f"one call ({how})" for L in m.layers]
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73], [2, 4, 8, 16]]
 
     def decode():
@@ -324,3 +328,29 @@ def test_a_prompts_routed_ffn_takes_any_number_of_experts_a_row():
     weights = rng.uniform(0, 1, (T, k)).astype(np.float32)
     loop = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *moe.expert(e)))
     assert np.array_equal(IN_RAM.ffn(0, moe, x, experts, weights), loop)
+
+
+def test_the_delta_net_calls_refuse_buffers_not_of_their_shape():
+    """The compiled delta-net step takes its shapes from the caller: a state, a conv history or
+    a row of another size is refused with what was wrong, never read or written past its end."""
+    from kiln.native.kernels import compiled_module
+    C = compiled_module()
+    if C is None:
+        pytest.skip("no compiled extension")
+    Hk, Hv, dk, dv, K = 2, 4, 8, 8, 4
+    ch = 2 * Hk * dk + Hv * dv
+    spec = (np.ones((ch, K), np.float32), np.zeros(Hv, np.float32), -np.ones(Hv, np.float32), np.ones(dv, np.float32))
+    rows = (np.ones((1, ch), np.float32), np.ones((1, Hv * dv), np.float32), np.zeros((1, Hv), np.float32),
+            np.zeros((1, Hv), np.float32))
+    state = (np.zeros((K - 1, ch), np.float32), np.zeros((Hv, dk, dv), np.float32))
+    out = np.empty((1, Hv * dv), np.float32)
+    C.delta_step(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [state], out, 1)
+    assert np.isfinite(out).all() and state[1].any() and state[0][-1].all()
+    with pytest.raises(ValueError, match="row 0's conv inputs or state"):
+        C.delta_step(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [(state[0], np.zeros((Hv, dk, dv - 1), np.float32))], out, 1)
+    with pytest.raises(ValueError, match="not its shape"):
+        C.delta_step(spec, (Hk, Hv, dk, dv, K + 1), 1e-6, *rows, [state], out, 1)
+    with pytest.raises(ValueError, match="outside"):
+        C.delta_step(spec, (Hk, Hv, dk, 100000, K), 1e-6, *rows, [state], out, 1)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        C.delta_step(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [], out, 1)

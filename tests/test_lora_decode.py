@@ -78,20 +78,23 @@ def test_a_prompt_chunk_riding_with_other_adapters_keeps_its_bits(default_model)
     assert np.array_equal(together[1], default_model.forward(chunk, d2, adapter=a2))
 
 
-def test_gemma3_layers_with_adapters_keep_the_blocks_bits():
+@pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
+def test_one_call_families_with_adapters_keep_the_blocks_bits(arch):
     """gemma3's one call (sliding window, post-block norms, GELU FFN) adds each row's adapter to
-    the FFN's gate and up before the GELU, as its blocks do: mixed adapters, the blocks' bits."""
+    the FFN's gate and up before the GELU, as its blocks do; qwen35's adds them to its gated q
+    (query and gate rows alike) and to the FFN after a delta net: mixed adapters, the blocks' bits."""
     from conftest import tiny_path
 
     from kiln.native.lora import Adapter, base_names
     from kiln.native.model import load_model
-    m = load_model(tiny_path("gemma3"))
-    assert {r.kind for r in m.runners} == {"one call (dense)"}
+    m = load_model(tiny_path(arch))
+    assert all(r.kind.startswith("one call (") and r.kind.endswith("dense)") for r in m.runners)
 
-    def gemma_adapter(seed):          # Kiln trains no gemma3 adapter, but serves llama.cpp's
+    def gemma_adapter(seed):          # Kiln trains no adapter for these, but serves llama.cpp's
         rng = np.random.default_rng(seed)
-        shapes = {n: m.gguf.tensor(n).shape for n in base_names(m.config.n_layer, LoraConfig(8, 16.0).targets)}
-        return Adapter("gemma3", 16.0, {n: (rng.normal(0, 0.1, (8, i)).astype(np.float32),
+        shapes = {n: m.gguf.tensor(n).shape for n in base_names(m.config.n_layer, LoraConfig(8, 16.0).targets)
+                  if n in m.gguf.tensors}             # a delta-net layer has no attention projections
+        return Adapter(arch, 16.0, {n: (rng.normal(0, 0.1, (8, i)).astype(np.float32),
                                             rng.normal(0, 0.1, (o, 8)).astype(np.float32)) for n, (o, i) in shapes.items()})
     a1, a2 = gemma_adapter(1), gemma_adapter(2)
     prompt, steps = list(range(3, 24)), [40, 41, 42, 43, 44]       # past the tiny file's 16-token window

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import ggml_round
 from ..blocks import apply_rope, rms_norm
-from ..kernels import Weight, matmul, matmul_many
+from ..kernels import Weight, compiled_module, matmul, matmul_many
 from .base import MAX_LAYERS, MAX_WIDTH, Family
 from .parts import Layer, NormedAttention, take
 
@@ -32,7 +33,8 @@ CHUNK = 64
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+    """1 / (1 + expf(-x)) with the C library's expf, as ggml's sigmoid — and the compiled decode."""
+    return (F32(1) / (F32(1) + ggml_round.libm_expf(-x))).astype(F32)
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
@@ -78,19 +80,44 @@ class DeltaNet:
     ssm_a: np.ndarray
     ssm_norm: np.ndarray
 
+    def dims(self, c) -> tuple[int, int, int, int, int]:
+        """(key heads, value heads, key width, value width, conv kernel)."""
+        Hv = c.get("ssm_v_heads")
+        return c.get("ssm_k_heads"), Hv, c.get("ssm_state"), c.get("ssm_inner") // Hv, self.ssm_conv.shape[1]
+
+    def spec(self) -> tuple:
+        return self.ssm_conv, self.ssm_dt, self.ssm_a, self.ssm_norm
+
     def __call__(self, i, x, b):
         c = b.config
-        Hk, Hv, dk = c.get("ssm_k_heads"), c.get("ssm_v_heads"), c.get("ssm_state")
-        dv = c.get("ssm_inner") // Hv
+        Hk, Hv, dk, dv, K = self.dims(c)
+        T, C = x.shape[0], self.wqkv.shape[0]
         mixed, z = matmul_many(x, [self.wqkv, self.wgate])
-        beta = _sigmoid(matmul(x, self.ssm_beta))                                      # (T, Hv)
-        g = _softplus(matmul(x, self.ssm_alpha) + self.ssm_dt) * self.ssm_a             # (T, Hv) log-decay
-        out = np.empty((x.shape[0], Hv, dv), F32)
+        beta_x, alpha_x = matmul(x, self.ssm_beta), matmul(x, self.ssm_alpha)            # (T, Hv)
+        out = np.empty((T, Hv * dv), F32)
+        steps = [(cache, a) for cache, a, e in b.segments if e - a == 1]
+        C_ = compiled_module()
+        if C_ is not None and steps:
+            # decode rows: the compiled step (csrc/delta_net.c), the one-call decode's own code
+            at = [a for _, a in steps]
+            states = [(st["conv"], st["ssm"]) for st in (cache.recurrent_state(i) for cache, _ in steps)]
+            o = np.empty((len(at), Hv * dv), F32)
+            C_.delta_step(self.spec(), (Hk, Hv, dk, dv, K), c.rms_eps, np.ascontiguousarray(mixed[at]),
+                          np.ascontiguousarray(z[at]), np.ascontiguousarray(beta_x[at]),
+                          np.ascontiguousarray(alpha_x[at]), states, o, 0)
+            out[at] = o
+            done = set(at)
+        else:
+            done = set()
+        beta = _sigmoid(beta_x)
+        g = _softplus(alpha_x + self.ssm_dt) * self.ssm_a                                 # (T, Hv) log-decay
         for cache, a, e in b.segments:
+            if a in done and e - a == 1:
+                continue
             st = cache.recurrent_state(i)
             conv_in = np.concatenate([st["conv"], mixed[a:e]])                           # (K-1+T, C)
-            st["conv"][:] = conv_in[-st["conv"].shape[0]:]
-            K, T = self.ssm_conv.shape[1], e - a
+            st["conv"][:] = conv_in[-st["conv"].shape[0]:] if K > 1 else st["conv"]
+            T = e - a
             conv = conv_in[0:T] * self.ssm_conv[:, 0]
             for j in range(1, K):
                 conv = conv + conv_in[j:j + T] * self.ssm_conv[:, j]
@@ -100,9 +127,10 @@ class DeltaNet:
             v = conv[:, 2 * Hk * dk:].reshape(T, Hv, dv)
             rep = np.arange(Hv) % Hk                                                     # value head h: key head h mod Hk
             q, k = q[:, rep] * F32(1 / np.sqrt(F32(dk))), k[:, rep]
-            out[a:e] = gated_delta_rule(q, k, v, g[a:e], beta[a:e], st["ssm"])
-        o = rms_norm(out, self.ssm_norm, c.rms_eps) * (z.reshape(-1, Hv, dv) * _sigmoid(z.reshape(-1, Hv, dv)))
-        return matmul(o.reshape(x.shape[0], Hv * dv).astype(F32), self.ssm_out)
+            o = gated_delta_rule(q, k, v, g[a:e], beta[a:e], st["ssm"])
+            zs = z[a:e].reshape(T, Hv, dv)
+            out[a:e] = (rms_norm(o, self.ssm_norm, c.rms_eps) * (zs * _sigmoid(zs))).reshape(T, Hv * dv)
+        return matmul(out, self.ssm_out)
 
 
 class Qwen35(Family):

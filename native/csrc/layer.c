@@ -11,136 +11,34 @@
  * head's attention between them (below, three more barriers cost more than the imbalance) */
 #define SPLIT_ATTENTION_FROM 256
 
-static void route_one(const LayerSpec *L, const Act *ar, float *logits, int *sel, float *wsel) {
-    static const TypeInfo tr = {1, 4, A_F32};
-    const uint8_t *Wr[1] = {(const uint8_t *)L->router};
-    int Nr[1] = {L->E};
-    float *Or[1] = {logits};
-    rows_dot(ar, 1, L->n, T_F32, &tr, 1, Wr, Nr, Or);
-    #pragma omp single
-    route_row(logits, L->E, L->k, L->normalize, sel, wsel);
-}
-
-static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, Act *ad, float *logits,
-                    float *g, float *u, float *dn, const TypeInfo *tg, const TypeInfo *td, int *sel, float *wsel,
-                    int routed) {
-    int n = L->n, n_ff = L->n_ff, k = L->k;
-    size_t gu_row = (size_t)(n / tg->block) * tg->bytes, d_row = (size_t)(n_ff / td->block) * td->bytes;
-    const uint8_t *Wgu[2 * MAX_K];
-    int Ngu[2 * MAX_K];
-    float *Ogu[2 * MAX_K];
-    if (!routed) route_one(L, ar, logits, sel, wsel);
-    const uint64_t *xt = L->xtab;             /* streamed: each expert where its cache slot is */
-    for (int j = 0; j < k; j++) {             /* every thread builds the same lists */
-        Wgu[2 * j] = xt ? (const uint8_t *)(uintptr_t)xt[3 * sel[j]] : L->wg + (size_t)sel[j] * n_ff * gu_row;
-        Wgu[2 * j + 1] = xt ? (const uint8_t *)(uintptr_t)xt[3 * sel[j] + 1] : L->wu + (size_t)sel[j] * n_ff * gu_row;
-        Ngu[2 * j] = Ngu[2 * j + 1] = n_ff;
-        Ogu[2 * j] = g + (size_t)j * n_ff; Ogu[2 * j + 1] = u + (size_t)j * n_ff;
-    }
-    rows_dot(ag, 1, n, L->gu_t, tg, 2 * k, Wgu, Ngu, Ogu);
-    #pragma omp single
-    for (int j = 0; j < k; j++) {
-        swiglu_row(g + (size_t)j * n_ff, u + (size_t)j * n_ff, n_ff);
-        act_row(ad, j, n_ff);
-    }
-    #pragma omp for schedule(static)          /* every chosen expert's down rows, one task each */
-    for (int r = 0; r < k * n; r++) {
-        int j = r / n, i = r % n;
-        const uint8_t *wd = xt ? (const uint8_t *)(uintptr_t)xt[3 * sel[j] + 2] + (size_t)i * d_row
-                               : L->wd + ((size_t)sel[j] * n + i) * d_row;
-        dn[r] = dot_row(L->wd_t, td, wd, ad, j, n_ff);
-    }
-    #pragma omp single
-    for (int i = 0; i < n; i++) {
-        float acc = 0.f;                      /* the step path's zeros, += weight * expert out, in order */
-        for (int j = 0; j < k; j++) acc = acc + wsel[j] * dn[(size_t)j * n + i];
-        x[i] = x[i] + acc;
-    }
-}
-
 /* B decode rows x (B, n), row b of sequence rows[b], through layer L, in place. The caller has
  * checked every size; needs the AVX2 attention (g_avx2). */
-/* n dot products of rows w (n x K, rows K apart) with x, each dot_f32_avx2's arithmetic (its own
- * chain of FMAs over the row, its lanes summed alike, the tail in order), four chains at a time:
- * one chain waits on each FMA's latency, four keep the unit busy. */
-AVX2 static void dots_f32(const float *w, const float *x, int K, int n, float *out) {
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-        const float *w0 = w + (size_t)j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int i = 0;
-        for (; i + 8 <= K; i += 8) {
-            __m256 xv = _mm256_loadu_ps(x + i);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xv, a3);
-        }
-        float r0 = hsum_avx(a0), r1 = hsum_avx(a1), r2 = hsum_avx(a2), r3 = hsum_avx(a3);
-        for (; i < K; i++) { r0 += w0[i] * x[i]; r1 += w1[i] * x[i]; r2 += w2[i] * x[i]; r3 += w3[i] * x[i]; }
-        out[j] = r0; out[j + 1] = r1; out[j + 2] = r2; out[j + 3] = r3;
-    }
-    for (; j < n; j++) out[j] = dot_f32_avx2(w + (size_t)j * K, x, K);
-}
-
-/* Each row's adapter on projection t: out[b] (N) += scale * B (A in[b]) — A x and B (A x) as the
- * block path's F32 matmul computes each value (dot_f32_avx2's arithmetic: a row's bits do not
- * depend on the batch), then the scale, then the add. Every thread calls it (orphaned loops):
- * the rows' A x dealt between the threads four ranks at a time into `tmp` (B x rmax, shared),
- * then their B (A x) in blocks of 64 outputs. */
-AVX2 static void lora_rows(const LayerSpec *L, int t, const float *in, int K, float *out, int N, int B,
-                           float *tmp, int rmax) {
-    const int per = (rmax + 3) / 4, blocks = (N + 63) / 64;
-    #pragma omp for schedule(static)
-    for (int c = 0; c < B * per; c++) {
-        const LoraPair *p = &L->lora[(size_t)(c / per) * LORA_TARGETS + t];
-        int j = 4 * (c % per);
-        if (p->a && j < p->r)
-            dots_f32(p->a + (size_t)j * K, in + (size_t)(c / per) * K, K, p->r - j < 4 ? p->r - j : 4,
-                     tmp + (size_t)(c / per) * rmax + j);
-    }
-    #pragma omp for schedule(static)
-    for (int c = 0; c < B * blocks; c++) {
-        const int b = c / blocks, i0 = 64 * (c % blocks), m = N - i0 < 64 ? N - i0 : 64;
-        const LoraPair *p = &L->lora[(size_t)b * LORA_TARGETS + t];
-        if (!p->a) continue;
-        float dl[64], *o = out + (size_t)b * N + i0;
-        dots_f32(p->b + (size_t)i0 * p->r, tmp + (size_t)b * rmax, p->r, m, dl);
-        for (int i = 0; i < m; i++) { float d = dl[i] * p->scale; o[i] = o[i] + d; }
-    }
-}
-
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt) {
     int missing = 0;          /* streamed experts: a chosen one is not resident (the FFN skipped) */
 #ifdef KILN_X86
-    static const TypeInfo tf = {1, 4, A_F32};
-    int n = L->n, H = L->H, Hkv = L->Hkv, D = L->D, qn = H * D, kvn = Hkv * D, n_ff = L->n_ff;
-    int moe = L->ffn == FFN_MOE, S = 0;
-    int fr = moe ? L->k : B;                  /* FFN rows held at once: a row's experts, or the batch */
-    TypeInfo tq, tv, to, tg = tf, td = tf;
+    int n = L->n, H = L->H, Hkv = L->Hkv, D = L->D, qn = H * D, kvn = Hkv * D, S = 0;
+    TypeInfo tq, tv, to;
     type_info(L->qkv_t, &tq); type_info(L->v_t, &tv); type_info(L->wo_t, &to);
     /* v of another type (Q4_K_M files keep v in Q6_K on some layers): a product of its own, with
        its own activations only when its type quantizes them otherwise than q's (Q4_K, Q6_K: alike) */
     const int v_apart = L->v_t != L->qkv_t, v_own_act = v_apart && tv.act != tq.act;
-    if (L->ffn) { type_info(L->gu_t, &tg); type_info(L->wd_t, &td); }
     for (int b = 0; b < B; b++) if (rows[b].pos + 1 > S) S = rows[b].pos + 1;
-    size_t nf = L->ffn ? (size_t)n_ff * fr : 1;
+    /* a gated q (qwen35): the projection gives per head D query rows, then D gate rows */
+    int qw = L->q_gate ? 2 * qn : qn;
     float *a = malloc((size_t)B * n * 4), *q = malloc((size_t)B * qn * 4), *kt = malloc((size_t)B * kvn * 4),
           *vt = malloc((size_t)B * kvn * 4), *att = malloc((size_t)B * qn * 4), *o = malloc((size_t)B * n * 4),
-          *f = malloc((size_t)B * n * 4), *g = malloc(nf * 4), *u = malloc(nf * 4),
-          *dn = malloc((size_t)n * (moe ? L->k : B) * 4), *logits = malloc((size_t)(moe ? L->E : 1) * 4),
-          *wsel_all = malloc((size_t)B * MAX_K * 4);
-    int *sel_all = malloc((size_t)B * MAX_K * sizeof(int));
+          *qg = L->q_gate ? malloc((size_t)B * qw * 4) : q, *gate = L->q_gate ? malloc((size_t)B * qn * 4) : NULL;
     int lrmax = 0;                            /* the largest LoRA rank in the batch: A x's room per row */
     for (int i = 0; L->lora && i < B * LORA_TARGETS; i++) if (L->lora[i].a && L->lora[i].r > lrmax) lrmax = L->lora[i].r;
     float *ltmp = lrmax ? malloc((size_t)B * lrmax * sizeof(float)) : NULL;
-    const uint8_t *Wqkv[3] = {L->wq, L->wk, L->wv}, *Wo[1] = {L->wo}, *Wgu[2] = {L->wg, L->wu}, *Wd[1] = {L->wd};
-    int Nqkv[3] = {qn, kvn, kvn}, No[1] = {n}, Ngu[2] = {n_ff, n_ff}, Nd[1] = {n}, sel[MAX_K];
-    float *Oqkv[3] = {q, kt, vt}, *Oo[1] = {o}, *Ogu[2] = {g, u}, *Od[1] = {dn}, wsel[MAX_K];
-    Act aq, av = {0}, ao, ag = {0}, ad = {0}, ar = {0};
+    FfnWork fw;
+    ffn_work_init(&fw, L, B, ltmp, lrmax);
+    const uint8_t *Wqkv[3] = {L->wq, L->wk, L->wv}, *Wo[1] = {L->wo};
+    int Nqkv[3] = {qw, kvn, kvn}, No[1] = {n};
+    float *Oqkv[3] = {qg, kt, vt}, *Oo[1] = {o};
+    Act aq, av = {0}, ao;
     act_alloc(&aq, &tq, a, B, n); act_alloc(&ao, &to, att, B, qn);
     if (v_own_act) act_alloc(&av, &tv, a, B, n);
-    if (L->ffn) { act_alloc(&ag, &tg, f, B, n); act_alloc(&ad, &td, g, fr, n_ff); act_alloc(&ar, &tf, f, B, n); }
     float scale = L->kq_scale > 0.f ? L->kq_scale : 1.0f / sqrtf((float)D);
     int plain = L->kt == L->vt && (L->kt == T_F32 || L->kt == T_F16), kv_f16 = L->kt == T_F16;
     int G = H / Hkv;
@@ -163,13 +61,18 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         rows_dot(&aq, B, n, L->qkv_t, &tq, v_apart ? 2 : 3, Wqkv, Nqkv, Oqkv);
         if (v_apart) rows_dot(v_own_act ? &av : &aq, B, n, L->v_t, &tv, 1, Wqkv + 2, Nqkv + 2, Oqkv + 2);
         if (L->lora) {
-            lora_rows(L, LORA_Q, a, n, q, qn, B, ltmp, lrmax);
+            lora_rows(L, LORA_Q, a, n, qg, qw, B, ltmp, lrmax);
             lora_rows(L, LORA_K, a, n, kt, kvn, B, ltmp, lrmax);
             lora_rows(L, LORA_V, a, n, vt, kvn, B, ltmp, lrmax);
         }
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
+            if (L->q_gate)                    /* the query and gate rows of each head apart */
+                for (int h = 0; h < H; h++) {
+                    memcpy(q + (size_t)b * qn + h * D, qg + (size_t)b * qw + 2 * h * D, (size_t)D * 4);
+                    memcpy(gate + (size_t)b * qn + h * D, qg + (size_t)b * qw + (2 * h + 1) * D, (size_t)D * 4);
+                }
             if (L->bq) {                      /* qwen2: the biases, after the products (and any adapter) */
                 float *qb = q + (size_t)b * qn;
                 for (int i = 0; i < qn; i++) qb[i] = qb[i] + L->bq[i];
@@ -240,7 +143,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             }
         }
         #pragma omp for schedule(static)
-        for (int b = 0; b < B; b++) act_row(&ao, b, qn);
+        for (int b = 0; b < B; b++) {
+            if (L->q_gate) sigmoid_mul_row(att + (size_t)b * qn, gate + (size_t)b * qn, qn);   /* × sigmoid(gate) */
+            act_row(&ao, b, qn);
+        }
         rows_dot(&ao, B, qn, L->wo_t, &to, 1, Wo, No, Oo);
         if (L->lora) lora_rows(L, LORA_O, att, qn, o, n, B, ltmp, lrmax);
         #pragma omp for schedule(static)
@@ -249,63 +155,14 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             if (L->bo) for (int i = 0; i < n; i++) ob[i] = ob[i] + L->bo[i];
             if (L->post_attn_norm) rms_row(ob, L->post_attn_norm, ob, n, L->eps);
             for (int i = 0; i < n; i++) xb[i] = xb[i] + ob[i];
-            if (L->ffn) { rms_row(xb, L->ffn_norm, f + (size_t)b * n, n, L->eps); act_row(&ag, b, n); }
         }
-        if (L->ffn == FFN_DENSE) {
-            rows_dot(&ag, B, n, L->gu_t, &tg, 2, Wgu, Ngu, Ogu);
-            if (L->lora) {
-                lora_rows(L, LORA_GATE, f, n, g, n_ff, B, ltmp, lrmax);
-                lora_rows(L, LORA_UP, f, n, u, n_ff, B, ltmp, lrmax);
-            }
-            #pragma omp for schedule(static)
-            for (int b = 0; b < B; b++) {
-                float *gb = g + (size_t)b * n_ff, *ub = u + (size_t)b * n_ff;
-                if (L->gelu_table) {          /* ggml_geglu_split: gelu(g) * u */
-                    gelu_rows(gb, (size_t)n_ff, L->gelu_table);
-                    for (int i = 0; i < n_ff; i++) gb[i] = gb[i] * ub[i];
-                } else swiglu_row(gb, ub, n_ff);
-                act_row(&ad, b, n_ff);
-            }
-            rows_dot(&ad, B, n_ff, L->wd_t, &td, 1, Wd, Nd, Od);
-            if (L->lora) lora_rows(L, LORA_DOWN, g, n_ff, dn, n, B, ltmp, lrmax);
-            #pragma omp for schedule(static)
-            for (int b = 0; b < B; b++) {
-                float *xb = x + (size_t)b * n, *db = dn + (size_t)b * n;
-                if (L->post_ffn_norm) rms_row(db, L->post_ffn_norm, db, n, L->eps);
-                for (int i = 0; i < n; i++) xb[i] = xb[i] + db[i];
-            }
-        } else if (moe && L->xtab) {
-            /* streamed experts: route every row first; if a chosen expert is not resident, leave
-               the FFN to the caller (x holds the attention's residual, as FFN_NONE leaves it) */
-            for (int b = 0; b < B; b++) {
-                Act arb = act_view(&ar, b, n);
-                route_one(L, &arb, logits, sel_all + (size_t)b * L->k, wsel_all + (size_t)b * L->k);
-            }
-            #pragma omp single
-            for (int r = 0; r < B * L->k; r++) {
-                if (L->chosen) L->chosen[r] = sel_all[r];
-                if (L->chosen_w) L->chosen_w[r] = wsel_all[r];
-                if (!L->xtab[3 * sel_all[r]]) missing = 1;
-            }
-            if (!missing)
-                for (int b = 0; b < B; b++) {
-                    Act arb = act_view(&ar, b, n), agb = act_view(&ag, b, n);
-                    moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td,
-                            sel_all + (size_t)b * L->k, wsel_all + (size_t)b * L->k, 1);
-                }
-        } else if (moe) {
-            for (int b = 0; b < B; b++) {
-                Act arb = act_view(&ar, b, n), agb = act_view(&ag, b, n);
-                if (L->router_b) moe_oai_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td);
-                else moe_row(L, x + (size_t)b * n, &arb, &agb, &ad, logits, g, u, dn, &tg, &td, sel, wsel, 0);
-            }
-        }
+        ffn_rows(L, &fw, x, B, &missing);
         free(sc);
     }
     act_free(&aq); act_free(&ao); if (v_own_act) act_free(&av);
-    if (L->ffn) { act_free(&ag); act_free(&ad); act_free(&ar); }
-    free(a); free(q); free(kt); free(vt); free(att); free(o); free(f); free(g); free(u); free(dn); free(logits);
-    free(wsel_all); free(sel_all); free(ltmp); free(rowbuf); free(accbuf); attn_group_free(gp);
+    ffn_work_free(&fw);
+    if (L->q_gate) { free(qg); free(gate); }
+    free(a); free(q); free(kt); free(vt); free(att); free(o); free(ltmp); free(rowbuf); free(accbuf); attn_group_free(gp);
 #endif
     return missing;
 }

@@ -117,3 +117,9 @@ void route_row(const float *logits, int E, int k, int normalize, int *sel, float
 
 /* The routed FFN of row f (normed, as ag's row and ar) added to x: called by every thread of the
  * region (orphaned worksharing), one row at a time — each row has its own experts. */
+
+/* x times sigmoid(g), the sigmoid as ggml_vec_sigmoid_f32 (and the blocks, through this library's
+ * expf): 1 / (1 + expf(-g)), then the product */
+void sigmoid_mul_row(float *x, const float *g, int n) {
+    for (int i = 0; i < n; i++) { float s = 1.0f / (1.0f + expf(-g[i])); x[i] = x[i] * s; }
+}

@@ -4,42 +4,33 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include "kiln.h"
+#include "py_layer.h"
 
 /* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), (qk_type, v_type), wo, wo_type,
  *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
  *              (kt, vt), q_scale, kq_scale, lora, (q_norm, k_norm), (bq, bk, bv), window,
- *              (post_attn_norm, post_ffn_norm), gelu_table, bo, sinks, (router_b, gate_b, up_b, down_b))
+ *              (post_attn_norm, post_ffn_norm), gelu_table, bo, sinks, (router_b, gate_b, up_b, down_b), q_gate)
  *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
- *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff).
+ *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff); q_gate: wq gives per
+ *        head D query rows then D gate rows, the attention times sigmoid(gate) (qwen35).
  * One decode step of B sequences through one layer (csrc/layer.c). Each sequence's K/V caches
  * (capacity x Hkv rows of D values of ggml types kt and vt: F32, F16, Q8_0, Q4_0) get its position written; attention reads
  * positions 0..pos (pos - window + 1..pos with a window: a sliding-window layer's own buffer). */
-#define MAX_BATCH 64
-typedef struct { Py_buffer b[2 * MAX_BATCH + 40]; int n; } Held;    /* each row's K and V, and the layer's (31 at most) */
-
-static Py_buffer *hold(Held *h, PyObject *o, int writable) {
-    if (h->n >= (int)(sizeof h->b / sizeof h->b[0])) { PyErr_SetString(PyExc_ValueError, "decode_layer: too many buffers"); return NULL; }
-    Py_buffer *b = &h->b[h->n];
-    if (PyObject_GetBuffer(o, b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
-    h->n++;
-    return b;
-}
-
 PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None, *biaso = Py_None,
              *posto = Py_None, *geluo = Py_None, *boo = Py_None, *sinko = Py_None, *oaio = Py_None;
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOOiOOOOO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOOiOOOOOp", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
-                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso, &L.win, &posto, &geluo, &boo, &sinko, &oaio))
+                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso, &L.win, &posto, &geluo, &boo, &sinko, &oaio, &L.q_gate))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
     PyObject *ret = NULL;
-    Py_buffer *xb, *anb, *wb[4], *cb, *sb, *fnb = NULL, *rtb = NULL, *gb = NULL, *ub = NULL, *db = NULL;
+    Py_buffer *xb, *anb, *wb[4], *cb, *sb;
     int B = (int)PyList_GET_SIZE(seqs);
     if (!h) { PyErr_NoMemory(); return NULL; }
     if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "decode_layer: 1 to %d sequences, not %d", MAX_BATCH, B); goto done; }
@@ -47,78 +38,20 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         !(wb[2] = hold(h, wvo, 0)) || !(wb[3] = hold(h, woo, 0)) || !(cb = hold(h, co, 0)) || !(sb = hold(h, so, 0)))
         goto done;
     L.neox = neox; L.eps = (float)eps; L.E = 1; L.k = 1;
-    if (ffn_obj != Py_None) {
-        PyObject *fno, *rto = NULL, *go, *uo, *dwo, *xto = Py_None, *cho = Py_None, *cwo = Py_None;
-        int ok;
-        Py_ssize_t nf = PyTuple_Check(ffn_obj) ? PyTuple_GET_SIZE(ffn_obj) : 0;
-        if (nf == 11 || nf == 13 || nf == 14) {
-            L.ffn = FFN_MOE;
-            ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip|OOO", &fno, &rto, &go, &uo, &L.gu_t, &dwo, &L.wd_t,
-                                  &L.n_ff, &L.E, &L.k, &L.normalize, &xto, &cho, &cwo);
-            /* streamed experts: a table of E (gate, up, down) addresses the caller keeps valid
-               for the call, and where to write each row's chosen experts */
-            if (ok && xto != Py_None) {
-                Py_buffer *xtb = hold(h, xto, 0);
-                if (!xtb) goto done;
-                if ((size_t)xtb->len < (size_t)L.E * 3 * 8) {
-                    PyErr_SetString(PyExc_ValueError, "decode_layer: the expert table holds fewer than E x 3 addresses");
-                    goto done;
-                }
-                L.xtab = xtb->buf;
-            }
-            if (ok && cho != Py_None) {
-                Py_buffer *chb = hold(h, cho, 1);
-                if (!chb) goto done;
-                if ((size_t)chb->len < (size_t)B * L.k * 4) {
-                    PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-experts output is smaller than B x k");
-                    goto done;
-                }
-                L.chosen = chb->buf;
-            }
-            if (ok && cwo != Py_None) {
-                Py_buffer *cwb = hold(h, cwo, 1);
-                if (!cwb) goto done;
-                if ((size_t)cwb->len < (size_t)B * L.k * 4) {
-                    PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-weights output is smaller than B x k");
-                    goto done;
-                }
-                L.chosen_w = cwb->buf;
-            }
-        } else {
-            L.ffn = FFN_DENSE;
-            ok = PyArg_ParseTuple(ffn_obj, "OOOiOii", &fno, &go, &uo, &L.gu_t, &dwo, &L.wd_t, &L.n_ff);
-        }
-        if (!ok || !(fnb = hold(h, fno, 0)) || (rto && !(rtb = hold(h, rto, 0))) || !(gb = hold(h, go, 0)) ||
-            !(ub = hold(h, uo, 0)) || !(db = hold(h, dwo, 0)))
-            goto done;
-    }
     int n = L.n = (int)(xb->len / 4 / B), qn = L.H * L.D, kvn = L.Hkv * L.D;
-    TypeInfo tq, tv, to, tg = {1, 4, A_F32}, td = {1, 4, A_F32};
+    TypeInfo tq, tv, to;
     if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_layer needs the AVX2 kernels"); goto done; }
-    if (!type_info(L.qkv_t, &tq) || !type_info(L.v_t, &tv) || !type_info(L.wo_t, &to) || (L.ffn && (!type_info(L.gu_t, &tg) || !type_info(L.wd_t, &td)))) {
+    if (!type_info(L.qkv_t, &tq) || !type_info(L.v_t, &tv) || !type_info(L.wo_t, &to)) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a weight type has no compiled kernel"); goto done;
     }
     if ((size_t)xb->len != (size_t)B * n * 4 || n % tq.block || n % tv.block || qn % to.block || L.Hkv < 1 || L.H % L.Hkv ||
         L.R > L.D || L.D > 512 ||
-        (size_t)wb[0]->len < (size_t)qn * (n / tq.block) * tq.bytes || (size_t)wb[1]->len < (size_t)kvn * (n / tq.block) * tq.bytes ||
+        (size_t)wb[0]->len < (size_t)(L.q_gate ? 2 : 1) * qn * (n / tq.block) * tq.bytes || (size_t)wb[1]->len < (size_t)kvn * (n / tq.block) * tq.bytes ||
         (size_t)wb[2]->len < (size_t)kvn * (n / tv.block) * tv.bytes || (size_t)wb[3]->len < (size_t)n * (qn / to.block) * to.bytes ||
         (size_t)cb->len < (size_t)B * (L.R / 2) * 4 || (size_t)sb->len < (size_t)B * (L.R / 2) * 4 || (size_t)anb->len < (size_t)n * 4) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a buffer is smaller than its shape"); goto done;
     }
-    if (L.ffn == FFN_MOE && (L.E < 1 || L.E > MAX_EXPERTS || L.k < 1 || L.k > L.E || L.k > MAX_K || (size_t)rtb->len < (size_t)L.E * n * 4)) {
-        PyErr_Format(PyExc_ValueError, "decode_layer: %d of %d experts, or a router smaller than its shape "
-                     "(the one-call path takes 1 <= k <= %d, k <= E <= %d)", L.k, L.E, MAX_K, MAX_EXPERTS);
-        goto done;
-    }
-    if (L.ffn) {
-        size_t gu_row = (size_t)(n / tg.block) * tg.bytes, d_row = (size_t)(L.n_ff / td.block) * td.bytes;
-        if (n % tg.block || L.n_ff % td.block || (size_t)fnb->len < (size_t)n * 4 ||
-            (size_t)gb->len < (size_t)L.E * L.n_ff * gu_row || (size_t)ub->len < (size_t)L.E * L.n_ff * gu_row ||
-            (size_t)db->len < (size_t)L.E * n * d_row) {
-            PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN buffer is smaller than its shape"); goto done;
-        }
-        L.ffn_norm = fnb->buf; L.router = rtb ? rtb->buf : NULL; L.wg = gb->buf; L.wu = ub->buf; L.wd = db->buf;
-    }
+    if (!ffn_arg(h, ffn_obj, &L, B)) goto done;
     if (qkno != Py_None) {                    /* (q_norm, k_norm): float32 (D) each, or (H*D), (Hkv*D) with full */
         PyObject *qno, *kno;
         Py_buffer *qnb, *knb;
@@ -185,26 +118,7 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         }
         L.router_b = rbb->buf; L.gate_b = gbb->buf; L.up_b = ubb->buf; L.down_b = dbb->buf;
     }
-    if (lorao != Py_None) {
-        /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
-           caller keeps alive for the call and has checked against the layer's shapes
-           (native/runners.py lora_table) */
-        Py_buffer *lb = hold(h, lorao, 0);
-        if (!lb) goto done;
-        if ((size_t)lb->len != (size_t)B * LORA_TARGETS * sizeof(LoraPair)) {
-            PyErr_SetString(PyExc_ValueError, "decode_layer: the LoRA table is not B x 7 entries"); goto done;
-        }
-        L.lora = lb->buf;
-        for (int i = 0; i < B * LORA_TARGETS; i++) {
-            const LoraPair *p = &L.lora[i];
-            if (p->a && (!p->b || p->r < 1 || p->r > 4096)) {
-                PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA entry without B or of rank outside 1..4096"); goto done;
-            }
-            if (p->a && i % LORA_TARGETS >= LORA_GATE && L.ffn != FFN_DENSE) {
-                PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA on an FFN this call does not run densely"); goto done;
-            }
-        }
-    }
+    if (lorao != Py_None && !lora_arg(h, lorao, &L, B)) goto done;
     L.attn_norm = anb->buf; L.wq = wb[0]->buf; L.wk = wb[1]->buf; L.wv = wb[2]->buf; L.wo = wb[3]->buf;
     if (!(rows = calloc(B, sizeof(DecodeRow)))) { PyErr_NoMemory(); goto done; }
     for (int b = 0; b < B; b++) {

@@ -1,0 +1,19 @@
+/* The one-call bindings' shared arguments (py_layer_args.c): the buffers a call holds while it
+ * runs, the FFN tuple, the LoRA table. */
+#ifndef KILN_PY_LAYER_H
+#define KILN_PY_LAYER_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include "kiln.h"
+
+#define MAX_BATCH 64
+typedef struct { Py_buffer b[2 * MAX_BATCH + 40]; int n; } Held;    /* each row's K and V (or states), and the layer's */
+
+Py_buffer *hold(Held *h, PyObject *o, int writable);
+/* ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
+ * or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type, n_ff,
+ * E, k, normalize[, expert table, chosen, chosen weights]); L->n set. 0: a Python error set. */
+int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B);
+/* B x LORA_TARGETS LoraPair (native/runners.py lora_table); after ffn_arg. 0: an error set. */
+int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B);
+#endif

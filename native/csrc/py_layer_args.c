@@ -1,0 +1,101 @@
+/* The one-call bindings' shared arguments (py_layer.h). */
+#include "py_layer.h"
+
+Py_buffer *hold(Held *h, PyObject *o, int writable) {
+    if (h->n >= (int)(sizeof h->b / sizeof h->b[0])) { PyErr_SetString(PyExc_ValueError, "decode_layer: too many buffers"); return NULL; }
+    Py_buffer *b = &h->b[h->n];
+    if (PyObject_GetBuffer(o, b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return NULL;
+    h->n++;
+    return b;
+}
+
+int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B) {
+    Py_buffer *fnb = NULL, *rtb = NULL, *gb = NULL, *ub = NULL, *db = NULL;
+    TypeInfo tg, td;
+    int n = L->n;
+    L->E = 1; L->k = 1;
+    if (ffn_obj == Py_None) return 1;
+    PyObject *fno, *rto = NULL, *go, *uo, *dwo, *xto = Py_None, *cho = Py_None, *cwo = Py_None;
+    int ok;
+    Py_ssize_t nf = PyTuple_Check(ffn_obj) ? PyTuple_GET_SIZE(ffn_obj) : 0;
+    if (nf == 11 || nf == 13 || nf == 14) {
+        L->ffn = FFN_MOE;
+        ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip|OOO", &fno, &rto, &go, &uo, &L->gu_t, &dwo, &L->wd_t,
+                              &L->n_ff, &L->E, &L->k, &L->normalize, &xto, &cho, &cwo);
+        /* streamed experts: a table of E (gate, up, down) addresses the caller keeps valid
+           for the call, and where to write each row's chosen experts */
+        if (ok && xto != Py_None) {
+            Py_buffer *xtb = hold(h, xto, 0);
+            if (!xtb) return 0;
+            if ((size_t)xtb->len < (size_t)L->E * 3 * 8) {
+                PyErr_SetString(PyExc_ValueError, "decode_layer: the expert table holds fewer than E x 3 addresses");
+                return 0;
+            }
+            L->xtab = xtb->buf;
+        }
+        if (ok && cho != Py_None) {
+            Py_buffer *chb = hold(h, cho, 1);
+            if (!chb) return 0;
+            if ((size_t)chb->len < (size_t)B * L->k * 4) {
+                PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-experts output is smaller than B x k");
+                return 0;
+            }
+            L->chosen = chb->buf;
+        }
+        if (ok && cwo != Py_None) {
+            Py_buffer *cwb = hold(h, cwo, 1);
+            if (!cwb) return 0;
+            if ((size_t)cwb->len < (size_t)B * L->k * 4) {
+                PyErr_SetString(PyExc_ValueError, "decode_layer: the chosen-weights output is smaller than B x k");
+                return 0;
+            }
+            L->chosen_w = cwb->buf;
+        }
+    } else {
+        L->ffn = FFN_DENSE;
+        ok = PyArg_ParseTuple(ffn_obj, "OOOiOii", &fno, &go, &uo, &L->gu_t, &dwo, &L->wd_t, &L->n_ff);
+    }
+    if (!ok || !(fnb = hold(h, fno, 0)) || (rto && !(rtb = hold(h, rto, 0))) || !(gb = hold(h, go, 0)) ||
+        !(ub = hold(h, uo, 0)) || !(db = hold(h, dwo, 0)))
+        return 0;
+    if (!type_info(L->gu_t, &tg) || !type_info(L->wd_t, &td)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN weight type has no compiled kernel"); return 0;
+    }
+    if (L->ffn == FFN_MOE && (L->E < 1 || L->E > MAX_EXPERTS || L->k < 1 || L->k > L->E || L->k > MAX_K || (size_t)rtb->len < (size_t)L->E * n * 4)) {
+        PyErr_Format(PyExc_ValueError, "decode_layer: %d of %d experts, or a router smaller than its shape "
+                     "(the one-call path takes 1 <= k <= %d, k <= E <= %d)", L->k, L->E, MAX_K, MAX_EXPERTS);
+        return 0;
+    }
+    if (L->ffn) {
+        size_t gu_row = (size_t)(n / tg.block) * tg.bytes, d_row = (size_t)(L->n_ff / td.block) * td.bytes;
+        if (n % tg.block || L->n_ff % td.block || (size_t)fnb->len < (size_t)n * 4 ||
+            (size_t)gb->len < (size_t)L->E * L->n_ff * gu_row || (size_t)ub->len < (size_t)L->E * L->n_ff * gu_row ||
+            (size_t)db->len < (size_t)L->E * n * d_row) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: an FFN buffer is smaller than its shape"); return 0;
+        }
+        L->ffn_norm = fnb->buf; L->router = rtb ? rtb->buf : NULL; L->wg = gb->buf; L->wu = ub->buf; L->wd = db->buf;
+    }
+    return 1;
+}
+
+int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B) {
+    /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
+       caller keeps alive for the call and has checked against the layer's shapes
+       (native/runners.py lora_table) */
+    Py_buffer *lb = hold(h, lorao, 0);
+    if (!lb) return 0;
+    if ((size_t)lb->len != (size_t)B * LORA_TARGETS * sizeof(LoraPair)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: the LoRA table is not B x 7 entries"); return 0;
+    }
+    L->lora = lb->buf;
+    for (int i = 0; i < B * LORA_TARGETS; i++) {
+        const LoraPair *p = &L->lora[i];
+        if (p->a && (!p->b || p->r < 1 || p->r > 4096)) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA entry without B or of rank outside 1..4096"); return 0;
+        }
+        if (p->a && i % LORA_TARGETS >= LORA_GATE && L->ffn != FFN_DENSE) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA on an FFN this call does not run densely"); return 0;
+        }
+    }
+    return 1;
+}
