@@ -22,7 +22,7 @@ import numpy as np
 from . import ggml_round, kernels
 from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.gpt_oss import BiasedMoE, SinkAttention
-from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention
+from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention, SharedExpertMoE
 from .arch.qwen import ProjectionNormedAttention
 from .arch.qwen35 import DeltaNet, GatedAttention
 from .arch.smollm3 import NoRopeAttention
@@ -109,8 +109,8 @@ class StreamedLayer(BlocksLayer):
 
 class DeltaNetLayer(BlocksLayer):
     """A delta-net layer (arch/qwen35.py): a decode step — one row per sequence, the recurrence;
-    longer runs take the blocks' chunked form — in one compiled call; `ffn` "dense" (in the
-    call) or None (its blocks after it)."""
+    longer runs take the blocks' chunked form — in one compiled call; `ffn` "dense" or "moe" (in
+    the call, a shared expert too) or None (its blocks after it)."""
 
     def __init__(self, i: int, layer: Layer, ffn: str | None):
         super().__init__(i, layer)
@@ -123,12 +123,11 @@ class DeltaNetLayer(BlocksLayer):
         i, L, c = self.i, self.layer, b.config
         d, f = L.attn, L.ffn
         states = [(st["conv"], st["ssm"]) for st in (cache.recurrent_state(i) for cache, _, _ in b.segments)]
-        ffn = (L.ffn_norm, f.gate.raw, f.up.raw, int(f.gate.qtype), f.down.raw, int(f.down.qtype), f.gate.shape[0]) \
-            if self.ffn else None
         ws = (d.wqkv, d.wgate, d.ssm_beta, d.ssm_alpha, d.ssm_out)
         kernels.compiled_module().decode_delta_layer(
             x, L.attn_norm, c.rms_eps, tuple(w.raw for w in ws), tuple(int(w.qtype) for w in ws), d.spec(), d.dims(c),
-            states, ffn, 0, lora_table(i, b, True) if b.any_adapter and self.ffn else None)
+            states, ffn_spec(L, c, self.ffn), 0, lora_table(i, b, self.ffn == "dense") if b.any_adapter else None,
+            shared_spec(f) if self.ffn == "moe" else None)
         if self.ffn is None:
             b.residual = None
             x = x + f(i, b.norm(x, L.ffn_norm), b)
@@ -151,14 +150,7 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
     else:
         seqs = [(*cache.layer_buffers(i), pos) for cache, pos in rows]
     gemma = isinstance(L, Gemma3Layer)
-    if ffn == "dense":
-        spec = (L.ffn_norm, f.gate.raw, f.up.raw, int(f.gate.qtype), f.down.raw, int(f.down.qtype), f.gate.shape[0])
-    elif ffn == "moe":
-        spec = (L.ffn_norm, f.router.raw, f.gate_exps.raw, f.up_exps.raw, int(f.gate_exps.qtype),
-                f.down_exps.raw, int(f.down_exps.qtype), f.gate_exps.shape[1], c.n_expert,
-                c.n_expert_used, c.expert_weights_norm, *experts)
-    else:
-        spec = None
+    spec = ffn_spec(L, c, ffn, experts)
     cos, sin = b.rope(a.rope_base)
     return kernels.compiled_module().decode_layer(
         x, L.attn_norm, c.rms_eps, (a.wq.raw, a.wk.raw, a.wv.raw), (int(a.wq.qtype), int(a.wv.qtype)),
@@ -172,7 +164,28 @@ def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None
         ggml_round.gelu_table() if isinstance(f, GeluFFN) else None,
         *((a.bo, a.sinks) if isinstance(a, SinkAttention) else (None, None)),
         (f.router_b, f.gate_b, f.up_b, f.down_b) if ffn == "moe" and isinstance(f, BiasedMoE) else None,
-        isinstance(a, GatedAttention))
+        isinstance(a, GatedAttention), shared_spec(f) if ffn == "moe" else None)
+
+
+def ffn_spec(L: Layer, c, ffn: str | None, experts: tuple = (None, None)) -> tuple | None:
+    """The call's FFN argument: "dense" (its norm, gate, up, down and types), "moe" (the router
+    and the stacked experts; `experts`: the streamed ones' table and outputs), None (not in the call)."""
+    f = L.ffn
+    if ffn == "dense":
+        return L.ffn_norm, f.gate.raw, f.up.raw, int(f.gate.qtype), f.down.raw, int(f.down.qtype), f.gate.shape[0]
+    if ffn == "moe":
+        return (L.ffn_norm, f.router.raw, f.gate_exps.raw, f.up_exps.raw, int(f.gate_exps.qtype),
+                f.down_exps.raw, int(f.down_exps.qtype), f.gate_exps.shape[1], c.n_expert,
+                c.n_expert_used, c.expert_weights_norm, *experts)
+    return None
+
+
+def shared_spec(f) -> tuple | None:
+    """A routed FFN's shared expert as the call takes it (qwen2moe, qwen35moe), or None."""
+    if type(f) is not SharedExpertMoE:
+        return None
+    return (f.shared_gate.raw.view(np.float32).reshape(-1), f.gate_shexp.raw, f.up_shexp.raw, int(f.gate_shexp.qtype),
+            f.down_shexp.raw, int(f.down_shexp.qtype), f.gate_shexp.shape[0])
 
 
 # a LoRA on each projection of a row, as csrc/kiln.h's LoraPair: float32 A and B by address
@@ -215,8 +228,10 @@ def choose_runners(layers: list, config, experts) -> list:
         if L is None:                     # another pipeline stage's layer
             continue
         how = one_call(L, config)
+        if how == "moe" and isinstance(experts, StreamedExperts) and type(L.attn) is DeltaNet:
+            how = "attention"             # streamed experts come through the blocks after a delta net
         if how is not None and type(L.attn) is DeltaNet:
-            out.append(DeltaNetLayer(i, L, how if how == "dense" else None))
+            out.append(DeltaNetLayer(i, L, None if how == "attention" else how))
         elif how is None:
             out.append(BlocksLayer(i, L))
         elif how == "moe" and isinstance(experts, StreamedExperts):
@@ -236,7 +251,7 @@ def blocks_runners(layers: list) -> list:
 
 def one_call(L, c) -> str | None:
     """How the one-call decode takes a layer: "dense" (llama attention and a dense FFN), "moe"
-    (and routed experts without a shared one), "attention" (the FFN through its blocks), or None.
+    (and routed experts, with a sigmoid-gated shared expert or without), "attention" (the FFN through its blocks), or None.
     The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases,
     qwen3's per-head q/k norm (olmoe's over the whole projection) or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
     gpt-oss's (sinks, the output's bias, a window, its biased experts and swiglu-oai), and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
@@ -261,7 +276,10 @@ def one_call(L, c) -> str | None:
         return "dense" if dense and type(L) is Gemma3Layer else None
     if dense:
         return "dense"
-    if type(f) in (MoE, BiasedMoE) and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
+    shared_ok = type(f) is not SharedExpertMoE or (
+        all(_compiled(w) for w in (f.gate_shexp, f.up_shexp, f.down_shexp)) and f.gate_shexp.qtype == f.up_shexp.qtype
+        and f.shared_gate.qtype == kernels.Q.F32)
+    if type(f) in (MoE, BiasedMoE, SharedExpertMoE) and shared_ok and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
             and all(_compiled(w) for w in (f.gate_exps, f.up_exps, f.down_exps)) \
             and f.gate_exps.qtype == f.up_exps.qtype and c.n_expert <= 256 and 1 <= c.n_expert_used <= 16:
         return "moe"

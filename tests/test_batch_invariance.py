@@ -227,9 +227,9 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
     assert got == alone
 
 
-@pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "attention"), ("qwen3", "dense"), ("gpt-oss", "moe"),
+@pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "moe"), ("qwen3", "dense"), ("gpt-oss", "moe"),
                                          ("qwen3moe", "moe"), ("olmoe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
-                                         ("phi3", "dense"), ("qwen35", "dense"), ("qwen35moe", "attention")])
+                                         ("phi3", "dense"), ("qwen35", "dense"), ("qwen35moe", "moe")])
 def test_families_decode_in_one_call(arch, how):
     """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's
     sliding windows (16 positions in the tiny file: the 19-token prompt and the steps after it
@@ -238,8 +238,8 @@ def test_families_decode_in_one_call(arch, how):
     projections, qwen35's gated attention (q and gate rows per head) and its delta-net layers (the
     conv, the recurrence, the gated norm: a delta layer's decode step is one call with its FFN)
     are part of the compiled layer: their decode steps (solo, batched, a short run) take the one
-    call — a fall back to the blocks fails here — with the blocks' bits; qwen2moe's and
-    qwen35moe's shared-expert FFNs run through their blocks after it."""
+    call — a fall back to the blocks fails here — with the blocks' bits, qwen2moe's and
+    qwen35moe's sigmoid-gated shared experts in the call with the routed ones."""
     from kiln.native.arch.qwen35 import DeltaNet
     m = load_model(tiny_path(arch))
     assert [r.kind for r in m.runners] == [f"one call (delta net, {how})" if type(L.attn) is DeltaNet else

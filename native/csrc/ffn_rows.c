@@ -14,9 +14,10 @@ static void route_one(const LayerSpec *L, const Act *ar, float *logits, int *sel
     route_row(logits, L->E, L->k, L->normalize, sel, wsel);
 }
 
+/* shared: the row's gated shared-expert output (n), added to the experts' sum before the residual; NULL: none */
 static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, Act *ad, float *logits,
                     float *g, float *u, float *dn, const TypeInfo *tg, const TypeInfo *td, int *sel, float *wsel,
-                    int routed) {
+                    int routed, const float *shared) {
     int n = L->n, n_ff = L->n_ff, k = L->k;
     size_t gu_row = (size_t)(n / tg->block) * tg->bytes, d_row = (size_t)(n_ff / td->block) * td->bytes;
     const uint8_t *Wgu[2 * MAX_K];
@@ -47,7 +48,29 @@ static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, 
     for (int i = 0; i < n; i++) {
         float acc = 0.f;                      /* the step path's zeros, += weight * expert out, in order */
         for (int j = 0; j < k; j++) acc = acc + wsel[j] * dn[(size_t)j * n + i];
+        if (shared) acc = acc + shared[i];
         x[i] = x[i] + acc;
+    }
+}
+
+/* The shared expert of B rows (their FFN inputs quantized in w->ash, w->ar): sigmoid(sh_gate · x)
+ * times its SwiGLU, into w->shd — as the blocks' SharedExpertMoE, whose product it adds to the
+ * routed experts' sum. Every thread calls it. */
+AVX2 static void shared_expert_rows(const LayerSpec *L, FfnWork *w, int B) {
+    static const TypeInfo tf = {1, 4, A_F32};
+    int n = L->n, m = L->sh_ff, one = 1;
+    const uint8_t *Wgu[2] = {L->sh_g, L->sh_u}, *Wd[1] = {L->sh_d}, *Wl[1] = {(const uint8_t *)L->sh_gate};
+    int Ngu[2] = {m, m};
+    float *Ogu[2] = {w->shg, w->shu}, *Od[1] = {w->shd}, *Ol[1] = {w->shl};
+    rows_dot(&w->ash, B, n, L->sh_gu_t, &w->tsh, 2, Wgu, Ngu, Ogu);
+    rows_dot(&w->ar, B, n, T_F32, &tf, 1, Wl, &one, Ol);
+    #pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) { swiglu_row(w->shg + (size_t)b * m, w->shu + (size_t)b * m, m); act_row(&w->ashd, b, m); }
+    rows_dot(&w->ashd, B, m, L->sh_d_t, &w->tshd, 1, Wd, &n, Od);
+    #pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) {
+        float s = 1.0f / (1.0f + expf(-w->shl[b])), *o = w->shd + (size_t)b * n;
+        for (int i = 0; i < n; i++) o[i] = s * o[i];
     }
 }
 
@@ -64,10 +87,18 @@ void ffn_work_init(FfnWork *w, const LayerSpec *L, int B, float *ltmp, int lrmax
     w->dn = malloc((size_t)n * (moe ? L->k : B) * 4); w->logits = malloc((size_t)(moe ? L->E : 1) * 4);
     w->wsel = malloc((size_t)B * MAX_K * 4); w->sel = malloc((size_t)B * MAX_K * sizeof(int));
     act_alloc(&w->ag, &w->tg, w->f, B, n); act_alloc(&w->ad, &w->td, w->g, fr, n_ff); act_alloc(&w->ar, &tf, w->f, B, n);
+    if (L->sh_gate) {
+        type_info(L->sh_gu_t, &w->tsh); type_info(L->sh_d_t, &w->tshd);
+        w->shg = malloc((size_t)B * L->sh_ff * 4); w->shu = malloc((size_t)B * L->sh_ff * 4);
+        w->shd = malloc((size_t)B * n * 4); w->shl = malloc((size_t)B * 4);
+        act_alloc(&w->ash, &w->tsh, w->f, B, n); act_alloc(&w->ashd, &w->tshd, w->shg, B, L->sh_ff);
+    }
 }
 
 void ffn_work_free(FfnWork *w) {
     if (w->f) { act_free(&w->ag); act_free(&w->ad); act_free(&w->ar); }
+    if (w->shg) { act_free(&w->ash); act_free(&w->ashd); }
+    free(w->shg); free(w->shu); free(w->shd); free(w->shl);
     free(w->f); free(w->g); free(w->u); free(w->dn); free(w->logits); free(w->wsel); free(w->sel);
 }
 
@@ -79,7 +110,10 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
     float *f = w->f, *g = w->g, *u = w->u, *dn = w->dn;
     if (!L->ffn) return;
     #pragma omp for schedule(static)
-    for (int b = 0; b < B; b++) { rms_row(x + (size_t)b * n, L->ffn_norm, f + (size_t)b * n, n, L->eps); act_row(&w->ag, b, n); }
+    for (int b = 0; b < B; b++) {
+        rms_row(x + (size_t)b * n, L->ffn_norm, f + (size_t)b * n, n, L->eps); act_row(&w->ag, b, n);
+        if (L->sh_gate) { act_row(&w->ash, b, n); act_row(&w->ar, b, n); }
+    }
     if (L->ffn == FFN_DENSE) {
         const uint8_t *Wgu[2] = {L->wg, L->wu}, *Wd[1] = {L->wd};
         int Ngu[2] = {n_ff, n_ff}, Nd[1] = {n};
@@ -123,13 +157,15 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
             for (int b = 0; b < B; b++) {
                 Act arb = act_view(&w->ar, b, n), agb = act_view(&w->ag, b, n);
                 moe_row(L, x + (size_t)b * n, &arb, &agb, &w->ad, w->logits, g, u, dn, &w->tg, &w->td,
-                        w->sel + (size_t)b * L->k, w->wsel + (size_t)b * L->k, 1);
+                        w->sel + (size_t)b * L->k, w->wsel + (size_t)b * L->k, 1, NULL);
             }
     } else {
+        if (L->sh_gate) shared_expert_rows(L, w, B);
         for (int b = 0; b < B; b++) {
             Act arb = act_view(&w->ar, b, n), agb = act_view(&w->ag, b, n);
             if (L->router_b) moe_oai_row(L, x + (size_t)b * n, &arb, &agb, &w->ad, w->logits, g, u, dn, &w->tg, &w->td);
-            else moe_row(L, x + (size_t)b * n, &arb, &agb, &w->ad, w->logits, g, u, dn, &w->tg, &w->td, w->sel, w->wsel, 0);
+            else moe_row(L, x + (size_t)b * n, &arb, &agb, &w->ad, w->logits, g, u, dn, &w->tg, &w->td, w->sel, w->wsel, 0,
+                         L->sh_gate ? w->shd + (size_t)b * n : NULL);
         }
     }
 }

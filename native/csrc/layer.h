@@ -53,6 +53,10 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
                                                          router_b is set: biased router, the top-k logits
                                                          softmaxed, biased experts, swiglu-oai; (E), (E, n_ff),
                                                          (E, n_ff), (E, n) */
+    const float *sh_gate;     /* FFN_MOE with a shared expert every row takes, gated by sigmoid(sh_gate · x)
+                                 (qwen2moe, qwen35moe): F32 (n); NULL: none */
+    const uint8_t *sh_g, *sh_u, *sh_d;    /* its SwiGLU (sh_ff, n), (sh_ff, n), (n, sh_ff) */
+    int sh_gu_t, sh_d_t, sh_ff;
     int q_gate;               /* wq gives per head D query rows then D gate rows; the attention's
                                  output x sigmoid(gate) before wo (qwen35) */
 } LayerSpec;
@@ -82,6 +86,9 @@ typedef struct {
     int *sel;
     Act ag, ad, ar;
     TypeInfo tg, td;
+    float *shg, *shu, *shd, *shl;     /* the shared expert's gate, up, output (B rows) and gate logits */
+    Act ash, ashd;
+    TypeInfo tsh, tshd;
     float *ltmp;              /* the caller's room for the adapters' A x (B x lrmax) */
     int lrmax;
 } FfnWork;

@@ -78,15 +78,15 @@ done:
 }
 
 /* decode_delta_layer(x (B, n) in place, attn_norm, eps, (wqkv, wgate, wbeta, walpha, wout),
- *                    (their five types), spec, dims, states, ffn, threads, lora): B decode rows
- * through a delta-net layer and its FFN (ffn as decode_layer's) in one call */
+ *                    (their five types), spec, dims, states, ffn, threads, lora, shared): B decode
+ * rows through a delta-net layer and its FFN (ffn and shared as decode_layer's) in one call */
 PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
-    PyObject *xo, *ano, *wo[5], *spec, *dims, *states, *ffn_obj, *lorao = Py_None, *ret = NULL;
+    PyObject *xo, *ano, *wo[5], *spec, *dims, *states, *ffn_obj, *lorao = Py_None, *sho = Py_None, *ret = NULL;
     double eps;
     int threads, types[5];
-    if (!PyArg_ParseTuple(args, "OOd(OOOOO)(iiiii)OOO!Oi|O", &xo, &ano, &eps, &wo[0], &wo[1], &wo[2], &wo[3], &wo[4],
+    if (!PyArg_ParseTuple(args, "OOd(OOOOO)(iiiii)OOO!Oi|OO", &xo, &ano, &eps, &wo[0], &wo[1], &wo[2], &wo[3], &wo[4],
                           &types[0], &types[1], &types[2], &types[3], &types[4], &spec, &dims, &PyList_Type, &states,
-                          &ffn_obj, &threads, &lorao))
+                          &ffn_obj, &threads, &lorao, &sho))
         return NULL;
     int B = (int)PyList_GET_SIZE(states), missing;
     Held *h = calloc(1, sizeof(Held));
@@ -127,6 +127,7 @@ PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
                 goto done;
             }
     }
+    if (!shared_arg(h, sho, &L)) goto done;
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
     missing = delta_layer_rows(&d, &L, xb->buf, B, st, nt);

@@ -9,23 +9,24 @@
 /* decode_layer(x (B, n) in place, attn_norm, eps, (wq, wk, wv), (qk_type, v_type), wo, wo_type,
  *              [(kcache, vcache, pos), ...B], cos (B, R/2), sin (B, R/2), H, Hkv, D, R, neox, ffn, threads,
  *              (kt, vt), q_scale, kq_scale, lora, (q_norm, k_norm), (bq, bk, bv), window,
- *              (post_attn_norm, post_ffn_norm), gelu_table, bo, sinks, (router_b, gate_b, up_b, down_b), q_gate)
+ *              (post_attn_norm, post_ffn_norm), gelu_table, bo, sinks, (router_b, gate_b, up_b, down_b), q_gate, shared)
  *   ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  *        or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type,
  *        n_ff, E, k, normalize) with the experts stacked (E, n_ff, n) / (E, n, n_ff); q_gate: wq gives per
- *        head D query rows then D gate rows, the attention times sigmoid(gate) (qwen35).
+ *        head D query rows then D gate rows, the attention times sigmoid(gate) (qwen35); shared: a routed
+ *        FFN's shared expert (py_layer.h shared_arg).
  * One decode step of B sequences through one layer (csrc/layer.c). Each sequence's K/V caches
  * (capacity x Hkv rows of D values of ggml types kt and vt: F32, F16, Q8_0, Q4_0) get its position written; attention reads
  * positions 0..pos (pos - window + 1..pos with a window: a sliding-window layer's own buffer). */
 PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     PyObject *xo, *ano, *wqo, *wko, *wvo, *woo, *seqs, *co, *so, *ffn_obj, *lorao = Py_None, *qkno = Py_None, *biaso = Py_None,
-             *posto = Py_None, *geluo = Py_None, *boo = Py_None, *sinko = Py_None, *oaio = Py_None;
+             *posto = Py_None, *geluo = Py_None, *boo = Py_None, *sinko = Py_None, *oaio = Py_None, *sho = Py_None;
     LayerSpec L = {0};
     double eps;
     int threads, neox;
-    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOOiOOOOOp", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
+    if (!PyArg_ParseTuple(args, "OOd(OOO)(ii)OiO!OOiiiipOi(ii)|ffOOOiOOOOOpO", &xo, &ano, &eps, &wqo, &wko, &wvo, &L.qkv_t, &L.v_t, &woo, &L.wo_t,
                           &PyList_Type, &seqs, &co, &so, &L.H, &L.Hkv, &L.D, &L.R, &neox, &ffn_obj, &threads, &L.kt, &L.vt,
-                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso, &L.win, &posto, &geluo, &boo, &sinko, &oaio, &L.q_gate))
+                          &L.q_scale, &L.kq_scale, &lorao, &qkno, &biaso, &L.win, &posto, &geluo, &boo, &sinko, &oaio, &L.q_gate, &sho))
         return NULL;
     Held *h = calloc(1, sizeof(Held));
     DecodeRow *rows = NULL;
@@ -119,6 +120,7 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         L.router_b = rbb->buf; L.gate_b = gbb->buf; L.up_b = ubb->buf; L.down_b = dbb->buf;
     }
     if (lorao != Py_None && !lora_arg(h, lorao, &L, B)) goto done;
+    if (!shared_arg(h, sho, &L)) goto done;
     L.attn_norm = anb->buf; L.wq = wb[0]->buf; L.wk = wb[1]->buf; L.wv = wb[2]->buf; L.wo = wb[3]->buf;
     if (!(rows = calloc(B, sizeof(DecodeRow)))) { PyErr_NoMemory(); goto done; }
     for (int b = 0; b < B; b++) {

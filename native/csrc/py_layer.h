@@ -16,4 +16,7 @@ Py_buffer *hold(Held *h, PyObject *o, int writable);
 int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B);
 /* B x LORA_TARGETS LoraPair (native/runners.py lora_table); after ffn_arg. 0: an error set. */
 int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B);
+/* the routed FFN's shared expert: (sh_gate F32 (n), wg, wu, gu_type, wd, wd_type, sh_ff) or None; after
+ * ffn_arg (and the gpt-oss biases). 0: an error set. */
+int shared_arg(Held *h, PyObject *sho, LayerSpec *L);
 #endif

@@ -99,3 +99,28 @@ int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B) {
     }
     return 1;
 }
+
+int shared_arg(Held *h, PyObject *sho, LayerSpec *L) {
+    PyObject *lo, *go, *uo, *dwo;
+    Py_buffer *lb, *gb, *ub, *db;
+    TypeInfo tg, td;
+    if (sho == Py_None) return 1;
+    if (!PyArg_ParseTuple(sho, "OOOiOii", &lo, &go, &uo, &L->sh_gu_t, &dwo, &L->sh_d_t, &L->sh_ff) ||
+        !(lb = hold(h, lo, 0)) || !(gb = hold(h, go, 0)) || !(ub = hold(h, uo, 0)) || !(db = hold(h, dwo, 0)))
+        return 0;
+    if (L->ffn != FFN_MOE || L->xtab || L->router_b) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: a shared expert goes with routed experts in RAM"); return 0;
+    }
+    if (!type_info(L->sh_gu_t, &tg) || !type_info(L->sh_d_t, &td) || L->sh_ff < 1 || L->n % tg.block ||
+        L->sh_ff % td.block) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: the shared expert's types have no compiled kernel or do not "
+                        "divide its shapes"); return 0;
+    }
+    size_t gu_row = (size_t)(L->n / tg.block) * tg.bytes, d_row = (size_t)(L->sh_ff / td.block) * td.bytes;
+    if ((size_t)lb->len != (size_t)L->n * 4 || (size_t)gb->len < L->sh_ff * gu_row || (size_t)ub->len < L->sh_ff * gu_row ||
+        (size_t)db->len < (size_t)L->n * d_row) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: a shared-expert buffer is smaller than its shape"); return 0;
+    }
+    L->sh_gate = lb->buf; L->sh_g = gb->buf; L->sh_u = ub->buf; L->sh_d = db->buf;
+    return 1;
+}
