@@ -227,46 +227,11 @@ done:
     return ret;
 }
 
-/* gelu(x in place, table (65536 float32)): ggml's table GELU */
-static PyObject *py_gelu(PyObject *self, PyObject *args) {
-    Py_buffer xb, tb;
-    if (!PyArg_ParseTuple(args, "w*y*", &xb, &tb)) return NULL;
-    PyObject *ret = NULL;
-    if ((size_t)tb.len < 65536 * 4) { PyErr_SetString(PyExc_ValueError, "gelu: the table needs 65536 floats"); goto done; }
-    Py_BEGIN_ALLOW_THREADS
-    gelu_rows(xb.buf, (size_t)xb.len / 4, tb.buf);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None); ret = Py_None;
-done:
-    PyBuffer_Release(&xb); PyBuffer_Release(&tb);
-    return ret;
-}
-
-/* expf(x (n) in place): the C library's expf element by element — what ggml's scalar code calls
- * (sigmoid, swiglu-oai, the attention sinks) — without a Python call per element */
-static PyObject *py_expf(PyObject *self, PyObject *args) {
-    Py_buffer xb;
-    if (!PyArg_ParseTuple(args, "w*", &xb)) return NULL;
-    float *x = (float *)xb.buf; Py_ssize_t n = xb.len / 4;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) x[i] = expf(x[i]);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&xb);
-    Py_RETURN_NONE;
-}
-
-/* swiglu(gate (n) in place, up (n)): gate = silu(gate) * up */
-static PyObject *py_swiglu(PyObject *self, PyObject *args) {
-    Py_buffer gb, ub;
-    if (!PyArg_ParseTuple(args, "w*y*", &gb, &ub)) return NULL;
-    PyObject *ret = NULL;
-    if (gb.len != ub.len) { PyErr_SetString(PyExc_ValueError, "swiglu: shapes differ"); goto done; }
-    swiglu_row(gb.buf, ub.buf, (size_t)gb.len / 4);
-    Py_INCREF(Py_None); ret = Py_None;
-done:
-    PyBuffer_Release(&gb); PyBuffer_Release(&ub);
-    return ret;
-}
+/* elementwise pieces (csrc/py_rows.c) */
+PyObject *py_gelu(PyObject *self, PyObject *args);
+PyObject *py_expf(PyObject *self, PyObject *args);
+PyObject *py_swiglu(PyObject *self, PyObject *args);
+PyObject *py_sigmoid(PyObject *self, PyObject *args);
 
 /* route(logits (T,E), T, E, k, normalize, experts int32 (T,k) out, weights (T,k) out) */
 static PyObject *py_route(PyObject *self, PyObject *args) {
@@ -376,6 +341,7 @@ static PyMethodDef methods[] = {
     {"gelu", py_gelu, METH_VARARGS, "gelu(x, table): ggml's fp16-table GELU, in place"},
     {"expf", py_expf, METH_VARARGS, "expf(x) in place, the C library's"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
+    {"sigmoid", py_sigmoid, METH_VARARGS, "sigmoid(x): 1 / (1 + exp(-x)) in place, exp as ggml's vector expf"},
     {"features", py_features, METH_NOARGS, "CPU features and threading of this build"},
     {"set_threads", py_set_threads, METH_VARARGS, "default thread count (0: OpenMP's)"},
     {"set_simd", py_set_simd, METH_VARARGS, "enable/disable the AVX2 paths; returns whether they are on"},

@@ -134,6 +134,17 @@ def gelu(x: np.ndarray, in_place: bool = False) -> np.ndarray:
     return x
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-x) of a gate, a new float32 array: in C when built, e^-x by ggml's vector expf
+    for every element — what the one-call decode's gates compute (csrc/layer_rows.c)."""
+    y = np.array(x, np.float32)
+    if not _compiled_on:
+        with np.errstate(over="ignore"):                # e^-x = inf: the gate is 0
+            return (np.float32(1) / (np.float32(1) + np.exp(-y))).astype(np.float32)
+    _C.sigmoid(y)
+    return y
+
+
 def geglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """ggml_geglu_split: gelu(g) * u, the GELU by ggml's fp16 table; g (a product's fresh output)
     is overwritten on the compiled path."""

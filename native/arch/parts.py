@@ -21,9 +21,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .. import ggml_round
 from ..blocks import apply_rope, rms_norm, route, swiglu_ffn
-from ..kernels import Weight, matmul
+from ..kernels import Weight, matmul, sigmoid
 
 F32 = np.float32
 
@@ -153,9 +152,8 @@ class SharedExpertMoE(MoE):
 
     def __call__(self, i, x, b):
         out = super().__call__(i, x, b)
-        # the C library's expf, as ggml's sigmoid (and the one-call decode's, csrc/ffn_rows.c)
-        gate = 1.0 / (1.0 + ggml_round.libm_expf(-matmul(x, self.shared_gate)))          # (T, 1)
-        out += gate.astype(F32) * swiglu_ffn(x, self.gate_shexp, self.up_shexp, self.down_shexp)
+        gate = sigmoid(matmul(x, self.shared_gate))          # (T, 1), as the one-call decode's (csrc/ffn_rows.c)
+        out += gate * swiglu_ffn(x, self.gate_shexp, self.up_shexp, self.down_shexp)
         return out
 
 

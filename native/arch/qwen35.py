@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ggml_round
 from ..blocks import apply_rope, rms_norm
-from ..kernels import Weight, compiled_module, matmul, matmul_many
+from ..kernels import Weight, compiled_module, matmul, matmul_many, sigmoid
 from .base import MAX_LAYERS, MAX_WIDTH, Family
 from .parts import Layer, NormedAttention, take
 
@@ -33,8 +32,8 @@ CHUNK = 64
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    """1 / (1 + expf(-x)) with the C library's expf, as ggml's sigmoid — and the compiled decode."""
-    return (F32(1) / (F32(1) + ggml_round.libm_expf(-x))).astype(F32)
+    """A prompt's delta-net gates (decode rows take the compiled step, csrc/delta_net.c)."""
+    return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
@@ -63,7 +62,7 @@ class GatedAttention(NormedAttention):
         v = v.reshape(T, c.n_head_kv, D)
         q = apply_rope(q, b.cos, b.sin, c.rope_style)
         k = apply_rope(np.ascontiguousarray(k), b.cos, b.sin, c.rope_style)
-        return b.project(b.attend(i, q, k, v) * _sigmoid(gate), self.wo)
+        return b.project(b.attend(i, q, k, v) * sigmoid(gate), self.wo)       # the one-call decode's sigmoid
 
 
 @dataclass(kw_only=True)

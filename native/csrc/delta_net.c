@@ -54,8 +54,9 @@ void delta_step_rows(const DeltaSpec *d, int B, const float *mixed, const float 
             const float *w = d->conv_w + (size_t)ch * K;
             float acc = (K > 1 ? cs[ch] : in[ch]) * w[0];
             for (int j = 1; j < K; j++) acc = acc + (j < K - 1 ? cs[(size_t)j * C + ch] : in[ch]) * w[j];
-            c[ch] = acc * sigmoidf(acc);      /* SiLU */
+            c[ch] = acc;
         }
+        silu_row(c, C);
         if (K > 1) {                          /* keep the last K-1 inputs */
             memmove(cs, cs + C, (size_t)(K - 2) * C * sizeof(float));
             memcpy(cs + (size_t)(K - 2) * C, in, (size_t)C * sizeof(float));
@@ -73,8 +74,7 @@ void delta_step_rows(const DeltaSpec *d, int B, const float *mixed, const float 
         delta_head(st[b].S + (size_t)h * dk * dv, c + (size_t)kh * dk, c + (size_t)(Hk + kh) * dk,
                    c + (size_t)2 * Hk * dk + (size_t)h * dv, g, beta, dk, dv, o);
         rms_row(o, d->norm, o, dv, d->eps);
-        const float *zh = z + (size_t)task * dv;
-        for (int j = 0; j < dv; j++) { float t = zh[j] * sigmoidf(zh[j]); o[j] = o[j] * t; }
+        silu_gate_row(o, z + (size_t)task * dv, dv);                     /* × SiLU(gate) */
     }
 }
 

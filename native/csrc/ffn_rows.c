@@ -69,7 +69,8 @@ AVX2 static void shared_expert_rows(const LayerSpec *L, FfnWork *w, int B) {
     rows_dot(&w->ashd, B, m, L->sh_d_t, &w->tshd, 1, Wd, &n, Od);
     #pragma omp for schedule(static)
     for (int b = 0; b < B; b++) {
-        float s = 1.0f / (1.0f + expf(-w->shl[b])), *o = w->shd + (size_t)b * n;
+        float s = w->shl[b], *o = w->shd + (size_t)b * n;
+        sigmoid_row(&s, 1);
         for (int i = 0; i < n; i++) o[i] = s * o[i];
     }
 }

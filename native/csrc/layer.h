@@ -10,7 +10,10 @@ void rope_table(int p0, int n, int half, float base, float freq_scale, const flo
                 float corr0, float corr1, float mscale, float *c, float *s);
 void swiglu_row(float *g, const float *u, size_t n);
 void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w);
-void sigmoid_mul_row(float *x, const float *g, int n);      /* x *= 1 / (1 + expf(-g)) */
+void sigmoid_row(float *x, size_t n);                       /* x = 1 / (1 + e^-x) */
+void sigmoid_mul_row(float *x, const float *g, int n);      /* x *= sigmoid(g) */
+void silu_row(float *x, int n);                             /* x *= sigmoid(x) */
+void silu_gate_row(float *x, const float *g, int n);        /* x *= g * sigmoid(g) */
 
 enum { FFN_NONE, FFN_DENSE, FFN_MOE };
 #define MAX_EXPERTS 256

@@ -118,8 +118,43 @@ void route_row(const float *logits, int E, int k, int normalize, int *sel, float
 /* The routed FFN of row f (normed, as ag's row and ar) added to x: called by every thread of the
  * region (orphaned worksharing), one row at a time — each row has its own experts. */
 
-/* x times sigmoid(g), the sigmoid as ggml_vec_sigmoid_f32 (and the blocks, through this library's
- * expf): 1 / (1 + expf(-g)), then the product */
-void sigmoid_mul_row(float *x, const float *g, int n) {
-    for (int i = 0; i < n; i++) { float s = 1.0f / (1.0f + expf(-g[i])); x[i] = x[i] * s; }
+/* The gates' sigmoid, 1 / (1 + e^-x), e^-x by expf8 (ggml's vector expf) for every element — a
+ * short tail through a padded vector — so a value's result never depends on where it sits in
+ * its row or batch: the blocks (through the extension) and the one-call decode agree. Without
+ * AVX2, the C library's expf (the one-call decode needs AVX2). */
+#ifdef KILN_X86
+AVX2 static inline __m256 sigmoid8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, expf8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
+/* op 0: x = sigmoid(x); 1: x = x * sigmoid(g); 2: x = x * sigmoid(x) (SiLU); 3: x = x * (g * sigmoid(g)) */
+AVX2 static inline __m256 gate8(__m256 xv, __m256 gv, int op) {
+    return op == 0 ? sigmoid8(xv) : op == 1 ? _mm256_mul_ps(xv, sigmoid8(gv)) : op == 2 ? _mm256_mul_ps(xv, sigmoid8(xv))
+                   : _mm256_mul_ps(xv, _mm256_mul_ps(gv, sigmoid8(gv)));
+}
+AVX2 static void gate_avx2(float *x, const float *g, size_t n, int op) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, gate8(_mm256_loadu_ps(x + i), g ? _mm256_loadu_ps(g + i) : _mm256_setzero_ps(), op));
+    if (i < n) {                              /* the tail, padded: the same lanes' arithmetic */
+        float xt[8] = {0}, gt[8] = {0};
+        memcpy(xt, x + i, (n - i) * 4);
+        if (g) memcpy(gt, g + i, (n - i) * 4);
+        _mm256_storeu_ps(xt, gate8(_mm256_loadu_ps(xt), _mm256_loadu_ps(gt), op));
+        memcpy(x + i, xt, (n - i) * 4);
+    }
+}
+#endif
+static float sigmoid1(float x) { return 1.0f / (1.0f + expf(-x)); }
+static void gate_rows(float *x, const float *g, size_t n, int op) {
+#ifdef KILN_X86
+    if (g_avx2) { gate_avx2(x, g, n, op); return; }
+#endif
+    for (size_t i = 0; i < n; i++)
+        x[i] = op == 0 ? sigmoid1(x[i]) : op == 1 ? x[i] * sigmoid1(g[i]) : op == 2 ? x[i] * sigmoid1(x[i])
+                                         : x[i] * (g[i] * sigmoid1(g[i]));
+}
+void sigmoid_row(float *x, size_t n) { gate_rows(x, NULL, n, 0); }
+void sigmoid_mul_row(float *x, const float *g, int n) { gate_rows(x, g, (size_t)n, 1); }
+void silu_row(float *x, int n) { gate_rows(x, NULL, (size_t)n, 2); }
+void silu_gate_row(float *x, const float *g, int n) { gate_rows(x, g, (size_t)n, 3); }
