@@ -255,7 +255,7 @@ done:
 /* the layer in one call (csrc/py_layer.c) */
 PyObject *py_decode_layer(PyObject *self, PyObject *args);
 PyObject *py_moe_stream(PyObject *self, PyObject *args);
-PyObject *py_delta_step(PyObject *self, PyObject *args);          /* csrc/py_delta.c */
+PyObject *py_delta_rows(PyObject *self, PyObject *args);          /* csrc/py_delta.c */
 PyObject *py_decode_delta_layer(PyObject *self, PyObject *args);
 PyObject *py_moe_ffn(PyObject *self, PyObject *args);
 PyObject *py_dequantize(PyObject *self, PyObject *args);
@@ -325,7 +325,7 @@ static PyMethodDef methods[] = {
     {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
     {"decode_layer", py_decode_layer, METH_VARARGS, "one decode step of B sequences through a plain llama layer, in place"},
     {"decode_delta_layer", py_decode_delta_layer, METH_VARARGS, "one decode step of B sequences through a gated delta-net layer and its FFN, in place"},
-    {"delta_step", py_delta_step, METH_VARARGS, "delta_step(spec, dims, eps, mixed, z, beta, alpha, states, out, threads): decode rows' delta-net step"},
+    {"delta_rows", py_delta_rows, METH_VARARGS, "delta_rows(spec, dims, eps, mixed, z, beta, alpha, runs, out, threads): sequences' rows through a delta net"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(blocks, type, out): Q4_0/Q4_1/Q8_0 to float32 as gguf-py; False: another type"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS, "moe_ffn(x, experts, weights, wg, wu, gu_type, wd, wd_type, n_ff, E, out, threads): a prompt's routed FFN"},
     {"moe_stream", py_moe_stream, METH_VARARGS, "moe_stream(x, ffn_norm, eps, gu_type, wd_type, n_ff, sel, wsel, ptrs, done, dn, threads) -> left"},

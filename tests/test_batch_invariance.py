@@ -331,26 +331,53 @@ def test_a_prompts_routed_ffn_takes_any_number_of_experts_a_row():
 
 
 def test_the_delta_net_calls_refuse_buffers_not_of_their_shape():
-    """The compiled delta-net step takes its shapes from the caller: a state, a conv history or
-    a row of another size is refused with what was wrong, never read or written past its end."""
+    """The compiled delta net takes its shapes from the caller: a state, a conv history, a row or
+    a run of rows of another size is refused with what was wrong, never read or written past
+    its end."""
     from kiln.native.kernels import compiled_module
     C = compiled_module()
     if C is None:
         pytest.skip("no compiled extension")
-    Hk, Hv, dk, dv, K = 2, 4, 8, 8, 4
+    Hk, Hv, dk, dv, K, R = 2, 4, 8, 8, 4, 3
     ch = 2 * Hk * dk + Hv * dv
     spec = (np.ones((ch, K), np.float32), np.zeros(Hv, np.float32), -np.ones(Hv, np.float32), np.ones(dv, np.float32))
-    rows = (np.ones((1, ch), np.float32), np.ones((1, Hv * dv), np.float32), np.zeros((1, Hv), np.float32),
-            np.zeros((1, Hv), np.float32))
-    state = (np.zeros((K - 1, ch), np.float32), np.zeros((Hv, dk, dv), np.float32))
-    out = np.empty((1, Hv * dv), np.float32)
-    C.delta_step(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [state], out, 1)
-    assert np.isfinite(out).all() and state[1].any() and state[0][-1].all()
-    with pytest.raises(ValueError, match="row 0's conv inputs or state"):
-        C.delta_step(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [(state[0], np.zeros((Hv, dk, dv - 1), np.float32))], out, 1)
-    with pytest.raises(ValueError, match="not its shape"):
-        C.delta_step(spec, (Hk, Hv, dk, dv, K + 1), 1e-6, *rows, [state], out, 1)
-    with pytest.raises(ValueError, match="outside"):
-        C.delta_step(spec, (Hk, Hv, dk, 100000, K), 1e-6, *rows, [state], out, 1)
-    with pytest.raises(ValueError, match="1 to 64 rows"):
-        C.delta_step(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [], out, 1)
+    rows = (np.ones((R, ch), np.float32), np.ones((R, Hv * dv), np.float32), np.zeros((R, Hv), np.float32),
+            np.zeros((R, Hv), np.float32))
+    conv, S = np.zeros((K - 1, ch), np.float32), np.zeros((Hv, dk, dv), np.float32)
+    out = np.empty((R, Hv * dv), np.float32)
+    C.delta_rows(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [(0, R, conv, S)], out, 1)
+    assert np.isfinite(out).all() and S.any() and conv.all()
+    for runs, dims, match in [([(0, R, conv, np.zeros((Hv, dk, dv - 1), np.float32))], (Hk, Hv, dk, dv, K), "conv inputs or state"),
+                              ([(0, R, conv, S)], (Hk, Hv, dk, dv, K + 1), "not its shape"),
+                              ([(0, R, conv, S)], (Hk, Hv, dk, 100000, K), "row buffer|outside"),
+                              ([(1, R, conv, S)], (Hk, Hv, dk, dv, K), "not within the 3 rows"),
+                              ([(0, 2, conv, S), (1, 2, conv, S)], (Hk, Hv, dk, dv, K), "after the runs before it"),
+                              ([], (Hk, Hv, dk, dv, K), "1 to 64 runs")]:
+        with pytest.raises(ValueError, match=match):
+            C.delta_rows(spec, dims, 1e-6, *rows, runs, out, 1)
+
+
+def test_a_prompts_delta_net_is_its_tokens_stepped_one_by_one():
+    """The compiled delta net runs a prompt token after token (the recurrence, one pass over each
+    head's state per token): two sequences' runs in one call give the bits — outputs, states,
+    kept conv inputs — of the second's tokens stepped one at a time from the same state."""
+    from kiln.native.kernels import compiled_module
+    C = compiled_module()
+    if C is None:
+        pytest.skip("no compiled extension")
+    Hk, Hv, dk, dv, K, R = 4, 8, 64, 64, 4, 37
+    ch, rng = 2 * Hk * dk + Hv * dv, np.random.default_rng(0)
+    spec = (rng.normal(size=(ch, K)).astype(np.float32), rng.normal(size=Hv).astype(np.float32),
+            -np.abs(rng.normal(size=Hv)).astype(np.float32), rng.normal(size=dv).astype(np.float32))
+    rows = [rng.normal(size=s).astype(np.float32) for s in [(R, ch), (R, Hv * dv), (R, Hv), (R, Hv)]]
+    first = (np.zeros((K - 1, ch), np.float32), np.zeros((Hv, dk, dv), np.float32))
+    conv, S = rng.normal(size=(K - 1, ch)).astype(np.float32), rng.normal(size=(Hv, dk, dv)).astype(np.float32) / 10
+    conv_steps, S_steps = conv.copy(), S.copy()
+    out = np.empty((R, Hv * dv), np.float32)
+    C.delta_rows(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [(0, 20, *first), (20, 17, conv, S)], out, 2)
+    steps = np.empty((17, Hv * dv), np.float32)
+    for t in range(20, R):
+        C.delta_rows(spec, (Hk, Hv, dk, dv, K), 1e-6, *[np.ascontiguousarray(r[t:t + 1]) for r in rows],
+                     [(0, 1, conv_steps, S_steps)], steps[t - 20:t - 19], 1)
+    assert np.array_equal(out[20:], steps) and np.array_equal(S, S_steps) and np.array_equal(conv, conv_steps)
+    assert np.isfinite(out).all() and first[1].any()

@@ -12,8 +12,10 @@ full attention; the others are gated delta nets (linear attention with a recurre
         the state S (per value head, d_k × d_v) decays by exp(g) and is corrected toward v by β
         (the delta rule); output q·S, RMSNorm per head (ssm_norm) × SiLU(attn_gate·x) → ssm_out.
 
-The prompt runs the delta rule in chunks of 64 (a triangular solve per chunk, as llama.cpp's
-chunked path), a decode step as the plain recurrence. The recurrent and conv states live in the
+With the compiled extension every row takes the recurrence in C (csrc/delta_net.c, the one-call
+decode's own code: a prompt's bits are those of its tokens stepped one by one); without it, numpy
+runs a prompt in chunks of 64 (a triangular solve per chunk, as llama.cpp's chunked path) and a
+decode step as the plain recurrence. The recurrent and conv states live in the
 sequence's cache; prefix reuse is exact-extension only (a state cannot be rolled back)."""
 
 from __future__ import annotations
@@ -90,29 +92,22 @@ class DeltaNet:
     def __call__(self, i, x, b):
         c = b.config
         Hk, Hv, dk, dv, K = self.dims(c)
-        T, C = x.shape[0], self.wqkv.shape[0]
+        T = x.shape[0]
         mixed, z = matmul_many(x, [self.wqkv, self.wgate])
         beta_x, alpha_x = matmul(x, self.ssm_beta), matmul(x, self.ssm_alpha)            # (T, Hv)
         out = np.empty((T, Hv * dv), F32)
-        steps = [(cache, a) for cache, a, e in b.segments if e - a == 1]
         C_ = compiled_module()
-        if C_ is not None and steps:
-            # decode rows: the compiled step (csrc/delta_net.c), the one-call decode's own code
-            at = [a for _, a in steps]
-            states = [(st["conv"], st["ssm"]) for st in (cache.recurrent_state(i) for cache, _ in steps)]
-            o = np.empty((len(at), Hv * dv), F32)
-            C_.delta_step(self.spec(), (Hk, Hv, dk, dv, K), c.rms_eps, np.ascontiguousarray(mixed[at]),
-                          np.ascontiguousarray(z[at]), np.ascontiguousarray(beta_x[at]),
-                          np.ascontiguousarray(alpha_x[at]), states, o, 0)
-            out[at] = o
-            done = set(at)
-        else:
-            done = set()
+        if C_ is not None:
+            # the compiled recurrence (csrc/delta_net.c), token after token: the one-call decode's own code
+            runs = []
+            for cache, a, e in b.segments:
+                st = cache.recurrent_state(i)
+                runs.append((a, e - a, st["conv"], st["ssm"]))
+            C_.delta_rows(self.spec(), (Hk, Hv, dk, dv, K), c.rms_eps, mixed, z, beta_x, alpha_x, runs, out, 0)
+            return matmul(out, self.ssm_out)
         beta = _sigmoid(beta_x)
         g = _softplus(alpha_x + self.ssm_dt) * self.ssm_a                                 # (T, Hv) log-decay
-        for cache, a, e in b.segments:
-            if a in done and e - a == 1:
-                continue
+        for cache, a, e in b.segments:            # without the extension: numpy, a prompt in chunks
             st = cache.recurrent_state(i)
             conv_in = np.concatenate([st["conv"], mixed[a:e]])                           # (K-1+T, C)
             st["conv"][:] = conv_in[-st["conv"].shape[0]:] if K > 1 else st["conv"]

@@ -113,11 +113,14 @@ typedef struct {
     const uint8_t *wqkv, *wgate, *wbeta, *walpha, *wout;   /* the one call's projections, as stored */
     int qkv_t, gate_t, beta_t, alpha_t, out_t;
 } DeltaSpec;
-typedef struct { float *conv, *S; } DeltaState;   /* a sequence's last K-1 conv inputs (K-1, C), its state (Hv, dk, dv) */
+typedef struct {              /* a run of one sequence's rows: start..start+len-1 of the batch */
+    float *conv, *S;          /* its last K-1 conv inputs (K-1, C) and its state (Hv, dk, dv), updated */
+    int start, len;
+} DeltaSeg;
 #define DELTA_MAX_DV 1024
-void delta_step_rows(const DeltaSpec *d, int B, const float *mixed, const float *z, const float *bl, const float *al,
-                     const DeltaState *st, float *conv, float *out);
-int delta_layer_rows(const DeltaSpec *d, const LayerSpec *L, float *x, int B, const DeltaState *st, int nt);
+void delta_rows(const DeltaSpec *d, int nseg, const DeltaSeg *sg, int R, const float *mixed, const float *z,
+                const float *bl, const float *al, float *conv, float *out);
+int delta_layer_rows(const DeltaSpec *d, const LayerSpec *L, float *x, int B, const DeltaSeg *sg, int nt);
 int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
                     const uint64_t *ptrs, uint8_t *done, float *dn, int nt);
 /* moe_rows.c: a prompt's routed FFN (SwiGLU experts) in one call; gpt-oss's routed FFN of one decode row */

@@ -2,10 +2,11 @@
  * block path calls, and the whole layer in one call. Registered by ../_kernels.c. */
 #include "py_layer.h"
 
-/* (conv_w, dt, a, norm), (Hk, Hv, dk, dv, K), eps and B (conv_state, S) pairs: into d and st,
- * every size checked against the dimensions. 0: a Python error set. */
-static int delta_args(Held *h, PyObject *spec, PyObject *dims, double eps, PyObject *states, int B,
-                      DeltaSpec *d, DeltaState *st) {
+/* (conv_w, dt, a, norm), (Hk, Hv, dk, dv, K), eps and the runs: into d and sg, every size checked
+ * against the dimensions. R > 0: (start, len, conv_state, S) runs within R rows, in order and
+ * apart; R == 0: a (conv_state, S) pair per row, each a run of one. 0: a Python error set. */
+static int delta_args(Held *h, PyObject *spec, PyObject *dims, double eps, PyObject *states, int R,
+                      DeltaSpec *d, DeltaSeg *sg) {
     PyObject *cwo, *dto, *ao, *no;
     Py_buffer *cw, *dt, *a, *nb;
     if (!PyArg_ParseTuple(spec, "OOOO", &cwo, &dto, &ao, &no) ||
@@ -23,57 +24,65 @@ static int delta_args(Held *h, PyObject *spec, PyObject *dims, double eps, PyObj
         PyErr_SetString(PyExc_ValueError, "delta net: the conv weights, dt, a or the norm is not its shape"); return 0;
     }
     d->conv_w = cw->buf; d->dt = dt->buf; d->a = a->buf; d->norm = nb->buf; d->eps = (float)eps;
-    if (!PyList_Check(states) || PyList_GET_SIZE(states) != B) {
-        PyErr_SetString(PyExc_ValueError, "delta net: a list of one (conv, state) pair per row"); return 0;
-    }
+    int B = (int)PyList_GET_SIZE(states), end = 0;
     for (int b = 0; b < B; b++) {
         PyObject *co, *so;
         Py_buffer *cb, *sb;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(states, b), "OO", &co, &so) || !(cb = hold(h, co, 1)) || !(sb = hold(h, so, 1)))
-            return 0;
+        int ok = R ? PyArg_ParseTuple(PyList_GET_ITEM(states, b), "iiOO", &sg[b].start, &sg[b].len, &co, &so)
+                   : PyArg_ParseTuple(PyList_GET_ITEM(states, b), "OO", &co, &so);
+        if (!R) { sg[b].start = b; sg[b].len = 1; }
+        if (!ok || !(cb = hold(h, co, 1)) || !(sb = hold(h, so, 1))) return 0;
         if ((size_t)cb->len != (size_t)(d->K - 1) * C * 4 || (size_t)sb->len != (size_t)d->Hv * d->dk * d->dv * 4) {
-            PyErr_Format(PyExc_ValueError, "delta net: row %d's conv inputs or state is not its shape", b); return 0;
+            PyErr_Format(PyExc_ValueError, "delta net: run %d's conv inputs or state is not its shape", b); return 0;
         }
-        st[b].conv = cb->buf; st[b].S = sb->buf;
+        if (R && (sg[b].start < end || sg[b].len < 1 || sg[b].len > R - sg[b].start)) {
+            PyErr_Format(PyExc_ValueError, "delta net: run %d (rows %d..+%d) is not within the %d rows after the "
+                         "runs before it", b, sg[b].start, sg[b].len, R); return 0;
+        }
+        end = sg[b].start + sg[b].len;
+        sg[b].conv = cb->buf; sg[b].S = sb->buf;
     }
     return 1;
 }
 
-/* delta_step(spec, dims, eps, mixed (B, C), z (B, Hv dv), beta (B, Hv), alpha (B, Hv), states, out (B, Hv dv),
- *            threads): B decode rows' delta-net step from their projections, states updated */
-PyObject *py_delta_step(PyObject *self, PyObject *args) {
+/* delta_rows(spec, dims, eps, mixed (R, C), z (R, Hv dv), beta (R, Hv), alpha (R, Hv),
+ *            [(start, len, conv_state, S), ...], out (R, Hv dv), threads): runs of sequences' rows
+ * through the delta net from their projections, their states updated */
+PyObject *py_delta_rows(PyObject *self, PyObject *args) {
     PyObject *spec, *dims, *mo, *zo, *blo, *alo, *states, *oo, *ret = NULL;
     double eps;
     int threads;
     if (!PyArg_ParseTuple(args, "OOdOOOOO!Oi", &spec, &dims, &eps, &mo, &zo, &blo, &alo, &PyList_Type, &states, &oo, &threads))
         return NULL;
-    int B = (int)PyList_GET_SIZE(states);
+    int nseg = (int)PyList_GET_SIZE(states);
     Held *h = calloc(1, sizeof(Held));
-    DeltaState *st = calloc(B > 0 ? B : 1, sizeof(DeltaState));
+    DeltaSeg *sg = calloc(nseg > 0 ? nseg : 1, sizeof(DeltaSeg));
     DeltaSpec d = {0};
     Py_buffer *mb, *zb, *bb, *ab, *ob;
-    if (!h || !st) { PyErr_NoMemory(); goto done; }
-    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "delta_step: 1 to %d rows, not %d", MAX_BATCH, B); goto done; }
-    if (!delta_args(h, spec, dims, eps, states, B, &d, st)) goto done;
-    size_t C = (size_t)2 * d.Hk * d.dk + (size_t)d.Hv * d.dv, inner = (size_t)d.Hv * d.dv;
+    float *conv = NULL;
+    if (!h || !sg) { PyErr_NoMemory(); goto done; }
+    if (nseg < 1 || nseg > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "delta_rows: 1 to %d runs, not %d", MAX_BATCH, nseg); goto done; }
+    int Hk, Hv, dk, dv, K;                   /* the channels C from the dims, the rows R from mixed */
+    if (!PyArg_ParseTuple(dims, "iiiii", &Hk, &Hv, &dk, &dv, &K)) goto done;
     if (!(mb = hold(h, mo, 0)) || !(zb = hold(h, zo, 0)) || !(bb = hold(h, blo, 0)) || !(ab = hold(h, alo, 0)) || !(ob = hold(h, oo, 1)))
         goto done;
-    if ((size_t)mb->len != B * C * 4 || (size_t)zb->len != B * inner * 4 || (size_t)bb->len != (size_t)B * d.Hv * 4 ||
-        (size_t)ab->len != (size_t)B * d.Hv * 4 || (size_t)ob->len != B * inner * 4) {
-        PyErr_SetString(PyExc_ValueError, "delta_step: a row buffer is not its shape"); goto done;
+    size_t C = (size_t)2 * Hk * dk + (size_t)Hv * dv, inner = (size_t)Hv * dv;
+    int R = Hk > 0 && dk > 0 && Hv > 0 && dv > 0 ? (int)((size_t)mb->len / 4 / C) : 0;
+    if (R < 1 || (size_t)mb->len != R * C * 4 || (size_t)zb->len != R * inner * 4 || (size_t)bb->len != (size_t)R * Hv * 4 ||
+        (size_t)ab->len != (size_t)R * Hv * 4 || (size_t)ob->len != R * inner * 4) {
+        PyErr_SetString(PyExc_ValueError, "delta_rows: a row buffer is not its shape"); goto done;
     }
-    float *conv = malloc(B * C * 4);
-    if (!conv) { PyErr_NoMemory(); goto done; }
+    if (!delta_args(h, spec, dims, eps, states, R, &d, sg)) goto done;
+    if (!(conv = malloc(R * C * 4))) { PyErr_NoMemory(); goto done; }
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
     #pragma omp parallel num_threads(nt)
-    delta_step_rows(&d, B, mb->buf, zb->buf, bb->buf, ab->buf, st, conv, ob->buf);
+    delta_rows(&d, nseg, sg, R, mb->buf, zb->buf, bb->buf, ab->buf, conv, ob->buf);
     Py_END_ALLOW_THREADS
-    free(conv);
     Py_INCREF(Py_None); ret = Py_None;
 done:
     while (h && h->n) PyBuffer_Release(&h->b[--h->n]);
-    free(h); free(st);
+    free(h); free(sg); free(conv);
     return ret;
 }
 
@@ -90,14 +99,14 @@ PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
         return NULL;
     int B = (int)PyList_GET_SIZE(states), missing;
     Held *h = calloc(1, sizeof(Held));
-    DeltaState *st = calloc(B > 0 ? B : 1, sizeof(DeltaState));
+    DeltaSeg *sg = calloc(B > 0 ? B : 1, sizeof(DeltaSeg));
     DeltaSpec d = {0};
     LayerSpec L = {0};
     Py_buffer *xb, *anb, *wb[5];
-    if (!h || !st) { PyErr_NoMemory(); goto done; }
+    if (!h || !sg) { PyErr_NoMemory(); goto done; }
     if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "decode_delta_layer: 1 to %d rows, not %d", MAX_BATCH, B); goto done; }
     if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_delta_layer needs the AVX2 kernels"); goto done; }
-    if (!delta_args(h, spec, dims, eps, states, B, &d, st)) goto done;
+    if (!delta_args(h, spec, dims, eps, states, 0, &d, sg)) goto done;
     if (!(xb = hold(h, xo, 1)) || !(anb = hold(h, ano, 0))) goto done;
     for (int p = 0; p < 5; p++) if (!(wb[p] = hold(h, wo[p], 0))) goto done;
     int n = L.n = (int)(xb->len / 4 / B), C = 2 * d.Hk * d.dk + d.Hv * d.dv, inner = d.Hv * d.dv;
@@ -130,12 +139,12 @@ PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
     if (!shared_arg(h, sho, &L)) goto done;
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
-    missing = delta_layer_rows(&d, &L, xb->buf, B, st, nt);
+    missing = delta_layer_rows(&d, &L, xb->buf, B, sg, nt);
     Py_END_ALLOW_THREADS
     (void)missing;
     Py_INCREF(Py_None); ret = Py_None;
 done:
     while (h && h->n) PyBuffer_Release(&h->b[--h->n]);
-    free(h); free(st);
+    free(h); free(sg);
     return ret;
 }
