@@ -204,6 +204,7 @@ int dotRW2_avx2(int type, const uint8_t *w, size_t row_bytes, const Act *a, int 
 int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax);
 /* dot_kquants_avx512.c */
 int dotR_kquant_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
+int dotR_q8_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);   /* dot_q8_avx512.c */
 /* dot_kquants_avx2.c */
 float dot_q2_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
 float dot_q3_K_avx2(const uint8_t *w, const Act *a, int t, int nb);

@@ -26,10 +26,12 @@ static void weight_row(const Act *a, int t, int tn, int K, int type, const TypeI
 #ifdef KILN_X86
     if (g_avx2 && has_dot4_avx2(type, K)) {
         int nb = K / ti->block; float res[8];
-        if (g_avx512 && (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K))
+        const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+        if (g_avx512 && (kq || type == T_Q4_0 || type == T_Q8_0))
             for (int R = 8; R >= 4; R -= 4)
                 for (; t + R <= T; t += R) {
-                    dotR_kquant_avx512(type, w, a, t, nb, R, res);
+                    if (kq) dotR_kquant_avx512(type, w, a, t, nb, R, res);
+                    else dotR_q8_avx512(type, w, a, t, nb, R, res);
                     for (int j = 0; j < R; j++) o[(size_t)(t + j) * Ni + n] = res[j];
                 }
         for (int R; (R = T - t < 8 ? T - t : 8) >= 2 && dotR_avx2(type, w, a, t, nb, R, res); t += R)
