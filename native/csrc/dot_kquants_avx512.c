@@ -87,10 +87,16 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q5_K_512(const uin
                                                                        int R, float *res) {
     const int8_t *q8[8]; const float *yd[8]; const int16_t *bs[8];
     q8_K_rows(a, t, nb, R, q8, yd, bs);
+    const float *dT = a->dT + t; const int16_t *kT = a->kT + (size_t)t * 8; const size_t ts = (size_t)a->ts;
     const __m256i m4 = _mm256_set1_epi8(0xF), mone = _mm256_set1_epi8(1);
-    const __m128i mzero = _mm_setzero_si128();
-    __m256 acc[8]; float summs[8];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); summs[r] = 0.f; }
+    const __m256 neg = _mm256_set1_ps(-0.0f);
+    /* each row's minimum term of a block is an exact integer (its lane of a 128-bit group summed):
+       the eight rows' gathered into one vector, then the one-row kernel's fmaf, eight at once */
+    const __m512i gather = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[4];
+    __m512i pick_d[4];
+    __m256 summs = _mm256_setzero_ps();
+    for (int p = 0; p < R / 2; p++) { acc[p] = _mm512_setzero_ps(); pick_d[p] = spread_rows(2 * p, 8); }
     for (int b = 0; b < nb; b++, w += 176) {
         const float xd = H2F(w), xm = H2F(w + 2);
         __m128i mins; __m256i scales;
@@ -110,20 +116,31 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q5_K_512(const uin
             sc[j] = pair512(_mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j)),
                             _mm256_shuffle_epi8(scales, scale_shuffle_k4(2 * j + 1)));
         }
+        __m512i sumi[8];
         for (int r = 0; r < R; r++) {
-            const float d = yd[r][b] * xd, dmin = -yd[r][b] * xm;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs[r] + b * 16));
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            const __m128i hs = _mm_hadd_epi32(_mm_hadd_epi32(_mm_madd_epi16(mins, q8s), mzero), mzero);
-            summs[r] = fmaf(dmin, (float)_mm_extract_epi32(hs, 0), summs[r]);
             const int8_t *y = q8[r] + b * 256;
-            __m512i sumi = _mm512_setzero_si512();
+            sumi[r] = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++)
-                sumi = _mm512_dpwssd_epi32(sumi, sc[j], _mm512_maddubs_epi16(v[j], _mm512_loadu_si512((const void *)(y + 64 * j))));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(fold512(sumi)), acc[r]);
+                sumi[r] = _mm512_dpwssd_epi32(sumi[r], sc[j], _mm512_maddubs_epi16(v[j], _mm512_loadu_si512((const void *)(y + 64 * j))));
         }
+        const __m256 yd8 = _mm256_loadu_ps(dT + b * ts);
+        const __m512 d = _mm512_castps256_ps512(_mm256_mul_ps(yd8, _mm256_set1_ps(xd)));
+        for (int p = 0; p < R / 2; p++)
+            acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick_d[p], d),
+                                     _mm512_cvtepi32_ps(fold_pair512(sumi[2 * p], sumi[2 * p + 1])), acc[p]);
+        const __m512i mins4 = _mm512_broadcast_i32x4(mins);
+        __m512i m0 = _mm512_madd_epi16(mins4, _mm512_loadu_si512((const void *)(kT + b * ts * 8))),
+                m1 = R == 8 ? _mm512_madd_epi16(mins4, _mm512_loadu_si512((const void *)(kT + (b * ts + 4) * 8)))
+                            : _mm512_setzero_si512();
+        m0 = _mm512_add_epi32(m0, _mm512_shuffle_epi32(m0, 0x4E)); m0 = _mm512_add_epi32(m0, _mm512_shuffle_epi32(m0, 0xB1));
+        m1 = _mm512_add_epi32(m1, _mm512_shuffle_epi32(m1, 0x4E)); m1 = _mm512_add_epi32(m1, _mm512_shuffle_epi32(m1, 0xB1));
+        const __m256i msum = _mm512_castsi512_si256(_mm512_permutex2var_epi32(m0, gather, m1));
+        summs = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_xor_ps(yd8, neg), _mm256_set1_ps(xm)), _mm256_cvtepi32_ps(msum), summs);
     }
-    for (int r = 0; r < R; r++) res[r] = hsum_avx(acc[r]) + summs[r];
+    float lanes[8 * 8], ms[8];
+    for (int p = 0; p < R / 2; p++) _mm512_storeu_ps(lanes + 16 * p, acc[p]);
+    _mm256_storeu_ps(ms, summs);
+    for (int r = 0; r < R; r++) res[r] = hsum_avx(_mm256_loadu_ps(lanes + 8 * r)) + ms[r];
 }
 
 AVX512 static inline __attribute__((always_inline)) void dotR_q6_K_512(const uint8_t *w, const Act *a, int t, int nb,
