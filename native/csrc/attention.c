@@ -249,7 +249,8 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
                                              O + ((size_t)t * H + h) * D, sinks ? sinks + h : NULL};
                     }
                 attn_group(qs, nq, (const uint8_t *)K + (size_t)kh * D * (f16 ? 2 : 4),
-                           (const uint8_t *)V + (size_t)kh * D * (f16 ? 2 : 4), ks, D, f16, scale, win);
+                           (const uint8_t *)V + (size_t)kh * D * (f16 ? 2 : 4), ks, D, f16, scale, win,
+                           T > 1);      /* a prompt's rows reuse each value row: by lane */
             }
             free(rows); free(acc); free(qr);
         }

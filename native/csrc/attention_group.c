@@ -44,6 +44,8 @@ AVX2 static void NAME##_scores(AttnQuery *qs, int nq, const T *K0, size_t ks, in
     else if (D == 128) NAME##_scores_nv(qs, nq, K0, ks, 16, s0, s1, scale);                       \
     else NAME##_scores_nv(qs, nq, K0, ks, D / 8, s0, s1, scale);                                  \
 }                                                                                                 \
+/* Position after position, each value row read once into every query's lane (a decode step's:  \
+   its values come from memory once, in order) */                                                   \
 AVX2 static inline __attribute__((always_inline)) void NAME##_values_nv(                            \
         AttnQuery *qs, int nq, const T *V0, size_t ks, int D, int i0, int i1, int nmax) {         \
     for (int base = 0; base < nmax; base += 8)                                                    \
@@ -62,13 +64,49 @@ AVX2 static inline __attribute__((always_inline)) void NAME##_values_nv(        
             }                                                                                     \
         }                                                                                         \
 }                                                                                                 \
-AVX2 static void NAME##_values(AttnQuery *qs, int nq, const T *V0, size_t ks, int D, int i0, int i1) { \
+/* A lane's chain (positions l, l + 8, ... in order) for two queries and 32 dimensions at a time, \
+   the sums in registers the whole walk — where each position once loaded and stored every        \
+   query's whole lane: the same FMAs in the same order, a fraction of the memory operations */   \
+AVX2 static inline __attribute__((always_inline)) void NAME##_lanes_nv(                            \
+        AttnQuery *qs, int nq, const T *V0, size_t ks, int D, int i0, int i1, int nmax) {         \
+    (void)nmax;                                                                                   \
+    for (int l = i0; l < i1; l++)                                                                 \
+        for (int d0 = 0; d0 < D; d0 += 32)                                                        \
+            for (int j = 0; j < nq; j += 2) {                                                     \
+                const int two = j + 1 < nq, n0 = qs[j].n, n1 = two ? qs[j + 1].n : 0;             \
+                const float *r0 = qs[j].row, *r1 = two ? qs[j + 1].row : r0;                      \
+                float *a0 = qs[j].acc + (size_t)l * D + d0, *a1 = two ? qs[j + 1].acc + (size_t)l * D + d0 : a0; \
+                __m256 x0 = _mm256_load_ps(a0), x1 = _mm256_load_ps(a0 + 8), x2 = _mm256_load_ps(a0 + 16), \
+                       x3 = _mm256_load_ps(a0 + 24), y0 = _mm256_load_ps(a1), y1 = _mm256_load_ps(a1 + 8), \
+                       y2 = _mm256_load_ps(a1 + 16), y3 = _mm256_load_ps(a1 + 24);               \
+                const int nn = n0 > n1 ? n0 : n1;                                                 \
+                for (int p = l; p < nn; p += 8) {                                                 \
+                    const T *v = V0 + (size_t)p * ks + d0;                                        \
+                    if (p + 32 < nn) prefetch_row(v + 32 * ks, 32 * sizeof(T));                   \
+                    const __m256 v0 = LD8(v), v1 = LD8(v + 8), v2 = LD8(v + 16), v3 = LD8(v + 24); \
+                    if (p < n0) {                                                                 \
+                        const __m256 pr = _mm256_set1_ps(r0[p]);                                  \
+                        x0 = _mm256_fmadd_ps(v0, pr, x0); x1 = _mm256_fmadd_ps(v1, pr, x1);       \
+                        x2 = _mm256_fmadd_ps(v2, pr, x2); x3 = _mm256_fmadd_ps(v3, pr, x3);       \
+                    }                                                                             \
+                    if (p < n1) {                                                                 \
+                        const __m256 pr = _mm256_set1_ps(r1[p]);                                  \
+                        y0 = _mm256_fmadd_ps(v0, pr, y0); y1 = _mm256_fmadd_ps(v1, pr, y1);       \
+                        y2 = _mm256_fmadd_ps(v2, pr, y2); y3 = _mm256_fmadd_ps(v3, pr, y3);       \
+                    }                                                                             \
+                }                                                                                 \
+                _mm256_store_ps(a0, x0); _mm256_store_ps(a0 + 8, x1); _mm256_store_ps(a0 + 16, x2); _mm256_store_ps(a0 + 24, x3); \
+                if (two) { _mm256_store_ps(a1, y0); _mm256_store_ps(a1 + 8, y1); _mm256_store_ps(a1 + 16, y2); _mm256_store_ps(a1 + 24, y3); } \
+            }                                                                                     \
+}                                                                                                 \
+AVX2 static void NAME##_values(AttnQuery *qs, int nq, const T *V0, size_t ks, int D, int i0, int i1, int by_lane) { \
     int nmax = 0;                                                                                 \
     for (int j = 0; j < nq; j++) {                                                                \
         if (qs[j].n > nmax) nmax = qs[j].n;                                                       \
         for (int i = i0 * D; i < i1 * D; i += 8) _mm256_store_ps(qs[j].acc + i, _mm256_setzero_ps()); \
     }                                                                                             \
-    if (D == 64) NAME##_values_nv(qs, nq, V0, ks, 64, i0, i1, nmax);                              \
+    if (by_lane) NAME##_lanes_nv(qs, nq, V0, ks, D, i0, i1, nmax);                                \
+    else if (D == 64) NAME##_values_nv(qs, nq, V0, ks, 64, i0, i1, nmax);                         \
     else if (D == 128) NAME##_values_nv(qs, nq, V0, ks, 128, i0, i1, nmax);                       \
     else NAME##_values_nv(qs, nq, V0, ks, D, i0, i1, nmax);                                       \
 }
@@ -88,24 +126,27 @@ void attn_group_softmax(AttnQuery *qs, int nq, int f16, int win) {
     }
 }
 
-void attn_group_values(AttnQuery *qs, int nq, const void *V0, size_t ks, int D, int f16, int i0, int i1) {
-    if (f16) group_f16_values(qs, nq, (const uint16_t *)V0, ks, D, i0, i1);
-    else group_f32_values(qs, nq, (const float *)V0, ks, D, i0, i1);
+/* by_lane: a prompt's group (its queries reuse each value row, which stays in cache) walks each
+ * lane with its sums in registers; else position after position (a decode step's, whose values
+ * come from memory: read once, in order). The same bits either way. */
+void attn_group_values(AttnQuery *qs, int nq, const void *V0, size_t ks, int D, int f16, int i0, int i1, int by_lane) {
+    if (f16) group_f16_values(qs, nq, (const uint16_t *)V0, ks, D, i0, i1, by_lane);
+    else group_f32_values(qs, nq, (const float *)V0, ks, D, i0, i1, by_lane);
 }
 
 void attn_group_reduce(AttnQuery *qs, int nq, int D) {
     for (int j = 0; j < nq; j++) attn_reduce_lanes(qs[j].acc, qs[j].out, D);
 }
 
-/* the whole of it, for one thread */
+/* the whole of it, for one thread (by_lane: as attn_group_values) */
 void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks, int D, int f16, float scale,
-                int win) {
+                int win, int by_lane) {
     int nmax = 0;
     for (int j = 0; j < nq; j++) if (qs[j].n > nmax) nmax = qs[j].n;
     attn_group_prepare(qs, nq, D, f16);
     attn_group_scores(qs, nq, K0, ks, D, f16, 0, nmax, scale);
     attn_group_softmax(qs, nq, f16, win);
-    attn_group_values(qs, nq, V0, ks, D, f16, 0, 8);
+    attn_group_values(qs, nq, V0, ks, D, f16, 0, 8, by_lane);
     attn_group_reduce(qs, nq, D);
 }
 
@@ -158,7 +199,7 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
         #pragma omp for schedule(static)
         for (int c = 0; c < B * Hkv * 2; c++) {
             int grp = c / 2, b = grp / Hkv, kh = grp % Hkv, i0 = 4 * (c % 2);
-            attn_group_values(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].v + kh * D * esz, ks, D, f16, i0, i0 + 4);
+            attn_group_values(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].v + kh * D * esz, ks, D, f16, i0, i0 + 4, 0);
         }
         #pragma omp for schedule(static)
         for (int grp = 0; grp < B * Hkv; grp++) attn_group_reduce(qs + (size_t)grp * G, G, D);
@@ -172,7 +213,7 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
             for (int g = 0; g < G; g++) grp[nq++] = qs[(size_t)b * H + kh * G + g];
         attn_group_scores(grp, nq, (const uint8_t *)rows[b0].k + kh * D * esz, ks, D, f16, 0, rows[b1 - 1].pos + 1, scale);
         attn_group_softmax(grp, nq, f16, win);
-        attn_group_values(grp, nq, (const uint8_t *)rows[b0].v + kh * D * esz, ks, D, f16, 0, 8);
+        attn_group_values(grp, nq, (const uint8_t *)rows[b0].v + kh * D * esz, ks, D, f16, 0, 8, 0);
         attn_group_reduce(grp, nq, D);
     }
 }

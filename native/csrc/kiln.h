@@ -267,10 +267,10 @@ typedef struct {
 void attn_group_prepare(AttnQuery *qs, int nq, int D, int f16);
 void attn_group_scores(AttnQuery *qs, int nq, const void *K0, size_t ks, int D, int f16, int s0, int s1, float scale);
 void attn_group_softmax(AttnQuery *qs, int nq, int f16, int win);
-void attn_group_values(AttnQuery *qs, int nq, const void *V0, size_t ks, int D, int f16, int i0, int i1);
+void attn_group_values(AttnQuery *qs, int nq, const void *V0, size_t ks, int D, int f16, int i0, int i1, int by_lane);
 void attn_group_reduce(AttnQuery *qs, int nq, int D);
 void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks, int D, int f16, float scale,
-                int win);
+                int win, int by_lane);
 #endif
 
 /* ---- kv_quant.c ----------------------------------------------------------------------------- */
