@@ -24,7 +24,7 @@ from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.gpt_oss import BiasedMoE, SinkAttention
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention, SharedExpertMoE
 from .arch.qwen import ProjectionNormedAttention
-from .arch.qwen35 import DeltaNet, GatedAttention
+from .arch.qwen35 import DELTA_MAX_WIDTH, DeltaNet, GatedAttention
 from .arch.smollm3 import NoRopeAttention
 from .experts.source import StreamedExperts
 
@@ -266,7 +266,7 @@ def one_call(L, c) -> str | None:
     a, f = L.attn, L.ffn
     if type(a) is DeltaNet:
         if not all(_compiled(w) for w in (a.wqkv, a.wgate, a.ssm_beta, a.ssm_alpha, a.ssm_out)) \
-                or a.dims(c)[3] > 1024 or a.dims(c)[2] > 1024:
+                or max(a.dims(c)[2:4]) > DELTA_MAX_WIDTH or a.dims(c)[4] > 64 or max(a.dims(c)[:2]) > 4096:
             return None
     elif not all(_compiled(w) for w in (a.wq, a.wk, a.wv, a.wo)) or a.wq.qtype != a.wk.qtype:
         return None

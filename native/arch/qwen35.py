@@ -31,6 +31,7 @@ from .parts import Layer, NormedAttention, take
 
 F32 = np.float32
 CHUNK = 64
+DELTA_MAX_WIDTH = 1024     # csrc/delta_net.c's widest head (DELTA_MAX_DV): wider ones take numpy
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -97,7 +98,7 @@ class DeltaNet:
         beta_x, alpha_x = matmul(x, self.ssm_beta), matmul(x, self.ssm_alpha)            # (T, Hv)
         out = np.empty((T, Hv * dv), F32)
         C_ = compiled_module()
-        if C_ is not None:
+        if C_ is not None and max(dk, dv) <= DELTA_MAX_WIDTH and K <= 64 and max(Hk, Hv) <= 4096:
             # the compiled recurrence (csrc/delta_net.c), token after token: the one-call decode's own code
             runs = []
             for cache, a, e in b.segments:
