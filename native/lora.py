@@ -4,7 +4,8 @@ An adapter adds `scale * B @ A` to a base weight W (n_out, n_in), scale = alpha 
 A (rank, n_in) and B (n_out, rank) — so a layer computes y = x W^T + scale * (x A^T) B^T.
 On disk it is a GGUF with `general.type = "adapter"`, `adapter.type = "lora"`,
 `adapter.lora.alpha`, the base's `general.architecture`, and tensors `<base name>.lora_a` /
-`.lora_b` in float32: exactly what llama.cpp's `llama_adapter_lora_init` reads.
+`.lora_b` in float32 (fp16 when the adapter holds fp16, as llama.cpp's `convert_lora_to_gguf`
+writes it): exactly what llama.cpp's `llama_adapter_lora_init` reads.
 
 In inference the two small products run through the same `matmul` as the base weights (F32
 weights: no activation rounding, as ggml multiplies F32 LoRA tensors), in llama.cpp's order:
@@ -60,7 +61,9 @@ def base_names(n_layer: int, targets) -> list[str]:
 
 @dataclass
 class Adapter:
-    """LoRA tensors by base weight name: (A (r, n_in), B (n_out, r))."""
+    """LoRA tensors by base weight name: (A (r, n_in), B (n_out, r)), float32 — or float16 as an
+    fp16 file holds them (llama.cpp's convert_lora_to_gguf writes fp16 by default): half the bytes
+    a decode step reads, and the same bits, since every product widens each value exactly."""
     arch: str
     alpha: float
     tensors: dict[str, tuple[np.ndarray, np.ndarray]]
@@ -85,12 +88,15 @@ class Adapter:
 
     def delta(self, x: np.ndarray, base: Weight) -> np.ndarray | None:
         """scale * B (A x) for the rows x, or None when this adapter leaves `base` alone."""
-        if self._weights is None:
+        if self._weights is None:        # fp16 pairs widen at each use: no float32 copy held beside them
             self._weights = {n: (_f32_weight(n + ".lora_a", a), _f32_weight(n + ".lora_b", b))
-                             for n, (a, b) in self.tensors.items()}
-        ab = self._weights.get(base.name)
-        if ab is None:
+                             if a.dtype != np.float16 else None for n, (a, b) in self.tensors.items()}
+        if base.name not in self._weights:
             return None
+        ab = self._weights[base.name]
+        if ab is None:
+            a, b = self.tensors[base.name]
+            ab = _f32_weight(base.name + ".lora_a", a), _f32_weight(base.name + ".lora_b", b)
         out = matmul(matmul(x, ab[0]), ab[1])
         out *= np.float32(self.scale)
         return out
@@ -105,7 +111,8 @@ class Adapter:
     def layer_pairs(self, i: int) -> list:
         """Layer i's (A address, B address, rank, scale) per projection in csrc/kiln.h's order
         (q, k, v, o, gate, up, down), None where the adapter leaves it alone: what the compiled
-        decode step adds. The float32 arrays are held here, so the addresses stay valid."""
+        decode step adds (float32 or fp16, as held). The arrays are held here, so the addresses
+        stay valid."""
         cached = self._pairs.get(i)
         if cached is None:
             cached = []
@@ -114,9 +121,11 @@ class Adapter:
                 if ab is None:
                     cached.append(None)
                     continue
-                a, b = (np.ascontiguousarray(m, np.float32) for m in ab)
+                dt = np.float16 if ab[0].dtype == np.float16 and ab[1].dtype == np.float16 else np.float32
+                a, b = (np.ascontiguousarray(m, dt) for m in ab)
                 self._held.append((a, b))
-                cached.append((a.ctypes.data, b.ctypes.data, a.shape[0], np.float32(self.scale)))
+                cached.append((a.ctypes.data, b.ctypes.data, a.shape[0], np.float32(self.scale),
+                               int(dt == np.float16), 0))
             self._pairs[i] = cached
         return cached
 
@@ -172,9 +181,10 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, name: str = "") -> P
     for key, value in adapter.meta.items():
         if isinstance(value, str) and key.startswith("kiln."):
             w.add_string(key, value)
-    for n, (a, b) in adapter.tensors.items():
-        w.add_tensor(n + ".lora_a", np.ascontiguousarray(a, np.float32))
-        w.add_tensor(n + ".lora_b", np.ascontiguousarray(b, np.float32))
+    for n, (a, b) in adapter.tensors.items():        # fp16 pairs stay fp16, the rest float32
+        dt = np.float16 if a.dtype == b.dtype == np.float16 else np.float32
+        w.add_tensor(n + ".lora_a", np.ascontiguousarray(a, dt))
+        w.add_tensor(n + ".lora_b", np.ascontiguousarray(b, dt))
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -189,7 +199,8 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, name: str = "") -> P
 
 
 def load_adapter(path: str | os.PathLike) -> Adapter:
-    """Read a LoRA GGUF (ours or llama.cpp's convert_lora_to_gguf output, F32/F16 tensors)."""
+    """Read a LoRA GGUF (ours or llama.cpp's convert_lora_to_gguf output). F16 pairs stay fp16;
+    any other type (F32, BF16, Q8_0, ...) is widened to float32 exactly."""
     from gguf.quants import dequantize
     g = read_gguf(path)
     md = g.metadata
@@ -201,13 +212,19 @@ def load_adapter(path: str | os.PathLike) -> Adapter:
         base, _, part = n.rpartition(".")
         if part not in ("lora_a", "lora_b"):
             raise AdapterError(f"{path}: tensor {n!r} is neither .lora_a nor .lora_b")
-        pairs.setdefault(base, {})[part] = np.ascontiguousarray(
-            dequantize(g.raw(n), info.type).reshape(info.shape), np.float32)
+        if info.type == Q.F16:
+            m = g.raw(n).view(np.float16).reshape(info.shape).copy()
+        else:
+            m = np.ascontiguousarray(dequantize(g.raw(n), info.type).reshape(info.shape), np.float32)
+        pairs.setdefault(base, {})[part] = m
     tensors = {}
     for base, p in pairs.items():
         if set(p) != {"lora_a", "lora_b"}:
             raise AdapterError(f"{path}: {base} has {sorted(p)} but needs both lora_a and lora_b")
-        tensors[base] = (p["lora_a"], p["lora_b"])
+        a, b = p["lora_a"], p["lora_b"]
+        if a.dtype != b.dtype:            # one fp16, one not: both float32, so a pair has one type
+            a, b = a.astype(np.float32), b.astype(np.float32)
+        tensors[base] = (a, b)
     if not tensors:
         raise AdapterError(f"{path}: the adapter holds no tensors")
     meta = {k: v for k, v in md.items() if k.startswith("kiln.") or k == "general.name"}

@@ -140,3 +140,25 @@ def test_an_adapter_on_attention_is_applied_by_every_family(arch):
     base = m.forward(prompt, m.new_cache(32))
     assert np.array_equal(m.forward(prompt, m.new_cache(32), adapter=make(True)), base)
     assert not np.allclose(m.forward(prompt, m.new_cache(32), adapter=make(False)), base, atol=1e-4)
+
+
+def test_an_fp16_adapter_file_stays_fp16_and_decodes_with_its_widened_bits(default_model, tmp_path):
+    """llama.cpp's convert_lora_to_gguf writes fp16: loaded, its pairs stay fp16 (half the bytes a
+    step reads) and every product widens each value exactly, so a batch mixing it with float32
+    adapters gives each row the bits of the float32 copy — in the one call and in the blocks.
+    Rank 6: the A pass's rows past a multiple of four and B's products shorter than a vector."""
+    from kiln.native.lora import Adapter, load_adapter, save_adapter
+    f32 = adapter(default_model, 4)
+    small = init_adapter(default_model, LoraConfig(6, 12.0), np.random.default_rng(9))
+    for _, b in small.tensors.values():
+        b[...] = np.random.default_rng(10).normal(0, 0.05, size=b.shape).astype(np.float32)
+    half = Adapter(small.arch, small.alpha, {n: (a.astype(np.float16), b.astype(np.float16))
+                                             for n, (a, b) in small.tensors.items()})
+    loaded = load_adapter(save_adapter(half, tmp_path / "half.gguf"))
+    assert {x.dtype for ab in loaded.tensors.values() for x in ab} == {np.dtype(np.float16)}
+    widened = Adapter(small.arch, small.alpha, {n: (a.astype(np.float32), b.astype(np.float32))
+                                                for n, (a, b) in loaded.tensors.items()})
+    fast = decode(default_model, [loaded, f32, None])
+    assert np.array_equal(fast, decode(default_model, [widened, f32, None]))
+    assert np.array_equal(fast, decode(default_model, [loaded, f32, None], blocks=True))
+    assert not np.array_equal(fast[:, 0], fast[:, 2]), "the adapter must change the logits"

@@ -198,7 +198,7 @@ int delta_layer_rows(const DeltaSpec *d, const LayerSpec *L, float *x, int B, co
     type_info(d->out_t, &to); act_alloc(&ao, &to, o, B, inner);
     int lrmax = 0;
     for (int i = 0; L->lora && i < B * LORA_TARGETS; i++) if (L->lora[i].a && L->lora[i].r > lrmax) lrmax = L->lora[i].r;
-    float *ltmp = lrmax ? malloc((size_t)B * lrmax * sizeof(float)) : NULL;
+    float *ltmp = lrmax ? malloc((size_t)B * LORA_TARGETS * lrmax * sizeof(float)) : NULL;
     FfnWork fw;
     ffn_work_init(&fw, L, B, ltmp, lrmax);
     #pragma omp parallel num_threads(nt)

@@ -119,11 +119,10 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
         const uint8_t *Wgu[2] = {L->wg, L->wu}, *Wd[1] = {L->wd};
         int Ngu[2] = {n_ff, n_ff}, Nd[1] = {n};
         float *Ogu[2] = {g, u}, *Od[1] = {dn};
+        static const int GU[2] = {LORA_GATE, LORA_UP}, D[1] = {LORA_DOWN};
+        if (L->lora) lora_a(L, GU, 2, f, n, B, w->ltmp, w->lrmax);
         rows_dot(&w->ag, B, n, L->gu_t, &w->tg, 2, Wgu, Ngu, Ogu);
-        if (L->lora) {
-            lora_rows(L, LORA_GATE, f, n, g, n_ff, B, w->ltmp, w->lrmax);
-            lora_rows(L, LORA_UP, f, n, u, n_ff, B, w->ltmp, w->lrmax);
-        }
+        if (L->lora) lora_b(L, GU, 2, Ogu, Ngu, B, w->ltmp, w->lrmax);
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *gb = g + (size_t)b * n_ff, *ub = u + (size_t)b * n_ff;
@@ -133,8 +132,9 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
             } else swiglu_row(gb, ub, n_ff);
             act_row(&w->ad, b, n_ff);
         }
+        if (L->lora) lora_a(L, D, 1, g, n_ff, B, w->ltmp, w->lrmax);
         rows_dot(&w->ad, B, n_ff, L->wd_t, &w->td, 1, Wd, Nd, Od);
-        if (L->lora) lora_rows(L, LORA_DOWN, g, n_ff, dn, n, B, w->ltmp, w->lrmax);
+        if (L->lora) lora_b(L, D, 1, Od, Nd, B, w->ltmp, w->lrmax);
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *xb = x + (size_t)b * n, *db = dn + (size_t)b * n;

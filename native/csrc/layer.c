@@ -30,7 +30,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
           *qg = L->q_gate ? malloc((size_t)B * qw * 4) : q, *gate = L->q_gate ? malloc((size_t)B * qn * 4) : NULL;
     int lrmax = 0;                            /* the largest LoRA rank in the batch: A x's room per row */
     for (int i = 0; L->lora && i < B * LORA_TARGETS; i++) if (L->lora[i].a && L->lora[i].r > lrmax) lrmax = L->lora[i].r;
-    float *ltmp = lrmax ? malloc((size_t)B * lrmax * sizeof(float)) : NULL;
+    float *ltmp = lrmax ? malloc((size_t)B * LORA_TARGETS * lrmax * sizeof(float)) : NULL;
     FfnWork fw;
     ffn_work_init(&fw, L, B, ltmp, lrmax);
     const uint8_t *Wqkv[3] = {L->wq, L->wk, L->wv}, *Wo[1] = {L->wo};
@@ -58,13 +58,11 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             rms_row(x + (size_t)b * n, L->attn_norm, a + (size_t)b * n, n, L->eps); act_row(&aq, b, n);
             if (v_own_act) act_row(&av, b, n);
         }
+        static const int QKV[3] = {LORA_Q, LORA_K, LORA_V}, O[1] = {LORA_O};
+        if (L->lora) lora_a(L, QKV, 3, a, n, B, ltmp, lrmax);
         rows_dot(&aq, B, n, L->qkv_t, &tq, v_apart ? 2 : 3, Wqkv, Nqkv, Oqkv);
         if (v_apart) rows_dot(v_own_act ? &av : &aq, B, n, L->v_t, &tv, 1, Wqkv + 2, Nqkv + 2, Oqkv + 2);
-        if (L->lora) {
-            lora_rows(L, LORA_Q, a, n, qg, qw, B, ltmp, lrmax);
-            lora_rows(L, LORA_K, a, n, kt, kvn, B, ltmp, lrmax);
-            lora_rows(L, LORA_V, a, n, vt, kvn, B, ltmp, lrmax);
-        }
+        if (L->lora) lora_b(L, QKV, 3, Oqkv, Nqkv, B, ltmp, lrmax);
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *kb = kt + (size_t)b * kvn, *vb = vt + (size_t)b * kvn;
@@ -147,8 +145,9 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             if (L->q_gate) sigmoid_mul_row(att + (size_t)b * qn, gate + (size_t)b * qn, qn);   /* × sigmoid(gate) */
             act_row(&ao, b, qn);
         }
+        if (L->lora) lora_a(L, O, 1, att, qn, B, ltmp, lrmax);
         rows_dot(&ao, B, qn, L->wo_t, &to, 1, Wo, No, Oo);
-        if (L->lora) lora_rows(L, LORA_O, att, qn, o, n, B, ltmp, lrmax);
+        if (L->lora) lora_b(L, O, 1, Oo, No, B, ltmp, lrmax);
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
             float *xb = x + (size_t)b * n, *ob = o + (size_t)b * n;

@@ -20,9 +20,11 @@ enum { FFN_NONE, FFN_DENSE, FFN_MOE };
 #define MAX_K 16
 
 /* A LoRA on one projection of one row: scale * B (A x) added to its output, as the block path's
- * two F32 products, the scale and the add compute it. A (r, n_in), B (n_out, r), float32. */
+ * two F32 products, the scale and the add compute it. A (r, n_in), B (n_out, r), float32 — or
+ * fp16 as the adapter's file holds them (`f16`; each value widened exactly before its FMA, so the
+ * bits are those of the float32 copy, from half the bytes). */
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_TARGETS };
-typedef struct { const float *a, *b; int32_t r; float scale; } LoraPair;
+typedef struct { const void *a, *b; int32_t r; float scale; int32_t f16, unused; } LoraPair;
 
 typedef struct {              /* one pre-norm llama layer, weights as stored */
     int n, H, Hkv, D, R, neox;
@@ -92,15 +94,19 @@ typedef struct {
     float *shg, *shu, *shd, *shl;     /* the shared expert's gate, up, output (B rows) and gate logits */
     Act ash, ashd;
     TypeInfo tsh, tshd;
-    float *ltmp;              /* the caller's room for the adapters' A x (B x lrmax) */
+    float *ltmp;              /* the caller's room for the adapters' A x (B x LORA_TARGETS x lrmax) */
     int lrmax;
 } FfnWork;
 void ffn_work_init(FfnWork *w, const LayerSpec *L, int B, float *ltmp, int lrmax);
 void ffn_work_free(FfnWork *w);
 #ifdef KILN_X86
 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing);
-/* lora_rows.c: each row's adapter on projection t: out[b] (N) += scale * B (A in[b]) */
-void lora_rows(const LayerSpec *L, int t, const float *in, int K, float *out, int N, int B, float *tmp, int rmax);
+/* lora_rows.c: each row's adapters on the projections ts that share the input in: lora_a (A x,
+ * before the base projections: their barrier ends it), then lora_b (out[i][b] += scale * B (A x)).
+ * tmp: B x LORA_TARGETS x rmax floats. */
+void lora_a(const LayerSpec *L, const int *ts, int nts, const float *in, int K, int B, float *tmp, int rmax);
+void lora_b(const LayerSpec *L, const int *ts, int nts, float *const *out, const int *Ns, int B,
+            const float *tmp, int rmax);
 #endif
 
 /* delta_net.c: a gated delta net (qwen35's linear attention) for decode rows */

@@ -79,7 +79,7 @@ int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B) {
 }
 
 int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B) {
-    /* B x LORA_TARGETS LoraPair: addresses of float32 A (r, n_in) and B (n_out, r) that the
+    /* B x LORA_TARGETS LoraPair: addresses of float32 or fp16 A (r, n_in) and B (n_out, r) that the
        caller keeps alive for the call and has checked against the layer's shapes
        (native/runners.py lora_table) */
     Py_buffer *lb = hold(h, lorao, 0);
@@ -90,8 +90,9 @@ int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B) {
     L->lora = lb->buf;
     for (int i = 0; i < B * LORA_TARGETS; i++) {
         const LoraPair *p = &L->lora[i];
-        if (p->a && (!p->b || p->r < 1 || p->r > 4096)) {
-            PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA entry without B or of rank outside 1..4096"); return 0;
+        if (p->a && (!p->b || p->r < 1 || p->r > 4096 || (p->f16 != 0 && p->f16 != 1))) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA entry without B, of rank outside 1..4096 "
+                            "or of an element type neither float32 (0) nor fp16 (1)"); return 0;
         }
         if (p->a && i % LORA_TARGETS >= LORA_GATE && L->ffn != FFN_DENSE) {
             PyErr_SetString(PyExc_ValueError, "decode_layer: a LoRA on an FFN this call does not run densely"); return 0;
