@@ -5,7 +5,7 @@ install still succeeds, and the engine runs on its numpy path (slower, same resu
 
 from setuptools import Extension, setup
 
-SOURCES = ["native/_kernels.c", "native/csrc/quant.c", "native/csrc/matmul.c", "native/csrc/dot_avx2.c", "native/csrc/dot_mxfp4_avx2.c", "native/csrc/dot_kquants_avx2.c", "native/csrc/dot_kquants_rows_avx2.c", "native/csrc/dot_kquants_avx512.c", "native/csrc/dot_q8_avx512.c", "native/csrc/attention.c", "native/csrc/encoder_attention.c", "native/csrc/attention_group.c", "native/csrc/kv_quant.c", "native/csrc/layer.c", "native/csrc/layer_rows.c", "native/csrc/moe_rows.c", "native/csrc/dequantize.c", "native/csrc/py_layer.c", "native/csrc/py_layer_args.c", "native/csrc/py_delta.c", "native/csrc/py_rows.c", "native/csrc/delta_net.c", "native/csrc/ffn_rows.c", "native/csrc/lora_rows.c", "native/csrc/quantize.c"]
+SOURCES = ["native/_kernels.c", "native/csrc/quant.c", "native/csrc/matmul.c", "native/csrc/dot_avx2.c", "native/csrc/dot_mxfp4_avx2.c", "native/csrc/dot_kquants_avx2.c", "native/csrc/dot_kquants_rows_avx2.c", "native/csrc/dot_kquants_avx512.c", "native/csrc/dot_q8_avx512.c", "native/csrc/attention.c", "native/csrc/encoder_attention.c", "native/csrc/attention_group.c", "native/csrc/attention_avx512.c", "native/csrc/kv_quant.c", "native/csrc/layer.c", "native/csrc/layer_rows.c", "native/csrc/moe_rows.c", "native/csrc/dequantize.c", "native/csrc/py_layer.c", "native/csrc/py_layer_args.c", "native/csrc/py_delta.c", "native/csrc/py_rows.c", "native/csrc/delta_net.c", "native/csrc/ffn_rows.c", "native/csrc/lora_rows.c", "native/csrc/quantize.c"]
 
 setup(ext_modules=[Extension(
     "kiln.native._kernels", SOURCES, depends=["native/csrc/kiln.h", "native/csrc/layer.h", "native/csrc/py_layer.h", "native/csrc/kquants_avx2.h"],

@@ -173,19 +173,21 @@ def test_the_numpy_path_computes_the_compiled_kernels_bits(qtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["f16", "f32"])
-def test_a_prompts_attention_is_each_rows_alone(dtype):
+def test_a_prompts_attention_is_each_rows_alone(dtype, kernel_width):
     """A prompt's rows walk each value lane with its sums in registers, a decode step's rows
-    position after position: each row's bits are the same either way — grouped query heads
-    (2 to a KV head), 128 and 64 dimensions, rows seeing 1 to 300 positions."""
+    position after position: each row's bits are the same either way (an fp16 cache's lanes in
+    AVX-512 where the CPU has it, then in AVX2) — query heads 2, 3 and 1 to
+    a KV head (groups of 1 to 4 queries past the AVX-512 walk's four), 128 and 64 dimensions,
+    rows seeing 1 to 300 positions."""
     rng = np.random.default_rng(11)
-    for D in (128, 64):
+    for D, H, Hkv in ((128, 8, 4), (64, 8, 4), (128, 6, 2), (64, 3, 3)):
         S, T, start = 300, 9, 291
-        q = rng.standard_normal((T, 8, D)).astype(np.float32)
-        k, v = (rng.standard_normal((S, 4, D)).astype(dtype) for _ in range(2))
+        q = rng.standard_normal((T, H, D)).astype(np.float32)
+        k, v = (rng.standard_normal((S, Hkv, D)).astype(dtype) for _ in range(2))
         together = kernels.attention_compiled(q, k, v, start)
         alone = np.concatenate([kernels.attention_compiled(q[t:t + 1], k[:start + t + 1], v[:start + t + 1], start + t)
                                 for t in range(T)])
-        assert np.array_equal(together, alone), f"D={D}"
+        assert np.array_equal(together, alone), f"D={D} H={H} Hkv={Hkv}"
         first = kernels.attention_compiled(q[:3], k[:3], v[:3], 0)          # rows seeing 1, 2, 3 positions
         assert np.array_equal(first[2:], kernels.attention_compiled(q[2:3], k[:3], v[:3], 2))
 

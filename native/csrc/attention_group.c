@@ -19,6 +19,9 @@ AVX2 void attn_group_prepare(AttnQuery *qs, int nq, int D, int f16) {
         for (int i = 0; i < D; i++) qs[j].qr[i] = f16 ? _cvtsh_ss(_cvtss_sh(qs[j].q[i], 0)) : qs[j].q[i];
 }
 
+/* fp16 caches on AVX-512 CPUs: a prompt's value lanes in attention_avx512.c (the same bits) */
+#define LANES_512(T) (sizeof(T) == 2 && g_avx512)
+
 /* the bodies take the number of 8-wide pieces of a row (D / 8) as a constant where they can
  * (64 and 128 dimensions): a key then lives in registers and the loops unroll */
 #define GROUP_PHASES(NAME, T, LD8)                                                                   \
@@ -38,8 +41,46 @@ AVX2 static inline __attribute__((always_inline)) void NAME##_scores_nv(        
         }                                                                                         \
     }                                                                                             \
 }                                                                                                 \
+/* Four queries and two keys at a time, eight chains side by side (a chain of D / 8 FMAs waits   \
+   on each FMA's latency; eight keep the unit busy, and no key is held across queries in          \
+   registers AVX2 does not have): each (query, key) the same chain and hsum as _nv's */            \
+AVX2 static inline __attribute__((always_inline)) void NAME##_scores_tile(                          \
+        AttnQuery *qs, int nq, const T *K0, size_t ks, int nv, int s0, int s1, float scale) {     \
+    int s = s0;                                                                                   \
+    for (; s + 2 <= s1; s += 2) {                                                                 \
+        const T *k0 = K0 + (size_t)s * ks, *k1 = k0 + ks;                                         \
+        if (s + PREFETCH_ROWS + 1 < s1) {                                                         \
+            prefetch_row(K0 + (size_t)(s + PREFETCH_ROWS) * ks, 8 * nv * sizeof(T));              \
+            prefetch_row(K0 + (size_t)(s + PREFETCH_ROWS + 1) * ks, 8 * nv * sizeof(T));          \
+        }                                                                                         \
+        for (int j = 0; j < nq; j += 4) {                                                         \
+            const int m = nq - j < 4 ? nq - j : 4;                                                \
+            const float *q0 = qs[j].qr, *q1 = qs[j + (m > 1)].qr, *q2 = qs[j + (m > 2 ? 2 : 0)].qr, \
+                        *q3 = qs[j + (m > 3 ? 3 : 0)].qr;                                         \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0; \
+            for (int i = 0; i < nv; i++) {                                                        \
+                const __m256 x = LD8(k0 + 8 * i), y = LD8(k1 + 8 * i);                            \
+                __m256 q = _mm256_loadu_ps(q0 + 8 * i);                                           \
+                a0 = _mm256_fmadd_ps(q, x, a0); b0 = _mm256_fmadd_ps(q, y, b0);                   \
+                q = _mm256_loadu_ps(q1 + 8 * i);                                                  \
+                a1 = _mm256_fmadd_ps(q, x, a1); b1 = _mm256_fmadd_ps(q, y, b1);                   \
+                q = _mm256_loadu_ps(q2 + 8 * i);                                                  \
+                a2 = _mm256_fmadd_ps(q, x, a2); b2 = _mm256_fmadd_ps(q, y, b2);                   \
+                q = _mm256_loadu_ps(q3 + 8 * i);                                                  \
+                a3 = _mm256_fmadd_ps(q, x, a3); b3 = _mm256_fmadd_ps(q, y, b3);                   \
+            }                                                                                     \
+            const __m256 A[4] = {a0, a1, a2, a3}, Bv[4] = {b0, b1, b2, b3};                      \
+            for (int r = 0; r < m; r++) {                                                         \
+                if (s < qs[j + r].n) qs[j + r].row[s] = hsum_avx(A[r]) * scale;                   \
+                if (s + 1 < qs[j + r].n) qs[j + r].row[s + 1] = hsum_avx(Bv[r]) * scale;          \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    if (s < s1) NAME##_scores_nv(qs, nq, K0, ks, nv, s, s1, scale);                               \
+}                                                                                                 \
 AVX2 static void NAME##_scores(AttnQuery *qs, int nq, const T *K0, size_t ks, int D, int s0, int s1, \
                                float scale) {                                                     \
+    if (nq >= 4) { NAME##_scores_tile(qs, nq, K0, ks, D / 8, s0, s1, scale); return; }           \
     if (D == 64) NAME##_scores_nv(qs, nq, K0, ks, 8, s0, s1, scale);                              \
     else if (D == 128) NAME##_scores_nv(qs, nq, K0, ks, 16, s0, s1, scale);                       \
     else NAME##_scores_nv(qs, nq, K0, ks, D / 8, s0, s1, scale);                                  \
@@ -105,7 +146,8 @@ AVX2 static void NAME##_values(AttnQuery *qs, int nq, const T *V0, size_t ks, in
         if (qs[j].n > nmax) nmax = qs[j].n;                                                       \
         for (int i = i0 * D; i < i1 * D; i += 8) _mm256_store_ps(qs[j].acc + i, _mm256_setzero_ps()); \
     }                                                                                             \
-    if (by_lane) NAME##_lanes_nv(qs, nq, V0, ks, D, i0, i1, nmax);                                \
+    if (by_lane && LANES_512(T)) group_f16_lanes_avx512(qs, nq, (const uint16_t *)V0, ks, D, i0, i1); \
+    else if (by_lane) NAME##_lanes_nv(qs, nq, V0, ks, D, i0, i1, nmax);                           \
     else if (D == 64) NAME##_values_nv(qs, nq, V0, ks, 64, i0, i1, nmax);                         \
     else if (D == 128) NAME##_values_nv(qs, nq, V0, ks, 128, i0, i1, nmax);                       \
     else NAME##_values_nv(qs, nq, V0, ks, D, i0, i1, nmax);                                       \

@@ -269,6 +269,7 @@ void attn_group_scores(AttnQuery *qs, int nq, const void *K0, size_t ks, int D, 
 void attn_group_softmax(AttnQuery *qs, int nq, int f16, int win);
 void attn_group_values(AttnQuery *qs, int nq, const void *V0, size_t ks, int D, int f16, int i0, int i1, int by_lane);
 void attn_group_reduce(AttnQuery *qs, int nq, int D);
+void group_f16_lanes_avx512(AttnQuery *qs, int nq, const uint16_t *V0, size_t ks, int D, int i0, int i1);
 void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks, int D, int f16, float scale,
                 int win, int by_lane);
 #endif
