@@ -177,10 +177,11 @@ def test_a_prompts_attention_is_each_rows_alone(dtype, kernel_width):
     """A prompt's rows walk each value lane with its sums in registers, a decode step's rows
     position after position: each row's bits are the same either way (an fp16 cache's lanes in
     AVX-512 where the CPU has it, then in AVX2) — query heads 2, 3 and 1 to
-    a KV head (groups of 1 to 4 queries past the AVX-512 walk's four), 128 and 64 dimensions,
+    a KV head (groups of 1 to 4 queries past the AVX-512 walk's four), 128, 96, 64 and 32
+    dimensions (96 and 32: the AVX2 walk's 32 a pass),
     rows seeing 1 to 300 positions."""
     rng = np.random.default_rng(11)
-    for D, H, Hkv in ((128, 8, 4), (64, 8, 4), (128, 6, 2), (64, 3, 3)):
+    for D, H, Hkv in ((128, 8, 4), (64, 8, 4), (128, 6, 2), (64, 3, 3), (96, 4, 4), (32, 4, 2)):
         S, T, start = 300, 9, 291
         q = rng.standard_normal((T, H, D)).astype(np.float32)
         k, v = (rng.standard_normal((S, Hkv, D)).astype(dtype) for _ in range(2))

@@ -227,7 +227,9 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
         return;
     }
 #ifdef KILN_X86
-    if (g_avx2 && D % 64 == 0 && D <= 512 && G <= 64) {
+    /* 96 dimensions (Phi-3) too, for a prompt: its groups of rows keep four queries' chains in
+       flight; a single query (a decode step, G = 1) is faster through its task below */
+    if (g_avx2 && (D % 64 == 0 || (D % 32 == 0 && T > 1)) && D <= 512 && G <= 64) {
         /* a KV head's query heads and GROUP_ROWS rows at once (attention_group.c): each key and
            value row read once for all of them; head-major blocks dealt round-robin */
         int nb = (T + GROUP_ROWS - 1) / GROUP_ROWS, nqm = GROUP_ROWS * G;

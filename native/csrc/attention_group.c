@@ -9,7 +9,7 @@
  * key's dot one FMA chain over the dimensions then hsum_avx, the softmax as ggml's, lane
  * (position mod 8) sums in position order, the lanes reduced alike — so the bits do not depend
  * on what else is in the group: batch-invariant as before. Plain caches (float32, fp16) with
- * D % 64 == 0; the others take attention.c's and kv_quant.c's tasks. */
+ * D % 32 == 0; the others take attention.c's and kv_quant.c's tasks. */
 #include "kiln.h"
 
 #ifdef KILN_X86
@@ -146,7 +146,7 @@ AVX2 static void NAME##_values(AttnQuery *qs, int nq, const T *V0, size_t ks, in
         if (qs[j].n > nmax) nmax = qs[j].n;                                                       \
         for (int i = i0 * D; i < i1 * D; i += 8) _mm256_store_ps(qs[j].acc + i, _mm256_setzero_ps()); \
     }                                                                                             \
-    if (by_lane && LANES_512(T)) group_f16_lanes_avx512(qs, nq, (const uint16_t *)V0, ks, D, i0, i1); \
+    if (by_lane && LANES_512(T) && D % 64 == 0) group_f16_lanes_avx512(qs, nq, (const uint16_t *)V0, ks, D, i0, i1); \
     else if (by_lane) NAME##_lanes_nv(qs, nq, V0, ks, D, i0, i1, nmax);                           \
     else if (D == 64) NAME##_values_nv(qs, nq, V0, ks, 64, i0, i1, nmax);                         \
     else if (D == 128) NAME##_values_nv(qs, nq, V0, ks, 128, i0, i1, nmax);                       \
