@@ -61,7 +61,10 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
     /* not the K-quants nor Q8_0: their two-row kernels lose to the one-row ones (a Q6_K head over
        152k rows: 14 ms paired, 7.2 ms alone, one thread; a Q8_0 head of 49k rows: 2.0 ms paired,
        1.1 ms alone, two) — the Q4/Q5 ones win (SmolLM2's Q4_1 decode: 200 tok/s paired, 158 not) */
-    if (g_avx2 && T <= PAIRED_ROWS_UP_TO &&
+    /* ...and not rows of 2,048 values and more: read from memory, two such rows' streams at once
+       lost to one (Llama-3.2-1B Q4_0 decode 26.2 paired, 29.3 not; Qwen3-0.6B's 1,024 even;
+       SmolLM2's 576 paired 142, not 130 tok/s — in one process, alternating) */
+    if (g_avx2 && T <= PAIRED_ROWS_UP_TO && K < 2048 &&
             (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1)) {
         /* a decode step, a few sequences, a short draft: weight rows in pairs (twice the chains
            in flight, each activation block loaded once for both); a pair that would straddle two
