@@ -162,3 +162,20 @@ def test_an_fp16_adapter_file_stays_fp16_and_decodes_with_its_widened_bits(defau
     assert np.array_equal(fast, decode(default_model, [widened, f32, None]))
     assert np.array_equal(fast, decode(default_model, [loaded, f32, None], blocks=True))
     assert not np.array_equal(fast[:, 0], fast[:, 2]), "the adapter must change the logits"
+
+
+@pytest.mark.parametrize("field, value", [("f16", 2), ("f16", -1), ("r", 0), ("r", 5000), ("b", 0)])
+def test_the_step_refuses_a_lora_entry_it_cannot_read(default_model, monkeypatch, field, value):
+    """The compiled step reads each entry's element type, rank and B address from the table:
+    one out of range is a ValueError naming what, never a read past an adapter."""
+    ad = adapter(default_model, 1)
+    real = runners.lora_table
+
+    def hostile(i, b, ffn):
+        t = np.frombuffer(real(i, b, ffn), runners.LORA_PAIR).copy()
+        t[0][field] = value
+        return t.tobytes()
+    monkeypatch.setattr(runners, "lora_table", hostile)
+    c = default_model.new_cache(32)
+    with pytest.raises(ValueError, match="LoRA entry without B, of rank outside 1..4096 or of an element type"):
+        default_model.forward([1, 2524], c, adapter=ad)

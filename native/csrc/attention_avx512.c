@@ -11,6 +11,15 @@
 #define AVX512F __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
 #define LD16_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 
+/* query k's four 16-dimension sums += the position's values × its probability, if it sees p */
+#define LANE_FMAS(k, s0, s1, s2, s3) do {                                                           \
+        if (p < n[k]) {                                                                           \
+            const __m512 pr = _mm512_set1_ps(r[k][p]);                                            \
+            s0 = _mm512_fmadd_ps(v0, pr, s0); s1 = _mm512_fmadd_ps(v1, pr, s1);                   \
+            s2 = _mm512_fmadd_ps(v2, pr, s2); s3 = _mm512_fmadd_ps(v3, pr, s3);                   \
+        }                                                                                         \
+    } while (0)
+
 /* lanes i0..i1 of each query's sums (acc: 8 x D, zeroed by the caller) over values V0 (rows ks
  * apart); D % 64 == 0 */
 AVX512F void group_f16_lanes_avx512(AttnQuery *qs, int nq, const uint16_t *V0, size_t ks, int D, int i0, int i1) {
@@ -36,26 +45,8 @@ AVX512F void group_f16_lanes_avx512(AttnQuery *qs, int nq, const uint16_t *V0, s
                     const uint16_t *v = V0 + (size_t)p * ks + d0;
                     if (p + 32 < nn) prefetch_row(v + 32 * ks, 64 * sizeof(uint16_t));
                     const __m512 v0 = LD16_F16(v), v1 = LD16_F16(v + 16), v2 = LD16_F16(v + 32), v3 = LD16_F16(v + 48);
-                    if (p < n[0]) {
-                        const __m512 pr = _mm512_set1_ps(r[0][p]);
-                        x0 = _mm512_fmadd_ps(v0, pr, x0); x1 = _mm512_fmadd_ps(v1, pr, x1);
-                        x2 = _mm512_fmadd_ps(v2, pr, x2); x3 = _mm512_fmadd_ps(v3, pr, x3);
-                    }
-                    if (p < n[1]) {
-                        const __m512 pr = _mm512_set1_ps(r[1][p]);
-                        y0 = _mm512_fmadd_ps(v0, pr, y0); y1 = _mm512_fmadd_ps(v1, pr, y1);
-                        y2 = _mm512_fmadd_ps(v2, pr, y2); y3 = _mm512_fmadd_ps(v3, pr, y3);
-                    }
-                    if (p < n[2]) {
-                        const __m512 pr = _mm512_set1_ps(r[2][p]);
-                        z0 = _mm512_fmadd_ps(v0, pr, z0); z1 = _mm512_fmadd_ps(v1, pr, z1);
-                        z2 = _mm512_fmadd_ps(v2, pr, z2); z3 = _mm512_fmadd_ps(v3, pr, z3);
-                    }
-                    if (p < n[3]) {
-                        const __m512 pr = _mm512_set1_ps(r[3][p]);
-                        w0 = _mm512_fmadd_ps(v0, pr, w0); w1 = _mm512_fmadd_ps(v1, pr, w1);
-                        w2 = _mm512_fmadd_ps(v2, pr, w2); w3 = _mm512_fmadd_ps(v3, pr, w3);
-                    }
+                    LANE_FMAS(0, x0, x1, x2, x3); LANE_FMAS(1, y0, y1, y2, y3);
+                    LANE_FMAS(2, z0, z1, z2, z3); LANE_FMAS(3, w0, w1, w2, w3);
                 }
                 _mm512_storeu_ps(a[0], x0); _mm512_storeu_ps(a[0] + 16, x1);
                 _mm512_storeu_ps(a[0] + 32, x2); _mm512_storeu_ps(a[0] + 48, x3);
