@@ -45,6 +45,7 @@ AVX2 static inline __attribute__((always_inline)) float dot_q8_row(int type, int
     __m256 acc = _mm256_setzero_ps(); float accm = 0.f;
     for (int b = 0; b < nb; b++, w += bytes) {
         const size_t blk = (size_t)t * nb + b;
+        prefetch_stream(w, bytes);
         const __m256i y = _mm256_loadu_si256((const __m256i *)(a->q + blk * 32));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * a->d[blk]), block_dot(type, block_values(type, w), y), acc);
         if (HAS_MIN(type)) accm += H2F(w + 2) * a->s[blk];
@@ -63,6 +64,7 @@ AVX2 static inline __attribute__((always_inline)) void dot_q8_rows(int type, int
     #pragma GCC unroll 8
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += bytes) {
+        if (R <= 4) prefetch_stream(w, bytes);   /* a few sequences' decode step */
         const __m256i x = block_values(type, w);
         const size_t at = (size_t)b * a->ts;
         _mm256_store_ps(dd, _mm256_mul_ps(_mm256_set1_ps(H2F(w)), _mm256_loadu_ps(dT + at)));

@@ -35,7 +35,10 @@ AVX2 float dot_q4_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
     const int16_t *bs = a->bs + (size_t)t * nb * 16;
     __m256 acc = _mm256_setzero_ps(); __m128 acc_m = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++) q4_K_block(w + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc, &acc_m);
+    for (int b = 0; b < nb; b++) {
+        prefetch_stream(w + 144 * b, 144);
+        q4_K_block(w + 144 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc, &acc_m);
+    }
     return q4_K_end(acc, acc_m);
 }
 /* One activation row against two consecutive weight rows (a decode step): two chains in flight,
@@ -76,7 +79,10 @@ AVX2 float dot_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
     const int16_t *bs = a->bs + (size_t)t * nb * 16;
     __m256 acc = _mm256_setzero_ps(); float summs = 0.f;
-    for (int b = 0; b < nb; b++) q5_K_block(w + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc, &summs);
+    for (int b = 0; b < nb; b++) {
+        prefetch_stream(w + 176 * b, 176);
+        q5_K_block(w + 176 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc, &summs);
+    }
     return hsum_avx(acc) + summs;
 }
 /* One Q6_K block (w: its 210 bytes) against one Q8_K activation block, into a row's accumulator. */
@@ -120,7 +126,10 @@ AVX2 float dot_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb) {
     const int8_t *q8 = a->q + (size_t)t * nb * 256; const float *yd = a->d + (size_t)t * nb;
     const int16_t *bs = a->bs + (size_t)t * nb * 16;
     __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) q6_K_block(w + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc);
+    for (int b = 0; b < nb; b++) {
+        prefetch_stream(w + 210 * b, 210);
+        q6_K_block(w + 210 * b, q8 + 256 * b, bs + 16 * b, yd[b], &acc);
+    }
     return hsum_avx(acc);
 }
 AVX2 static inline __m256i scale_shuffle_q3k(int i) { /* int16 scale 2i in lane 0, 2i+1 in lane 1 */

@@ -48,6 +48,7 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q4_K_512(const uin
     for (int p = 0; p < R / 2; p++) { acc[p] = _mm512_setzero_ps(); pick_d[p] = spread_rows(2 * p, 8); }
     for (int g = 0; g < R / 4; g++) { acc_m[g] = _mm512_setzero_ps(); pick_m[g] = spread_rows(4 * g, 4); }
     for (int b = 0; b < nb; b++, w += 144) {
+        if (R == 4) prefetch_stream(w, 144);     /* a few sequences' decode step */
         const float xd = H2F(w), xm = H2F(w + 2);
         __m128i mins; __m256i scales;
         k4_block_scales(w, &mins, &scales);
@@ -98,6 +99,7 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q5_K_512(const uin
     __m256 summs = _mm256_setzero_ps();
     for (int p = 0; p < R / 2; p++) { acc[p] = _mm512_setzero_ps(); pick_d[p] = spread_rows(2 * p, 8); }
     for (int b = 0; b < nb; b++, w += 176) {
+        if (R == 4) prefetch_stream(w, 176);
         const float xd = H2F(w), xm = H2F(w + 2);
         __m128i mins; __m256i scales;
         k4_block_scales(w, &mins, &scales);
@@ -152,6 +154,7 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q6_K_512(const uin
     __m512i pick_d[4];
     for (int p = 0; p < R / 2; p++) { acc[p] = _mm512_setzero_ps(); pick_d[p] = spread_rows(2 * p, 8); }
     for (int b = 0; b < nb; b++, w += 210) {
+        if (R == 4) prefetch_stream(w, 210);
         const float xd = H2F(w + 208);
         const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);

@@ -18,6 +18,7 @@ AVX2 static inline __attribute__((always_inline)) void dotR_q4_K(const uint8_t *
     __m256 acc[8]; __m128 acc_m[8];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
     for (int b = 0; b < nb; b++, w += 144) {
+        if (R <= 4) prefetch_stream(w, 144);     /* a few sequences' decode step */
         const float xd = H2F(w), xm = H2F(w + 2);
         __m128i mins; __m256i scales;
         k4_block_scales(w, &mins, &scales);
@@ -57,6 +58,7 @@ AVX2 void dot4_q5_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
     __m256 acc[4]; float summs[4];
     for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); summs[r] = 0.f; }
     for (int b = 0; b < nb; b++, w += 176) {
+        prefetch_stream(w, 176);
         const float xd = H2F(w), xm = H2F(w + 2);
         __m128i mins; __m256i scales;
         k4_block_scales(w, &mins, &scales);
@@ -98,6 +100,7 @@ AVX2 void dot4_q6_K_avx2(const uint8_t *w, const Act *a, int t, int nb, float *r
     __m256 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += 210) {
+        prefetch_stream(w, 210);
         const float xd = H2F(w + 208);
         const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);

@@ -14,6 +14,7 @@
         int b = 0;                                                                                \
         for (; b + 1 < nb; b += 2) {                                                              \
             const uint8_t *w1 = w + (size_t)b * 17, *w2 = w1 + 17;                                \
+            if (R == 1) prefetch_stream(w1, 34);      /* a decode step's row */      \
             __m128i c1 = _mm_loadu_si128((const __m128i *)(w1 + 1)), c2 = _mm_loadu_si128((const __m128i *)(w2 + 1)); \
             __m256i x1 = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(c1, 4), m4)), \
                                           _mm_shuffle_epi8(values, _mm_and_si128(c1, m4)));        \

@@ -30,6 +30,7 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q8_512(int q8, con
         acc[p] = _mm512_setzero_ps();
     }
     for (int b = 0; b < nb; b++, w += bytes) {
+        if (R == 4) prefetch_stream(w, bytes);   /* a few sequences' decode step */
         const __m256i x = q8 ? _mm256_loadu_si256((const __m256i *)(w + 2))
                              : _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
         const __m512i xw = pair512(x, x), ax = _mm512_abs_epi8(xw);

@@ -181,6 +181,16 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
     const char *p = (const char *)block + KILN_PF_ROWS * row_bytes;
     for (int o = 0; o < 2 * bytes; o += 64) _mm_prefetch(p + o % bytes + (o >= bytes) * row_bytes, _MM_HINT_T0);
 }
+/* A one-row kernel (a decode step) streams its weight row block by block, and consecutive rows
+ * of a thread's share lie end to end: it asks for the bytes KILN_PF_DIST ahead of each block, every
+ * 64-byte line once (the lines that start within the block's bytes moved that far). On the 2-vCPU
+ * Intel VMs here the hardware prefetcher alone streamed a Qwen3-1.7B Q4_K GEMV at 8 GB/s; 1 KiB
+ * ahead, 16 (512 B: 13, 4 KiB: 15). A prefetch changes no value. */
+#define KILN_PF_DIST 1024
+static inline __attribute__((always_inline)) void prefetch_stream(const uint8_t *block, int bytes) {
+    const uintptr_t p = (uintptr_t)block + KILN_PF_DIST;
+    for (uintptr_t l = (p + 63) & ~(uintptr_t)63; l < p + (uintptr_t)bytes; l += 64) _mm_prefetch((const char *)l, _MM_HINT_T0);
+}
 static inline __attribute__((always_inline)) void prefetch_row(const void *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
