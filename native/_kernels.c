@@ -4,6 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include "csrc/kiln.h"
+#include "csrc/py_layer.h"
 
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_buffer xb, wb, ob;
@@ -64,17 +65,21 @@ done:
     return ret;
 }
 /* attention(q (T,H,d), k, v, out (T,H*d), T, H, Hkv, d, S, start, threads[, kt, vt, scale, window, sinks]):
- * causal over caches of S x Hkv rows of d values of ggml types kt and vt (F32 0, F16 1, Q4_0 2,
- * Q8_0 8); query t sits at position start+t; head h reads KV head h / (H/Hkv). */
+ * causal over caches of S positions x Hkv rows of d values of ggml types kt and vt (F32 0, F16 1,
+ * Q4_0 2, Q8_0 8), each (positions, Hkv, elements) with any positive strides (kv_view_arg); query t
+ * sits at position start+t; head h reads KV head h / (H/Hkv). */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
-    Py_buffer qb, kb, vb, ob;
+    Py_buffer qb, ob;
+    PyObject *ko, *vo;
     int T, H, Hkv, D, S, start, threads, kt = 0, vt = 0, win = 0; float kq_scale = 0.f;
     Py_buffer sb = {0};                        /* optional: one sink logit per head (gpt-oss) */
-    if (!PyArg_ParseTuple(args, "y*y*y*w*iiiiiii|iifiy*", &qb, &kb, &vb, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &kt, &vt,
-                          &kq_scale, &win, &sb))
+    if (!PyArg_ParseTuple(args, "y*OOw*iiiiiii|iifiy*", &qb, &ko, &vo, &ob, &T, &H, &Hkv, &D, &S, &start, &threads, &kt,
+                          &vt, &kq_scale, &win, &sb))
         return NULL;
     PyObject *ret = NULL;
     const float *sinks = NULL;
+    Held *h = calloc(1, sizeof(Held));
+    if (!h) { PyErr_NoMemory(); goto done; }
     if (sb.buf) {
         if ((size_t)sb.len < (size_t)H * 4) { PyErr_SetString(PyExc_ValueError, "attention: sinks has fewer than H values"); goto done; }
         sinks = (const float *)sb.buf;
@@ -82,18 +87,22 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     if (D > 512) { PyErr_SetString(PyExc_ValueError, "attention: head_dim must be <= 512"); goto done; }
     size_t kr = (size_t)kv_row_bytes(kt, D), vr = (size_t)kv_row_bytes(vt, D);
     if (!kr || !vr) { PyErr_Format(PyExc_ValueError, "attention: no KV cache of types %d/%d with head_dim %d", kt, vt, D); goto done; }
-    if ((size_t)qb.len < (size_t)T * H * D * 4 || (size_t)kb.len < (size_t)S * Hkv * kr ||
-        (size_t)vb.len < (size_t)S * Hkv * vr || (size_t)ob.len < (size_t)T * H * D * 4 || start + T > S ||
-        Hkv < 1 || H % Hkv) {
+    if (Hkv < 1 || H % Hkv) { PyErr_Format(PyExc_ValueError, "attention: %d heads do not share %d KV heads", H, Hkv); goto done; }
+    KvView K, V;
+    Py_ssize_t kn = kv_view_arg(h, ko, 0, Hkv, kr, &K, "attention"), vn = kn < 0 ? -1 : kv_view_arg(h, vo, 0, Hkv, vr, &V, "attention");
+    if (kn < 0 || vn < 0) goto done;
+    if ((size_t)qb.len < (size_t)T * H * D * 4 || kn < S || vn < S || (size_t)ob.len < (size_t)T * H * D * 4 ||
+        start < 0 || T < 0 || start + T > S) {
         PyErr_SetString(PyExc_ValueError, "attention: a buffer is smaller than its shape"); goto done;
     }
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
-    attention_rows(qb.buf, kb.buf, vb.buf, ob.buf, T, H, Hkv, D, start, kt, vt, nt, S, kq_scale, win, sinks);
+    attention_rows(qb.buf, K, V, ob.buf, T, H, Hkv, D, start, kt, vt, nt, S, kq_scale, win, sinks);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None); ret = Py_None;
 done:
-    PyBuffer_Release(&qb); PyBuffer_Release(&kb); PyBuffer_Release(&vb); PyBuffer_Release(&ob);
+    if (h) { while (h->n) PyBuffer_Release(&h->b[--h->n]); free(h); }
+    PyBuffer_Release(&qb); PyBuffer_Release(&ob);
     if (sb.buf) PyBuffer_Release(&sb);
     return ret;
 }

@@ -86,11 +86,19 @@ def attention_compiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
     T, H, d = q.shape
     S, Hkv = k.shape[:2]
     out = np.empty((T, H * d), np.float32)
-    _C.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out,
+    # k, v as they are: a cache's head-major buffers, read through their strides (csrc/kiln.h KvView)
+    _C.attention(np.ascontiguousarray(q), _kv_readable(k), _kv_readable(v), out,
                  T, H, Hkv, d, S, start, 0, kv_type(k.dtype).ggml, kv_type(v.dtype).ggml,
                  float(scale or 0.0), int(window),
                  *(() if sinks is None else (np.ascontiguousarray(sinks, np.float32),)))
     return out
+
+
+def _kv_readable(a: np.ndarray) -> np.ndarray:
+    """A cache array the compiled attention reads in place (positive strides, each row
+    contiguous), else a contiguous copy."""
+    ok = a.ndim == 3 and a.strides[2] == a.itemsize and a.strides[0] > 0 and a.strides[1] > 0
+    return a if ok else np.ascontiguousarray(a)
 
 
 def encoder_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, scale: float,

@@ -98,8 +98,13 @@ class KVCache:
         self._cap = cap
 
     def _rows(self, t, n: int) -> np.ndarray:
-        """Room for n positions of type t: (n, n_head_kv, head_dim / t.block) elements."""
-        return np.empty((n, self.n_head_kv, self.head_dim // t.block), t.dtype)
+        """Room for n positions of type t: (n, n_head_kv, head_dim / t.block) elements, each KV
+        head's positions together in memory (head-major), seen position-first so that slicing
+        by positions reads as before; the kernels read through the strides (csrc/kiln.h KvView).
+        A decode step walks one KV head's keys, then its values, from position 0: one stream
+        each, not 256 B of every 2 KiB row (Qwen3-0.6B Q4_K_M decode after 2,000 positions
+        20.7 -> 22.8 tok/s, after 512 31.0 -> 30.0, in one process, alternating)."""
+        return np.empty((self.n_head_kv, n, self.head_dim // t.block), t.dtype).transpose(1, 0, 2)
 
     def _write(self, kb: np.ndarray, vb: np.ndarray, at: int, k: np.ndarray, v: np.ndarray) -> None:
         kv_store(self.k_type, k, kb[at:at + k.shape[0]], self.k_rot)
@@ -221,24 +226,21 @@ class KVCache:
         allocation, not one per chunk)."""
         self._reserve(total)
 
-    def row_views(self, T: int) -> list[np.ndarray]:
-        """uint8 views of positions n..n+T-1 of every layer, keys then values — export_rows()'s
-        order — to be filled in place and then commit()ted (after reserve())."""
-        if not self.can_rewind or self.n + T > self._cap:
-            raise ValueError(f"no room reserved for {T} more positions")
-        return [buf[self.n:self.n + T].view(np.uint8).reshape(-1)
-                for i in range(self.n_layer) for buf in (self._k[i], self._v[i])]
-
-    def import_rows(self, tokens: list[int], payload: np.ndarray) -> None:
-        """Append len(tokens) positions whose rows export_rows() gave (same model, same types)."""
+    def import_rows(self, tokens: list[int], payload) -> None:
+        """Append len(tokens) positions whose rows export_rows() gave (same model, same types):
+        position-major bytes, copied into this cache's head-major buffers."""
         T = len(tokens)
+        payload = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload.view(np.uint8).reshape(-1)
         if not self.can_rewind or not self.whole or payload.nbytes != T * self.row_bytes():
             raise ValueError(f"{payload.nbytes} bytes are not {T} positions of this cache")
         self._reserve(self.n + T)
         at = 0
-        for dst in self.row_views(T):
-            dst[:] = payload[at:at + dst.nbytes]
-            at += dst.nbytes
+        for i in range(self.n_layer):
+            for buf in (self._k[i], self._v[i]):
+                dst = buf[self.n:self.n + T]
+                size = dst.size * dst.itemsize
+                dst[...] = payload[at:at + size].view(buf.dtype).reshape(dst.shape)
+                at += size
         self.commit(tokens)
 
     @property
@@ -281,11 +283,12 @@ class KVCache:
             raise ValueError(f"a cache of {'/'.join(self.types)} cannot copy one of {'/'.join(other.types)}")
         self.n, self.tokens, self.adapter, self._cap = other.n, list(other.tokens), other.adapter, other._cap
         self.exact, self.position_memo = other.exact, other.position_memo
-        self._k = [a.copy() for a in other._k]
-        self._v = [a.copy() for a in other._v]
+        # order "K": a copy keeps the head-major layout (_rows), not numpy's default C order
+        self._k = [a.copy(order="K") for a in other._k]
+        self._v = [a.copy(order="K") for a in other._v]
         self._off = dict(other._off)
-        self._wk = {i: a.copy() for i, a in other._wk.items()}
-        self._wv = {i: a.copy() for i, a in other._wv.items()}
+        self._wk = {i: a.copy(order="K") for i, a in other._wk.items()}
+        self._wv = {i: a.copy(order="K") for i, a in other._wv.items()}
         self._states = {i: {k: a.copy() for k, a in st.items()} for i, st in other._states.items()}
         self._checkpoints = {}
 

@@ -220,14 +220,14 @@ class PrefixCache:
         try:
             with open(path, "rb") as f:
                 head = kv_file.read_header(f, want)
-                h = hashlib.sha256()
-                for dst in cache.row_views(BLOCK):
-                    if f.readinto(dst) != dst.nbytes:
-                        raise kv_file.KVFileError("holds fewer rows than its header says (truncated)")
-                    h.update(dst)
+                # the file's rows are position-major (export_rows'); read whole, checked, then
+                # copied into the cache's head-major buffers (import_rows)
+                payload = bytearray(self.layout["block_bytes"])
+                if f.readinto(payload) != len(payload):
+                    raise kv_file.KVFileError("holds fewer rows than its header says (truncated)")
                 if f.read(1):
                     raise kv_file.KVFileError("holds more bytes than its header says")
-            if h.hexdigest() != head.get("payload_sha256"):
+            if hashlib.sha256(payload).hexdigest() != head.get("payload_sha256"):
                 raise kv_file.KVFileError("does not match its checksum (damaged)")
         except FileNotFoundError:
             return False
@@ -237,7 +237,7 @@ class PrefixCache:
         except kv_file.KVFileError as e:
             self._reject(path, str(e))
             return False
-        cache.commit(tokens)
+        cache.import_rows(tokens, payload)
         try:
             os.utime(path)                          # recently used: the last to be trimmed
         except OSError:

@@ -30,13 +30,10 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
  * reduced as a lone key's: the bits do not depend on the grouping), the softmax, and the value
  * sums of lanes i0..i1-1 (lane i: positions i, i+8, …) with their final reduction. */
 #define ATTN_PHASES(NAME, T, LD8, LD1, RND, RND8)                                                    \
-AVX2 void NAME##_scores(const float *Q, const T *Kc, int t, int h, int H, int Hkv, int D, int s0,   \
+AVX2 void NAME##_scores(const float *Q, const T *K0, size_t ks, int t, int h, int H, int D, int s0, \
                         int s1, float scale, float *row) {                                        \
-    int kh = h / (H / Hkv);                                                                       \
-    size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
     float q[512];                                  /* D <= 512, checked by the callers */       \
     for (int i = 0; i < D; i++) q[i] = RND(Q[((size_t)t * H + h) * D + i]);                       \
-    const T *K0 = Kc + (size_t)kh * D;                                                            \
     int s = s0;                                                                                   \
     if (D % 8 == 0)                                                                               \
         for (; s + 4 <= s1; s += 4) {                                                             \
@@ -88,10 +85,8 @@ AVX2 void NAME##_softmax(float *row, int n, int win, const float *sink) {       
 /* out[d] = sum over positions of p * v[d], as ggml's prompt-batch (tinyBLAS) dot over the       \
  * positions: lane i accumulates positions i (mod 8) in order, 64 dimensions in registers, into   \
  * acc (8 lanes x D); reduce adds the lanes as hsum_avx does. D % 64 == 0. */                     \
-AVX2 void NAME##_vlanes(const float *row, const T *V, int h, int H, int Hkv, int D, int n, int i0, \
-                        int i1, float *acc) {                                                     \
-    size_t ks = (size_t)Hkv * D;                                                                  \
-    const T *V0 = V + (size_t)(h / (H / Hkv)) * D;                                                \
+AVX2 void NAME##_vlanes(const float *row, const T *V0, size_t ks, int D, int n, int i0, int i1,     \
+                        float *acc) {                                                             \
     for (int g = 0; g < D; g += 64)                                                               \
         for (int i = i0; i < i1; i++) {                                                           \
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
@@ -128,28 +123,24 @@ AVX2 void attn_reduce_lanes(const float *acc, float *o, int D) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"      /* acc: filled by _vlanes */
 #define ATTN_TASK(NAME, P, T, LD8, LD1)                                                              \
-AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h,           \
-                      int H, int Hkv, int D, int n, float scale, float *row, int win,             \
-                      const float *sinks) {                                                       \
-    int kh = h / (H / Hkv);                                                                       \
-    size_t ks = (size_t)Hkv * D;                   /* stride between positions */               \
-    P##_scores(Q, Kc, t, h, H, Hkv, D, 0, n, scale, row);                                         \
+AVX2 void NAME(const float *Q, const T *K0, size_t ks, const T *V0, size_t vs, float *O, int t,    \
+               int h, int H, int D, int n, float scale, float *row, int win, const float *sinks) {  \
+    P##_scores(Q, K0, ks, t, h, H, D, 0, n, scale, row);                                           \
     P##_softmax(row, n, win, sinks ? sinks + h : NULL);                                           \
     float *o = O + ((size_t)t * H + h) * D;                                                       \
-    const T *V0 = V + (size_t)kh * D;                                                             \
     int d0 = 0;                                                                                   \
     if (D % 8 == 0) {                                                                             \
         /* the same lanes kept in L1 instead of registers, so each value row is read once,      \
            not once per eight dimensions (the position loop outside, dimensions inside) */      \
         float acc[8 * 512] __attribute__((aligned(32)));                                          \
-        if (D % 64 == 0) P##_vlanes(row, V, h, H, Hkv, D, n, 0, 8, acc);                          \
+        if (D % 64 == 0) P##_vlanes(row, V0, vs, D, n, 0, 8, acc);                                \
         else {                                                                                    \
             for (int i = 0; i < 8 * D; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());     \
             for (int j = 0; j < n; j++) {                                                         \
                 float *a = acc + (size_t)(j & 7) * D;                                             \
                 __m256 p = _mm256_set1_ps(row[j]);                                                \
-                const T *vr = V0 + (size_t)j * ks;                                                \
-                if (j + PREFETCH_ROWS < n) prefetch_row(vr + PREFETCH_ROWS * ks, D * sizeof(T));  \
+                const T *vr = V0 + (size_t)j * vs;                                                \
+                if (j + PREFETCH_ROWS < n) prefetch_row(vr + PREFETCH_ROWS * vs, D * sizeof(T));  \
                 for (int d = 0; d < D; d += 8)                                                    \
                     _mm256_store_ps(a + d, _mm256_fmadd_ps(LD8(vr + d), p, _mm256_load_ps(a + d))); \
             }                                                                                     \
@@ -163,9 +154,9 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
         int j = 0;                                                                                \
         for (; j + 8 <= n; j += 8)                                                                \
             for (int i = 0; i < 8; i++)                                                           \
-                l[i] = _mm256_fmadd_ps(LD8(V0 + (size_t)(j + i) * ks + d0), _mm256_set1_ps(row[j + i]), l[i]); \
+                l[i] = _mm256_fmadd_ps(LD8(V0 + (size_t)(j + i) * vs + d0), _mm256_set1_ps(row[j + i]), l[i]); \
         for (int i = 0; j + i < n; i++)                                                           \
-            l[i] = _mm256_fmadd_ps(LD8(V0 + (size_t)(j + i) * ks + d0), _mm256_set1_ps(row[j + i]), l[i]); \
+            l[i] = _mm256_fmadd_ps(LD8(V0 + (size_t)(j + i) * vs + d0), _mm256_set1_ps(row[j + i]), l[i]); \
         __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(l[0], l[4]), _mm256_add_ps(l[2], l[6])),  \
                                  _mm256_add_ps(_mm256_add_ps(l[1], l[5]), _mm256_add_ps(l[3], l[7]))); \
         _mm256_storeu_ps(o + d0, r);                                                              \
@@ -173,7 +164,7 @@ AVX2 void NAME(const float *Q, const T *Kc, const T *V, float *O, int t, int h, 
     for (; d0 < D; d0++) {                         /* a head_dim that is not a multiple of 8 */  \
         float l[8] = {0};                                                                         \
         for (int j = 0; j < n; j++)                                                               \
-            l[j & 7] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(LD1(V0[(size_t)j * ks + d0])),     \
+            l[j & 7] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(LD1(V0[(size_t)j * vs + d0])),     \
                                                   _mm_set_ss(row[j]), _mm_set_ss(l[j & 7])));     \
         o[d0] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));                \
     }                                                                                             \
@@ -198,20 +189,21 @@ static inline void vaxpy(float *o, float p, const float *v, int n) {
     for (int i = 0; i < n; i++) o[i] += p * v[i];
 }
 
-/* D values of a float32 or fp16 cache from element `at`, as float32 (fp16 widened into buf) */
-static inline const float *kv_row(const void *cache, int f16, size_t at, int D, float *buf) {
-    if (!f16) return (const float *)cache + at;
-    const uint16_t *h = (const uint16_t *)cache + at;
+/* D values of a float32 or fp16 cache's row at `p`, as float32 (fp16 widened into buf) */
+static inline const float *kv_row(const uint8_t *p, int f16, int D, float *buf) {
+    if (!f16) return (const float *)p;
+    const uint16_t *h = (const uint16_t *)p;
     for (int i = 0; i < D; i++) buf[i] = fp16_to_fp32(h[i]);
     return buf;
 }
 
 /* attention over T query rows (T, H, D) at positions start..start+T-1 of a cache of S positions
- * (S, Hkv, D) whose keys are of ggml type kt and values of vt (F32, F16, Q8_0, Q4_0); head h reads
- * KV head h / (H/Hkv); out (T, H*D). */
-void attention_rows(const float *Q, const void *K, const void *V, float *O, int T, int H, int Hkv, int D,
+ * whose keys are of ggml type kt and values of vt (F32, F16, Q8_0, Q4_0); head h reads KV head
+ * h / (H/Hkv); out (T, H*D). */
+void attention_rows(const float *Q, KvView K, KvView V, float *O, int T, int H, int Hkv, int D,
                     int start, int kt, int vt, int nt, int S, float kq_scale, int win, const float *sinks) {
     int G = H / Hkv, f16 = kt == T_F16;
+    size_t esz = f16 ? 2 : 4;              /* a plain cache's element */
     float scale = kq_scale > 0.f ? kq_scale : 1.0f / sqrtf((float)D);   /* 0: ggml's default 1/sqrt(D) */
     if (kt != vt || (kt != T_F32 && kt != T_F16)) {     /* a quantized or mixed cache (kv_quant.c) */
         #pragma omp parallel num_threads(nt) if(T * H > 1)
@@ -220,7 +212,8 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             #pragma omp for schedule(static, 1)
             for (int task = 0; task < T * H; task++) {
                 int h = task / T, t = task % T;
-                attn_task_kv(Q, K, V, kt, vt, O, t, h, H, Hkv, D, start + t + 1, scale, sc, win, sinks);
+                attn_task_kv(Q, K.p + (size_t)(h / G) * K.hs, K.ps, V.p + (size_t)(h / G) * V.hs, V.ps, kt, vt, O,
+                             t, h, H, D, start + t + 1, scale, sc, win, sinks);
             }
             free(sc);
         }
@@ -233,7 +226,6 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
         /* a KV head's query heads and GROUP_ROWS rows at once (attention_group.c): each key and
            value row read once for all of them; head-major blocks dealt round-robin */
         int nb = (T + GROUP_ROWS - 1) / GROUP_ROWS, nqm = GROUP_ROWS * G;
-        size_t ks = (size_t)Hkv * D;
         #pragma omp parallel num_threads(nt) if(T * Hkv > 1)
         {
             float *rows = malloc((size_t)nqm * ((size_t)S + 8) * sizeof(float));
@@ -250,9 +242,8 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
                                              rows + (size_t)nq * ((size_t)S + 8), acc + (size_t)nq * 8 * D,
                                              O + ((size_t)t * H + h) * D, sinks ? sinks + h : NULL};
                     }
-                attn_group(qs, nq, (const uint8_t *)K + (size_t)kh * D * (f16 ? 2 : 4),
-                           (const uint8_t *)V + (size_t)kh * D * (f16 ? 2 : 4), ks, D, f16, scale, win,
-                           T > 1);      /* a prompt's rows reuse each value row: by lane */
+                attn_group(qs, nq, K.p + (size_t)kh * K.hs, K.ps / esz, V.p + (size_t)kh * V.hs, V.ps / esz, D, f16,
+                           scale, win, T > 1);      /* a prompt's rows reuse each value row: by lane */
             }
             free(rows); free(acc); free(qr);
         }
@@ -269,8 +260,11 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             #pragma omp for schedule(static, 1)
             for (int task = 0; task < T * H; task++) {
                 int h = task / T, t = task % T;
-                if (f16) attn_task_avx2_h(Q, K, V, O, t, h, H, Hkv, D, start + t + 1, scale, sc, win, sinks);
-                else attn_task_avx2(Q, K, V, O, t, h, H, Hkv, D, start + t + 1, scale, sc, win, sinks);
+                const uint8_t *K0 = K.p + (size_t)(h / G) * K.hs, *V0 = V.p + (size_t)(h / G) * V.hs;
+                if (f16) attn_task_avx2_h(Q, (const uint16_t *)K0, K.ps / 2, (const uint16_t *)V0, V.ps / 2, O, t, h, H,
+                                          D, start + t + 1, scale, sc, win, sinks);
+                else attn_task_avx2(Q, (const float *)K0, K.ps / 4, (const float *)V0, V.ps / 4, O, t, h, H, D,
+                                    start + t + 1, scale, sc, win, sinks);
             }
             free(sc);
         }
@@ -282,14 +276,15 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
         float *sc = malloc(((size_t)S + 8) * sizeof(float));     /* + the softmax padding */
         #pragma omp for schedule(static)
         for (int task = 0; task < T * H; task++) {
-            int t = task / H, h = task % H, kh = h / G, n = start + t + 1;
+            int t = task / H, h = task % H, n = start + t + 1;
+            size_t kh = (size_t)(h / G);
             float q[512];                  /* with an fp16 cache, rounded as the AVX2 task does */
             for (int i = 0; i < D; i++) q[i] = f16 ? round_fp16(Q[((size_t)t * H + h) * D + i]) : Q[((size_t)t * H + h) * D + i];
             float mx = -INFINITY;
             int lo = win > 0 && n > win ? n - win : 0;     /* sliding window: keys before lo masked */
             for (int s = 0; s < n; s++) {
                 float kt[512];
-                sc[s] = s < lo ? -INFINITY : vdot(q, kv_row(K, f16, ((size_t)s * Hkv + kh) * D, D, kt), D) * scale;
+                sc[s] = s < lo ? -INFINITY : vdot(q, kv_row(K.p + kh * K.hs + s * K.ps, f16, D, kt), D) * scale;
                 if (sc[s] > mx) mx = sc[s];
             }
             if (sinks && sinks[h] > mx) mx = sinks[h];
@@ -300,7 +295,7 @@ void attention_rows(const float *Q, const void *K, const void *V, float *O, int 
             for (int i = 0; i < D; i++) o[i] = 0.f;
             for (int s = 0; s < n; s++) {
                 float vt[512];
-                vaxpy(o, f16 ? round_fp16(sc[s] * inv) : sc[s] * inv, kv_row(V, f16, ((size_t)s * Hkv + kh) * D, D, vt), D);
+                vaxpy(o, f16 ? round_fp16(sc[s] * inv) : sc[s] * inv, kv_row(V.p + kh * V.hs + s * V.ps, f16, D, vt), D);
             }
         }
         free(sc);

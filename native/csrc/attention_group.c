@@ -181,14 +181,14 @@ void attn_group_reduce(AttnQuery *qs, int nq, int D) {
 }
 
 /* the whole of it, for one thread (by_lane: as attn_group_values) */
-void attn_group(AttnQuery *qs, int nq, const void *K0, const void *V0, size_t ks, int D, int f16, float scale,
-                int win, int by_lane) {
+void attn_group(AttnQuery *qs, int nq, const void *K0, size_t ks, const void *V0, size_t vs, int D, int f16,
+                float scale, int win, int by_lane) {
     int nmax = 0;
     for (int j = 0; j < nq; j++) if (qs[j].n > nmax) nmax = qs[j].n;
     attn_group_prepare(qs, nq, D, f16);
     attn_group_scores(qs, nq, K0, ks, D, f16, 0, nmax, scale);
     attn_group_softmax(qs, nq, f16, win);
-    attn_group_values(qs, nq, V0, ks, D, f16, 0, 8, by_lane);
+    attn_group_values(qs, nq, V0, vs, D, f16, 0, 8, by_lane);
     attn_group_reduce(qs, nq, D);
 }
 
@@ -208,7 +208,10 @@ AttnGroupPlan *attn_group_plan(const DecodeRow *rows, int B, int H, int D, int S
             p->qs[i] = (AttnQuery){q + i * D, p->qr + i * D, rows[b].pos + 1, rowbuf + i * (S + 8), accbuf + i * 8 * D,
                                    att + i * D, sinks ? sinks + h : NULL};
         }
-        if (b == 0 || rows[b].k != rows[b - 1].k || b - p->run0[p->nruns - 1] >= GROUP_ROWS) p->run0[p->nruns++] = b;
+        /* a run shares one cache: its first row's view is every row's */
+        int same = b > 0 && rows[b].k == rows[b - 1].k && rows[b].v == rows[b - 1].v && rows[b].kps == rows[b - 1].kps &&
+                   rows[b].khs == rows[b - 1].khs && rows[b].vps == rows[b - 1].vps && rows[b].vhs == rows[b - 1].vhs;
+        if (!same || b - p->run0[p->nruns - 1] >= GROUP_ROWS) p->run0[p->nruns++] = b;
     }
     return p;
 }
@@ -224,7 +227,7 @@ void attn_group_free(AttnGroupPlan *p) {
 void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H, int Hkv, int D, int f16,
                      float scale, int split, int nt, int win) {
     int G = H / Hkv;
-    size_t ks = (size_t)Hkv * D, esz = f16 ? 2 : 4;
+    size_t esz = f16 ? 2 : 4;
     AttnQuery *qs = p->qs;
     #pragma omp for schedule(static)
     for (int i = 0; i < B * H; i += G) attn_group_prepare(qs + i, G, D, f16);
@@ -233,15 +236,16 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
         for (int c = 0; c < B * Hkv * nt; c++) {
             int grp = c / nt, part = c % nt, b = grp / Hkv, kh = grp % Hkv, m = rows[b].pos + 1;
             int s0 = (int)((long)m * part / nt) & ~3, s1 = part == nt - 1 ? m : (int)((long)m * (part + 1) / nt) & ~3;
-            attn_group_scores(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].k + kh * D * esz, ks, D, f16, s0, s1,
-                              scale);
+            attn_group_scores(qs + (size_t)grp * G, G, rows[b].k + kh * rows[b].khs, rows[b].kps / esz, D, f16, s0,
+                              s1, scale);
         }
         #pragma omp for schedule(static)
         for (int grp = 0; grp < B * Hkv; grp++) attn_group_softmax(qs + (size_t)grp * G, G, f16, win);
         #pragma omp for schedule(static)
         for (int c = 0; c < B * Hkv * 2; c++) {
             int grp = c / 2, b = grp / Hkv, kh = grp % Hkv, i0 = 4 * (c % 2);
-            attn_group_values(qs + (size_t)grp * G, G, (const uint8_t *)rows[b].v + kh * D * esz, ks, D, f16, i0, i0 + 4, 0);
+            attn_group_values(qs + (size_t)grp * G, G, rows[b].v + kh * rows[b].vhs, rows[b].vps / esz, D, f16, i0,
+                              i0 + 4, 0);
         }
         #pragma omp for schedule(static)
         for (int grp = 0; grp < B * Hkv; grp++) attn_group_reduce(qs + (size_t)grp * G, G, D);
@@ -253,9 +257,10 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
         AttnQuery grp[GROUP_ROWS * 64];
         for (int b = b0; b < b1; b++)
             for (int g = 0; g < G; g++) grp[nq++] = qs[(size_t)b * H + kh * G + g];
-        attn_group_scores(grp, nq, (const uint8_t *)rows[b0].k + kh * D * esz, ks, D, f16, 0, rows[b1 - 1].pos + 1, scale);
+        attn_group_scores(grp, nq, rows[b0].k + kh * rows[b0].khs, rows[b0].kps / esz, D, f16, 0, rows[b1 - 1].pos + 1,
+                          scale);
         attn_group_softmax(grp, nq, f16, win);
-        attn_group_values(grp, nq, (const uint8_t *)rows[b0].v + kh * D * esz, ks, D, f16, 0, 8, 0);
+        attn_group_values(grp, nq, rows[b0].v + kh * rows[b0].vhs, rows[b0].vps / esz, D, f16, 0, 8, 0);
         attn_group_reduce(grp, nq, D);
     }
 }

@@ -193,22 +193,20 @@ AVX2 static int fma_row_avx2(float *a, const float *v, float p, int D) {    /* a
 }
 #endif
 
-/* The scores of positions s0..s1-1 against query row t, head h, for a key cache of type kt. */
-void attn_kv_scores(const float *Q, const void *Kc, int kt, int t, int h, int H, int Hkv, int D,
+/* The scores of positions s0..s1-1 against query row t, head h, for a key cache of type kt whose
+ * KV head (h's) starts at K, ks bytes between positions. */
+void attn_kv_scores(const float *Q, const uint8_t *K, size_t ks, int kt, int t, int h, int H, int D,
                     int s0, int s1, float scale, float *row) {
-    const uint8_t *K = Kc;
-    const int kb = kv_row_bytes(kt, D), kh = h / (H / Hkv);
-    const size_t ks = (size_t)Hkv * kb;
     const float *q = Q + ((size_t)t * H + h) * D;
 #ifdef KILN_X86
-    if (g_avx2 && kt == T_F16) { attn_f16_scores(Q, (const uint16_t *)K, t, h, H, Hkv, D, s0, s1, scale, row); return; }
-    if (g_avx2 && kt == T_F32) { attn_f32_scores(Q, (const float *)K, t, h, H, Hkv, D, s0, s1, scale, row); return; }
+    if (g_avx2 && kt == T_F16) { attn_f16_scores(Q, (const uint16_t *)K, ks / 2, t, h, H, D, s0, s1, scale, row); return; }
+    if (g_avx2 && kt == T_F32) { attn_f32_scores(Q, (const float *)K, ks / 4, t, h, H, D, s0, s1, scale, row); return; }
 #endif
     if (kt == T_F32 || kt == T_F16) {            /* portable: the row widened, q rounded as the cache */
         float kr[512], qr[512];
         for (int i = 0; i < D; i++) qr[i] = kt == T_F16 ? round_fp16(q[i]) : q[i];
         for (int s = s0; s < s1; s++) {
-            kv_load_row(kt, K + s * ks + (size_t)kh * kb, kr, D, 0);
+            kv_load_row(kt, K + s * ks, kr, D, 0);
             float dot = 0.f;
             for (int i = 0; i < D; i++) dot += qr[i] * kr[i];
             row[s] = dot * scale;
@@ -225,34 +223,32 @@ void attn_kv_scores(const float *Q, const void *Kc, int kt, int t, int h, int H,
     act_row(&a, 0, D);
 #ifdef KILN_X86
     if (g_avx2) {
-        if (kt == T_Q8_0) scores_q8_0_avx2(K + (size_t)kh * kb, ks, qq, qd, D / 32, s0, s1, scale, row);
-        else scores_q4_0_avx2(K + (size_t)kh * kb, ks, qq, qd, D / 32, s0, s1, scale, row);
+        if (kt == T_Q8_0) scores_q8_0_avx2(K, ks, qq, qd, D / 32, s0, s1, scale, row);
+        else scores_q4_0_avx2(K, ks, qq, qd, D / 32, s0, s1, scale, row);
         return;
     }
 #endif
     TypeInfo ti; type_info(kt, &ti);
-    for (int s = s0; s < s1; s++) row[s] = dot_row(kt, &ti, K + s * ks + (size_t)kh * kb, &a, 0, D) * scale;
+    for (int s = s0; s < s1; s++) row[s] = dot_row(kt, &ti, K + s * ks, &a, 0, D) * scale;
 }
 
 /* Lanes i0..i1-1 of the value sums into acc (8 x D): lane i sums p · v over positions i, i+8, …
- * in order (the fp16 path's lanes), each value row widened from its type. */
-void attn_kv_vlanes(const float *row, const void *Vc, int vt, int h, int H, int Hkv, int D, int n,
-                    int i0, int i1, float *acc) {
-    const uint8_t *V = Vc;
-    const int vb = kv_row_bytes(vt, D), kh = h / (H / Hkv);
-    const size_t vs = (size_t)Hkv * vb;
+ * in order (the fp16 path's lanes), each value row widened from its type. V: the KV head's position
+ * 0, vs bytes between positions. */
+void attn_kv_vlanes(const float *row, const uint8_t *V, size_t vs, int vt, int D, int n, int i0, int i1,
+                    float *acc) {
 #ifdef KILN_X86
-    if (g_avx2 && vt == T_Q8_0) { vlanes_q8_0_avx2(row, V + (size_t)kh * vb, vs, D, n, i0, i1, acc); return; }
-    if (g_avx2 && vt == T_Q4_0) { vlanes_q4_0_avx2(row, V + (size_t)kh * vb, vs, D, n, i0, i1, acc); return; }
-    if (g_avx2 && vt == T_F16 && D % 64 == 0) { attn_f16_vlanes(row, (const uint16_t *)V, h, H, Hkv, D, n, i0, i1, acc); return; }
-    if (g_avx2 && vt == T_F32 && D % 64 == 0) { attn_f32_vlanes(row, (const float *)V, h, H, Hkv, D, n, i0, i1, acc); return; }
+    if (g_avx2 && vt == T_Q8_0) { vlanes_q8_0_avx2(row, V, vs, D, n, i0, i1, acc); return; }
+    if (g_avx2 && vt == T_Q4_0) { vlanes_q4_0_avx2(row, V, vs, D, n, i0, i1, acc); return; }
+    if (g_avx2 && vt == T_F16 && D % 64 == 0) { attn_f16_vlanes(row, (const uint16_t *)V, vs / 2, D, n, i0, i1, acc); return; }
+    if (g_avx2 && vt == T_F32 && D % 64 == 0) { attn_f32_vlanes(row, (const float *)V, vs / 4, D, n, i0, i1, acc); return; }
 #endif
     float vr[512];
     for (int i = i0; i < i1; i++) {
         float *a = acc + (size_t)i * D;
         for (int d = 0; d < D; d++) a[d] = 0.f;
         for (int j = i; j < n; j += 8) {
-            kv_load_row(vt, V + j * vs + (size_t)kh * vb, vr, D, 0);
+            kv_load_row(vt, V + j * vs, vr, D, 0);
             int d = 0;
 #ifdef KILN_X86
             if (g_avx2) d = fma_row_avx2(a, vr, row[j], D);
@@ -335,12 +331,10 @@ AVX2 static void fa_values_avx2(const float *w, const uint8_t *V0, size_t vstrid
  * may be computed split between threads, attn_kv_scores): the running maximum is known from the
  * scores alone, so every expf is taken first in a loop of its own (the same arguments, the same
  * values) and the sequential part is the value sums. */
-void attn_kv_fa_pass(float *row, const void *V, int vt, int h, int H, int Hkv, int D, int n, int win,
-                     const float *sinks, float *o) {
+void attn_kv_fa_pass(float *row, const uint8_t *V0, size_t vstride, int vt, int D, int n, int win, const float *sink,
+                     float *o) {
     float acc[512], vr[512];
-    const int vb = kv_row_bytes(vt, D), kh = h / (H / Hkv), lo = win > 0 && n > win ? n - win : 0;
-    const size_t vstride = (size_t)Hkv * vb;
-    const uint8_t *V0 = (const uint8_t *)V + (size_t)kh * vb;
+    const int lo = win > 0 && n > win ? n - win : 0;
     /* row[s] becomes the key's weight vs; a key that raises the maximum has vs 1 and scales what
        came before by ms = expf(Mold - M), kept as -ms (sign bit set, -0.0 for the first key) */
     float M = -INFINITY, S = 0.f;
@@ -362,8 +356,8 @@ void attn_kv_fa_pass(float *row, const void *V, int vt, int h, int H, int Hkv, i
             for (int d = 0; d < D; d++) acc[d] = fmaf(vr[d], vs, raised ? acc[d] * ms : acc[d]);
         }
     }
-    if (sinks) {
-        const float sk = sinks[h];
+    if (sink) {
+        const float sk = *sink;
         float ms = 1.0f, vs = 1.0f;
         if (sk > M) { ms = expf(M - sk); M = sk; for (int d = 0; d < D; d++) acc[d] *= ms; }
         else vs = expf(sk - M);
@@ -384,17 +378,18 @@ void attn_kv_softmax(float *row, int n, int win, const float *sink, int vt) {
     if (vt == T_F16) for (int s = 0; s < n; s++) row[s] = round_fp16(row[s]);
 }
 
-/* One (query row t, head h) over positions 0..n-1 of caches of types kt and vt. row: n + 8 floats. */
-void attn_task_kv(const float *Q, const void *K, const void *V, int kt, int vt, float *O, int t, int h,
-                  int H, int Hkv, int D, int n, float scale, float *row, int win, const float *sinks) {
+/* One (query row t, head h) over positions 0..n-1 of caches of types kt and vt (K, V: the KV head's
+ * position 0; ks, vs: bytes between positions). row: n + 8 floats. */
+void attn_task_kv(const float *Q, const uint8_t *K, size_t ks, const uint8_t *V, size_t vs, int kt, int vt,
+                  float *O, int t, int h, int H, int D, int n, float scale, float *row, int win, const float *sinks) {
     if (vt == T_Q8_0 || vt == T_Q4_0) {
-        attn_kv_scores(Q, K, kt, t, h, H, Hkv, D, 0, n, scale, row);
-        attn_kv_fa_pass(row, V, vt, h, H, Hkv, D, n, win, sinks, O + ((size_t)t * H + h) * D);
+        attn_kv_scores(Q, K, ks, kt, t, h, H, D, 0, n, scale, row);
+        attn_kv_fa_pass(row, V, vs, vt, D, n, win, sinks ? sinks + h : NULL, O + ((size_t)t * H + h) * D);
         return;
     }
     float acc[8 * 512] __attribute__((aligned(32)));
-    attn_kv_scores(Q, K, kt, t, h, H, Hkv, D, 0, n, scale, row);
+    attn_kv_scores(Q, K, ks, kt, t, h, H, D, 0, n, scale, row);
     attn_kv_softmax(row, n, win, sinks ? sinks + h : NULL, vt);
-    attn_kv_vlanes(row, V, vt, h, H, Hkv, D, n, 0, 8, acc);
+    attn_kv_vlanes(row, V, vs, vt, D, n, 0, 8, acc);
     attn_kv_reduce(acc, O + ((size_t)t * H + h) * D, D, vt);
 }

@@ -88,12 +88,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             if (L->q_scale > 0.f)             /* ggml_scale of the roped q (phi3, gemma3) */
                 for (int i = 0; i < qn; i++) q[(size_t)b * qn + i] *= L->q_scale;
             /* fp16 rounded to nearest even, as numpy's astype; Q8_0/Q4_0 as ggml's set_rows */
-            size_t kr = (size_t)kv_row_bytes(L->kt, D), vr = (size_t)kv_row_bytes(L->vt, D);
+            const DecodeRow *r = rows + b;
             for (int j = 0; j < Hkv; j++) {
-                kv_store_row(L->kt, kb + (size_t)j * D, (uint8_t *)rows[b].k + ((size_t)rows[b].pos * Hkv + j) * kr, D,
-                             kv_rot(L->kt, D, 1));
-                kv_store_row(L->vt, vb + (size_t)j * D, (uint8_t *)rows[b].v + ((size_t)rows[b].pos * Hkv + j) * vr, D,
-                             kv_rot(L->vt, D, 0));
+                kv_store_row(L->kt, kb + (size_t)j * D, r->k + j * r->khs + (size_t)r->pos * r->kps, D, kv_rot(L->kt, D, 1));
+                kv_store_row(L->vt, vb + (size_t)j * D, r->v + j * r->vhs + (size_t)r->pos * r->vps, D, kv_rot(L->vt, D, 0));
             }
         }
         if (grouped) {
@@ -107,13 +105,16 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                 int task = c / nt, part = c % nt, b = task / H, m = rows[b].pos + 1;
                 int s0 = (int)((long)m * part / nt) & ~3, s1 = part == nt - 1 ? m : (int)((long)m * (part + 1) / nt) & ~3;
                 float *row = rowbuf + (size_t)task * (S + 8);
-                attn_kv_scores(q, rows[b].k, L->kt, b, task % H, H, Hkv, D, s0, s1, scale, row);
+                attn_kv_scores(q, rows[b].k + (task % H / G) * rows[b].khs, rows[b].kps, L->kt, b, task % H, H, D, s0, s1,
+                               scale, row);
             }
             if (fa) {                 /* a quantized value cache: one sequential pass per task */
                 #pragma omp for schedule(static)
-                for (int task = 0; task < B * H; task++)
-                    attn_kv_fa_pass(rowbuf + (size_t)task * (S + 8), rows[task / H].v, L->vt, task % H, H, Hkv, D,
-                                    rows[task / H].pos + 1, L->win, L->sinks, att + (size_t)task * D);
+                for (int task = 0; task < B * H; task++) {
+                    const DecodeRow *r = rows + task / H;
+                    attn_kv_fa_pass(rowbuf + (size_t)task * (S + 8), r->v + (task % H / G) * r->vhs, r->vps, L->vt, D,
+                                    r->pos + 1, L->win, L->sinks ? L->sinks + task % H : NULL, att + (size_t)task * D);
+                }
             } else {
                 #pragma omp for schedule(static)
                 for (int task = 0; task < B * H; task++) {
@@ -125,7 +126,8 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
                     int task = c / 2, b = task / H, i0 = 4 * (c % 2);
                     const float *row = rowbuf + (size_t)task * (S + 8);
                     float *acc = accbuf + (size_t)task * 8 * D;
-                    attn_kv_vlanes(row, rows[b].v, L->vt, task % H, H, Hkv, D, rows[b].pos + 1, i0, i0 + 4, acc);
+                    attn_kv_vlanes(row, rows[b].v + (task % H / G) * rows[b].vhs, rows[b].vps, L->vt, D, rows[b].pos + 1,
+                                   i0, i0 + 4, acc);
                 }
                 #pragma omp for schedule(static)
                 for (int task = 0; task < B * H; task++)
@@ -134,10 +136,15 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
         } else {
             #pragma omp for schedule(static)
             for (int task = 0; task < B * H; task++) {
-                int b = task / H;
-                if (!plain) attn_task_kv(q, rows[b].k, rows[b].v, L->kt, L->vt, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, L->sinks);
-                else if (kv_f16) attn_task_avx2_h(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, L->sinks);
-                else attn_task_avx2(q, rows[b].k, rows[b].v, att, b, task % H, H, Hkv, D, rows[b].pos + 1, scale, sc, L->win, L->sinks);
+                int b = task / H, h = task % H;
+                const DecodeRow *r = rows + b;
+                const uint8_t *K0 = r->k + (h / G) * r->khs, *V0 = r->v + (h / G) * r->vhs;
+                if (!plain) attn_task_kv(q, K0, r->kps, V0, r->vps, L->kt, L->vt, att, b, h, H, D, r->pos + 1, scale, sc,
+                                         L->win, L->sinks);
+                else if (kv_f16) attn_task_avx2_h(q, (const uint16_t *)K0, r->kps / 2, (const uint16_t *)V0, r->vps / 2,
+                                                  att, b, h, H, D, r->pos + 1, scale, sc, L->win, L->sinks);
+                else attn_task_avx2(q, (const float *)K0, r->kps / 4, (const float *)V0, r->vps / 4, att, b, h, H, D,
+                                    r->pos + 1, scale, sc, L->win, L->sinks);
             }
         }
         #pragma omp for schedule(static)

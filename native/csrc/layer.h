@@ -67,7 +67,8 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
 } LayerSpec;
 
 typedef struct {              /* one sequence's row of a decode step */
-    void *k, *v;              /* the layer's K/V cache: capacity x Hkv rows of D values of type kt/vt */
+    uint8_t *k, *v;           /* the layer's K/V cache: Hkv heads' rows of D values of type kt/vt, */
+    size_t kps, khs, vps, vhs;  /* KV head h's row at position s at k + h * khs + s * kps (KvView) */
     int pos;                  /* the row's position: K/V written there, attention over 0..pos */
     const float *cos, *sin;   /* RoPE tables of that position (R/2) */
 } DecodeRow;

@@ -10,6 +10,11 @@
 typedef struct { Py_buffer b[2 * MAX_BATCH + 40]; int n; } Held;    /* each row's K and V (or states), and the layer's */
 
 Py_buffer *hold(Held *h, PyObject *o, int writable);
+/* A KV cache array as the kernels read it (KvView): shape (positions, Hkv, elements) whose Hkv rows
+ * at a position are row_bytes each, any positive strides between positions and between heads, a
+ * row's elements contiguous — kv_cache.py's head-major buffers seen position-first, or a plain C
+ * array. Returns the positions it holds; -1: a Python error set, naming `who`. */
+Py_ssize_t kv_view_arg(Held *h, PyObject *o, int writable, int Hkv, size_t row_bytes, KvView *v, const char *who);
 /* ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  * or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type, n_ff,
  * E, k, normalize[, expert table, chosen, chosen weights]); L->n set. 0: a Python error set. */

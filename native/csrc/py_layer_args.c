@@ -9,6 +9,23 @@ Py_buffer *hold(Held *h, PyObject *o, int writable) {
     return b;
 }
 
+Py_ssize_t kv_view_arg(Held *h, PyObject *o, int writable, int Hkv, size_t row_bytes, KvView *v, const char *who) {
+    if (h->n >= (int)(sizeof h->b / sizeof h->b[0])) { PyErr_Format(PyExc_ValueError, "%s: too many buffers", who); return -1; }
+    Py_buffer *b = &h->b[h->n];
+    if (PyObject_GetBuffer(o, b, PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    h->n++;
+    /* numpy vouches that every index within the shape lies in the memory; strides only > 0 */
+    if (b->ndim != 3 || b->shape[1] != Hkv || b->itemsize <= 0 || b->strides[2] != b->itemsize ||
+        (size_t)b->shape[2] * (size_t)b->itemsize != row_bytes || b->strides[0] <= 0 || b->strides[1] <= 0 ||
+        b->strides[0] % b->itemsize || b->strides[1] % b->itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: a KV cache must be (positions, %d heads, a row of %zu bytes) with "
+                     "positive strides and contiguous rows", who, Hkv, row_bytes);
+        return -1;
+    }
+    *v = (KvView){(const uint8_t *)b->buf, (size_t)b->strides[0], (size_t)b->strides[1]};
+    return b->shape[0];
+}
+
 int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B) {
     Py_buffer *fnb = NULL, *rtb = NULL, *gb = NULL, *ub = NULL, *db = NULL;
     TypeInfo tg, td;
