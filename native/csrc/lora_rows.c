@@ -19,6 +19,11 @@ AVX2 static inline __attribute__((always_inline)) void dots(const void *w, int f
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int i = 0;
         for (; i + 8 <= K; i += 8) {
+            if (!((size_t)i * es & 63)) {       /* each row's bytes a little ahead, once a line */
+                const size_t at = (size_t)i * es + KILN_PF_DIST;
+                _mm_prefetch(w0 + at, _MM_HINT_T0); _mm_prefetch(w1 + at, _MM_HINT_T0);
+                _mm_prefetch(w2 + at, _MM_HINT_T0); _mm_prefetch(w3 + at, _MM_HINT_T0);
+            }
             __m256 xv = _mm256_loadu_ps(x + i);
             a0 = _mm256_fmadd_ps(LD8W(w0, i, f16), xv, a0);
             a1 = _mm256_fmadd_ps(LD8W(w1, i, f16), xv, a1);
