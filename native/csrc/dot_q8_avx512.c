@@ -1,4 +1,4 @@
-/* AVX-512 VNNI kernels for several activation rows against one Q4_0 or Q8_0 weight row (prefill, a
+/* AVX-512 VNNI kernels for several activation rows against one Q4_0, Q8_0 or MXFP4 weight row (prefill, a
  * batched step), on CPUs that have it (g_avx512; KILN_SIMD=avx2 turns it off).
  *
  * They compute the AVX2 kernels' bits (dot_avx2.c dot_q8_rows, ggml's vec_dot order): a block's
@@ -49,12 +49,67 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q8_512(int q8, con
     for (int r = 0; r < R; r++) res[r] = hsum_avx(_mm256_loadu_ps(lanes + 8 * r));
 }
 
-/* R activation rows from t against one Q4_0/Q8_0 weight row: 0 when the type has none. R is 8 or
+/* MXFP4 (gpt-oss's experts) as dot_mxfp4_avx2.c's MXFP4_ROWS computes it, two rows a register:
+ * the 4-bit codes looked up as doubled integers, a block's eight int32 lanes from one vpdpbusd
+ * (|codes| <= 12: the AVX2 kernel's int16 pair sums never saturate, so the lanes are equal), even
+ * blocks into one accumulator and odd ones into another, summed at the end; an odd last block in
+ * the scalar order. */
+AVX512 static inline __attribute__((always_inline)) void dotR_mxfp4_512(const uint8_t *w, const Act *a, int t,
+                                                                        int nb, int R, float *res) {
+    const __m128i values = _mm_loadu_si128((const __m128i *)KVALUES_MXFP4), m4 = _mm_set1_epi8(0x0f);
+    const float *dT = a->dT + t;
+    const size_t ts = (size_t)a->ts, row = (size_t)nb * 32;
+    __m512 acc[2][4];
+    __m512i pick[4];
+    for (int p = 0; p < R / 2; p++) {         /* row 2p's scale into lanes 0-7, row 2p+1's into 8-15 */
+        int idx[16];
+        for (int i = 0; i < 16; i++) idx[i] = 2 * p + i / 8;
+        pick[p] = _mm512_loadu_si512((const void *)idx);
+        acc[0][p] = acc[1][p] = _mm512_setzero_ps();
+    }
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        if (R == 4) prefetch_stream(w + (size_t)b * 17, 34);   /* a few sequences' decode step */
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *wb = w + (size_t)(b + h) * 17;
+            const __m128i c = _mm_loadu_si128((const __m128i *)(wb + 1));
+            const __m256i x = _mm256_set_m128i(_mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(c, 4), m4)),
+                                               _mm_shuffle_epi8(values, _mm_and_si128(c, m4)));
+            const __m512i xw = pair512(x, x), ax = _mm512_abs_epi8(xw);
+            const __mmask64 neg = _mm512_movepi8_mask(xw);
+            const __m512 d = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_loadu_ps(dT + (size_t)(b + h) * ts),
+                                                                  _mm256_set1_ps(e8m0_to_fp32_half(wb[0]))));
+            const int8_t *y = a->q + ((size_t)t * nb + b + h) * 32;
+            for (int p = 0; p < R / 2; p++, y += 2 * row) {
+                const __m512i yy = pair512(_mm256_loadu_si256((const __m256i *)y), _mm256_loadu_si256((const __m256i *)(y + row)));
+                const __m512i sy = _mm512_mask_sub_epi8(yy, neg, _mm512_setzero_si512(), yy);
+                const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sy);
+                acc[h][p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick[p], d), _mm512_cvtepi32_ps(s), acc[h][p]);
+            }
+        }
+    }
+    float lanes[8 * 8];
+    for (int p = 0; p < R / 2; p++) _mm512_storeu_ps(lanes + 16 * p, _mm512_add_ps(acc[0][p], acc[1][p]));
+    for (int r = 0; r < R; r++) {
+        const int8_t *q = a->q + (size_t)(t + r) * nb * 32; const float *dr = a->d + (size_t)(t + r) * nb;
+        float sum = hsum_avx(_mm256_loadu_ps(lanes + 8 * r));
+        for (int bb = b; bb < nb; bb++) {
+            const uint8_t *wb = w + (size_t)bb * 17, *qs = wb + 1; const int8_t *yv = q + (size_t)bb * 32;
+            int s1 = 0, s2 = 0;
+            for (int j = 0; j < 16; j++) { s1 += yv[j] * KVALUES_MXFP4[qs[j] & 0xf]; s2 += yv[j + 16] * KVALUES_MXFP4[qs[j] >> 4]; }
+            sum = fmaf(dr[bb] * e8m0_to_fp32_half(wb[0]), (float)(s1 + s2), sum);
+        }
+        res[r] = sum;
+    }
+}
+
+/* R activation rows from t against one Q4_0/Q8_0/MXFP4 weight row: 0 when the type has none. R is 8 or
  * 4 (constants: the row loops unroll, the sums stay in registers). */
 AVX512 int dotR_q8_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res) {
     switch (type) {                           /* each a copy with its type and R constant */
     case T_Q4_0: if (R == 8) dotR_q8_512(0, w, a, t, nb, 8, res); else dotR_q8_512(0, w, a, t, nb, 4, res); return 1;
     case T_Q8_0: if (R == 8) dotR_q8_512(1, w, a, t, nb, 8, res); else dotR_q8_512(1, w, a, t, nb, 4, res); return 1;
+    case T_MXFP4: if (R == 8) dotR_mxfp4_512(w, a, t, nb, 8, res); else dotR_mxfp4_512(w, a, t, nb, 4, res); return 1;
     }
     return 0;
 }

@@ -27,7 +27,7 @@ static void weight_row(const Act *a, int t, int tn, int K, int type, const TypeI
     if (g_avx2 && has_dot4_avx2(type, K)) {
         int nb = K / ti->block; float res[8];
         const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-        if (g_avx512 && (kq || type == T_Q4_0 || type == T_Q8_0))
+        if (g_avx512 && (kq || type == T_Q4_0 || type == T_Q8_0 || type == T_MXFP4))
             for (int R = 8; R >= 4; R -= 4)
                 for (; t + R <= T; t += R) {
                     if (kq) dotR_kquant_avx512(type, w, a, t, nb, R, res);
