@@ -120,7 +120,8 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
         int Ngu[2] = {n_ff, n_ff}, Nd[1] = {n};
         float *Ogu[2] = {g, u}, *Od[1] = {dn};
         static const int GU[2] = {LORA_GATE, LORA_UP}, D[1] = {LORA_DOWN};
-        if (L->lora) lora_a(L, GU, 2, f, n, B, w->ltmp, w->lrmax);
+        PfQueue *pf = L->lora ? pf_mine() : NULL;    /* the adapters' rows fetched during the products (layer.c) */
+        if (L->lora) { lora_a(L, GU, 2, f, n, B, w->ltmp, w->lrmax); pf_due(pf, PF_GU); }
         rows_dot(&w->ag, B, n, L->gu_t, &w->tg, 2, Wgu, Ngu, Ogu);
         if (L->lora) lora_b(L, GU, 2, Ogu, Ngu, B, w->ltmp, w->lrmax);
         #pragma omp for schedule(static)
@@ -132,7 +133,7 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
             } else swiglu_row(gb, ub, n_ff);
             act_row(&w->ad, b, n_ff);
         }
-        if (L->lora) lora_a(L, D, 1, g, n_ff, B, w->ltmp, w->lrmax);
+        if (L->lora) { lora_a(L, D, 1, g, n_ff, B, w->ltmp, w->lrmax); pf_due(pf, PF_D); }
         rows_dot(&w->ad, B, n_ff, L->wd_t, &w->td, 1, Wd, Nd, Od);
         if (L->lora) lora_b(L, D, 1, Od, Nd, B, w->ltmp, w->lrmax);
         #pragma omp for schedule(static)

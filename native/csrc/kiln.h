@@ -195,6 +195,46 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *p, si
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
 #endif
+/* Bytes a thread reads between a layer's base products (its adapters' rows, beside a decode
+ * step), fetched into L2 during those products so that the fetch overlaps their arithmetic — the
+ * base products of a few sequences' step compute at about half the memory's rate. A thread
+ * queues, at the layer's start, the lines it will read, in the order it reads them (lora_rows.c
+ * shares its loops by thread_share so a thread knows its own), with a mark after each group that
+ * must have arrived by the end of a given product; rows_dot then asks for a few lines with each
+ * step of its share: at the layer's even rate (lines per base byte), more when a mark is due. */
+#define PF_REGIONS 64
+typedef struct {
+    const char *p[PF_REGIONS]; size_t n[PF_REGIONS];
+    int count, at, due;               /* regions queued; the cursor's; those due by this product's end */
+    int mark[4];                      /* regions queued before each of a layer's groups of products' ends */
+    size_t off, per;                  /* the cursor's byte in its region; lines a step */
+    double rate;                      /* lines per byte of base weights this thread reads */
+} PfQueue;
+PfQueue *pf_mine(void);               /* this thread's (a thread-local: look it up once a call) */
+void pf_queue(PfQueue *q, const void *p, size_t bytes);
+static inline void pf_mark(PfQueue *q, int k) { q->mark[k] = q->count; }
+static inline void pf_due(PfQueue *q, int k) { if (q->count) q->due = q->mark[k]; }
+void pf_begin(PfQueue *q, size_t base_bytes);   /* after queuing: the layer's base bytes this thread reads */
+void pf_plan(PfQueue *q, size_t steps, size_t step_bytes);   /* the product about to run: its steps here */
+static inline void pf_clear(PfQueue *q) { q->count = q->at = q->due = 0; q->off = q->per = 0; q->rate = 0; }
+#ifdef KILN_X86
+static inline __attribute__((always_inline)) void pf_pump(PfQueue *q) {   /* one step's share of lines */
+    for (size_t k = 0; k < q->per && q->at < q->count; k++) {
+        _mm_prefetch(q->p[q->at] + q->off, _MM_HINT_T1);
+        if ((q->off += 64) >= q->n[q->at]) { q->at++; q->off = 0; }
+    }
+}
+#else
+static inline void pf_pump(PfQueue *q) { (void)q; }
+#endif
+/* this thread's share [*c0, *c1) of n tasks: contiguous, in thread order (matmul.c's rule) */
+static inline void thread_share(int n, int *c0, int *c1) {
+    int nth = 1, me = 0;
+#ifdef _OPENMP
+    nth = omp_get_num_threads(); me = omp_get_thread_num();
+#endif
+    *c0 = (int)((long)n * me / nth); *c1 = (int)((long)n * (me + 1) / nth);
+}
 extern int g_avx2;            /* the AVX2/FMA/F16C paths are on (CPU detection; tests may turn them off) */
 extern int g_avx512;          /* the AVX-512 VNNI K-quant kernels are on (needs g_avx2; KILN_SIMD=avx2 turns it off) */
 extern int default_threads;   /* 0: OpenMP's default */

@@ -59,7 +59,24 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             if (v_own_act) act_row(&av, b, n);
         }
         static const int QKV[3] = {LORA_Q, LORA_K, LORA_V}, O[1] = {LORA_O};
-        if (L->lora) lora_a(L, QKV, 3, a, n, B, ltmp, lrmax);
+        /* the adapters' rows this thread reads next fetched during the base products (kiln.h
+           PfQueue); A x of q, k, v before them, its rows cold (fetching them during the q, k, v
+           products as well, with A x after them and one more barrier, measured slower: those
+           products are short and their share of the memory already spent) */
+        PfQueue *pf = L->lora ? pf_mine() : NULL;
+        if (pf) {
+            int nth = 1;
+#ifdef _OPENMP
+            nth = omp_get_num_threads();
+#endif
+            size_t base = (size_t)(qw + kvn) * (n / tq.block) * tq.bytes + (size_t)kvn * (n / tv.block) * tv.bytes +
+                          (size_t)n * (qn / to.block) * to.bytes;
+            if (L->ffn == FFN_DENSE)
+                base += (size_t)2 * L->n_ff * (n / fw.tg.block) * fw.tg.bytes + (size_t)n * (L->n_ff / fw.td.block) * fw.td.bytes;
+            lora_a(L, QKV, 3, a, n, B, ltmp, lrmax);
+            lora_plan(pf, L, B, lrmax, qw, kvn, qn, base / nth);
+            pf_due(pf, PF_QKV);
+        }
         rows_dot(&aq, B, n, L->qkv_t, &tq, v_apart ? 2 : 3, Wqkv, Nqkv, Oqkv);
         if (v_apart) rows_dot(v_own_act ? &av : &aq, B, n, L->v_t, &tv, 1, Wqkv + 2, Nqkv + 2, Oqkv + 2);
         if (L->lora) lora_b(L, QKV, 3, Oqkv, Nqkv, B, ltmp, lrmax);
@@ -152,7 +169,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             if (L->q_gate) sigmoid_mul_row(att + (size_t)b * qn, gate + (size_t)b * qn, qn);   /* × sigmoid(gate) */
             act_row(&ao, b, qn);
         }
-        if (L->lora) lora_a(L, O, 1, att, qn, B, ltmp, lrmax);
+        if (L->lora) { lora_a(L, O, 1, att, qn, B, ltmp, lrmax); pf_due(pf, PF_O); }
         rows_dot(&ao, B, qn, L->wo_t, &to, 1, Wo, No, Oo);
         if (L->lora) lora_b(L, O, 1, Oo, No, B, ltmp, lrmax);
         #pragma omp for schedule(static)
@@ -163,6 +180,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
             for (int i = 0; i < n; i++) xb[i] = xb[i] + ob[i];
         }
         ffn_rows(L, &fw, x, B, &missing);
+        if (pf) pf_clear(pf);
         free(sc);
     }
     act_free(&aq); act_free(&ao); if (v_own_act) act_free(&av);

@@ -108,6 +108,11 @@ void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing);
 void lora_a(const LayerSpec *L, const int *ts, int nts, const float *in, int K, int B, float *tmp, int rmax);
 void lora_b(const LayerSpec *L, const int *ts, int nts, float *const *out, const int *Ns, int B,
             const float *tmp, int rmax);
+/* A layer's adapter rows this thread's shares of lora_a / lora_b will read, queued (kiln.h
+ * PfQueue) in the order read, with the marks each base product's end is due for (pf_due) — to
+ * be fetched during the base products before them */
+enum { PF_QKV, PF_O, PF_GU, PF_D };   /* the marks of lora_plan's groups */
+void lora_plan(PfQueue *q, const LayerSpec *L, int B, int rmax, int qw, int kvn, int qn, size_t base_bytes);
 #endif
 
 /* delta_net.c: a gated delta net (qwen35's linear attention) for decode rows */

@@ -17,6 +17,35 @@
 /* a block of weight rows (their bytes) that passes over every activation tile while in L2 */
 #define WEIGHT_BLOCK_BYTES (512 * 1024)
 
+static __thread PfQueue tl_pf;
+
+/* not inlined: GCC would rematerialize the thread-local address (a __tls_get_addr call) in loops */
+__attribute__((noinline)) PfQueue *pf_mine(void) { return &tl_pf; }
+
+void pf_queue(PfQueue *q, const void *p, size_t bytes) {
+    if (!bytes) return;
+    if (q->count && q->p[q->count - 1] + q->n[q->count - 1] == (const char *)p) { q->n[q->count - 1] += bytes; return; }
+    if (q->count == PF_REGIONS) return;               /* more regions: fetched when read, as before */
+    q->p[q->count] = p; q->n[q->count++] = bytes;
+}
+
+static size_t lines_between(const PfQueue *q, int from, size_t off, int to) {
+    size_t lines = 0;
+    for (int i = from; i < to; i++) lines += (q->n[i] - (i == from ? off : 0) + 63) / 64;
+    return lines;
+}
+
+void pf_begin(PfQueue *q, size_t base_bytes) {
+    q->rate = base_bytes ? (double)lines_between(q, 0, 0, q->count) / (double)base_bytes : 0;
+}
+
+void pf_plan(PfQueue *q, size_t steps, size_t step_bytes) {
+    const size_t due = q->due > q->at ? lines_between(q, q->at, q->off, q->due) : 0;
+    const size_t even = (size_t)(q->rate * (double)step_bytes) + 1;
+    q->per = steps ? (due + steps - 1) / steps : due;
+    if (q->per < even) q->per = even;
+}
+
 /* Weight row n (its bytes at w; o: its weight's output, Ni columns) against activation rows
  * t … t + tn - 1: up to 8 rows at a time share each weight block's unpacking; a last single row takes the
  * one-row kernel (the same bits either way). */
@@ -70,9 +99,18 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
            in flight, each activation block loaded once for both); a pair that would straddle two
            weights, and an odd last row, go one weight row at a time (the same bits: every
            (weight row, activation row) is the one-row kernel's arithmetic) */
-        const int nb = K / ti->block;
+        const int nb = K / ti->block, pairs = (total + 1) / 2;
+        PfQueue *pf = pf_mine();
+        if (pf->count) {
+            int nth = 1;
+#ifdef _OPENMP
+            nth = omp_get_num_threads();
+#endif
+            pf_plan(pf, (size_t)(pairs + nth - 1) / nth, 2 * row_bytes);
+        }
         #pragma omp for schedule(static)
-        for (int p = 0; p < (total + 1) / 2; p++) {
+        for (int p = 0; p < pairs; p++) {
+            if (pf->count) pf_pump(pf);
             int r = 2 * p, i = 0, n = r;
             while (n >= N[i]) n -= N[i++];
             if (n + 1 < N[i]) {
@@ -100,11 +138,10 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
        of weight rows small enough for L2 passes over the activations a tile of rows at a time, the
        tile small enough for L1. A weight row against all T rows at once streamed the whole
        activation matrix (4 MiB for 512 rows of an 8192-wide FFN) from memory per weight row. */
-    int nth = 1, me = 0;
-#ifdef _OPENMP
-    nth = omp_get_num_threads(); me = omp_get_thread_num();
-#endif
-    const int r0 = (int)((long)total * me / nth), r1 = (int)((long)total * (me + 1) / nth);
+    int r0, r1;
+    thread_share(total, &r0, &r1);
+    PfQueue *pf = pf_mine();
+    if (pf->count) pf_plan(pf, (size_t)(r1 - r0), row_bytes);
     /* float activations (F16, BF16, F32 weights) are tiled as well: 4 bytes an element, not 1
        (untiled, a 1,344-row F16 product ran 3x slower than 32 products of 42 rows) */
     int tile = (int)(ACT_TILE_BYTES / ((size_t)K * (a->q ? 1 : sizeof(float)))) & ~7;
@@ -118,6 +155,7 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
         for (int t0 = 0; t0 < T; t0 += tile) {
             const int tn = T - t0 < tile ? T - t0 : tile;
             for (int r = b0, i = i0, n = n0; r < b1; r++) {
+                if (pf->count && t0 == 0) pf_pump(pf);
                 weight_row(a, t0, tn, K, type, ti, W[i] + (size_t)n * row_bytes, out[i], N[i], n);
                 if (++n == N[i]) { n = 0; i++; }
             }
