@@ -62,6 +62,8 @@ SHAPES: dict[str, Shape] = {
     # Qwen 3.5: three gated delta-net layers, then one of gated full attention (q and its gate)
     "qwen3.5-0.8b": Shape("qwen35", 1024, 24, 3584, 8, 2, 256, 248320, 262144, 10000000.0,
                           delta_net=(16, 128, 16, 128), rope_dim=64),
+    "qwen3.5-2b": Shape("qwen35", 2048, 24, 6144, 8, 2, 256, 248320, 262144, 10000000.0,
+                        delta_net=(16, 128, 16, 128), rope_dim=64),
     "qwen3.5-35b-a3b-4l": Shape("qwen35moe", 2048, 4, 512, 16, 2, 256, 248320, 262144, 10000000.0, tied=False,
                                 delta_net=(16, 128, 32, 128), rope_dim=64, experts=(256, 8, 512, 512),
                                 note="Qwen3.5-35B-A3B's layers at 4 of its 40 (3 delta-net, 1 attention)"),
