@@ -98,16 +98,25 @@ AVX2 static void dots_f16(const void *w, const float *x, int K, int n, float *ou
 static inline const LoraPair *pair_of(const LoraPair *tab, int b, int t) { return &tab[(size_t)b * LORA_TARGETS + t]; }
 static inline size_t esize(const LoraPair *p) { return p->f16 ? 2 : 4; }
 
+/* lora_a's task c of B x nts targets x per: row b's target t, ranks j .. j + n (n 0: nothing to do)
+ * — one rule for the pass and for the queue of the rows it reads */
+typedef struct { int b, t, j, n; const LoraPair *p; } ATask;
+static inline ATask a_task(const LoraPair *tab, const int *ts, int nts, int per, int c) {
+    ATask k = {c / (nts * per), ts[(c / per) % nts], 8 * (c % per), 0, NULL};
+    k.p = pair_of(tab, k.b, k.t);
+    if (k.p->a && k.j < k.p->r) k.n = k.p->r - k.j < 8 ? k.p->r - k.j : 8;
+    return k;
+}
+
 AVX2 void lora_a(const LayerSpec *L, const int *ts, int nts, const float *in, int K, int B, float *tmp, int rmax) {
     const int per = (rmax + 7) / 8;
     int c0, c1;
     thread_share(B * nts * per, &c0, &c1);
     for (int c = c0; c < c1; c++) {
-        const int b = c / (nts * per), t = ts[(c / per) % nts], j = 8 * (c % per);
-        const LoraPair *p = pair_of(L->lora, b, t);
-        if (p->a && j < p->r)
-            DOTS(p)((const char *)p->a + (size_t)j * K * esize(p), in + (size_t)b * K, K,
-                    p->r - j < 8 ? p->r - j : 8, tmp + ((size_t)b * LORA_TARGETS + t) * rmax + j);
+        const ATask k = a_task(L->lora, ts, nts, per, c);
+        if (k.n)
+            DOTS(k.p)((const char *)k.p->a + (size_t)k.j * K * esize(k.p), in + (size_t)k.b * K, K, k.n,
+                      tmp + ((size_t)k.b * LORA_TARGETS + k.t) * rmax + k.j);
     }
 }
 
@@ -117,22 +126,26 @@ static void queue_a(PfQueue *q, const LoraPair *tab, const int *ts, int nts, int
     int c0, c1;
     thread_share(B * nts * per, &c0, &c1);
     for (int c = c0; c < c1; c++) {
-        const int b = c / (nts * per), t = ts[(c / per) % nts], j = 8 * (c % per);
-        const LoraPair *p = pair_of(tab, b, t);
-        if (p->a && j < p->r)
-            pf_queue(q, (const char *)p->a + (size_t)j * K * esize(p), (size_t)(p->r - j < 8 ? p->r - j : 8) * K * esize(p));
+        const ATask k = a_task(tab, ts, nts, per, c);
+        if (k.n) pf_queue(q, (const char *)k.p->a + (size_t)k.j * K * esize(k.p), (size_t)k.n * K * esize(k.p));
     }
 }
 
-/* the blocks of 64 outputs of the targets ts, in order, for B rows: task c's row, target index and block */
-static inline void b_task(const int *Ns, int blocks, int c, int *b, int *i, int *k) {
-    *b = c / blocks; *k = c % blocks; *i = 0;
-    while (*k >= (Ns[*i] + 63) / 64) *k -= (Ns[(*i)++] + 63) / 64;
-}
+/* lora_b's task c of B rows x the targets' blocks of 64 outputs, in order: row b, target index i,
+ * outputs i0 .. i0 + m of its N — one rule for the pass and for the queue */
+typedef struct { int b, i, N, i0, m; const LoraPair *p; } BTask;
 static inline int b_blocks(const int *Ns, int nts) {
     int blocks = 0;
     for (int i = 0; i < nts; i++) blocks += (Ns[i] + 63) / 64;
     return blocks;
+}
+static inline BTask b_task(const LoraPair *tab, const int *ts, const int *Ns, int blocks, int c) {
+    BTask k = {c / blocks, 0, 0, 0, 0, NULL};
+    int blk = c % blocks;
+    while (blk >= (Ns[k.i] + 63) / 64) blk -= (Ns[k.i++] + 63) / 64;
+    k.N = Ns[k.i]; k.i0 = 64 * blk; k.m = k.N - k.i0 < 64 ? k.N - k.i0 : 64;
+    k.p = pair_of(tab, k.b, ts[k.i]);
+    return k;
 }
 
 /* lora_b: out[i][b] (Ns[i]) += scale * B (A in[b]) for each target ts[i], in blocks of 64
@@ -143,15 +156,12 @@ AVX2 void lora_b(const LayerSpec *L, const int *ts, int nts, float *const *out, 
     int c0, c1;
     thread_share(B * blocks, &c0, &c1);
     for (int c = c0; c < c1; c++) {
-        int b, i, k;
-        b_task(Ns, blocks, c, &b, &i, &k);
-        const int t = ts[i], N = Ns[i], i0 = 64 * k, m = N - i0 < 64 ? N - i0 : 64;
-        const LoraPair *p = pair_of(L->lora, b, t);
-        if (!p->a) continue;
-        float dl[64], *o = out[i] + (size_t)b * N + i0;
-        DOTS(p)((const char *)p->b + (size_t)i0 * p->r * esize(p), tmp + ((size_t)b * LORA_TARGETS + t) * rmax,
-                p->r, m, dl);
-        for (int j = 0; j < m; j++) { float d = dl[j] * p->scale; o[j] = o[j] + d; }
+        const BTask k = b_task(L->lora, ts, Ns, blocks, c);
+        if (!k.p->a) continue;
+        float dl[64], *o = out[k.i] + (size_t)k.b * k.N + k.i0;
+        DOTS(k.p)((const char *)k.p->b + (size_t)k.i0 * k.p->r * esize(k.p),
+                  tmp + ((size_t)k.b * LORA_TARGETS + ts[k.i]) * rmax, k.p->r, k.m, dl);
+        for (int j = 0; j < k.m; j++) { float d = dl[j] * k.p->scale; o[j] = o[j] + d; }
     }
     #pragma omp barrier
 }
@@ -162,11 +172,8 @@ static void queue_b(PfQueue *q, const LoraPair *tab, const int *ts, int nts, con
     int c0, c1;
     thread_share(B * blocks, &c0, &c1);
     for (int c = c0; c < c1; c++) {
-        int b, i, k;
-        b_task(Ns, blocks, c, &b, &i, &k);
-        const int N = Ns[i], i0 = 64 * k, m = N - i0 < 64 ? N - i0 : 64;
-        const LoraPair *p = pair_of(tab, b, ts[i]);
-        if (p->a) pf_queue(q, (const char *)p->b + (size_t)i0 * p->r * esize(p), (size_t)m * p->r * esize(p));
+        const BTask k = b_task(tab, ts, Ns, blocks, c);
+        if (k.p->a) pf_queue(q, (const char *)k.p->b + (size_t)k.i0 * k.p->r * esize(k.p), (size_t)k.m * k.p->r * esize(k.p));
     }
 }
 
