@@ -242,21 +242,30 @@ PyObject *py_expf(PyObject *self, PyObject *args);
 PyObject *py_swiglu(PyObject *self, PyObject *args);
 PyObject *py_sigmoid(PyObject *self, PyObject *args);
 
-/* route(logits (T,E), T, E, k, normalize, experts int32 (T,k) out, weights (T,k) out) */
+/* route(logits (T,E), T, E, k, normalize, experts int32 (T,k) out, weights (T,k) out[, rule]):
+ * rule as decode_layer's (py_layer.h route_rule_arg) */
 static PyObject *py_route(PyObject *self, PyObject *args) {
     Py_buffer lb, eb, wb; int T, E, k, norm;
-    if (!PyArg_ParseTuple(args, "y*iiipw*w*", &lb, &T, &E, &k, &norm, &eb, &wb)) return NULL;
+    PyObject *rro = Py_None;
+    RouteRule rr;
+    if (!PyArg_ParseTuple(args, "y*iiipw*w*|O", &lb, &T, &E, &k, &norm, &eb, &wb, &rro)) return NULL;
     PyObject *ret = NULL;
+    Held *h = calloc(1, sizeof(Held));
+    if (!h) { PyErr_NoMemory(); goto done; }
     if (E < 1 || E > MAX_EXPERTS || k < 1 || k > E) {
         PyErr_Format(PyExc_ValueError, "route: %d of %d experts (1 <= k <= E <= %d)", k, E, MAX_EXPERTS); goto done;
     }
     if ((size_t)lb.len < (size_t)T * E * 4 || (size_t)eb.len < (size_t)T * k * 4 || (size_t)wb.len < (size_t)T * k * 4) {
         PyErr_SetString(PyExc_ValueError, "route: a buffer is smaller than its shape"); goto done;
     }
+    if (!route_rule_arg(h, rro, E, k, &rr, "route")) goto done;
     for (int t = 0; t < T; t++)
-        route_row((const float *)lb.buf + (size_t)t * E, E, k, norm, (int *)eb.buf + (size_t)t * k, (float *)wb.buf + (size_t)t * k);
+        route_row((const float *)lb.buf + (size_t)t * E, E, k, norm, &rr, (int *)eb.buf + (size_t)t * k,
+                  (float *)wb.buf + (size_t)t * k);
     Py_INCREF(Py_None); ret = Py_None;
 done:
+    while (h && h->n) PyBuffer_Release(&h->b[--h->n]);
+    free(h);
     PyBuffer_Release(&lb); PyBuffer_Release(&eb); PyBuffer_Release(&wb);
     return ret;
 }
@@ -338,7 +347,7 @@ static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(blocks, type, out): Q4_0/Q4_1/Q8_0 to float32 as gguf-py; False: another type"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS, "moe_ffn(x, experts, weights, wg, wu, gu_type, wd, wd_type, n_ff, E, out, threads): a prompt's routed FFN"},
     {"moe_stream", py_moe_stream, METH_VARARGS, "moe_stream(x, ffn_norm, eps, gu_type, wd_type, n_ff, sel, wsel, ptrs, done, dn, threads) -> left"},
-    {"route", py_route, METH_VARARGS, "route(logits, T, E, k, normalize, experts_out, weights_out)"},
+    {"route", py_route, METH_VARARGS, "route(logits, T, E, k, normalize, experts_out, weights_out[, rule])"},
     {"kv_store", py_kv_store, METH_VARARGS, "kv_store(x, out, type, R, D): rows as a KV cache of that type stores them"},
     {"kv_load", py_kv_load, METH_VARARGS, "kv_load(x, out, type, R, D): KV cache rows widened to float32"},
     {"attention", py_attention, METH_VARARGS, "attention(q, k, v, out, T, H, Hkv, d, S, start, threads)"},

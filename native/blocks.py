@@ -229,8 +229,10 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def route(x: np.ndarray, router: Weight, k: int, normalize: bool):
-    """Mixture-of-experts routing: softmax over all experts, top-k, optional renormalisation.
+def route(x: np.ndarray, router: Weight, k: int, normalize: bool, rule: tuple | None = None, by_numpy=None):
+    """Mixture-of-experts routing: softmax over all experts, top-k, optional renormalisation —
+    or `rule`, csrc/layer.h's RouteRule as a tuple (ernie4.5-moe's and deepseek2's selection
+    bias, sigmoid gating, groups, scale), with `by_numpy(logits)` its numpy form.
 
     Returns (experts (T, k) int, weights (T, k) float32). On the compiled path the one-call
     decode's routing (C) serves here too, so both paths choose and weigh experts bit for bit
@@ -240,8 +242,10 @@ def route(x: np.ndarray, router: Weight, k: int, normalize: bool):
     if C is not None and 1 <= k <= logits.shape[1] <= 256:
         T, E = logits.shape
         experts, weights = np.empty((T, k), np.int32), np.empty((T, k), F32)
-        C.route(logits, T, E, k, normalize, experts, weights)
+        C.route(logits, T, E, k, normalize, experts, weights, rule)
         return experts, weights
+    if by_numpy is not None:
+        return by_numpy(logits)
     probs = ggml_round.softmax(logits)                                  # as the C routing
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     w = np.take_along_axis(probs, top, axis=-1)

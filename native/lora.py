@@ -73,6 +73,8 @@ class Adapter:
     _pairs: dict = field(default_factory=dict)      # layer -> its compiled-step pairs (layer_pairs)
     _held: list = field(default_factory=list)
     compiled: dict = field(default_factory=dict)    # (layer, ffn) -> its row of the step's LoRA table (runners.py)
+    _other: frozenset | None = None
+    _asked: set | None = None                       # check_applied: the names the blocks asked for
 
     @property
     def rank(self) -> int:
@@ -84,13 +86,28 @@ class Adapter:
 
     @property
     def targets(self) -> list[str]:
-        return sorted({n.split(".")[2] for n in self.tensors}, key=TARGETS.index)
+        """The projections it adapts: Kiln's seven in their order, then any other name a
+        llama.cpp adapter gives (attn_qkv, ssm_out, output, ...), sorted."""
+        names = {n.split(".")[2] if n.startswith("blk.") and n.count(".") >= 3 else n.removesuffix(".weight")
+                 for n in self.tensors}
+        return [t for t in TARGETS if t in names] + sorted(names - set(TARGETS))
+
+    @property
+    def other_layers(self) -> frozenset[int]:
+        """The layers where it names a weight outside the seven the compiled decode step adds
+        (csrc/layer.h LoraPair): those layers take their blocks, which adapt any weight."""
+        if self._other is None:
+            self._other = frozenset(int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.")
+                                    and n.count(".") >= 3 and n.split(".")[1].isdigit() and n.split(".")[2] not in TARGETS)
+        return self._other
 
     def delta(self, x: np.ndarray, base: Weight) -> np.ndarray | None:
         """scale * B (A x) for the rows x, or None when this adapter leaves `base` alone."""
         if self._weights is None:        # fp16 pairs widen at each use: no float32 copy held beside them
             self._weights = {n: (_f32_weight(n + ".lora_a", a), _f32_weight(n + ".lora_b", b))
                              if a.dtype != np.float16 else None for n, (a, b) in self.tensors.items()}
+        if self._asked is not None:
+            self._asked.add(base.name)
         if base.name not in self._weights:
             return None
         ab = self._weights[base.name]
@@ -128,6 +145,27 @@ class Adapter:
                                int(dt == np.float16), 0))
             self._pairs[i] = cached
         return cached
+
+    def check_applied(self, model) -> None:
+        """Refuse an adapter naming a weight the model multiplies without adapters (a router,
+        routed experts, ...): it would load and change nothing there. Found by one token through
+        the model — a layer with such a name takes its blocks (other_layers), which ask for
+        each delta they add — and only for an adapter naming weights beyond the seven every
+        family adapts, so the usual adapter costs nothing here."""
+        if set(self.targets) <= set(TARGETS):
+            return
+        self._asked = set()
+        try:
+            model.forward([0], model.new_cache(8), adapter=self)
+            never = sorted(n for n in set(self.tensors) - self._asked
+                           if not (n.startswith("blk.") and n.count(".") >= 3 and n.split(".")[2] in TARGETS))
+        finally:
+            self._asked = None
+        if never:
+            raise AdapterError(f"adapter tensors {', '.join(never[:4])}{' ...' if len(never) > 4 else ''}: "
+                               f"{model.gguf.path.name} multiplies {'these weights' if len(never) > 1 else 'this weight'} "
+                               "without adapters (a router, routed experts, ...), so the adapter would change "
+                               "nothing there; make it without them")
 
     def check_fits(self, g) -> None:
         """Refuse an adapter made for another architecture or other tensor shapes than the

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml_round, kernels
+from .arch.deepseek2 import DeepSeekMoE
+from .arch.ernie import ErnieMoE
 from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.gpt_oss import BiasedMoE, SinkAttention
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention, SharedExpertMoE
@@ -48,6 +50,15 @@ def one_call_rows(b) -> list | None:
     return b.scratch["one_call_rows"]
 
 
+def call_rows(i: int, b) -> list | None:
+    """one_call_rows for layer i, or None when a row's adapter names one of its weights the call
+    does not adapt (lora.py Adapter.other_layers): the blocks then add every delta."""
+    rows = one_call_rows(b)
+    if rows is not None and b.any_adapter and any(ad is not None and i in ad.other_layers for ad in b.adapters):
+        return None
+    return rows
+
+
 class BlocksLayer:
     """Layer i through its own forward: its parts, each through the compiled products or numpy."""
     kind = "blocks"
@@ -68,7 +79,7 @@ class OneCallLayer(BlocksLayer):
         self.kind = f"one call ({ffn or 'attention'})"
 
     def __call__(self, x, b):
-        rows = one_call_rows(b)
+        rows = call_rows(self.i, b)
         if rows is None:
             return self.layer(self.i, x, b)
         L = self.layer
@@ -91,7 +102,7 @@ class StreamedLayer(BlocksLayer):
         self.experts = experts
 
     def __call__(self, x, b):
-        rows = one_call_rows(b)
+        rows = call_rows(self.i, b)
         if rows is None:
             return self.layer(self.i, x, b)
         i, L, streamed = self.i, self.layer, self.experts
@@ -118,7 +129,7 @@ class DeltaNetLayer(BlocksLayer):
         self.kind = f"one call (delta net, {ffn or 'attention'})"
 
     def __call__(self, x, b):
-        if one_call_rows(b) is None or any(e - a != 1 for _, a, e in b.segments):
+        if call_rows(self.i, b) is None or any(e - a != 1 for _, a, e in b.segments):
             return self.layer(self.i, x, b)
         i, L, c = self.i, self.layer, b.config
         d, f = L.attn, L.ffn
@@ -176,15 +187,18 @@ def ffn_spec(L: Layer, c, ffn: str | None, experts: tuple = (None, None)) -> tup
     if ffn == "moe":
         return (L.ffn_norm, f.router.raw, f.gate_exps.raw, f.up_exps.raw, int(f.gate_exps.qtype),
                 f.down_exps.raw, int(f.down_exps.qtype), f.gate_exps.shape[1], c.n_expert,
-                c.n_expert_used, c.expert_weights_norm, *experts)
+                c.n_expert_used, f.norm if isinstance(f, DeepSeekMoE) else isinstance(f, ErnieMoE) or c.expert_weights_norm,
+                f.rule() if isinstance(f, ErnieMoE) else None, *experts)
     return None
 
 
 def shared_spec(f) -> tuple | None:
-    """A routed FFN's shared expert as the call takes it (qwen2moe, qwen35moe), or None."""
-    if type(f) is not SharedExpertMoE:
+    """A routed FFN's shared expert as the call takes it — gated (qwen2moe, qwen35moe) or not
+    (ernie4.5-moe, deepseek2) —, or None."""
+    if type(f) is not SharedExpertMoE and getattr(f, "gate_shexp", None) is None:
         return None
-    return (f.shared_gate.raw.view(np.float32).reshape(-1), f.gate_shexp.raw, f.up_shexp.raw, int(f.gate_shexp.qtype),
+    gate = f.shared_gate.raw.view(np.float32).reshape(-1) if type(f) is SharedExpertMoE else None
+    return (gate, f.gate_shexp.raw, f.up_shexp.raw, int(f.gate_shexp.qtype),
             f.down_shexp.raw, int(f.down_shexp.qtype), f.gate_shexp.shape[0])
 
 
@@ -252,7 +266,8 @@ def blocks_runners(layers: list) -> list:
 
 def one_call(L, c) -> str | None:
     """How the one-call decode takes a layer: "dense" (llama attention and a dense FFN), "moe"
-    (and routed experts, with a sigmoid-gated shared expert or without), "attention" (the FFN through its blocks), or None.
+    (and routed experts — ernie4.5-moe's and deepseek2's rule too —, with a shared expert, gated
+    or not, or without), "attention" (the FFN through its blocks), or None.
     The call computes exactly the llama skeleton of plain attention, with qwen2's q/k/v biases,
     qwen3's per-head q/k norm (olmoe's over the whole projection) or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
     gpt-oss's (sinks, the output's bias, a window, its biased experts and swiglu-oai), and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
@@ -277,10 +292,10 @@ def one_call(L, c) -> str | None:
         return "dense" if dense and type(L) is Gemma3Layer else None
     if dense:
         return "dense"
-    shared_ok = type(f) is not SharedExpertMoE or (
+    shared_ok = getattr(f, "gate_shexp", None) is None or (
         all(_compiled(w) for w in (f.gate_shexp, f.up_shexp, f.down_shexp)) and f.gate_shexp.qtype == f.up_shexp.qtype
-        and f.shared_gate.qtype == kernels.Q.F32)
-    if type(f) in (MoE, BiasedMoE, SharedExpertMoE) and shared_ok and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
+        and (type(f) is not SharedExpertMoE or f.shared_gate.qtype == kernels.Q.F32))
+    if type(f) in (MoE, BiasedMoE, SharedExpertMoE, ErnieMoE, DeepSeekMoE) and shared_ok and _compiled(f.router) and f.router.qtype == kernels.Q.F32 \
             and all(_compiled(w) for w in (f.gate_exps, f.up_exps, f.down_exps)) \
             and f.gate_exps.qtype == f.up_exps.qtype and c.n_expert <= 256 and 1 <= c.n_expert_used <= 16:
         return "moe"

@@ -229,7 +229,8 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
 
 @pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "moe"), ("qwen3", "dense"), ("gpt-oss", "moe"),
                                          ("qwen3moe", "moe"), ("olmoe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
-                                         ("phi3", "dense"), ("qwen35", "dense"), ("qwen35moe", "moe")])
+                                         ("phi3", "dense"), ("qwen35", "dense"), ("qwen35moe", "moe"),
+                                         ("ernie4_5-moe", ("dense", "moe"))])
 def test_families_decode_in_one_call(arch, how):
     """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's
     sliding windows (16 positions in the tiny file: the 19-token prompt and the steps after it
@@ -239,11 +240,13 @@ def test_families_decode_in_one_call(arch, how):
     conv, the recurrence, the gated norm: a delta layer's decode step is one call with its FFN)
     are part of the compiled layer: their decode steps (solo, batched, a short run) take the one
     call — a fall back to the blocks fails here — with the blocks' bits, qwen2moe's and
-    qwen35moe's sigmoid-gated shared experts in the call with the routed ones."""
+    qwen35moe's sigmoid-gated shared experts in the call with the routed ones, ernie4.5-moe's
+    (a dense layer first) selection bias, renormalised weights and ungated shared expert."""
     from kiln.native.arch.qwen35 import DeltaNet
     m = load_model(tiny_path(arch))
-    assert [r.kind for r in m.runners] == [f"one call (delta net, {how})" if type(L.attn) is DeltaNet else
-                                           f"one call ({how})" for L in m.layers]
+    hows = how if isinstance(how, tuple) else (how,) * len(m.layers)
+    assert [r.kind for r in m.runners] == [f"one call (delta net, {h})" if type(L.attn) is DeltaNet else
+                                           f"one call ({h})" for L, h in zip(m.layers, hows)]
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73], [2, 4, 8, 16]]
 
     def decode():

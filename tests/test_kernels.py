@@ -125,6 +125,36 @@ def test_compiled_routing_chooses_and_weighs_experts_as_the_softmax_does():
             np.testing.assert_allclose(weights[t], w[order], rtol=1e-5)
 
 
+@pytest.mark.parametrize("rule", ["ernie", "softmax-groups", "sigmoid-groups-scaled", "sigmoid-unnormed"])
+def test_the_compiled_routing_rule_is_the_numpy_rules_bits(rule):
+    """ernie4.5-moe's and deepseek2's routing (a selection bias, sigmoid gating, groups kept by
+    their two best scores, renormalised and scaled weights): the C rule that the blocks and the
+    one-call decode share gives the numpy form's experts and weights bit for bit."""
+    from kiln.native.arch.deepseek2 import SIGMOID, SOFTMAX, DeepSeekMoE
+    from kiln.native.arch.ernie import ErnieMoE
+    rng = np.random.default_rng(5)
+    E, k, T = 64, 6, 40
+    logits = (rng.standard_normal((T, E)) * 3).astype(np.float32)
+    logits[3, 10] = logits[3, 11]                                    # a tie: the lower index first
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    none = dict(router=None, gate_exps=None, up_exps=None, down_exps=None)
+    moe, norm, scale = {
+        "ernie": (ErnieMoE(**none, probs_b=bias), True, 0.0),
+        "softmax-groups": (DeepSeekMoE(**none, gating=SOFTMAX, groups=8, groups_used=3, norm=True), True, 0.0),
+        "sigmoid-groups-scaled": (DeepSeekMoE(**none, probs_b=bias, gating=SIGMOID, groups=8, groups_used=2, norm=True,
+                                              scale=2.5), True, 2.5),
+        "sigmoid-unnormed": (DeepSeekMoE(**none, probs_b=bias, gating=SIGMOID, norm=False, scale=16.0), False, 16.0)}[rule]
+    probs = moe.probs(logits) if isinstance(moe, DeepSeekMoE) else ggml_round.softmax(logits)
+    want_e, want_w = moe.choose(probs, k, norm, scale)
+    experts, weights = np.empty((T, k), np.int32), np.empty((T, k), np.float32)
+    C.route(logits, T, E, k, norm, experts, weights, moe.rule())
+    assert np.array_equal(experts, want_e) and np.array_equal(weights, want_w)
+    with pytest.raises(ValueError, match="groups"):                  # groups that cannot hold the k chosen
+        C.route(logits, T, E, k, norm, experts, weights, (None, False, 32, 2, 0.0))
+    with pytest.raises(ValueError, match="selection bias"):
+        C.route(logits, T, E, k, norm, experts, weights, (bias[:-1], False, 0, 0, 0.0))
+
+
 def test_bad_buffers_are_refused_not_read_past():
     w = random_weight(Q.Q4_0, 8, 64, np.random.default_rng(0))
     with pytest.raises(ValueError, match="smaller than its shape"):

@@ -115,6 +115,70 @@ def test_one_call_families_with_adapters_keep_the_blocks_bits(arch):
     assert not np.array_equal(fast[:, 0], fast[:, 1]), "the adapter must change the logits"
 
 
+def test_an_adapter_on_a_weight_the_call_does_not_adapt_sends_that_layer_to_its_blocks(monkeypatch):
+    """llama.cpp's adapters may name any weight (a delta net's ssm_out, phi3's fused attn_qkv):
+    the one call adds only the seven projections, so a layer whose weight an adapter names
+    beyond them takes its blocks — the decode steps keep the blocks' bits instead of dropping
+    the delta — and the other layers keep the call."""
+    from conftest import tiny_path
+
+    from kiln.native.arch.parts import Layer
+    from kiln.native.arch.qwen35 import DeltaNet
+    from kiln.native.lora import Adapter
+    from kiln.native.model import load_model
+    m = load_model(tiny_path("qwen35"))
+    i = next(j for j, L in enumerate(m.layers) if type(L.attn) is DeltaNet)
+    rng = np.random.default_rng(4)
+    o, n = m.gguf.tensor(f"blk.{i}.ssm_out.weight").shape
+    ad = Adapter("qwen35", 16.0, {f"blk.{i}.ssm_out.weight": (rng.normal(0, 0.3, (8, n)).astype(np.float32),
+                                                               rng.normal(0, 0.3, (o, 8)).astype(np.float32))})
+    assert ad.targets == ["ssm_out"] and ad.other_layers == {i}
+    taken = []
+    monkeypatch.setattr(Layer, "__call__", lambda self, j, *a, _orig=Layer.__call__: taken.append(j) or _orig(self, j, *a))
+
+    def run(blocks=False):
+        saved = m.runners
+        if blocks:
+            m.runners = runners.blocks_runners(m.layers)
+        try:
+            caches = [m.new_cache(64) for _ in range(2)]
+            for c, a in zip(caches, (ad, None)):
+                m.forward([3, 4, 5, 6], c, adapter=a)
+            taken.clear()
+            return np.stack([m.forward_runs([([t], c) for c in caches], [ad, None]) for t in (40, 41, 42)])
+        finally:
+            m.runners = saved
+    fast = run()
+    assert set(taken) == {i}, f"only layer {i} takes its blocks in the decode steps, not {set(taken)}"
+    assert np.array_equal(fast, run(blocks=True))
+    assert not np.array_equal(fast[:, 0], fast[:, 1]), "the adapter must change the logits"
+
+
+def test_an_adapter_naming_a_weight_nothing_adapts_is_refused_and_others_pass():
+    """A router takes no adapter on any path: an adapter naming it would load and change
+    nothing — refused, naming it. One naming a delta net's weights (the blocks add those) and
+    the usual seven-projection adapter pass."""
+    from conftest import tiny_path
+
+    from kiln.native.lora import Adapter, AdapterError
+    from kiln.native.model import load_model
+    m = load_model(tiny_path("qwen2moe"))
+    rng = np.random.default_rng(2)
+
+    def pair(name, model):
+        o, n = model.gguf.tensor(name).shape
+        return rng.normal(0, 0.1, (4, n)).astype(np.float32), rng.normal(0, 0.1, (o, 4)).astype(np.float32)
+    names = ("blk.1.ffn_gate_inp.weight", "blk.1.attn_q.weight")
+    router = Adapter("qwen2moe", 4.0, {n: pair(n, m) for n in names})
+    with pytest.raises(AdapterError, match=r"blk\.1\.ffn_gate_inp\.weight: .* without adapters"):
+        router.check_applied(m)
+    m35 = load_model(tiny_path("qwen35"))
+    names = [n for n in m35.gguf.tensors if n.endswith(("ssm_out.weight", "attn_qkv.weight", "attn_q.weight"))]
+    Adapter("qwen35", 4.0, {n: pair(n, m35) for n in names}).check_applied(m35)
+    assert {n.split(".")[2] for n in names} == {"ssm_out", "attn_qkv", "attn_q"}
+    Adapter("qwen2moe", 4.0, {"blk.0.attn_k.weight": pair("blk.0.attn_k.weight", m)}).check_applied(m)
+
+
 @pytest.mark.parametrize("arch", ["gpt-oss", "qwen35"])
 def test_an_adapter_on_attention_is_applied_by_every_family(arch):
     """gpt-oss's and Qwen 3.5's attention blocks multiplied q, k, v and the output without the

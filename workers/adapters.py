@@ -42,6 +42,7 @@ class LoadedAdapters:
             return cached[1]
         ad = load_adapter(meta["path"])
         ad.check_fits(self.model().gguf)
+        ad.check_applied(self.model())
         self._loaded = {k: v for k, v in self._loaded.items() if k != name}
         if len(self._loaded) >= KEEP_LOADED:
             self._loaded.pop(next(iter(self._loaded)))

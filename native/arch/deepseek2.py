@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ggml_round
-from ..blocks import _libm, apply_rope, swiglu_ffn
+from ..blocks import _libm, apply_rope, route, swiglu_ffn
 from ..kernels import Weight, matmul
 from .base import MAX_LAYERS, MAX_WIDTH, Family
 from .ernie import ErnieMoE
@@ -102,32 +102,31 @@ class DeepSeekMoE(ErnieMoE):
     norm: bool = False
     scale: float = 0.0
 
-    def __call__(self, i: int, x: np.ndarray, b) -> np.ndarray:
-        c = b.config
-        logits = matmul(x, self.router)
+    def rule(self) -> tuple:
+        return self.probs_b, self.gating == SIGMOID, self.groups, self.groups_used, self.scale
+
+    def keep_groups(self, pick: np.ndarray) -> np.ndarray:
+        """Keep the groups whose two best scores sum highest; the others' experts out of reach."""
+        if self.groups <= 1:
+            return pick
+        T, X = pick.shape
+        g = pick.reshape(T, self.groups, X // self.groups)
+        best2 = -np.sort(-g, axis=-1, kind="stable")[:, :, :2]
+        score = best2[:, :, 0] + best2[:, :, 1]
+        keep = np.argsort(-score, axis=-1, kind="stable")[:, :self.groups_used]
+        mask = np.full((T, self.groups), -np.inf, F32)
+        np.put_along_axis(mask, keep, F32(0), axis=-1)
+        return (g + mask[:, :, None]).reshape(T, X)
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
         if self.gating == SOFTMAX:
-            probs = ggml_round.softmax(logits)
-        else:                                          # ggml_vec_sigmoid_f32: 1 / (1 + expf(-x))
-            probs = F32(1) / (F32(1) + ggml_round.libm_expf(-logits))
-        pick = probs + self.probs_b if self.probs_b is not None else probs
-        if self.groups > 1:                            # keep the groups whose two best scores sum highest
-            T, X = pick.shape
-            g = pick.reshape(T, self.groups, X // self.groups)
-            best2 = -np.sort(-g, axis=-1, kind="stable")[:, :, :2]
-            score = best2[:, :, 0] + best2[:, :, 1]
-            keep = np.argsort(-score, axis=-1, kind="stable")[:, :self.groups_used]
-            mask = np.full((T, self.groups), -np.inf, F32)
-            np.put_along_axis(mask, keep, F32(0), axis=-1)
-            pick = (g + mask[:, :, None]).reshape(T, X)
-        top = np.argsort(-pick, axis=-1, kind="stable")[:, :c.n_expert_used]
-        w = np.take_along_axis(probs, top, axis=-1)
-        if self.norm:
-            total = np.maximum(np.cumsum(w, axis=-1, dtype=np.float64)[:, -1:].astype(F32), F32(6.103515625e-5))
-            w = (w / total).astype(F32)
-        if self.scale not in (0.0, 1.0):
-            w = (w * F32(self.scale)).astype(F32)
-        order = np.argsort(top, axis=-1, kind="stable")
-        experts, weights = np.take_along_axis(top, order, -1), np.take_along_axis(w, order, -1)
+            return ggml_round.softmax(logits)
+        return F32(1) / (F32(1) + ggml_round.libm_expf(-logits))      # ggml_vec_sigmoid_f32: 1 / (1 + expf(-x))
+
+    def __call__(self, i: int, x: np.ndarray, b) -> np.ndarray:
+        k = b.config.n_expert_used
+        experts, weights = route(x, self.router, k, self.norm, self.rule(),
+                                 lambda logits: self.choose(self.probs(logits), k, self.norm, self.scale))
         residual, b.residual = b.residual, None
         out = b.experts.ffn(i, self, x, experts, weights, residual)
         return out + swiglu_ffn(x, self.gate_shexp, self.up_shexp, self.down_shexp, b.mm)
@@ -174,9 +173,11 @@ class DeepSeek2(Family):
             key.fail("attention.value_length", c.get("value_length"), f"must be kv_lora_rank, {C}")
         if c.get("k_mla") <= R:
             key.fail("attention.key_length_mla", c.get("k_mla"), f"must exceed the rope dimensions, {R}")
-        if c.get("groups") > 1 and (c.n_expert % c.get("groups") or not 0 < c.get("groups_used") < c.get("groups")):
-            key.fail("expert_group_count", c.get("groups"), f"must divide expert_count ({c.n_expert}) with "
-                     f"0 < expert_group_used_count ({c.get('groups_used')}) < it")
+        G, Gu = c.get("groups"), c.get("groups_used")
+        if G > 1 and (c.n_expert % G or c.n_expert // G < 2 or not 0 < Gu < G or c.n_expert_used > Gu * (c.n_expert // G)):
+            key.fail("expert_group_count", G, f"must divide expert_count ({c.n_expert}) into groups of two or more, "
+                     f"with 0 < expert_group_used_count ({Gu}) < it and the {c.n_expert_used} experts used "
+                     "within the groups kept")
         if c.get("dense_lead") > c.n_layer:
             key.fail("leading_dense_block_count", c.get("dense_lead"), f"more than the {c.n_layer} layers")
         if c.rope_scaling == "yarn" and c.yarn[1:3] != (32.0, 1.0):

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ggml_round
-from ..blocks import swiglu_ffn
+from ..blocks import route, swiglu_ffn
 from ..gguf_file import GGUFError
-from ..kernels import Weight, matmul
+from ..kernels import Weight
 from .base import MAX_LAYERS, MAX_WIDTH
 from .llama import Llama
 from .parts import FFN, MoE, take
@@ -53,16 +53,32 @@ class ErnieMoE(MoE):
     up_shexp: Weight | None = None
     down_shexp: Weight | None = None
 
-    def __call__(self, i: int, x: np.ndarray, b) -> np.ndarray:
-        c = b.config
-        probs = ggml_round.softmax(matmul(x, self.router))
+    def rule(self) -> tuple:
+        """The routing as the compiled kernels take it (csrc/layer.h RouteRule): the selection bias."""
+        return self.probs_b, False, 0, 0, 0.0
+
+    def choose(self, probs: np.ndarray, k: int, norm: bool = True, scale: float = 0.0) -> tuple:
+        """The numpy form of the rule (without the compiled kernels): the top k of probs (+ the
+        selection bias), weighed by probs, renormalised, scaled, in ascending expert order."""
         pick = probs + self.probs_b if self.probs_b is not None else probs
-        top = np.argsort(-pick, axis=-1, kind="stable")[:, :c.n_expert_used]      # argsort_top_k
+        pick = self.keep_groups(pick)
+        top = np.argsort(-pick, axis=-1, kind="stable")[:, :k]          # argsort_top_k
         w = np.take_along_axis(probs, top, axis=-1)
-        total = np.maximum(np.cumsum(w, axis=-1, dtype=np.float64)[:, -1:].astype(F32), F32(6.103515625e-5))
-        w = (w / total).astype(F32)
+        if norm:
+            total = np.maximum(np.cumsum(w, axis=-1, dtype=np.float64)[:, -1:].astype(F32), F32(6.103515625e-5))
+            w = (w / total).astype(F32)
+        if scale not in (0.0, 1.0):
+            w = (w * F32(scale)).astype(F32)
         order = np.argsort(top, axis=-1, kind="stable")          # the experts' outputs summed in ascending order
-        experts, weights = np.take_along_axis(top, order, -1), np.take_along_axis(w, order, -1)
+        return np.take_along_axis(top, order, -1), np.take_along_axis(w, order, -1)
+
+    def keep_groups(self, pick: np.ndarray) -> np.ndarray:
+        return pick
+
+    def __call__(self, i: int, x: np.ndarray, b) -> np.ndarray:
+        k = b.config.n_expert_used
+        experts, weights = route(x, self.router, k, True, self.rule(),
+                                 lambda logits: self.choose(ggml_round.softmax(logits), k))
         residual, b.residual = b.residual, None
         out = b.experts.ffn(i, self, x, experts, weights, residual)
         if self.gate_shexp is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..blocks import apply_rope, rms_norm
-from ..kernels import Weight, compiled_module, matmul, matmul_many, sigmoid
+from ..kernels import Weight, compiled_module, sigmoid
 from .base import MAX_LAYERS, MAX_WIDTH, Family
 from .parts import Layer, NormedAttention, take
 
@@ -94,8 +94,7 @@ class DeltaNet:
         c = b.config
         Hk, Hv, dk, dv, K = self.dims(c)
         T = x.shape[0]
-        mixed, z = matmul_many(x, [self.wqkv, self.wgate])
-        beta_x, alpha_x = matmul(x, self.ssm_beta), matmul(x, self.ssm_alpha)            # (T, Hv)
+        mixed, z, beta_x, alpha_x = b.project_many(x, [self.wqkv, self.wgate, self.ssm_beta, self.ssm_alpha])
         out = np.empty((T, Hv * dv), F32)
         C_ = compiled_module()
         if C_ is not None and max(dk, dv) <= DELTA_MAX_WIDTH and K <= 64 and max(Hk, Hv) <= 4096:
@@ -105,7 +104,7 @@ class DeltaNet:
                 st = cache.recurrent_state(i)
                 runs.append((a, e - a, st["conv"], st["ssm"]))
             C_.delta_rows(self.spec(), (Hk, Hv, dk, dv, K), c.rms_eps, mixed, z, beta_x, alpha_x, runs, out, 0)
-            return matmul(out, self.ssm_out)
+            return b.mm(out, self.ssm_out)
         beta = _sigmoid(beta_x)
         g = _softplus(alpha_x + self.ssm_dt) * self.ssm_a                                 # (T, Hv) log-decay
         for cache, a, e in b.segments:            # without the extension: numpy, a prompt in chunks
@@ -125,7 +124,7 @@ class DeltaNet:
             o = gated_delta_rule(q, k, v, g[a:e], beta[a:e], st["ssm"])
             zs = z[a:e].reshape(T, Hv, dv)
             out[a:e] = (rms_norm(o, self.ssm_norm, c.rms_eps) * (zs * _sigmoid(zs))).reshape(T, Hv * dv)
-        return matmul(out, self.ssm_out)
+        return b.mm(out, self.ssm_out)
 
 
 class Qwen35(Family):

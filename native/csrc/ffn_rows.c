@@ -11,7 +11,7 @@ static void route_one(const LayerSpec *L, const Act *ar, float *logits, int *sel
     float *Or[1] = {logits};
     rows_dot(ar, 1, L->n, T_F32, &tr, 1, Wr, Nr, Or);
     #pragma omp single
-    route_row(logits, L->E, L->k, L->normalize, sel, wsel);
+    route_row(logits, L->E, L->k, L->normalize, &L->route, sel, wsel);
 }
 
 /* shared: the row's gated shared-expert output (n), added to the experts' sum before the residual; NULL: none */
@@ -53,9 +53,9 @@ static void moe_row(const LayerSpec *L, float *x, const Act *ar, const Act *ag, 
     }
 }
 
-/* The shared expert of B rows (their FFN inputs quantized in w->ash, w->ar): sigmoid(sh_gate · x)
- * times its SwiGLU, into w->shd — as the blocks' SharedExpertMoE, whose product it adds to the
- * routed experts' sum. Every thread calls it. */
+/* The shared expert of B rows (their FFN inputs quantized in w->ash, w->ar): its SwiGLU, times
+ * sigmoid(sh_gate · x) when gated, into w->shd — as the blocks' SharedExpertMoE (gated) or
+ * ErnieMoE/DeepSeekMoE (not), whose product they add to the routed experts' sum. Every thread calls it. */
 AVX2 static void shared_expert_rows(const LayerSpec *L, FfnWork *w, int B) {
     static const TypeInfo tf = {1, 4, A_F32};
     int n = L->n, m = L->sh_ff, one = 1;
@@ -63,10 +63,11 @@ AVX2 static void shared_expert_rows(const LayerSpec *L, FfnWork *w, int B) {
     int Ngu[2] = {m, m};
     float *Ogu[2] = {w->shg, w->shu}, *Od[1] = {w->shd}, *Ol[1] = {w->shl};
     rows_dot(&w->ash, B, n, L->sh_gu_t, &w->tsh, 2, Wgu, Ngu, Ogu);
-    rows_dot(&w->ar, B, n, T_F32, &tf, 1, Wl, &one, Ol);
+    if (L->sh_gate) rows_dot(&w->ar, B, n, T_F32, &tf, 1, Wl, &one, Ol);
     #pragma omp for schedule(static)
     for (int b = 0; b < B; b++) { swiglu_row(w->shg + (size_t)b * m, w->shu + (size_t)b * m, m); act_row(&w->ashd, b, m); }
     rows_dot(&w->ashd, B, m, L->sh_d_t, &w->tshd, 1, Wd, &n, Od);
+    if (!L->sh_gate) return;
     #pragma omp for schedule(static)
     for (int b = 0; b < B; b++) {
         float s = w->shl[b], *o = w->shd + (size_t)b * n;
@@ -88,7 +89,7 @@ void ffn_work_init(FfnWork *w, const LayerSpec *L, int B, float *ltmp, int lrmax
     w->dn = malloc((size_t)n * (moe ? L->k : B) * 4); w->logits = malloc((size_t)(moe ? L->E : 1) * 4);
     w->wsel = malloc((size_t)B * MAX_K * 4); w->sel = malloc((size_t)B * MAX_K * sizeof(int));
     act_alloc(&w->ag, &w->tg, w->f, B, n); act_alloc(&w->ad, &w->td, w->g, fr, n_ff); act_alloc(&w->ar, &tf, w->f, B, n);
-    if (L->sh_gate) {
+    if (L->sh_g) {
         type_info(L->sh_gu_t, &w->tsh); type_info(L->sh_d_t, &w->tshd);
         w->shg = malloc((size_t)B * L->sh_ff * 4); w->shu = malloc((size_t)B * L->sh_ff * 4);
         w->shd = malloc((size_t)B * n * 4); w->shl = malloc((size_t)B * 4);
@@ -113,7 +114,7 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
     #pragma omp for schedule(static)
     for (int b = 0; b < B; b++) {
         rms_row(x + (size_t)b * n, L->ffn_norm, f + (size_t)b * n, n, L->eps); act_row(&w->ag, b, n);
-        if (L->sh_gate) { act_row(&w->ash, b, n); act_row(&w->ar, b, n); }
+        if (L->sh_g) { act_row(&w->ash, b, n); act_row(&w->ar, b, n); }
     }
     if (L->ffn == FFN_DENSE) {
         const uint8_t *Wgu[2] = {L->wg, L->wu}, *Wd[1] = {L->wd};
@@ -162,12 +163,12 @@ AVX2 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing
                         w->sel + (size_t)b * L->k, w->wsel + (size_t)b * L->k, 1, NULL);
             }
     } else {
-        if (L->sh_gate) shared_expert_rows(L, w, B);
+        if (L->sh_g) shared_expert_rows(L, w, B);
         for (int b = 0; b < B; b++) {
             Act arb = act_view(&w->ar, b, n), agb = act_view(&w->ag, b, n);
             if (L->router_b) moe_oai_row(L, x + (size_t)b * n, &arb, &agb, &w->ad, w->logits, g, u, dn, &w->tg, &w->td);
             else moe_row(L, x + (size_t)b * n, &arb, &agb, &w->ad, w->logits, g, u, dn, &w->tg, &w->td, w->sel, w->wsel, 0,
-                         L->sh_gate ? w->shd + (size_t)b * n : NULL);
+                         L->sh_g ? w->shd + (size_t)b * n : NULL);
         }
     }
 }

@@ -9,7 +9,15 @@ void rope_row(float *x, const float *c, const float *s, int H, int D, int R, int
 void rope_table(int p0, int n, int half, float base, float freq_scale, const float *ff, float ext_factor,
                 float corr0, float corr1, float mscale, float *c, float *s);
 void swiglu_row(float *g, const float *u, size_t n);
-void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w);
+/* Routing beyond softmax-then-top-k (ernie4.5-moe, deepseek2: llama.cpp's build_moe_ffn); all
+ * zeros: the plain rule. */
+typedef struct {
+    const float *bias;        /* (E) added to the probabilities to choose by, not to weigh by; NULL: none */
+    int sigmoid;              /* probabilities by sigmoid, not softmax (deepseek v3) */
+    int groups, groups_used;  /* groups > 1: only the groups_used groups whose two best scores sum highest */
+    float scale;              /* the chosen weights times this (after normalising); 0 or 1: none */
+} RouteRule;
+void route_row(const float *logits, int E, int k, int normalize, const RouteRule *rr, int *sel, float *w);
 void sigmoid_row(float *x, size_t n);                       /* x = 1 / (1 + e^-x) */
 void sigmoid_mul_row(float *x, const float *g, int n);      /* x *= sigmoid(g) */
 void silu_row(float *x, int n);                             /* x *= sigmoid(x) */
@@ -36,6 +44,7 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
     const float *ffn_norm, *router;       /* router: F32 (E, n) */
     const uint8_t *wg, *wu, *wd;          /* (E, n_ff, n), (E, n_ff, n), (E, n, n_ff); E = 1 dense */
     int gu_t, wd_t, n_ff, E, k, normalize;
+    RouteRule route;          /* FFN_MOE: how rows choose and weigh their experts beyond the plain rule */
     int kt, vt;               /* the K and V caches' ggml types (F32, F16, Q8_0, Q4_0) */
     float q_scale;            /* q multiplied by this after RoPE (phi3, gemma3); 0: not scaled */
     float kq_scale;           /* the attention scores' scale; 0: 1/sqrt(D) */
@@ -58,9 +67,10 @@ typedef struct {              /* one pre-norm llama layer, weights as stored */
                                                          router_b is set: biased router, the top-k logits
                                                          softmaxed, biased experts, swiglu-oai; (E), (E, n_ff),
                                                          (E, n_ff), (E, n) */
-    const float *sh_gate;     /* FFN_MOE with a shared expert every row takes, gated by sigmoid(sh_gate · x)
-                                 (qwen2moe, qwen35moe): F32 (n); NULL: none */
-    const uint8_t *sh_g, *sh_u, *sh_d;    /* its SwiGLU (sh_ff, n), (sh_ff, n), (n, sh_ff) */
+    const uint8_t *sh_g, *sh_u, *sh_d;    /* FFN_MOE with a shared expert every row takes: its SwiGLU (sh_ff, n),
+                                             (sh_ff, n), (n, sh_ff); sh_g NULL: none */
+    const float *sh_gate;     /* its output gated by sigmoid(sh_gate · x) (qwen2moe, qwen35moe): F32 (n);
+                                 NULL: ungated (ernie4.5-moe, deepseek2) */
     int sh_gu_t, sh_d_t, sh_ff;
     int q_gate;               /* wq gives per head D query rows then D gate rows; the attention's
                                  output x sigmoid(gate) before wo (qwen35) */

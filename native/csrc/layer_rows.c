@@ -80,34 +80,65 @@ void swiglu_row(float *g, const float *u, size_t n) {
     for (size_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* Mixture-of-experts routing of one row: softmax over the E router logits (max subtracted, expf,
- * the sum in double, as ggml's soft_max), the k most probable experts (a tie goes to the lower
- * index), optionally renormalised to sum 1. The chosen experts come back in ascending order —
- * the order their outputs are summed in — with their weights. E <= MAX_EXPERTS, k <= E. */
-void route_row(const float *logits, int E, int k, int normalize, int *sel, float *w) {
-    float p[MAX_EXPERTS];
+/* Mixture-of-experts routing of one row, as llama.cpp's build_moe_ffn: probabilities by softmax
+ * over the E router logits (max subtracted, expf, the sum in double, as ggml's soft_max) or by
+ * sigmoid (rr->sigmoid); the k experts chosen on them plus rr->bias (a tie goes to the lower
+ * index), among the rr->groups_used best groups when rr->groups > 1 (a group's score: its two
+ * best values summed); weighed by their unbiased probabilities, optionally renormalised to sum 1
+ * (the sum in double, clamped at fp16's smallest normal as ggml_clamp does — never reached by a
+ * softmax's top k), times rr->scale. The chosen experts come back in ascending order — the order
+ * their outputs are summed in — with their weights. E <= MAX_EXPERTS, k <= E. */
+void route_row(const float *logits, int E, int k, int normalize, const RouteRule *rr, int *sel, float *w) {
+    float p[MAX_EXPERTS], pick[MAX_EXPERTS];
     unsigned char used[MAX_EXPERTS] = {0};
-    float mx = -INFINITY;
-    for (int i = 0; i < E; i++) { p[i] = logits[i]; if (logits[i] > mx) mx = logits[i]; }
-    double sum = 0.0;
+    if (rr->sigmoid) {
+        for (int i = 0; i < E; i++) p[i] = 1.0f / (1.0f + expf(-logits[i]));     /* ggml_vec_sigmoid_f32 */
+    } else {
+        float mx = -INFINITY;
+        for (int i = 0; i < E; i++) { p[i] = logits[i]; if (logits[i] > mx) mx = logits[i]; }
+        double sum = 0.0;
 #ifdef KILN_X86
-    if (g_avx2) sum = softmax_avx2(p, E, mx);
-    else
+        if (g_avx2) sum = softmax_avx2(p, E, mx);
+        else
 #endif
-    for (int i = 0; i < E; i++) { p[i] = expf(p[i] - mx); sum += p[i]; }
-    float inv = (float)(1.0 / sum);
-    for (int i = 0; i < E; i++) p[i] *= inv;
+        for (int i = 0; i < E; i++) { p[i] = expf(p[i] - mx); sum += p[i]; }
+        float inv = (float)(1.0 / sum);
+        for (int i = 0; i < E; i++) p[i] *= inv;
+    }
+    for (int i = 0; i < E; i++) pick[i] = rr->bias ? p[i] + rr->bias[i] : p[i];
+    if (rr->groups > 1) {                       /* the groups' scores; the others' experts out of reach */
+        int G = rr->groups, per = E / G;
+        float score[MAX_EXPERTS];
+        unsigned char keep[MAX_EXPERTS] = {0};
+        for (int g = 0; g < G; g++) {
+            float b0 = -INFINITY, b1 = -INFINITY;
+            for (int i = g * per; i < (g + 1) * per; i++)
+                if (pick[i] > b0) { b1 = b0; b0 = pick[i]; } else if (pick[i] > b1) b1 = pick[i];
+            score[g] = b0 + b1;
+        }
+        for (int j = 0; j < rr->groups_used; j++) {
+            int best = -1;
+            for (int g = 0; g < G; g++)
+                if (!keep[g] && (best < 0 || score[g] > score[best])) best = g;
+            keep[best] = 1;
+        }
+        for (int i = 0; i < E; i++) if (!keep[i / per]) pick[i] = -INFINITY;
+    }
     for (int j = 0; j < k; j++) {
         int best = -1;
         for (int i = 0; i < E; i++)
-            if (!used[i] && (best < 0 || p[i] > p[best])) best = i;
+            if (!used[i] && (best < 0 || pick[i] > pick[best])) best = i;
         used[best] = 1; sel[j] = best; w[j] = p[best];
     }
-    if (normalize) {                            /* ggml: sum_rows (double, rounded), then div */
+    if (normalize) {                            /* ggml: sum_rows (double, rounded), clamp, then div */
         double s = 0.0;
         for (int j = 0; j < k; j++) s += (double)w[j];
-        for (int j = 0; j < k; j++) w[j] = w[j] / (float)s;
+        float fs = (float)s;
+        if (fs < 6.103515625e-5f) fs = 6.103515625e-5f;
+        for (int j = 0; j < k; j++) w[j] = w[j] / fs;
     }
+    if (rr->scale != 0.0f && rr->scale != 1.0f)
+        for (int j = 0; j < k; j++) w[j] = w[j] * rr->scale;
     for (int j = 1; j < k; j++)                 /* ascending expert id, weights alongside */
         for (int m = j; m > 0 && sel[m - 1] > sel[m]; m--) {
             int ts = sel[m]; sel[m] = sel[m - 1]; sel[m - 1] = ts;

@@ -108,8 +108,10 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     if (oaio != Py_None) {                    /* gpt-oss's routed FFN: (router_b (E), gate_b, up_b (E, n_ff), down_b (E, n)) */
         PyObject *rbo, *gbo, *ubo, *dbo;
         Py_buffer *rbb, *gbb, *ubb, *dbb;
-        if (L.ffn != FFN_MOE || L.xtab) {
-            PyErr_SetString(PyExc_ValueError, "decode_layer: gpt-oss's biases need its routed FFN in the call, in RAM"); goto done;
+        if (L.ffn != FFN_MOE || L.xtab || L.route.bias || L.route.sigmoid || L.route.groups > 1 ||
+            (L.route.scale != 0.0f && L.route.scale != 1.0f)) {
+            PyErr_SetString(PyExc_ValueError, "decode_layer: gpt-oss's biases need its routed FFN in the call, in RAM, "
+                            "routed by its own rule"); goto done;
         }
         if (!PyArg_ParseTuple(oaio, "OOOO", &rbo, &gbo, &ubo, &dbo) || !(rbb = hold(h, rbo, 0)) || !(gbb = hold(h, gbo, 0)) ||
             !(ubb = hold(h, ubo, 0)) || !(dbb = hold(h, dbo, 0))) goto done;

@@ -17,11 +17,14 @@ Py_buffer *hold(Held *h, PyObject *o, int writable);
 Py_ssize_t kv_view_arg(Held *h, PyObject *o, int writable, int Hkv, size_t row_bytes, KvView *v, const char *who);
 /* ffn: None (the caller runs the FFN), a dense SwiGLU (ffn_norm, wg, wu, gu_type, wd, wd_type, n_ff),
  * or a routed one (ffn_norm, router F32 (E, n), wg_exps, wu_exps, gu_type, wd_exps, wd_type, n_ff,
- * E, k, normalize[, expert table, chosen, chosen weights]); L->n set. 0: a Python error set. */
+ * E, k, normalize, route[, expert table, chosen, chosen weights]); L->n set. 0: a Python error set. */
 int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B);
+/* route: None (the plain rule) or (selection bias F32 (E) or None, sigmoid, groups, groups_used, scale)
+ * — layer.h's RouteRule, checked against E and k. 0: an error set, naming `who`. */
+int route_rule_arg(Held *h, PyObject *o, int E, int k, RouteRule *rr, const char *who);
 /* B x LORA_TARGETS LoraPair (native/runners.py lora_table); after ffn_arg. 0: an error set. */
 int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B);
-/* the routed FFN's shared expert: (sh_gate F32 (n), wg, wu, gu_type, wd, wd_type, sh_ff) or None; after
+/* the routed FFN's shared expert: (sh_gate F32 (n) or None: ungated, wg, wu, gu_type, wd, wd_type, sh_ff) or None; after
  * ffn_arg (and the gpt-oss biases). 0: an error set. */
 int shared_arg(Held *h, PyObject *sho, LayerSpec *L);
 #endif

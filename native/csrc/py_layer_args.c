@@ -35,10 +35,17 @@ int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B) {
     PyObject *fno, *rto = NULL, *go, *uo, *dwo, *xto = Py_None, *cho = Py_None, *cwo = Py_None;
     int ok;
     Py_ssize_t nf = PyTuple_Check(ffn_obj) ? PyTuple_GET_SIZE(ffn_obj) : 0;
-    if (nf == 11 || nf == 13 || nf == 14) {
+    if (nf >= 12 && nf <= 15) {
+        PyObject *rro;
         L->ffn = FFN_MOE;
-        ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiip|OOO", &fno, &rto, &go, &uo, &L->gu_t, &dwo, &L->wd_t,
-                              &L->n_ff, &L->E, &L->k, &L->normalize, &xto, &cho, &cwo);
+        ok = PyArg_ParseTuple(ffn_obj, "OOOOiOiiiipO|OOO", &fno, &rto, &go, &uo, &L->gu_t, &dwo, &L->wd_t,
+                              &L->n_ff, &L->E, &L->k, &L->normalize, &rro, &xto, &cho, &cwo);
+        if (ok && (L->E < 1 || L->E > MAX_EXPERTS || L->k < 1 || L->k > L->E)) {
+            PyErr_Format(PyExc_ValueError, "decode_layer: %d of %d experts (the one-call path takes 1 <= k <= %d, "
+                         "k <= E <= %d)", L->k, L->E, MAX_K, MAX_EXPERTS);
+            return 0;
+        }
+        if (ok && !route_rule_arg(h, rro, L->E, L->k, &L->route, "decode_layer")) return 0;
         /* streamed experts: a table of E (gate, up, down) addresses the caller keeps valid
            for the call, and where to write each row's chosen experts */
         if (ok && xto != Py_None) {
@@ -95,6 +102,32 @@ int ffn_arg(Held *h, PyObject *ffn_obj, LayerSpec *L, int B) {
     return 1;
 }
 
+int route_rule_arg(Held *h, PyObject *o, int E, int k, RouteRule *rr, const char *who) {
+    PyObject *bo;
+    memset(rr, 0, sizeof *rr);
+    if (o == Py_None) return 1;
+    if (!PyArg_ParseTuple(o, "Opiif", &bo, &rr->sigmoid, &rr->groups, &rr->groups_used, &rr->scale)) return 0;
+    if (bo != Py_None) {
+        Py_buffer *bb = hold(h, bo, 0);
+        if (!bb) return 0;
+        if ((size_t)bb->len != (size_t)E * 4) {
+            PyErr_Format(PyExc_ValueError, "%s: the experts' selection bias is %zd bytes, not %d float32", who, bb->len, E);
+            return 0;
+        }
+        rr->bias = bb->buf;
+    }
+    /* a group needs two experts (its score is its two best); the groups kept must hold k experts */
+    if (rr->groups < 0 || (rr->groups > 1 && (E % rr->groups || E / rr->groups < 2 || rr->groups_used < 1 ||
+                                             rr->groups_used > rr->groups || k > rr->groups_used * (E / rr->groups))) ||
+        !isfinite(rr->scale)) {
+        PyErr_Format(PyExc_ValueError, "%s: expert groups %d (%d used) of %d experts choosing %d, or a scale of %g: "
+                     "the groups must divide the experts, two or more each, and hold the k chosen", who, rr->groups,
+                     rr->groups_used, E, k, (double)rr->scale);
+        return 0;
+    }
+    return 1;
+}
+
 int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B) {
     /* B x LORA_TARGETS LoraPair: addresses of float32 or fp16 A (r, n_in) and B (n_out, r) that the
        caller keeps alive for the call and has checked against the layer's shapes
@@ -120,11 +153,11 @@ int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B) {
 
 int shared_arg(Held *h, PyObject *sho, LayerSpec *L) {
     PyObject *lo, *go, *uo, *dwo;
-    Py_buffer *lb, *gb, *ub, *db;
+    Py_buffer *lb = NULL, *gb, *ub, *db;
     TypeInfo tg, td;
     if (sho == Py_None) return 1;
     if (!PyArg_ParseTuple(sho, "OOOiOii", &lo, &go, &uo, &L->sh_gu_t, &dwo, &L->sh_d_t, &L->sh_ff) ||
-        !(lb = hold(h, lo, 0)) || !(gb = hold(h, go, 0)) || !(ub = hold(h, uo, 0)) || !(db = hold(h, dwo, 0)))
+        (lo != Py_None && !(lb = hold(h, lo, 0))) || !(gb = hold(h, go, 0)) || !(ub = hold(h, uo, 0)) || !(db = hold(h, dwo, 0)))
         return 0;
     if (L->ffn != FFN_MOE || L->xtab || L->router_b) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a shared expert goes with routed experts in RAM"); return 0;
@@ -135,10 +168,10 @@ int shared_arg(Held *h, PyObject *sho, LayerSpec *L) {
                         "divide its shapes"); return 0;
     }
     size_t gu_row = (size_t)(L->n / tg.block) * tg.bytes, d_row = (size_t)(L->sh_ff / td.block) * td.bytes;
-    if ((size_t)lb->len != (size_t)L->n * 4 || (size_t)gb->len < L->sh_ff * gu_row || (size_t)ub->len < L->sh_ff * gu_row ||
+    if ((lb && (size_t)lb->len != (size_t)L->n * 4) || (size_t)gb->len < L->sh_ff * gu_row || (size_t)ub->len < L->sh_ff * gu_row ||
         (size_t)db->len < (size_t)L->n * d_row) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a shared-expert buffer is smaller than its shape"); return 0;
     }
-    L->sh_gate = lb->buf; L->sh_g = gb->buf; L->sh_u = ub->buf; L->sh_d = db->buf;
+    L->sh_gate = lb ? lb->buf : NULL; L->sh_g = gb->buf; L->sh_u = ub->buf; L->sh_d = db->buf;
     return 1;
 }
