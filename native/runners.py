@@ -10,6 +10,7 @@ forward is `for run in runners: x = run(x, batch)`.
                    experts are resident, else compiled steps as they arrive
     DeltaNetLayer  a qwen35 delta-net layer whose decode steps (one row per sequence) run in one
                    compiled call with its dense FFN (or the FFN then through its blocks)
+    ConvLayer      the same for an lfm2 short-convolution layer
 
 Every way computes the same bits. What depends on the batch — a decode step or a short run of
 one sequence's rows, against a prompt — is decided per call, inside the runner.
@@ -24,6 +25,7 @@ from .arch.deepseek2 import DeepSeekMoE
 from .arch.ernie import ErnieMoE
 from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.gpt_oss import BiasedMoE, SinkAttention
+from .arch.lfm2 import ShortConv
 from .arch.parts import FFN, Attention, BiasedAttention, Layer, MoE, NormedAttention, SharedExpertMoE
 from .arch.qwen import ProjectionNormedAttention
 from .arch.qwen35 import DELTA_MAX_WIDTH, DeltaNet, GatedAttention
@@ -145,6 +147,30 @@ class DeltaNetLayer(BlocksLayer):
         return x
 
 
+class ConvLayer(DeltaNetLayer):
+    """An lfm2 gated short-convolution layer (arch/lfm2.py): a decode step — one row per
+    sequence, the conv over its kept inputs; longer runs take the blocks — in one compiled call
+    with its FFN (or the FFN then through its blocks)."""
+
+    def __init__(self, i: int, layer: Layer, ffn: str | None):
+        super().__init__(i, layer, ffn)
+        self.kind = f"one call (short conv, {ffn or 'attention'})"
+
+    def __call__(self, x, b):
+        if call_rows(self.i, b) is None or any(e - a != 1 for _, a, e in b.segments):
+            return self.layer(self.i, x, b)
+        i, L, c = self.i, self.layer, b.config
+        a, f = L.attn, L.ffn
+        kernels.compiled_module().decode_conv_layer(
+            x, L.attn_norm, c.rms_eps, (a.in_proj.raw, a.out_proj.raw), (int(a.in_proj.qtype), int(a.out_proj.qtype)),
+            a.conv, [cache.recurrent_state(i)["conv"] for cache, _, _ in b.segments], ffn_spec(L, c, self.ffn), 0,
+            lora_table(i, b, self.ffn == "dense") if b.any_adapter else None, shared_spec(f) if self.ffn == "moe" else None)
+        if self.ffn is None:
+            b.residual = None
+            x = x + f(i, b.norm(x, L.ffn_norm), b)
+        return x
+
+
 def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None, experts: tuple = (None, None)) -> bool:
     """Rows of x (B, n), row r at position rows[r][1] of the sequence in cache rows[r][0], through
     layer i's attention, and its FFN unless `ffn` is None ("dense", or "moe": routed), in one
@@ -243,10 +269,10 @@ def choose_runners(layers: list, config, experts) -> list:
         if L is None:                     # another pipeline stage's layer
             continue
         how = one_call(L, config)
-        if how == "moe" and isinstance(experts, StreamedExperts) and type(L.attn) is DeltaNet:
-            how = "attention"             # streamed experts come through the blocks after a delta net
-        if how is not None and type(L.attn) is DeltaNet:
-            out.append(DeltaNetLayer(i, L, None if how == "attention" else how))
+        if how == "moe" and isinstance(experts, StreamedExperts) and type(L.attn) in (DeltaNet, ShortConv):
+            how = "attention"             # streamed experts come through the blocks after a recurrent mixer
+        if how is not None and type(L.attn) in (DeltaNet, ShortConv):
+            out.append((DeltaNetLayer if type(L.attn) is DeltaNet else ConvLayer)(i, L, None if how == "attention" else how))
         elif how is None:
             out.append(BlocksLayer(i, L))
         elif how == "moe" and isinstance(experts, StreamedExperts):
@@ -272,15 +298,18 @@ def one_call(L, c) -> str | None:
     qwen3's per-head q/k norm (olmoe's over the whole projection) or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
     gpt-oss's (sinks, the output's bias, a window, its biased experts and swiglu-oai), and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
     a GELU-gated FFN — in the call only), qwen35's gated attention (q and gate rows per head) and
-    its delta nets (a call of their own, DeltaNetLayer) — so only a `Layer` of exactly those parts qualifies,
+    its delta nets (a call of their own, DeltaNetLayer), lfm2's short convolutions (ConvLayer) — so only a `Layer` of exactly those parts qualifies,
     with weights the extension multiplies: q and k of one type (v may have its own), gate/up of
     one type."""
     if not kernels.one_call_decode() or type(L) not in (Layer, Gemma3Layer) \
             or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention, SinkAttention,
-                                    ProjectionNormedAttention, GatedAttention, DeltaNet):
+                                    ProjectionNormedAttention, GatedAttention, DeltaNet, ShortConv):
         return None
     a, f = L.attn, L.ffn
-    if type(a) is DeltaNet:
+    if type(a) is ShortConv:
+        if not (_compiled(a.in_proj) and _compiled(a.out_proj)) or not 2 <= a.conv.shape[1] <= 64:
+            return None
+    elif type(a) is DeltaNet:
         if not all(_compiled(w) for w in (a.wqkv, a.wgate, a.ssm_beta, a.ssm_alpha, a.ssm_out)) \
                 or max(a.dims(c)[2:4]) > DELTA_MAX_WIDTH or a.dims(c)[4] > 64 or max(a.dims(c)[:2]) > 4096:
             return None

@@ -203,7 +203,8 @@ def test_a_long_decode_with_heads_split_between_threads_keeps_the_bits(kv, defau
     assert m.config.n_head % 2 == 1 and np.array_equal(fused, stepwise)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe", "gpt-oss", "deepseek2"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "llama3", "qwen35", "qwen35moe", "gpt-oss", "deepseek2", "lfm2",
+                                  "ernie4_5-moe"])
 def test_new_families_batch_exactly_as_they_run_alone(arch):
     """Batched decode steps of the newer families (gemma3's sliding windows and own rope base,
     phi3's split projections, llama3's rope factors) give each sequence its solo tokens."""
@@ -230,7 +231,7 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
 @pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "moe"), ("qwen3", "dense"), ("gpt-oss", "moe"),
                                          ("qwen3moe", "moe"), ("olmoe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
                                          ("phi3", "dense"), ("qwen35", "dense"), ("qwen35moe", "moe"),
-                                         ("ernie4_5-moe", ("dense", "moe"))])
+                                         ("ernie4_5-moe", ("dense", "moe")), ("lfm2", "dense")])
 def test_families_decode_in_one_call(arch, how):
     """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's
     sliding windows (16 positions in the tiny file: the 19-token prompt and the steps after it
@@ -241,12 +242,14 @@ def test_families_decode_in_one_call(arch, how):
     are part of the compiled layer: their decode steps (solo, batched, a short run) take the one
     call — a fall back to the blocks fails here — with the blocks' bits, qwen2moe's and
     qwen35moe's sigmoid-gated shared experts in the call with the routed ones, ernie4.5-moe's
-    (a dense layer first) selection bias, renormalised weights and ungated shared expert."""
+    (a dense layer first) selection bias, renormalised weights and ungated shared expert, lfm2's
+    gated short convolutions (a decode step's conv over the kept inputs, the state shifted)."""
+    from kiln.native.arch.lfm2 import ShortConv
     from kiln.native.arch.qwen35 import DeltaNet
     m = load_model(tiny_path(arch))
     hows = how if isinstance(how, tuple) else (how,) * len(m.layers)
-    assert [r.kind for r in m.runners] == [f"one call (delta net, {h})" if type(L.attn) is DeltaNet else
-                                           f"one call ({h})" for L, h in zip(m.layers, hows)]
+    mixer = {DeltaNet: "delta net, ", ShortConv: "short conv, "}
+    assert [r.kind for r in m.runners] == [f"one call ({mixer.get(type(L.attn), '')}{h})" for L, h in zip(m.layers, hows)]
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73], [2, 4, 8, 16]]
 
     def decode():
@@ -331,56 +334,3 @@ def test_a_prompts_routed_ffn_takes_any_number_of_experts_a_row():
     weights = rng.uniform(0, 1, (T, k)).astype(np.float32)
     loop = moe_ffn(x, experts, weights, lambda e, xs: swiglu_ffn(xs, *moe.expert(e)))
     assert np.array_equal(IN_RAM.ffn(0, moe, x, experts, weights), loop)
-
-
-def test_the_delta_net_calls_refuse_buffers_not_of_their_shape():
-    """The compiled delta net takes its shapes from the caller: a state, a conv history, a row or
-    a run of rows of another size is refused with what was wrong, never read or written past
-    its end."""
-    from kiln.native.kernels import compiled_module
-    C = compiled_module()
-    if C is None:
-        pytest.skip("no compiled extension")
-    Hk, Hv, dk, dv, K, R = 2, 4, 8, 8, 4, 3
-    ch = 2 * Hk * dk + Hv * dv
-    spec = (np.ones((ch, K), np.float32), np.zeros(Hv, np.float32), -np.ones(Hv, np.float32), np.ones(dv, np.float32))
-    rows = (np.ones((R, ch), np.float32), np.ones((R, Hv * dv), np.float32), np.zeros((R, Hv), np.float32),
-            np.zeros((R, Hv), np.float32))
-    conv, S = np.zeros((K - 1, ch), np.float32), np.zeros((Hv, dk, dv), np.float32)
-    out = np.empty((R, Hv * dv), np.float32)
-    C.delta_rows(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [(0, R, conv, S)], out, 1)
-    assert np.isfinite(out).all() and S.any() and conv.all()
-    for runs, dims, match in [([(0, R, conv, np.zeros((Hv, dk, dv - 1), np.float32))], (Hk, Hv, dk, dv, K), "conv inputs or state"),
-                              ([(0, R, conv, S)], (Hk, Hv, dk, dv, K + 1), "not its shape"),
-                              ([(0, R, conv, S)], (Hk, Hv, dk, 100000, K), "row buffer|outside"),
-                              ([(1, R, conv, S)], (Hk, Hv, dk, dv, K), "not within the 3 rows"),
-                              ([(0, 2, conv, S), (1, 2, conv, S)], (Hk, Hv, dk, dv, K), "after the runs before it"),
-                              ([], (Hk, Hv, dk, dv, K), "1 to 64 runs")]:
-        with pytest.raises(ValueError, match=match):
-            C.delta_rows(spec, dims, 1e-6, *rows, runs, out, 1)
-
-
-def test_a_prompts_delta_net_is_its_tokens_stepped_one_by_one():
-    """The compiled delta net runs a prompt token after token (the recurrence, one pass over each
-    head's state per token): two sequences' runs in one call give the bits — outputs, states,
-    kept conv inputs — of the second's tokens stepped one at a time from the same state."""
-    from kiln.native.kernels import compiled_module
-    C = compiled_module()
-    if C is None:
-        pytest.skip("no compiled extension")
-    Hk, Hv, dk, dv, K, R = 4, 8, 64, 64, 4, 37
-    ch, rng = 2 * Hk * dk + Hv * dv, np.random.default_rng(0)
-    spec = (rng.normal(size=(ch, K)).astype(np.float32), rng.normal(size=Hv).astype(np.float32),
-            -np.abs(rng.normal(size=Hv)).astype(np.float32), rng.normal(size=dv).astype(np.float32))
-    rows = [rng.normal(size=s).astype(np.float32) for s in [(R, ch), (R, Hv * dv), (R, Hv), (R, Hv)]]
-    first = (np.zeros((K - 1, ch), np.float32), np.zeros((Hv, dk, dv), np.float32))
-    conv, S = rng.normal(size=(K - 1, ch)).astype(np.float32), rng.normal(size=(Hv, dk, dv)).astype(np.float32) / 10
-    conv_steps, S_steps = conv.copy(), S.copy()
-    out = np.empty((R, Hv * dv), np.float32)
-    C.delta_rows(spec, (Hk, Hv, dk, dv, K), 1e-6, *rows, [(0, 20, *first), (20, 17, conv, S)], out, 2)
-    steps = np.empty((17, Hv * dv), np.float32)
-    for t in range(20, R):
-        C.delta_rows(spec, (Hk, Hv, dk, dv, K), 1e-6, *[np.ascontiguousarray(r[t:t + 1]) for r in rows],
-                     [(0, 1, conv_steps, S_steps)], steps[t - 20:t - 19], 1)
-    assert np.array_equal(out[20:], steps) and np.array_equal(S, S_steps) and np.array_equal(conv, conv_steps)
-    assert np.isfinite(out).all() and first[1].any()

@@ -143,6 +143,14 @@ typedef struct {              /* a run of one sequence's rows: start..start+len-
 void delta_rows(const DeltaSpec *d, int nseg, const DeltaSeg *sg, int R, const float *mixed, const float *z,
                 const float *bl, const float *al, float *conv, float *out);
 int delta_layer_rows(const DeltaSpec *d, const LayerSpec *L, float *x, int B, const DeltaSeg *sg, int nt);
+/* short_conv.c: LFM2's gated short convolution layer for decode rows */
+typedef struct {
+    const uint8_t *w_in, *w_out;  /* in_proj (3n, n): B | C | x rows; out_proj (n, n); as stored */
+    int in_t, out_t;
+    const float *conv_w;      /* (n, K): each channel's kernel, oldest position first */
+    int K;
+} ConvSpec;
+int conv_layer_rows(const ConvSpec *s, const LayerSpec *L, float *x, int B, float *const *st, int nt);
 int moe_stream_rows(const LayerSpec *L, float *x, int B, const int32_t *sel, const float *wsel,
                     const uint64_t *ptrs, uint8_t *done, float *dn, int nt);
 /* moe_rows.c: a prompt's routed FFN (SwiGLU experts) in one call; gpt-oss's routed FFN of one decode row */

@@ -1,5 +1,7 @@
-/* The Python side of qwen35's gated delta net for decode rows (csrc/delta_net.c): the step the
- * block path calls, and the whole layer in one call. Registered by ../_kernels.c. */
+/* The Python side of the recurrent mixers for decode rows: qwen35's gated delta net
+ * (csrc/delta_net.c) — the step the block path calls, and the whole layer in one call — and
+ * lfm2's gated short convolution (csrc/short_conv.c), the whole layer in one call. Registered
+ * by ../_kernels.c. */
 #include "py_layer.h"
 
 /* (conv_w, dt, a, norm), (Hk, Hv, dk, dv, K), eps and the runs: into d and sg, every size checked
@@ -146,5 +148,71 @@ PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
 done:
     while (h && h->n) PyBuffer_Release(&h->b[--h->n]);
     free(h); free(sg);
+    return ret;
+}
+
+/* decode_conv_layer(x (B, n) in place, attn_norm, eps, (in_proj, out_proj), (in_type, out_type),
+ *                   conv (n, K) float32, [state (K-1, n) float32, ...B], ffn, threads, lora, shared):
+ * B decode rows through an LFM2 conv layer and its FFN (ffn and shared as decode_layer's) */
+PyObject *py_decode_conv_layer(PyObject *self, PyObject *args) {
+    PyObject *xo, *ano, *wio, *woo, *cwo, *states, *ffn_obj, *lorao = Py_None, *sho = Py_None, *ret = NULL;
+    double eps;
+    int threads;
+    ConvSpec s = {0};
+    LayerSpec L = {0};
+    if (!PyArg_ParseTuple(args, "OOd(OO)(ii)OO!Oi|OO", &xo, &ano, &eps, &wio, &woo, &s.in_t, &s.out_t, &cwo,
+                          &PyList_Type, &states, &ffn_obj, &threads, &lorao, &sho))
+        return NULL;
+    int B = (int)PyList_GET_SIZE(states), missing;
+    Held *h = calloc(1, sizeof(Held));
+    float **st = calloc(B > 0 ? B : 1, sizeof(float *));
+    Py_buffer *xb, *anb, *wib, *wob, *cwb;
+    TypeInfo ti, to;
+    if (!h || !st) { PyErr_NoMemory(); goto done; }
+    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "decode_conv_layer: 1 to %d rows, not %d", MAX_BATCH, B); goto done; }
+    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_conv_layer needs the AVX2 kernels"); goto done; }
+    if (!(xb = hold(h, xo, 1)) || !(anb = hold(h, ano, 0)) || !(wib = hold(h, wio, 0)) || !(wob = hold(h, woo, 0)) ||
+        !(cwb = hold(h, cwo, 0))) goto done;
+    int n = L.n = (int)(xb->len / 4 / B);
+    s.K = n > 0 ? (int)((size_t)cwb->len / 4 / n) : 0;
+    if (!type_info(s.in_t, &ti) || !type_info(s.out_t, &to)) {
+        PyErr_SetString(PyExc_ValueError, "decode_conv_layer: a projection's type has no compiled kernel"); goto done;
+    }
+    if (n < 1 || (size_t)xb->len != (size_t)B * n * 4 || (size_t)anb->len != (size_t)n * 4 || n % ti.block || n % to.block ||
+        s.K < 2 || s.K > 64 || (size_t)cwb->len != (size_t)n * s.K * 4 ||
+        (size_t)wib->len < (size_t)3 * n * (n / ti.block) * ti.bytes || (size_t)wob->len < (size_t)n * (n / to.block) * to.bytes) {
+        PyErr_SetString(PyExc_ValueError, "decode_conv_layer: x, attn_norm, the conv kernel (n x 2..64) or a projection "
+                        "is not its shape"); goto done;
+    }
+    for (int b = 0; b < B; b++) {
+        Py_buffer *sb = hold(h, PyList_GET_ITEM(states, b), 1);
+        if (!sb) goto done;
+        if ((size_t)sb->len != (size_t)(s.K - 1) * n * 4) {
+            PyErr_Format(PyExc_ValueError, "decode_conv_layer: row %d's state is not (%d, %d) float32", b, s.K - 1, n); goto done;
+        }
+        st[b] = sb->buf;
+    }
+    s.w_in = wib->buf; s.w_out = wob->buf; s.conv_w = cwb->buf;
+    L.eps = (float)eps; L.attn_norm = anb->buf;
+    if (!ffn_arg(h, ffn_obj, &L, B)) goto done;
+    if (L.xtab) { PyErr_SetString(PyExc_ValueError, "decode_conv_layer: streamed experts are not taken here"); goto done; }
+    if (lorao != Py_None) {
+        if (!lora_arg(h, lorao, &L, B)) goto done;
+        for (int i = 0; i < B * LORA_TARGETS; i++)
+            if (L.lora[i].a && i % LORA_TARGETS < LORA_GATE) {
+                PyErr_SetString(PyExc_ValueError, "decode_conv_layer: a conv layer has no attention projection to adapt");
+                goto done;
+            }
+    }
+    if (!shared_arg(h, sho, &L)) goto done;
+    int nt = pick_threads(threads);
+    Py_BEGIN_ALLOW_THREADS
+    missing = conv_layer_rows(&s, &L, xb->buf, B, st, nt);
+    Py_END_ALLOW_THREADS
+    (void)missing;
+    Py_INCREF(Py_None); ret = Py_None;
+done:
+    while (h && h->n) PyBuffer_Release(&h->b[--h->n]);
+    free(h); free(st);
     return ret;
 }
