@@ -84,7 +84,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         if ((size_t)sb.len < (size_t)H * 4) { PyErr_SetString(PyExc_ValueError, "attention: sinks has fewer than H values"); goto done; }
         sinks = (const float *)sb.buf;
     }
-    if (D > 512) { PyErr_SetString(PyExc_ValueError, "attention: head_dim must be <= 512"); goto done; }
+    if (D < 1 || D > MAX_HEAD_DIM) { PyErr_Format(PyExc_ValueError, "attention: head_dim %d is outside 1..%d", D, MAX_HEAD_DIM); goto done; }
     size_t kr = (size_t)kv_row_bytes(kt, D), vr = (size_t)kv_row_bytes(vt, D);
     if (!kr || !vr) { PyErr_Format(PyExc_ValueError, "attention: no KV cache of types %d/%d with head_dim %d", kt, vt, D); goto done; }
     if (Hkv < 1 || H % Hkv) { PyErr_Format(PyExc_ValueError, "attention: %d heads do not share %d KV heads", H, Hkv); goto done; }
@@ -116,7 +116,7 @@ static PyObject *kv_convert(PyObject *args, int store) {
     if (!PyArg_ParseTuple(args, "y*w*iii|i", &xb, &ob, &type, &R, &D, &rot)) return NULL;
     PyObject *ret = NULL;
     size_t rb = (size_t)kv_row_bytes(type, D);
-    if (rot && (rot < 2 || rot & (rot - 1) || D % rot || D > 512)) {
+    if (rot && (rot < 2 || rot & (rot - 1) || D % rot || D > MAX_HEAD_DIM)) {
         PyErr_Format(PyExc_ValueError, "kv: a rotation of %d does not divide rows of %d values", rot, D); goto done;
     }
     if (!rb || R < 0) { PyErr_Format(PyExc_ValueError, "kv: no KV cache of type %d with rows of %d values", type, D); goto done; }

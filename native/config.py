@@ -117,7 +117,9 @@ def read_config(g: GGUFFile) -> ModelConfig:
         key.fail("attention.head_count_kv", n_head_kv, f"must divide head_count, {n_head}")
     if f"{arch}.attention.key_length" not in g.metadata and n_embd % n_head:
         key.fail("attention.head_count", n_head, f"must divide embedding_length, {n_embd} (no key_length)")
-    head_dim = key("attention.key_length", n_embd // n_head, required=False, kind=int, lo=1, hi=MAX_WIDTH)
+    # the attention kernels hold a head's row on the stack (csrc/kiln.h MAX_HEAD_DIM): 1,024 values,
+    # beyond DeepSeek's 576-value latent rows, the widest any family has
+    head_dim = key("attention.key_length", n_embd // n_head, required=False, kind=int, lo=1, hi=1024)
     rope_dim = key("rope.dimension_count", head_dim, required=False, kind=int, lo=2, hi=head_dim)
     if rope_dim % 2:
         key.fail("rope.dimension_count", rope_dim, "must be even (dimensions rotate in pairs)")

@@ -83,11 +83,12 @@ def reference(name: str) -> tuple[dict, dict]:
 
 
 TINY_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "llama3", "gemma3", "qwen35",
-              "qwen35moe", "gpt-oss", "smollm3", "ernie4_5", "ernie4_5-moe", "lfm2", "deepseek2", "deepseek2-v3"]
+              "qwen35moe", "gpt-oss", "smollm3", "ernie4_5", "ernie4_5-moe", "lfm2", "deepseek2", "deepseek2-v3",
+              "deepseek2-wide"]
 # llama.cpp's float32 bits are reproduced at every prompt position for these (the others meet
 # the fidelity bars; tests/data/README.md says where they part)
 BITS_ARCHS = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "phi3", "smollm3", "ernie4_5", "ernie4_5-moe", "lfm2",
-              "deepseek2"]
+              "deepseek2", "deepseek2-wide"]
 
 
 def tiny_path(arch: str) -> Path:

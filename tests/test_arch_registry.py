@@ -16,7 +16,7 @@ FAMILY_OF = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qw
              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3", "gemma3": "gemma3",
              "qwen35": "qwen35", "qwen35moe": "qwen35moe", "gpt-oss": "gpt-oss", "smollm3": "smollm3",
              "ernie4_5": "ernie4_5", "ernie4_5-moe": "ernie4_5-moe", "lfm2": "lfm2", "deepseek2": "deepseek2",
-             "deepseek2-v3": "deepseek2"}
+             "deepseek2-v3": "deepseek2", "deepseek2-wide": "deepseek2"}
 
 
 def test_the_registry_lists_every_family_with_what_it_needed():

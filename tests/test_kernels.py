@@ -211,7 +211,7 @@ def test_a_prompts_attention_is_each_rows_alone(dtype, kernel_width):
     dimensions (96 and 32: the AVX2 walk's 32 a pass),
     rows seeing 1 to 300 positions."""
     rng = np.random.default_rng(11)
-    for D, H, Hkv in ((128, 8, 4), (64, 8, 4), (128, 6, 2), (64, 3, 3), (96, 4, 4), (32, 4, 2)):
+    for D, H, Hkv in ((128, 8, 4), (64, 8, 4), (128, 6, 2), (64, 3, 3), (96, 4, 4), (32, 4, 2), (576, 4, 1)):
         S, T, start = 300, 9, 291
         q = rng.standard_normal((T, H, D)).astype(np.float32)
         k, v = (rng.standard_normal((S, Hkv, D)).astype(dtype) for _ in range(2))

@@ -108,13 +108,15 @@ def test_a_quantized_cache_keeps_the_batch_invariance_and_one_call_decode_bits(k
 
 
 @compiled
-def test_the_compiled_attention_is_the_definition_over_the_rotated_blocks():
+@pytest.mark.parametrize("d", [128, 576])
+def test_the_compiled_attention_is_the_definition_over_the_rotated_blocks(d):
     """As llama.cpp: rows stored rotated by a Walsh-Hadamard matrix (keys of the largest power of
     two from 64 dividing head_dim, values of 64); scores are the rotated query quantized to q8_0
     (the key type's vec_dot_type) times the key blocks; softmax; values widened from their blocks;
-    the output rotated back — checked against that definition written in numpy."""
+    the output rotated back — checked against that definition written in numpy. 576: DeepSeek's
+    latent rows, past the 512 values the kernels' buffers once held."""
     rng = np.random.default_rng(3)
-    T, S, H, Hkv, d = 3, 40, 4, 2, 128
+    T, S, H, Hkv = 3, 40, 4, 2
     q = rng.standard_normal((T, H, d)).astype(np.float32)
     k, v = rng.standard_normal((2, S, Hkv, d)).astype(np.float32)
     assert (rotation(kv_type("q4_0"), 128, True), rotation(kv_type("q4_0"), 128, False)) == (128, 64)

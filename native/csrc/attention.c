@@ -32,7 +32,7 @@ AVX2 static void vaxpy_avx2(float *o, float p, const float *v, int n) {
 #define ATTN_PHASES(NAME, T, LD8, LD1, RND, RND8)                                                    \
 AVX2 void NAME##_scores(const float *Q, const T *K0, size_t ks, int t, int h, int H, int D, int s0, \
                         int s1, float scale, float *row) {                                        \
-    float q[512];                                  /* D <= 512, checked by the callers */       \
+    float q[MAX_HEAD_DIM];                         /* D <= MAX_HEAD_DIM, checked by the callers */ \
     for (int i = 0; i < D; i++) q[i] = RND(Q[((size_t)t * H + h) * D + i]);                       \
     int s = s0;                                                                                   \
     if (D % 8 == 0)                                                                               \
@@ -132,7 +132,7 @@ AVX2 void NAME(const float *Q, const T *K0, size_t ks, const T *V0, size_t vs, f
     if (D % 8 == 0) {                                                                             \
         /* the same lanes kept in L1 instead of registers, so each value row is read once,      \
            not once per eight dimensions (the position loop outside, dimensions inside) */      \
-        float acc[8 * 512] __attribute__((aligned(32)));                                          \
+        float acc[8 * MAX_HEAD_DIM] __attribute__((aligned(32)));                                 \
         if (D % 64 == 0) P##_vlanes(row, V0, vs, D, n, 0, 8, acc);                                \
         else {                                                                                    \
             for (int i = 0; i < 8 * D; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());     \
@@ -222,7 +222,7 @@ void attention_rows(const float *Q, KvView K, KvView V, float *O, int T, int H, 
 #ifdef KILN_X86
     /* 96 dimensions (Phi-3) too, for a prompt: its groups of rows keep four queries' chains in
        flight; a single query (a decode step, G = 1) is faster through its task below */
-    if (g_avx2 && (D % 64 == 0 || (D % 32 == 0 && T > 1)) && D <= 512 && G <= 64) {
+    if (g_avx2 && (D % 64 == 0 || (D % 32 == 0 && T > 1)) && D <= MAX_HEAD_DIM && G <= 64) {
         /* a KV head's query heads and GROUP_ROWS rows at once (attention_group.c): each key and
            value row read once for all of them; head-major blocks dealt round-robin */
         int nb = (T + GROUP_ROWS - 1) / GROUP_ROWS, nqm = GROUP_ROWS * G;
@@ -278,12 +278,12 @@ void attention_rows(const float *Q, KvView K, KvView V, float *O, int T, int H, 
         for (int task = 0; task < T * H; task++) {
             int t = task / H, h = task % H, n = start + t + 1;
             size_t kh = (size_t)(h / G);
-            float q[512];                  /* with an fp16 cache, rounded as the AVX2 task does */
+            float q[MAX_HEAD_DIM];         /* with an fp16 cache, rounded as the AVX2 task does */
             for (int i = 0; i < D; i++) q[i] = f16 ? round_fp16(Q[((size_t)t * H + h) * D + i]) : Q[((size_t)t * H + h) * D + i];
             float mx = -INFINITY;
             int lo = win > 0 && n > win ? n - win : 0;     /* sliding window: keys before lo masked */
             for (int s = 0; s < n; s++) {
-                float kt[512];
+                float kt[MAX_HEAD_DIM];
                 sc[s] = s < lo ? -INFINITY : vdot(q, kv_row(K.p + kh * K.hs + s * K.ps, f16, D, kt), D) * scale;
                 if (sc[s] > mx) mx = sc[s];
             }
@@ -294,7 +294,7 @@ void attention_rows(const float *Q, KvView K, KvView V, float *O, int T, int H, 
             float inv = 1.0f / sum, *o = O + ((size_t)t * H + h) * D;
             for (int i = 0; i < D; i++) o[i] = 0.f;
             for (int s = 0; s < n; s++) {
-                float vt[512];
+                float vt[MAX_HEAD_DIM];
                 vaxpy(o, f16 ? round_fp16(sc[s] * inv) : sc[s] * inv, kv_row(V.p + kh * V.hs + s * V.ps, f16, D, vt), D);
             }
         }

@@ -27,7 +27,7 @@ AVX2 void attn_group_prepare(AttnQuery *qs, int nq, int D, int f16) {
 #define GROUP_PHASES(NAME, T, LD8)                                                                   \
 AVX2 static inline __attribute__((always_inline)) void NAME##_scores_nv(                            \
         AttnQuery *qs, int nq, const T *K0, size_t ks, int nv, int s0, int s1, float scale) {     \
-    __m256 kk[64];                                  /* D <= 512 */                               \
+    __m256 kk[MAX_HEAD_DIM / 8];                                                                  \
     for (int s = s0; s < s1; s++) {                                                               \
         const T *k = K0 + (size_t)s * ks;                                                         \
         if (s + PREFETCH_ROWS < s1) prefetch_row(K0 + (size_t)(s + PREFETCH_ROWS) * ks, 8 * nv * sizeof(T)); \
@@ -94,7 +94,7 @@ AVX2 static inline __attribute__((always_inline)) void NAME##_values_nv(        
             int p = base + l;                                                                     \
             const T *v = V0 + (size_t)p * ks;                                                     \
             if (p + 8 < nmax) prefetch_row(v + 8 * ks, D * sizeof(T));                            \
-            __m256 vv[64];                                                                        \
+            __m256 vv[MAX_HEAD_DIM / 8];                                                                        \
             for (int d = 0; d < D / 8; d++) vv[d] = LD8(v + 8 * d);                               \
             for (int j = 0; j < nq; j++) {                                                        \
                 if (p >= qs[j].n) continue;                                                       \

@@ -170,6 +170,9 @@ AVX2 static inline float dot_f32_avx2(const float *w, const float *x, int n) {
  * attention loops ask for the rows this far ahead (measured: decode at 2k positions 1.3-1.45x,
  * docs/engine.md). A prefetch changes no value. */
 #define PREFETCH_ROWS 8
+/* The widest attention head the kernels take (their per-row buffers live on the stack): DeepSeek's
+ * latent attention keeps rows of kv_lora_rank + rope = 576 values (V2-Lite, V3, Kimi K2). */
+#define MAX_HEAD_DIM 1024
 /* A decode step streams every weight once from memory, a few rows at a time: its kernels ask for
  * the rows this far ahead, or each row's loads wait on memory's latency before the next row's
  * start (measured on a 1 B Q4_K_M decode: 12.3 -> 25.0 tok/s; a Q4_K matrix-vector product from

@@ -85,7 +85,7 @@ static void q4_0_row(const float *x, uint8_t *y, int D) {     /* ggml's quantize
 
 /* a row of D values as the cache stores it (rot: the rotation applied first, 0 for none) */
 void kv_store_row(int type, const float *x, uint8_t *y, int D, int rot) {
-    float r[512];
+    float r[MAX_HEAD_DIM];
     if (rot) { memcpy(r, x, (size_t)D * 4); kv_fwht(r, D, rot); x = r; }
     switch (type) {
     case T_F32: memcpy(y, x, (size_t)D * 4); break;
@@ -203,7 +203,7 @@ void attn_kv_scores(const float *Q, const uint8_t *K, size_t ks, int kt, int t, 
     if (g_avx2 && kt == T_F32) { attn_f32_scores(Q, (const float *)K, ks / 4, t, h, H, D, s0, s1, scale, row); return; }
 #endif
     if (kt == T_F32 || kt == T_F16) {            /* portable: the row widened, q rounded as the cache */
-        float kr[512], qr[512];
+        float kr[MAX_HEAD_DIM], qr[MAX_HEAD_DIM];
         for (int i = 0; i < D; i++) qr[i] = kt == T_F16 ? round_fp16(q[i]) : q[i];
         for (int s = s0; s < s1; s++) {
             kv_load_row(kt, K + s * ks, kr, D, 0);
@@ -215,10 +215,11 @@ void attn_kv_scores(const float *Q, const uint8_t *K, size_t ks, int kt, int t, 
     }
     /* the query rotated as the keys were, then as Q8_0, as ggml's flash attention converts it
        to the key type's vec_dot_type */
-    float qr[512];
+    float qr[MAX_HEAD_DIM];
     const int rot = kv_rot(kt, D, 1);
     if (rot) { memcpy(qr, q, (size_t)D * 4); kv_fwht(qr, D, rot); q = qr; }
-    int8_t qq[512]; float qd[16], qs[16], dT[16 + 8], sT[16 + 8];
+    int8_t qq[MAX_HEAD_DIM];
+    float qd[MAX_HEAD_DIM / 32], qs[MAX_HEAD_DIM / 32], dT[MAX_HEAD_DIM / 32 + 8], sT[MAX_HEAD_DIM / 32 + 8];
     Act a = {A_Q8_0, q, NULL, qq, qd, qs, NULL, dT, sT, 1};
     act_row(&a, 0, D);
 #ifdef KILN_X86
@@ -243,7 +244,7 @@ void attn_kv_vlanes(const float *row, const uint8_t *V, size_t vs, int vt, int D
     if (g_avx2 && vt == T_F16 && D % 64 == 0) { attn_f16_vlanes(row, (const uint16_t *)V, vs / 2, D, n, i0, i1, acc); return; }
     if (g_avx2 && vt == T_F32 && D % 64 == 0) { attn_f32_vlanes(row, (const float *)V, vs / 4, D, n, i0, i1, acc); return; }
 #endif
-    float vr[512];
+    float vr[MAX_HEAD_DIM];
     for (int i = i0; i < i1; i++) {
         float *a = acc + (size_t)i * D;
         for (int d = 0; d < D; d++) a[d] = 0.f;
@@ -333,7 +334,7 @@ AVX2 static void fa_values_avx2(const float *w, const uint8_t *V0, size_t vstrid
  * values) and the sequential part is the value sums. */
 void attn_kv_fa_pass(float *row, const uint8_t *V0, size_t vstride, int vt, int D, int n, int win, const float *sink,
                      float *o) {
-    float acc[512], vr[512];
+    float acc[MAX_HEAD_DIM], vr[MAX_HEAD_DIM];
     const int lo = win > 0 && n > win ? n - win : 0;
     /* row[s] becomes the key's weight vs; a key that raises the maximum has vs 1 and scales what
        came before by ms = expf(Mold - M), kept as -ms (sign bit set, -0.0 for the first key) */
@@ -387,7 +388,7 @@ void attn_task_kv(const float *Q, const uint8_t *K, size_t ks, const uint8_t *V,
         attn_kv_fa_pass(row, V, vs, vt, D, n, win, sinks ? sinks + h : NULL, O + ((size_t)t * H + h) * D);
         return;
     }
-    float acc[8 * 512] __attribute__((aligned(32)));
+    float acc[8 * MAX_HEAD_DIM] __attribute__((aligned(32)));
     attn_kv_scores(Q, K, ks, kt, t, h, H, D, 0, n, scale, row);
     attn_kv_softmax(row, n, win, sinks ? sinks + h : NULL, vt);
     attn_kv_vlanes(row, V, vs, vt, D, n, 0, 8, acc);

@@ -43,7 +43,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     int plain = L->kt == L->vt && (L->kt == T_F32 || L->kt == T_F16), kv_f16 = L->kt == T_F16;
     int G = H / Hkv;
     /* plain caches: a KV head's query heads (and a sequence's consecutive rows) at once */
-    int grouped = plain && D % 64 == 0 && D <= 512 && G <= 64;
+    int grouped = plain && D % 64 == 0 && D <= MAX_HEAD_DIM && G <= 64;
     int split = nt > 1 && (B * (grouped ? Hkv : H)) % nt != 0 && D % 64 == 0 && S >= SPLIT_ATTENTION_FROM;
     int fa = L->vt == T_Q8_0 || L->vt == T_Q4_0;  /* flash attention's pass after the scores (kv_quant.c) */
     float *rowbuf = split || grouped ? malloc((size_t)B * H * (S + 8) * sizeof(float)) : NULL;

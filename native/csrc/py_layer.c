@@ -46,7 +46,7 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: a weight type has no compiled kernel"); goto done;
     }
     if ((size_t)xb->len != (size_t)B * n * 4 || n % tq.block || n % tv.block || qn % to.block || L.Hkv < 1 || L.H % L.Hkv ||
-        L.R > L.D || L.D > 512 ||
+        L.R > L.D || L.D > MAX_HEAD_DIM ||
         (size_t)wb[0]->len < (size_t)(L.q_gate ? 2 : 1) * qn * (n / tq.block) * tq.bytes || (size_t)wb[1]->len < (size_t)kvn * (n / tq.block) * tq.bytes ||
         (size_t)wb[2]->len < (size_t)kvn * (n / tv.block) * tv.bytes || (size_t)wb[3]->len < (size_t)n * (qn / to.block) * to.bytes ||
         (size_t)cb->len < (size_t)B * (L.R / 2) * 4 || (size_t)sb->len < (size_t)B * (L.R / 2) * 4 || (size_t)anb->len < (size_t)n * 4) {

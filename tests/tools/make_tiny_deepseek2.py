@@ -6,6 +6,9 @@ write (attn_kv_a_mqa, attn_k_b, attn_v_b; no low-rank query, as V2-Lite), YaRN a
 through src/models/deepseek2.cpp. tiny-deepseek2-v3 is the same architecture as DeepSeek-V3
 configures it: a low-rank query (attn_q_a → norm → attn_q_b), sigmoid gating with a selection
 bias, 4 expert groups of which 2 are kept, weights renormalised and scaled by 2.5, no YaRN.
+tiny-deepseek2-wide is tiny-deepseek2 with the released models' latent width: kv_lora_rank 512 and
+64 rope dimensions, so each cached key row holds 576 values (past the 512 the attention kernels
+once took).
 
     python tests/tools/make_tiny_deepseek2.py
 """
@@ -21,10 +24,12 @@ E, H, NOPE, R, VD, C = 128, 4, 16, 16, 32, 64      # embedding, heads, no-rope /
 X, F = 8, 64                                        # experts, expert width
 
 
-def build(v3: bool) -> Path:
+def build(v3: bool, wide: bool = False) -> Path:
     sys.path.insert(0, str(HERE))
     from gguf_copy import copy_gguf
-    rng = np.random.default_rng(3 if v3 else 2)
+    global C, R
+    C, R = (512, 64) if wide else (64, 16)
+    rng = np.random.default_rng(3 if v3 else 4 if wide else 2)
     f32 = lambda *s, scale=None: (rng.standard_normal(s) * (scale or s[-1] ** -0.5)).astype(np.float32)  # noqa: E731
     QR = 32
     add = {}
@@ -54,13 +59,13 @@ def build(v3: bool) -> Path:
                  f"{arch}.expert_group_count": 4, f"{arch}.expert_group_used_count": 2,
                  f"{arch}.expert_weights_norm": True, f"{arch}.expert_weights_scale": 2.5}
     else:
-        meta |= {"general.name": "tiny-deepseek2", f"{arch}.rope.scaling.type": "yarn",
+        meta |= {"general.name": "tiny-deepseek2-wide" if wide else "tiny-deepseek2", f"{arch}.rope.scaling.type": "yarn",
                  f"{arch}.rope.scaling.factor": 4.0, f"{arch}.rope.scaling.original_context_length": 512,
                  f"{arch}.rope.scaling.yarn_log_multiplier": 0.0707, f"{arch}.expert_weights_scale": 1.0,
                  f"{arch}.expert_gating_func": 1}
     drop = [f"blk.{i}.attn_{t}.weight" for i in (0, 1) for t in ("q", "k", "v")]
     drop += [f"blk.1.ffn_{t}.weight" for t in ("gate", "up", "down")]
-    name = "tiny-deepseek2-v3.gguf" if v3 else "tiny-deepseek2.gguf"
+    name = "tiny-deepseek2-v3.gguf" if v3 else "tiny-deepseek2-wide.gguf" if wide else "tiny-deepseek2.gguf"
     return copy_gguf(TINY / "tiny-llama.gguf", TINY / name, arch,
                      rename=lambda k: arch + k[len("llama"):] if k.startswith("llama.") else k, drop=drop, add=add,
                      meta=meta)
@@ -69,8 +74,8 @@ def build(v3: bool) -> Path:
 def main() -> None:
     sys.path.insert(0, str(HERE / "tools"))
     import make_reference
-    for v3 in (False, True):
-        make_reference.tiny_reference(build(v3), HERE / "data" / "prompts_tiny.json")
+    for v3, wide in ((False, False), (True, False), (False, True)):
+        make_reference.tiny_reference(build(v3, wide), HERE / "data" / "prompts_tiny.json")
 
 
 if __name__ == "__main__":
