@@ -131,20 +131,26 @@ class DeltaNetLayer(BlocksLayer):
         self.kind = f"one call (delta net, {ffn or 'attention'})"
 
     def __call__(self, x, b):
+        """A decode step in the call (then the FFN's blocks when it is not in it); otherwise the
+        blocks."""
         if call_rows(self.i, b) is None or any(e - a != 1 for _, a, e in b.segments):
             return self.layer(self.i, x, b)
+        self.call(x, b, lora_table(self.i, b, self.ffn == "dense") if b.any_adapter else None,
+                  shared_spec(self.layer.ffn) if self.ffn == "moe" else None)
+        if self.ffn is None:
+            b.residual = None
+            x = x + self.layer.ffn(self.i, b.norm(x, self.layer.ffn_norm), b)
+        return x
+
+    def call(self, x, b, lora, shared):
+        """The compiled step: x (B, n) in place."""
         i, L, c = self.i, self.layer, b.config
-        d, f = L.attn, L.ffn
+        d = L.attn
         states = [(st["conv"], st["ssm"]) for st in (cache.recurrent_state(i) for cache, _, _ in b.segments)]
         ws = (d.wqkv, d.wgate, d.ssm_beta, d.ssm_alpha, d.ssm_out)
         kernels.compiled_module().decode_delta_layer(
             x, L.attn_norm, c.rms_eps, tuple(w.raw for w in ws), tuple(int(w.qtype) for w in ws), d.spec(), d.dims(c),
-            states, ffn_spec(L, c, self.ffn), 0, lora_table(i, b, self.ffn == "dense") if b.any_adapter else None,
-            shared_spec(f) if self.ffn == "moe" else None)
-        if self.ffn is None:
-            b.residual = None
-            x = x + f(i, b.norm(x, L.ffn_norm), b)
-        return x
+            states, ffn_spec(L, c, self.ffn), 0, lora, shared)
 
 
 class ConvLayer(DeltaNetLayer):
@@ -156,19 +162,13 @@ class ConvLayer(DeltaNetLayer):
         super().__init__(i, layer, ffn)
         self.kind = f"one call (short conv, {ffn or 'attention'})"
 
-    def __call__(self, x, b):
-        if call_rows(self.i, b) is None or any(e - a != 1 for _, a, e in b.segments):
-            return self.layer(self.i, x, b)
+    def call(self, x, b, lora, shared):
         i, L, c = self.i, self.layer, b.config
-        a, f = L.attn, L.ffn
+        a = L.attn
         kernels.compiled_module().decode_conv_layer(
             x, L.attn_norm, c.rms_eps, (a.in_proj.raw, a.out_proj.raw), (int(a.in_proj.qtype), int(a.out_proj.qtype)),
             a.conv, [cache.recurrent_state(i)["conv"] for cache, _, _ in b.segments], ffn_spec(L, c, self.ffn), 0,
-            lora_table(i, b, self.ffn == "dense") if b.any_adapter else None, shared_spec(f) if self.ffn == "moe" else None)
-        if self.ffn is None:
-            b.residual = None
-            x = x + f(i, b.norm(x, L.ffn_norm), b)
-        return x
+            lora, shared)
 
 
 def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None, experts: tuple = (None, None)) -> bool:

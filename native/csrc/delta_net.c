@@ -196,11 +196,8 @@ int delta_layer_rows(const DeltaSpec *d, const LayerSpec *L, float *x, int B, co
     Act acts[4], ao;
     for (int p = 0; p < 4; p++) { type_info(types[p], &ti[p]); act_alloc(&acts[p], &ti[p], a, B, n); }
     type_info(d->out_t, &to); act_alloc(&ao, &to, o, B, inner);
-    int lrmax = 0;
-    for (int i = 0; L->lora && i < B * LORA_TARGETS; i++) if (L->lora[i].a && L->lora[i].r > lrmax) lrmax = L->lora[i].r;
-    float *ltmp = lrmax ? malloc((size_t)B * LORA_TARGETS * lrmax * sizeof(float)) : NULL;
     FfnWork fw;
-    ffn_work_init(&fw, L, B, ltmp, lrmax);
+    ffn_work_init(&fw, L, B);
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
@@ -213,16 +210,12 @@ int delta_layer_rows(const DeltaSpec *d, const LayerSpec *L, float *x, int B, co
         #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) act_row(&ao, b, inner);
         rows_dot(&ao, B, inner, d->out_t, &to, 1, Wo, No, Oo);
-        #pragma omp for schedule(static)
-        for (int b = 0; b < B; b++) {
-            float *xb = x + (size_t)b * n, *db = dn + (size_t)b * n;
-            for (int i = 0; i < n; i++) xb[i] = xb[i] + db[i];
-        }
+        residual_rows(x, dn, B, n);
         ffn_rows(L, &fw, x, B, &missing);
     }
     for (int p = 0; p < 4; p++) act_free(&acts[p]);
     act_free(&ao); ffn_work_free(&fw);
-    free(a); free(mixed); free(z); free(bl); free(al); free(conv); free(o); free(dn); free(ltmp);
+    free(a); free(mixed); free(z); free(bl); free(al); free(conv); free(o); free(dn);
 #endif
     return missing;
 }

@@ -77,12 +77,15 @@ AVX2 static void shared_expert_rows(const LayerSpec *L, FfnWork *w, int B) {
 }
 
 /* The FFN's buffers for B rows; ltmp/lrmax: the caller's room for the adapters' A x. */
-void ffn_work_init(FfnWork *w, const LayerSpec *L, int B, float *ltmp, int lrmax) {
+void ffn_work_init(FfnWork *w, const LayerSpec *L, int B) {
     static const TypeInfo tf = {1, 4, A_F32};
     int n = L->n, n_ff = L->n_ff, moe = L->ffn == FFN_MOE;
     int fr = moe ? L->k : B;                  /* FFN rows held at once: a row's experts, or the batch */
     memset(w, 0, sizeof *w);
-    w->ltmp = ltmp; w->lrmax = lrmax; w->tg = w->td = tf;
+    w->tg = w->td = tf;
+    for (int i = 0; L->lora && i < B * LORA_TARGETS; i++)
+        if (L->lora[i].a && L->lora[i].r > w->lrmax) w->lrmax = L->lora[i].r;
+    if (w->lrmax) w->ltmp = malloc((size_t)B * LORA_TARGETS * w->lrmax * sizeof(float));
     if (!L->ffn) return;
     type_info(L->gu_t, &w->tg); type_info(L->wd_t, &w->td);
     w->f = malloc((size_t)B * n * 4); w->g = malloc((size_t)n_ff * fr * 4); w->u = malloc((size_t)n_ff * fr * 4);
@@ -101,8 +104,19 @@ void ffn_work_free(FfnWork *w) {
     if (w->f) { act_free(&w->ag); act_free(&w->ad); act_free(&w->ar); }
     if (w->shg) { act_free(&w->ash); act_free(&w->ashd); }
     free(w->shg); free(w->shu); free(w->shd); free(w->shl);
-    free(w->f); free(w->g); free(w->u); free(w->dn); free(w->logits); free(w->wsel); free(w->sel);
+    free(w->f); free(w->g); free(w->u); free(w->dn); free(w->logits); free(w->wsel); free(w->sel); free(w->ltmp);
 }
+
+#ifdef KILN_X86
+void residual_rows(float *x, const float *d, int B, int n) {
+    #pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) {
+        float *xb = x + (size_t)b * n;
+        const float *db = d + (size_t)b * n;
+        for (int i = 0; i < n; i++) xb[i] = xb[i] + db[i];
+    }
+}
+#endif
 
 /* x (B, n): the residual after the layer's mixer; through the FFN and added, in place. Every
  * thread of the region calls it. Streamed experts (L->xtab) of which a chosen one is not

@@ -28,11 +28,10 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     float *a = malloc((size_t)B * n * 4), *q = malloc((size_t)B * qn * 4), *kt = malloc((size_t)B * kvn * 4),
           *vt = malloc((size_t)B * kvn * 4), *att = malloc((size_t)B * qn * 4), *o = malloc((size_t)B * n * 4),
           *qg = L->q_gate ? malloc((size_t)B * qw * 4) : q, *gate = L->q_gate ? malloc((size_t)B * qn * 4) : NULL;
-    int lrmax = 0;                            /* the largest LoRA rank in the batch: A x's room per row */
-    for (int i = 0; L->lora && i < B * LORA_TARGETS; i++) if (L->lora[i].a && L->lora[i].r > lrmax) lrmax = L->lora[i].r;
-    float *ltmp = lrmax ? malloc((size_t)B * LORA_TARGETS * lrmax * sizeof(float)) : NULL;
-    FfnWork fw;
-    ffn_work_init(&fw, L, B, ltmp, lrmax);
+    FfnWork fw;                               /* the FFN's work, the adapters' room (fw.ltmp) */
+    ffn_work_init(&fw, L, B);
+    float *ltmp = fw.ltmp;
+    const int lrmax = fw.lrmax;
     const uint8_t *Wqkv[3] = {L->wq, L->wk, L->wv}, *Wo[1] = {L->wo};
     int Nqkv[3] = {qw, kvn, kvn}, No[1] = {n};
     float *Oqkv[3] = {qg, kt, vt}, *Oo[1] = {o};
@@ -186,7 +185,7 @@ int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows
     act_free(&aq); act_free(&ao); if (v_own_act) act_free(&av);
     ffn_work_free(&fw);
     if (L->q_gate) { free(qg); free(gate); }
-    free(a); free(q); free(kt); free(vt); free(att); free(o); free(ltmp); free(rowbuf); free(accbuf); attn_group_free(gp);
+    free(a); free(q); free(kt); free(vt); free(att); free(o); free(rowbuf); free(accbuf); attn_group_free(gp);
 #endif
     return missing;
 }

@@ -105,13 +105,15 @@ typedef struct {
     float *shg, *shu, *shd, *shl;     /* the shared expert's gate, up, output (B rows) and gate logits */
     Act ash, ashd;
     TypeInfo tsh, tshd;
-    float *ltmp;              /* the caller's room for the adapters' A x (B x LORA_TARGETS x lrmax) */
-    int lrmax;
+    float *ltmp;              /* the layer's adapters' A x (B x LORA_TARGETS x lrmax), its mixer's too */
+    int lrmax;                /* the largest LoRA rank in the batch: A x's room per row */
 } FfnWork;
-void ffn_work_init(FfnWork *w, const LayerSpec *L, int B, float *ltmp, int lrmax);
+void ffn_work_init(FfnWork *w, const LayerSpec *L, int B);
 void ffn_work_free(FfnWork *w);
 #ifdef KILN_X86
 void ffn_rows(const LayerSpec *L, FfnWork *w, float *x, int B, int *missing);
+/* x[b] += d[b] for B rows of n (an orphaned `omp for`): a mixer's output into the residual */
+void residual_rows(float *x, const float *d, int B, int n);
 /* lora_rows.c: each row's adapters on the projections ts that share the input in: lora_a (A x,
  * before the base projections: their barrier ends it), then lora_b (out[i][b] += scale * B (A x)).
  * tmp: B x LORA_TARGETS x rmax floats. */

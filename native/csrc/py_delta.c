@@ -91,6 +91,29 @@ done:
 /* decode_delta_layer(x (B, n) in place, attn_norm, eps, (wqkv, wgate, wbeta, walpha, wout),
  *                    (their five types), spec, dims, states, ffn, threads, lora, shared): B decode
  * rows through a delta-net layer and its FFN (ffn and shared as decode_layer's) in one call */
+/* The rows' count and the FFN, adapters and shared expert after a recurrent mixer (decode_layer's
+ * forms): 0 with the error set, naming `who` and the mixer (`what`), when one is not what it may be */
+static int batch_ok(const char *who, int B) {
+    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "%s: 1 to %d rows, not %d", who, MAX_BATCH, B); return 0; }
+    if (!g_avx2) { PyErr_Format(PyExc_RuntimeError, "%s needs the AVX2 kernels", who); return 0; }
+    return 1;
+}
+
+static int mixer_ffn_args(Held *h, const char *who, const char *what, PyObject *ffn_obj, PyObject *lorao,
+                          PyObject *sho, LayerSpec *L, int B) {
+    if (!ffn_arg(h, ffn_obj, L, B)) return 0;
+    if (L->xtab) { PyErr_Format(PyExc_ValueError, "%s: streamed experts are not taken here", who); return 0; }
+    if (lorao != Py_None) {
+        if (!lora_arg(h, lorao, L, B)) return 0;
+        for (int i = 0; i < B * LORA_TARGETS; i++)
+            if (L->lora[i].a && i % LORA_TARGETS < LORA_GATE) {
+                PyErr_Format(PyExc_ValueError, "%s: a %s layer has no attention projection to adapt", who, what);
+                return 0;
+            }
+    }
+    return shared_arg(h, sho, L);
+}
+
 PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
     PyObject *xo, *ano, *wo[5], *spec, *dims, *states, *ffn_obj, *lorao = Py_None, *sho = Py_None, *ret = NULL;
     double eps;
@@ -106,8 +129,7 @@ PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
     LayerSpec L = {0};
     Py_buffer *xb, *anb, *wb[5];
     if (!h || !sg) { PyErr_NoMemory(); goto done; }
-    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "decode_delta_layer: 1 to %d rows, not %d", MAX_BATCH, B); goto done; }
-    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_delta_layer needs the AVX2 kernels"); goto done; }
+    if (!batch_ok("decode_delta_layer", B)) goto done;
     if (!delta_args(h, spec, dims, eps, states, 0, &d, sg)) goto done;
     if (!(xb = hold(h, xo, 1)) || !(anb = hold(h, ano, 0))) goto done;
     for (int p = 0; p < 5; p++) if (!(wb[p] = hold(h, wo[p], 0))) goto done;
@@ -128,17 +150,7 @@ PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
     d.wqkv = wb[0]->buf; d.wgate = wb[1]->buf; d.wbeta = wb[2]->buf; d.walpha = wb[3]->buf; d.wout = wb[4]->buf;
     d.qkv_t = types[0]; d.gate_t = types[1]; d.beta_t = types[2]; d.alpha_t = types[3]; d.out_t = types[4];
     L.eps = (float)eps; L.attn_norm = anb->buf;
-    if (!ffn_arg(h, ffn_obj, &L, B)) goto done;
-    if (L.xtab) { PyErr_SetString(PyExc_ValueError, "decode_delta_layer: streamed experts are not taken here"); goto done; }
-    if (lorao != Py_None) {
-        if (!lora_arg(h, lorao, &L, B)) goto done;
-        for (int i = 0; i < B * LORA_TARGETS; i++)
-            if (L.lora[i].a && i % LORA_TARGETS < LORA_GATE) {
-                PyErr_SetString(PyExc_ValueError, "decode_delta_layer: a delta-net layer has no attention projection to adapt");
-                goto done;
-            }
-    }
-    if (!shared_arg(h, sho, &L)) goto done;
+    if (!mixer_ffn_args(h, "decode_delta_layer", "delta-net", ffn_obj, lorao, sho, &L, B)) goto done;
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
     missing = delta_layer_rows(&d, &L, xb->buf, B, sg, nt);
@@ -169,8 +181,7 @@ PyObject *py_decode_conv_layer(PyObject *self, PyObject *args) {
     Py_buffer *xb, *anb, *wib, *wob, *cwb;
     TypeInfo ti, to;
     if (!h || !st) { PyErr_NoMemory(); goto done; }
-    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "decode_conv_layer: 1 to %d rows, not %d", MAX_BATCH, B); goto done; }
-    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_conv_layer needs the AVX2 kernels"); goto done; }
+    if (!batch_ok("decode_conv_layer", B)) goto done;
     if (!(xb = hold(h, xo, 1)) || !(anb = hold(h, ano, 0)) || !(wib = hold(h, wio, 0)) || !(wob = hold(h, woo, 0)) ||
         !(cwb = hold(h, cwo, 0))) goto done;
     int n = L.n = (int)(xb->len / 4 / B);
@@ -194,17 +205,7 @@ PyObject *py_decode_conv_layer(PyObject *self, PyObject *args) {
     }
     s.w_in = wib->buf; s.w_out = wob->buf; s.conv_w = cwb->buf;
     L.eps = (float)eps; L.attn_norm = anb->buf;
-    if (!ffn_arg(h, ffn_obj, &L, B)) goto done;
-    if (L.xtab) { PyErr_SetString(PyExc_ValueError, "decode_conv_layer: streamed experts are not taken here"); goto done; }
-    if (lorao != Py_None) {
-        if (!lora_arg(h, lorao, &L, B)) goto done;
-        for (int i = 0; i < B * LORA_TARGETS; i++)
-            if (L.lora[i].a && i % LORA_TARGETS < LORA_GATE) {
-                PyErr_SetString(PyExc_ValueError, "decode_conv_layer: a conv layer has no attention projection to adapt");
-                goto done;
-            }
-    }
-    if (!shared_arg(h, sho, &L)) goto done;
+    if (!mixer_ffn_args(h, "decode_conv_layer", "conv", ffn_obj, lorao, sho, &L, B)) goto done;
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
     missing = conv_layer_rows(&s, &L, xb->buf, B, st, nt);

@@ -31,11 +31,8 @@ int conv_layer_rows(const ConvSpec *s, const LayerSpec *L, float *x, int B, floa
     Act ai, ao;
     type_info(s->in_t, &ti); act_alloc(&ai, &ti, a, B, n);
     type_info(s->out_t, &to); act_alloc(&ao, &to, y, B, n);
-    int lrmax = 0;
-    for (int i = 0; L->lora && i < B * LORA_TARGETS; i++) if (L->lora[i].a && L->lora[i].r > lrmax) lrmax = L->lora[i].r;
-    float *ltmp = lrmax ? malloc((size_t)B * LORA_TARGETS * lrmax * sizeof(float)) : NULL;
     FfnWork fw;
-    ffn_work_init(&fw, L, B, ltmp, lrmax);
+    ffn_work_init(&fw, L, B);
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
@@ -57,15 +54,11 @@ int conv_layer_rows(const ConvSpec *s, const LayerSpec *L, float *x, int B, floa
             act_row(&ao, b, n);
         }
         rows_dot(&ao, B, n, s->out_t, &to, 1, Wo, No, Oo);
-        #pragma omp for schedule(static)
-        for (int b = 0; b < B; b++) {
-            float *xb = x + (size_t)b * n, *db = dn + (size_t)b * n;
-            for (int i = 0; i < n; i++) xb[i] = xb[i] + db[i];
-        }
+        residual_rows(x, dn, B, n);
         ffn_rows(L, &fw, x, B, &missing);
     }
     act_free(&ai); act_free(&ao); ffn_work_free(&fw);
-    free(a); free(bcx); free(y); free(dn); free(ltmp);
+    free(a); free(bcx); free(y); free(dn);
 #endif
     return missing;
 }
