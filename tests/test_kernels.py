@@ -105,9 +105,12 @@ def test_a_row_is_the_same_bits_whichever_batch_or_call_computes_it(qtype, kerne
     many = kernels.matmul_many(x, [w, w])
     assert all(np.array_equal(alone, m) for m in many)
     # one row takes the weight rows in pairs: odd counts, and a pair that would straddle two weights
-    odd = [random_weight(qtype, n, K, rng) for n in (7, 5)]
+    odd = [random_weight(qtype, n, K, rng) for n in (7, 5, 3)]
     one, two = kernels.matmul_many(x[:1], odd), kernels.matmul_many(x[:2], odd)
     assert all(np.array_equal(a, b[:1]) for a, b in zip(one, two)), f"{qtype.name}: one row, odd weights"
+    # a prompt takes weight rows two at a time too: a pair straddling two weights, an odd last row
+    alone_odd = [np.concatenate(m) for m in zip(*(kernels.matmul_many(x[i:i + 1], odd) for i in range(17)))]
+    assert all(np.array_equal(a, b) for a, b in zip(alone_odd, kernels.matmul_many(x, odd))), f"{qtype.name}: odd weights"
 
 
 def test_compiled_routing_chooses_and_weighs_experts_as_the_softmax_does():

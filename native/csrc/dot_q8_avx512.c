@@ -1,12 +1,14 @@
-/* AVX-512 VNNI kernels for several activation rows against one Q4_0, Q8_0 or MXFP4 weight row (prefill, a
+/* AVX-512 VNNI kernels for several activation rows against Q4_0, Q8_0 or MXFP4 weight rows (prefill, a
  * batched step), on CPUs that have it (g_avx512; KILN_SIMD=avx2 turns it off).
  *
  * They compute the AVX2 kernels' bits (dot_avx2.c dot_q8_rows, ggml's vec_dot order): a block's
  * eight int32 lanes — each the sum of four consecutive products, exact — come from one vpdpbusd
- * over two rows at once (the weight block in both halves of a register, |w| against y with w's
- * sign), where AVX2 takes a sign, a maddubs and a madd per row; everything after the integers —
- * d_w × d_x, the FMA per block into eight float lanes, the lanes' sum — is the AVX2 kernel's,
- * operation for operation, two rows a register. */
+ * over two (weight row, activation row) pairs at once, where AVX2 takes a sign, a maddubs and a
+ * madd per pair; everything after the integers — d_w × d_x, the FMA per block into eight float
+ * lanes, the lanes' sum — is the AVX2 kernel's, operation for operation, two pairs a register.
+ * A prompt takes two or four weight rows at a time (dotRW_q8_512: each activation block loaded
+ * once for all, the sign work once per weight block); one weight row against several activation
+ * rows (dotR_q8_512) serves an odd last row and the types without the former. */
 #include "kiln.h"
 
 #ifdef KILN_X86
@@ -47,6 +49,52 @@ AVX512 static inline __attribute__((always_inline)) void dotR_q8_512(int q8, con
     float lanes[8 * 8];
     for (int p = 0; p < R / 2; p++) _mm512_storeu_ps(lanes + 16 * p, acc[p]);
     for (int r = 0; r < R; r++) res[r] = hsum_avx(_mm256_loadu_ps(lanes + 8 * r));
+}
+
+/* 2P weight rows w[0..2P-1] (P = 1 or 2) against R activation rows: the same integers and float
+ * steps as dotR_q8_512 for every (weight row, activation row). A register holds two weight rows'
+ * blocks side by side against one activation row's block in both halves; the activations' side
+ * is unsigned (Act.qu = y + 128) and each lane starts from -128 × its weights' sum, so the sign
+ * work is once per weight block for all R rows, where dotR_q8_512 signs every activation block.
+ * Each activation block is loaded once for the 2P weight rows. res: w[0]'s R sums, then w[1]'s… */
+AVX512 static inline __attribute__((always_inline)) void dotRW_q8_512(int q8, int P, const uint8_t *const *w,
+                                                                      const Act *a, int t, int nb, int R, float *res) {
+    const int bytes = q8 ? 34 : 18;
+    const float *dT = a->dT + t;
+    const size_t ts = (size_t)a->ts, row = (size_t)nb * 32;
+    __m512 acc[2][8];
+    for (int p = 0; p < P; p++) for (int r = 0; r < R; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i xw[2], corr[2];
+        __m512 dw[2];
+        for (int p = 0; p < P; p++) {
+            const uint8_t *wa = w[2 * p] + (size_t)b * bytes, *wb = w[2 * p + 1] + (size_t)b * bytes;
+            const __m256i xa = q8 ? _mm256_loadu_si256((const __m256i *)(wa + 2))
+                                  : _mm256_sub_epi8(nibbles32(wa + 2), _mm256_set1_epi8(8));
+            const __m256i xb = q8 ? _mm256_loadu_si256((const __m256i *)(wb + 2))
+                                  : _mm256_sub_epi8(nibbles32(wb + 2), _mm256_set1_epi8(8));
+            /* (y + 128) · w - 128 Σ w: each lane's four products, exactly */
+            xw[p] = pair512(xa, xb);
+            corr[p] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                       _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), xw[p]));
+            dw[p] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(H2F(wa)))),
+                                                        _mm256_castps_pd(_mm256_set1_ps(H2F(wb))), 1));
+        }
+        const float *dx = dT + b * ts;       /* (wa, row r)'s scale d_w d_x into lanes 0-7, (wb, row r)'s into 8-15 */
+        const uint8_t *y = a->qu + ((size_t)t * nb + b) * 32;
+        for (int r = 0; r < R; r++, y += row) {
+            const __m512i yu = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)y));
+            const __m512 d = _mm512_set1_ps(dx[r]);
+            for (int p = 0; p < P; p++)
+                acc[p][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[p], d), _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr[p], yu, xw[p])),
+                                            acc[p][r]);
+        }
+    }
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++) {
+            res[2 * p * R + r] = hsum_avx(_mm512_castps512_ps256(acc[p][r]));
+            res[(2 * p + 1) * R + r] = hsum_avx(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][r]), 1)));
+        }
 }
 
 /* MXFP4 (gpt-oss's experts) as dot_mxfp4_avx2.c's MXFP4_ROWS computes it, two rows a register:
@@ -112,5 +160,20 @@ AVX512 int dotR_q8_avx512(int type, const uint8_t *w, const Act *a, int t, int n
     case T_MXFP4: if (R == 8) dotR_mxfp4_512(w, a, t, nb, 8, res); else dotR_mxfp4_512(w, a, t, nb, 4, res); return 1;
     }
     return 0;
+}
+
+/* R activation rows from t (R 8 or 4) against nw weight rows w[] (2 or 4) of Q4_0/Q8_0, with
+ * a->qu (res: w[0]'s R sums, then w[1]'s…): 0 when the type has none. */
+AVX512 int dotRW_q8_avx512(int type, const uint8_t *const *w, int nw, const Act *a, int t, int nb, int R, float *res) {
+    if ((type != T_Q4_0 && type != T_Q8_0) || !a->qu || (nw != 2 && nw != 4) || (R != 4 && R != 8)) return 0;
+    const int q8 = type == T_Q8_0;
+    if (q8) {                                 /* each a copy with its constants: the loops unroll */
+        if (nw == 4) { if (R == 8) dotRW_q8_512(1, 2, w, a, t, nb, 8, res); else dotRW_q8_512(1, 2, w, a, t, nb, 4, res); }
+        else if (R == 8) dotRW_q8_512(1, 1, w, a, t, nb, 8, res); else dotRW_q8_512(1, 1, w, a, t, nb, 4, res);
+    } else {
+        if (nw == 4) { if (R == 8) dotRW_q8_512(0, 2, w, a, t, nb, 8, res); else dotRW_q8_512(0, 2, w, a, t, nb, 4, res); }
+        else if (R == 8) dotRW_q8_512(0, 1, w, a, t, nb, 8, res); else dotRW_q8_512(0, 1, w, a, t, nb, 4, res);
+    }
+    return 1;
 }
 #endif

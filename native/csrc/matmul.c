@@ -16,6 +16,8 @@
 #define ACT_TILE_BYTES (32 * 1024)
 /* a block of weight rows (their bytes) that passes over every activation tile while in L2 */
 #define WEIGHT_BLOCK_BYTES (512 * 1024)
+/* weight rows taken at once against an activation tile (the Q4_0/Q8_0 AVX-512 kernels) */
+#define WEIGHT_ROWS 4
 
 static __thread PfQueue tl_pf;
 
@@ -77,6 +79,31 @@ static void weight_row(const Act *a, int t, int tn, int K, int type, const TypeI
     }
 #endif
     for (; t < T; t++) o[(size_t)t * Ni + n] = dot_row(type, ti, w, a, t, K);
+}
+
+/* A weight row for weight_rows: its bytes, its weight's output (N columns) and its row there */
+typedef struct { const uint8_t *w; float *o; int N, n; } WRow;
+
+/* nr weight rows (1 to 4) against activation rows t … t + tn - 1: the several-weight-row kernels
+ * where the type has them (each activation block loaded once for all), the rest one weight row at
+ * a time — the same bits either way. */
+static void weight_rows(const Act *a, int t, int tn, int K, int type, const TypeInfo *ti, const WRow *wr, int nr) {
+    const int T = t + tn;
+    int k = 0;
+#ifdef KILN_X86
+    if (g_avx512 && nr >= 2 && has_dot4_avx2(type, K)) {
+        const int nb = K / ti->block, nw = nr & ~1, t0 = t;
+        const uint8_t *w[4] = {wr[0].w, wr[1].w, nw > 2 ? wr[2].w : NULL, nw > 2 ? wr[3].w : NULL};
+        float res[32];
+        for (int R = 8; R >= 4; R -= 4)
+            for (; t + R <= T && dotRW_q8_avx512(type, w, nw, a, t, nb, R, res); t += R)
+                for (k = 0; k < nw; k++)
+                    for (int j = 0; j < R; j++) wr[k].o[(size_t)(t + j) * wr[k].N + wr[k].n] = res[k * R + j];
+        for (k = 0; k < nw && t < T; k++) weight_row(a, t, T - t, K, type, ti, wr[k].w, wr[k].o, wr[k].N, wr[k].n);
+        k = nw; t = t0;                       /* an odd last weight row: alone */
+    }
+#endif
+    for (; k < nr; k++) weight_row(a, t, T - t, K, type, ti, wr[k].w, wr[k].o, wr[k].N, wr[k].n);
 }
 
 /* Every output row of nw weights (one type, one Act) as one worksharing loop: call it inside a
@@ -154,10 +181,15 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
         while (i0 < nw && n0 >= N[i0]) n0 -= N[i0++];
         for (int t0 = 0; t0 < T; t0 += tile) {
             const int tn = T - t0 < tile ? T - t0 : tile;
-            for (int r = b0, i = i0, n = n0; r < b1; r++) {
-                if (pf->count && t0 == 0) pf_pump(pf);
-                weight_row(a, t0, tn, K, type, ti, W[i] + (size_t)n * row_bytes, out[i], N[i], n);
-                if (++n == N[i]) { n = 0; i++; }
+            for (int r = b0, i = i0, n = n0; r < b1; ) {
+                WRow wr[WEIGHT_ROWS];         /* up to WEIGHT_ROWS at a time, perhaps of two weights */
+                int nr = 0;
+                for (; nr < WEIGHT_ROWS && r < b1; nr++, r++) {
+                    if (pf->count && t0 == 0) pf_pump(pf);
+                    wr[nr] = (WRow){W[i] + (size_t)n * row_bytes, out[i], N[i], n};
+                    if (++n == N[i]) { n = 0; i++; }
+                }
+                weight_rows(a, t0, tn, K, type, ti, wr, nr);
             }
         }
     }

@@ -288,6 +288,9 @@ void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K) {
             a->bs = malloc((size_t)T * (K / 16) * sizeof(int16_t));
             a->kT = calloc(((size_t)T * (K / B) + 8) * 8, sizeof(int16_t));
         } else a->sT = calloc((size_t)T * (K / B) + 8, sizeof(float));
+#ifdef KILN_X86
+        if (ti->act == A_Q8_0 && g_avx512 && T >= 4) a->qu = malloc((size_t)T * K);
+#endif
     }
 }
 void act_row(Act *a, int t, int K) {
@@ -306,9 +309,14 @@ void act_row(Act *a, int t, int K) {
                     a->kT[((size_t)b * a->ts + t) * 8 + i] = (int16_t)(bs[2 * i] + bs[2 * i + 1]);
                 }
         }
+    if (a->qu) {
+        const int8_t *q = a->q + (size_t)t * K;
+        uint8_t *u = a->qu + (size_t)t * K;
+        for (int i = 0; i < K; i++) u[i] = (uint8_t)(q[i] + 128);
+    }
 }
 void act_free(Act *a) {
-    free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); free(a->dT); free(a->sT); free(a->kT);
+    free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); free(a->dT); free(a->sT); free(a->kT); free(a->qu);
 }
 /* Row t of a as a one-row Act (no copy): to multiply one row of a batch on its own. */
 Act act_view(const Act *a, int t, int K) {
@@ -322,5 +330,6 @@ Act act_view(const Act *a, int t, int K) {
     if (a->bs) v.bs = a->bs + (size_t)t * (K / 16);
     if (a->dT) { v.dT = a->dT + t; v.sT = a->sT ? a->sT + t : NULL; }   /* the same stride: row t is lane 0 */
     if (a->kT) v.kT = a->kT + (size_t)t * 8;
+    if (a->qu) v.qu = a->qu + (size_t)t * K;
     return v;
 }
