@@ -97,6 +97,49 @@ AVX512 static inline __attribute__((always_inline)) void dotRW_q8_512(int q8, in
         }
 }
 
+/* One activation row against one Q4_0/Q8_0 weight row (a decode step), two blocks a register: the
+ * weights' side unsigned — Q4_0's nibbles as they are, Q8_0's values + 128 — and each lane started
+ * from the activations' correction (Act.ys: -8 × its four values' sum; × 16 for Q8_0's 128), so
+ * the integers are the AVX2 kernel's with no sign work; then each block's FMA into the same eight
+ * lanes in block order, and their sum: the one-row AVX2 kernel's bits. (Several weight rows at
+ * once, to overlap their FMA chains, streamed from memory at half the rate: measured, dropped.) */
+AVX512 static inline __attribute__((always_inline)) float dot1_q8_512(int q8, const uint8_t *w, const Act *a, int t, int nb) {
+    const int bytes = q8 ? 34 : 18;
+    const int8_t *y = a->q + (size_t)t * nb * 32;
+    const int32_t *ys = a->ys + (size_t)t * nb * 8;
+    const float *dy = a->d + (size_t)t * nb;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2, w += 2 * bytes) {
+        prefetch_stream(w, 2 * bytes);
+        __m512i u, init = _mm512_loadu_si512((const void *)(ys + (size_t)b * 8));
+        if (q8) {
+            u = _mm512_xor_si512(pair512(_mm256_loadu_si256((const __m256i *)(w + 2)),
+                                         _mm256_loadu_si256((const __m256i *)(w + bytes + 2))), _mm512_set1_epi8((char)0x80));
+            init = _mm512_slli_epi32(init, 4);
+        } else {
+            const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + 2))),
+                                                      _mm_loadu_si128((const __m128i *)(w + bytes + 2)), 1);
+            const __m512i lh = pair512(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            u = _mm512_shuffle_i64x2(lh, lh, _MM_SHUFFLE(3, 1, 2, 0));   /* block b's 32 values, then b + 1's */
+        }
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, _mm512_loadu_si512((const void *)(y + (size_t)b * 32))));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * dy[b]), _mm512_castps512_ps256(f), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w + bytes) * dy[b + 1]),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)), acc);
+    }
+    if (b < nb) {                             /* an odd last block */
+        __m256i init = _mm256_loadu_si256((const __m256i *)(ys + (size_t)b * 8));
+        const __m256i u = q8 ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_set1_epi8((char)0x80))
+                             : nibbles32(w + 2);
+        if (q8) init = _mm256_slli_epi32(init, 4);
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, u, _mm256_loadu_si256((const __m256i *)(y + (size_t)b * 32))));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(H2F(w) * dy[b]), f, acc);
+    }
+    return hsum_avx(acc);
+}
+
 /* MXFP4 (gpt-oss's experts) as dot_mxfp4_avx2.c's MXFP4_ROWS computes it, two rows a register:
  * the 4-bit codes looked up as doubled integers, a block's eight int32 lanes from one vpdpbusd
  * (|codes| <= 12: the AVX2 kernel's int16 pair sums never saturate, so the lanes are equal), even
@@ -175,5 +218,14 @@ AVX512 int dotRW_q8_avx512(int type, const uint8_t *const *w, int nw, const Act 
         else if (R == 8) dotRW_q8_512(0, 1, w, a, t, nb, 8, res); else dotRW_q8_512(0, 1, w, a, t, nb, 4, res);
     }
     return 1;
+}
+/* One activation row (with a->ys) against one Q4_0/Q8_0 weight row: 0 when the type has none. */
+AVX512 int dot_row_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, float *out) {
+    if (!a->ys) return 0;
+    switch (type) {
+    case T_Q4_0: *out = dot1_q8_512(0, w, a, t, nb); return 1;
+    case T_Q8_0: *out = dot1_q8_512(1, w, a, t, nb); return 1;
+    }
+    return 0;
 }
 #endif

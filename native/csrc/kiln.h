@@ -103,6 +103,8 @@ typedef struct {
                              block-major as dT is: several rows' minimum terms in one vector */
     uint8_t *qu;          /* Q8_0, batches on AVX-512: q + 128 (the unsigned side of vpdpbusd, so that a
                              weight block's sign work is done once for every row: dot_q8_avx512.c) */
+    int32_t *ys;          /* Q8_0 on AVX-512: -8 × each four values' sum (a block's 8 lanes), so that a
+                             one-row kernel takes the weights' side unsigned (dot1_q8_512) */
 } Act;
 
 #ifdef KILN_X86
@@ -261,6 +263,7 @@ int quantize_q8_block_avx2(const float *x, int8_t *q, float *amax);
 int dotR_kquant_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);
 int dotR_q8_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, int R, float *res);   /* dot_q8_avx512.c */
 int dotRW_q8_avx512(int type, const uint8_t *const *w, int nw, const Act *a, int t, int nb, int R, float *res);
+int dot_row_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, float *out);
 /* dot_kquants_avx2.c */
 float dot_q2_K_avx2(const uint8_t *w, const Act *a, int t, int nb);
 float dot_q3_K_avx2(const uint8_t *w, const Act *a, int t, int nb);

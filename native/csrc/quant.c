@@ -246,6 +246,7 @@ float dot_row(int type, const TypeInfo *ti, const uint8_t *w, const Act *a, int 
     int nb = K / ti->block;
 #ifdef KILN_X86
     float r;
+    if (g_avx512 && dot_row_avx512(type, w, a, t, nb, &r)) return r;
     if (g_avx2 && dot_row_avx2(type, w, a, t, K, nb, &r)) return r;
 #endif
     switch (type) {
@@ -290,6 +291,7 @@ void act_alloc(Act *a, const TypeInfo *ti, const float *x, int T, int K) {
         } else a->sT = calloc((size_t)T * (K / B) + 8, sizeof(float));
 #ifdef KILN_X86
         if (ti->act == A_Q8_0 && g_avx512 && T >= 4) a->qu = malloc((size_t)T * K);
+        if (ti->act == A_Q8_0 && g_avx512) a->ys = malloc((size_t)T * (K / 4) * sizeof(int32_t));
 #endif
     }
 }
@@ -314,9 +316,14 @@ void act_row(Act *a, int t, int K) {
         uint8_t *u = a->qu + (size_t)t * K;
         for (int i = 0; i < K; i++) u[i] = (uint8_t)(q[i] + 128);
     }
+    if (a->ys) {
+        const int8_t *q = a->q + (size_t)t * K;
+        int32_t *ys = a->ys + (size_t)t * (K / 4);
+        for (int i = 0; i < K / 4; i++) ys[i] = -8 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+    }
 }
 void act_free(Act *a) {
-    free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); free(a->dT); free(a->sT); free(a->kT); free(a->qu);
+    free(a->xr); free(a->q); free(a->d); free(a->s); free(a->bs); free(a->dT); free(a->sT); free(a->kT); free(a->qu); free(a->ys);
 }
 /* Row t of a as a one-row Act (no copy): to multiply one row of a batch on its own. */
 Act act_view(const Act *a, int t, int K) {
@@ -331,5 +338,6 @@ Act act_view(const Act *a, int t, int K) {
     if (a->dT) { v.dT = a->dT + t; v.sT = a->sT ? a->sT + t : NULL; }   /* the same stride: row t is lane 0 */
     if (a->kT) v.kT = a->kT + (size_t)t * 8;
     if (a->qu) v.qu = a->qu + (size_t)t * K;
+    if (a->ys) v.ys = a->ys + (size_t)t * (K / 4);
     return v;
 }
