@@ -276,6 +276,7 @@ PyObject *py_moe_stream(PyObject *self, PyObject *args);
 PyObject *py_delta_rows(PyObject *self, PyObject *args);          /* csrc/py_delta.c */
 PyObject *py_decode_delta_layer(PyObject *self, PyObject *args);
 PyObject *py_decode_conv_layer(PyObject *self, PyObject *args);
+PyObject *py_decode_mla_layer(PyObject *self, PyObject *args);
 PyObject *py_moe_ffn(PyObject *self, PyObject *args);
 PyObject *py_dequantize(PyObject *self, PyObject *args);
 
@@ -344,6 +345,7 @@ static PyMethodDef methods[] = {
     {"matmul_many", py_matmul_many, METH_VARARGS, "matmul_many(x, type, T, K, [(w, N, out), ...], threads)"},
     {"decode_layer", py_decode_layer, METH_VARARGS, "one decode step of B sequences through a plain llama layer, in place"},
     {"decode_conv_layer", py_decode_conv_layer, METH_VARARGS, "one decode step of B sequences through an LFM2 short-conv layer and its FFN, in place"},
+    {"decode_mla_layer", py_decode_mla_layer, METH_VARARGS, "one decode step of B sequences through a deepseek2 latent-attention layer and its FFN, in place"},
     {"decode_delta_layer", py_decode_delta_layer, METH_VARARGS, "one decode step of B sequences through a gated delta-net layer and its FFN, in place"},
     {"delta_rows", py_delta_rows, METH_VARARGS, "delta_rows(spec, dims, eps, mixed, z, beta, alpha, runs, out, threads): sequences' rows through a delta net"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(blocks, type, out): Q4_0/Q4_1/Q8_0 to float32 as gguf-py; False: another type"},

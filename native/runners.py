@@ -11,6 +11,8 @@ forward is `for run in runners: x = run(x, batch)`.
     DeltaNetLayer  a qwen35 delta-net layer whose decode steps (one row per sequence) run in one
                    compiled call with its dense FFN (or the FFN then through its blocks)
     ConvLayer      the same for an lfm2 short-convolution layer
+    LatentLayer    a deepseek2 layer (multi-head latent attention) whose decode steps run in
+                   one compiled call with its FFN (or the FFN then through its blocks)
 
 Every way computes the same bits. What depends on the batch — a decode step or a short run of
 one sequence's rows, against a prompt — is decided per call, inside the runner.
@@ -21,7 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml_round, kernels
-from .arch.deepseek2 import DeepSeekMoE
+from gguf import GGML_QUANT_SIZES
+
+from .arch.deepseek2 import DeepSeekMoE, LatentAttention
 from .arch.ernie import ErnieMoE
 from .arch.gemma3 import Gemma3Layer, GeluFFN
 from .arch.gpt_oss import BiasedMoE, SinkAttention
@@ -171,6 +175,44 @@ class ConvLayer(DeltaNetLayer):
             lora, shared)
 
 
+class LatentLayer(OneCallLayer):
+    """A deepseek2 layer: decode steps (and short runs) with the latent attention, its products
+    and its FFN in one compiled call; prompts, and rows with adapters (the call adapts none of
+    its projections), through its blocks."""
+
+    def __init__(self, i: int, layer: Layer, ffn: str | None):
+        super().__init__(i, layer, ffn)
+        self.kind = f"one call (latent attention, {ffn or 'attention'})"
+
+    def __call__(self, x, b):
+        rows = call_rows(self.i, b)
+        if rows is None or b.any_adapter:
+            return self.layer(self.i, x, b)
+        i, L, c = self.i, self.layer, b.config
+        a, f = L.attn, L.ffn
+        R, C = c.rope_dim, c.get("kv_lora_rank")
+        ws = (a.wq, a.wq_a, a.wq_b, a.wkv_a, a.wk_b, a.wv_b, a.wo)
+        cos, sin = b.rope()
+        kernels.compiled_module().decode_mla_layer(
+            x, L.attn_norm, c.rms_eps, tuple(None if w is None else w.raw for w in ws),
+            tuple(-1 if w is None else int(w.qtype) for w in ws), (a.q_a_norm, a.kv_a_norm),
+            (c.n_head, C, R, c.get("k_mla") - R, c.get("v_head")), [(*cache.layer_buffers(i), pos) for cache, pos in rows],
+            cos, sin, c.rope_style != "normal", (rows[0][0].k_type.ggml, rows[0][0].v_type.ggml), float(b.attn_scales[1]),
+            ffn_spec(L, c, self.ffn), 0, shared_spec(f) if self.ffn == "moe" else None)
+        if self.ffn is None:
+            b.residual = None
+            x = x + f(i, b.norm(x, L.ffn_norm), b)
+        return x
+
+
+def _latent_compiled(a: LatentAttention, c) -> bool:
+    """Does the call multiply each of the latent attention's weights at its width?"""
+    R, C, vd, n = c.rope_dim, c.get("kv_lora_rank"), c.get("v_head"), c.n_embd
+    widths = [(a.wkv_a, n), (a.wk_b, c.get("k_mla") - R), (a.wv_b, C), (a.wo, c.n_head * vd)]
+    widths += [(a.wq, n)] if a.wq is not None else [(a.wq_a, n), (a.wq_b, a.q_a_norm.shape[0])]
+    return all(_compiled(w) and K % GGML_QUANT_SIZES[w.qtype][0] == 0 for w, K in widths)
+
+
 def decode_layer(i: int, L: Layer, x: np.ndarray, rows: list, b, ffn: str | None, experts: tuple = (None, None)) -> bool:
     """Rows of x (B, n), row r at position rows[r][1] of the sequence in cache rows[r][0], through
     layer i's attention, and its FFN unless `ffn` is None ("dense", or "moe": routed), in one
@@ -269,9 +311,11 @@ def choose_runners(layers: list, config, experts) -> list:
         if L is None:                     # another pipeline stage's layer
             continue
         how = one_call(L, config)
-        if how == "moe" and isinstance(experts, StreamedExperts) and type(L.attn) in (DeltaNet, ShortConv):
-            how = "attention"             # streamed experts come through the blocks after a recurrent mixer
-        if how is not None and type(L.attn) in (DeltaNet, ShortConv):
+        if how == "moe" and isinstance(experts, StreamedExperts) and type(L.attn) in (DeltaNet, ShortConv, LatentAttention):
+            how = "attention"             # streamed experts come through the blocks after these mixers
+        if how is not None and type(L.attn) is LatentAttention:
+            out.append(LatentLayer(i, L, None if how == "attention" else how))
+        elif how is not None and type(L.attn) in (DeltaNet, ShortConv):
             out.append((DeltaNetLayer if type(L.attn) is DeltaNet else ConvLayer)(i, L, None if how == "attention" else how))
         elif how is None:
             out.append(BlocksLayer(i, L))
@@ -298,16 +342,20 @@ def one_call(L, c) -> str | None:
     qwen3's per-head q/k norm (olmoe's over the whole projection) or no RoPE (smollm3's NoPE layers: a rotation of 0 dimensions),
     gpt-oss's (sinks, the output's bias, a window, its biased experts and swiglu-oai), and gemma3's layer (a sliding window with its own rope base, the blocks' outputs RMS-normed,
     a GELU-gated FFN — in the call only), qwen35's gated attention (q and gate rows per head) and
-    its delta nets (a call of their own, DeltaNetLayer), lfm2's short convolutions (ConvLayer) — so only a `Layer` of exactly those parts qualifies,
+    its delta nets (a call of their own, DeltaNetLayer), lfm2's short convolutions (ConvLayer), deepseek2's latent
+    attention (LatentLayer) — so only a `Layer` of exactly those parts qualifies,
     with weights the extension multiplies: q and k of one type (v may have its own), gate/up of
     one type."""
     if not kernels.one_call_decode() or type(L) not in (Layer, Gemma3Layer) \
             or type(L.attn) not in (Attention, NormedAttention, BiasedAttention, NoRopeAttention, SinkAttention,
-                                    ProjectionNormedAttention, GatedAttention, DeltaNet, ShortConv):
+                                    ProjectionNormedAttention, GatedAttention, DeltaNet, ShortConv, LatentAttention):
         return None
     a, f = L.attn, L.ffn
     if type(a) is ShortConv:
         if not (_compiled(a.in_proj) and _compiled(a.out_proj)) or not 2 <= a.conv.shape[1] <= 64:
+            return None
+    elif type(a) is LatentAttention:
+        if not _latent_compiled(a, c) or a.window:
             return None
     elif type(a) is DeltaNet:
         if not all(_compiled(w) for w in (a.wqkv, a.wgate, a.ssm_beta, a.ssm_alpha, a.ssm_out)) \

@@ -231,7 +231,8 @@ def test_new_families_batch_exactly_as_they_run_alone(arch):
 @pytest.mark.parametrize(("arch", "how"), [("qwen2", "dense"), ("qwen2moe", "moe"), ("qwen3", "dense"), ("gpt-oss", "moe"),
                                          ("qwen3moe", "moe"), ("olmoe", "moe"), ("smollm3", "dense"), ("gemma3", "dense"),
                                          ("phi3", "dense"), ("qwen35", "dense"), ("qwen35moe", "moe"),
-                                         ("ernie4_5-moe", ("dense", "moe")), ("lfm2", "dense")])
+                                         ("ernie4_5-moe", ("dense", "moe")), ("lfm2", "dense"),
+                                         ("deepseek2", ("dense", "moe")), ("deepseek2-wide", ("dense", "moe"))])
 def test_families_decode_in_one_call(arch, how):
     """qwen2's q/k/v biases, qwen3's per-head q/k RMSNorm, smollm3's layers without RoPE, gemma3's
     sliding windows (16 positions in the tiny file: the 19-token prompt and the steps after it
@@ -243,12 +244,16 @@ def test_families_decode_in_one_call(arch, how):
     call — a fall back to the blocks fails here — with the blocks' bits, qwen2moe's and
     qwen35moe's sigmoid-gated shared experts in the call with the routed ones, ernie4.5-moe's
     (a dense layer first) selection bias, renormalised weights and ungated shared expert, lfm2's
-    gated short convolutions (a decode step's conv over the kept inputs, the state shifted)."""
+    gated short convolutions (a decode step's conv over the kept inputs, the state shifted),
+    deepseek2's latent attention (the query absorbed through attn_k_b per head — F32 there, in
+    ggml_vec_dot_f32's order —, one key row of kv_lora_rank + rope values, 576 in the wide file, the
+    outputs through attn_v_b) with its sigmoid-routed experts and ungated shared one."""
+    from kiln.native.arch.deepseek2 import LatentAttention
     from kiln.native.arch.lfm2 import ShortConv
     from kiln.native.arch.qwen35 import DeltaNet
     m = load_model(tiny_path(arch))
     hows = how if isinstance(how, tuple) else (how,) * len(m.layers)
-    mixer = {DeltaNet: "delta net, ", ShortConv: "short conv, "}
+    mixer = {DeltaNet: "delta net, ", ShortConv: "short conv, ", LatentAttention: "latent attention, "}
     assert [r.kind for r in m.runners] == [f"one call ({mixer.get(type(L.attn), '')}{h})" for L, h in zip(m.layers, hows)]
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73], [2, 4, 8, 16]]
 

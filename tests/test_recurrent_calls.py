@@ -1,7 +1,7 @@
-"""The recurrent mixers' compiled calls — qwen35's gated delta net, lfm2's gated short
-convolution: a prompt's rows are its tokens stepped one by one, and a buffer not of its shape is
-a clear error before anything is read or written. (Their decode steps in one call with the
-blocks' bits: test_batch_invariance.py's families.)"""
+"""The mixers with compiled calls of their own — qwen35's gated delta net, lfm2's gated short
+convolution, deepseek2's latent attention: a prompt's rows are its tokens stepped one by one, and
+a buffer not of its shape is a clear error before anything is read or written. (Their decode
+steps in one call with the blocks' bits: test_batch_invariance.py's families.)"""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from kiln.native import kernels
 from kiln.native.model import load_model
 
 pytestmark = pytest.mark.skipif(kernels.kernel_info()["path"] != "compiled",
-                                reason="the recurrent mixers' calls are the compiled extension's")
+                                reason="the mixers' calls are the compiled extension's")
 
 
 def test_the_conv_layer_call_refuses_a_state_it_cannot_hold():
@@ -32,6 +32,38 @@ def test_the_conv_layer_call_refuses_a_state_it_cannot_hold():
     before, state = x.copy(), np.zeros((K - 1, n), np.float32)
     kernels.compiled_module().decode_conv_layer(*args, a.conv, [state], None, 0)
     assert np.isfinite(x).all() and not np.array_equal(x, before) and state[-1].any()    # the input kept
+
+
+def test_the_latent_attention_call_refuses_weights_and_caches_not_of_its_shape():
+    """deepseek2's layer call checks every weight against the dimensions it is given, the query's
+    one form, the norms and each row's cache before it reads anything; a good call writes the row
+    and its key."""
+    m = load_model(tiny_path("deepseek2"))
+    L, c = m.layers[0], m.config
+    a, R, C = L.attn, c.rope_dim, c.get("kv_lora_rank")
+    k, v = np.zeros((8, 1, C + R), np.float16), np.zeros((8, 1, C + R), np.float16)    # a cache's view: one KV head
+    x = np.random.default_rng(0).standard_normal((1, c.n_embd)).astype(np.float32)
+    cos, sin = np.ones((1, R // 2), np.float32), np.zeros((1, R // 2), np.float32)
+    ws = [a.wq.raw, None, None, a.wkv_a.raw, a.wk_b.raw, a.wv_b.raw, a.wo.raw]
+    types = (int(a.wq.qtype), -1, -1, int(a.wkv_a.qtype), int(a.wk_b.qtype), int(a.wv_b.qtype), int(a.wo.qtype))
+    dims = (c.n_head, C, R, c.get("k_mla") - R, c.get("v_head"))
+
+    def call(ws=ws, dims=dims, norms=(None, a.kv_a_norm), seqs=((k, v, 0),)):
+        kernels.compiled_module().decode_mla_layer(x, L.attn_norm, c.rms_eps, tuple(ws), types, norms, dims, list(seqs),
+                                                   cos, sin, False, (1, 1), 0.1, None, 0)
+    for kw, match in [({"ws": ws[:4] + [a.wk_b.raw[:-1]] + ws[5:]}, "attn_k_b is smaller"),
+                      ({"ws": [a.wq.raw, a.wq.raw, a.wq.raw] + ws[3:]}, "one query form, not both"),
+                      ({"ws": [None] + ws[1:]}, "weight 1 is missing"),
+                      ({"dims": dims[:1] + (C + 8,) + dims[2:]}, "not a layer's"),
+                      ({"dims": dims[:1] + (1024,) + dims[2:]}, "not a layer's"),
+                      ({"norms": (None, a.kv_a_norm[:-1])}, "not a layer's"),
+                      ({"seqs": ((k, v, k.shape[0]),)}, "holds no position")]:
+        before = x.copy()
+        with pytest.raises(ValueError, match=match):
+            call(**kw)
+        assert np.array_equal(x, before) and not k[0].any()
+    call()
+    assert np.isfinite(x).all() and not np.array_equal(x, before) and k[0].any() and not k[1].any()
 
 
 def test_the_delta_net_calls_refuse_buffers_not_of_their_shape():

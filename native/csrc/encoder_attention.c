@@ -13,7 +13,7 @@
  * by two hadds; the tail multiplied, then added, in order — not contracted to an FMA (measured
  * against llama.cpp on a head_dim of 16, where the whole dot product is the tail; this file is
  * built -std=c11, so gcc contracts nothing here) */
-AVX2 static float vdot_ggml(const float *x, const float *y, int n) {
+AVX2 float vdot_ggml(const float *x, const float *y, int n) {
     const int np = n & ~31;
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (int i = 0; i < np; i += 32) {

@@ -302,6 +302,8 @@ void attention_rows(const float *Q, KvView K, KvView V, float *O, int T, int H, 
 #ifdef KILN_X86
 /* the typed kernels take one KV head: K0/V0 its position 0, ks/vs the stride between positions
    in elements */
+/* ggml_vec_dot_f32's order (encoder_attention.c): what ggml runs for F32 weights against a permuted view */
+float vdot_ggml(const float *x, const float *y, int n);
 void attn_task_avx2(const float *Q, const float *K0, size_t ks, const float *V0, size_t vs, float *O, int t,
                     int h, int H, int D, int n, float scale, float *row, int win, const float *sinks);
 void attn_task_avx2_h(const float *Q, const uint16_t *K0, size_t ks, const uint16_t *V0, size_t vs, float *O,

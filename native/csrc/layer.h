@@ -96,6 +96,22 @@ void attn_group_rows(const AttnGroupPlan *p, const DecodeRow *rows, int B, int H
 
 int decode_layer_rows(const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
 
+/* mla.c: deepseek2's multi-head latent attention (arch/deepseek2.py); the layer's LayerSpec gives
+ * n, eps, attn_norm, wo (n, H*vd), the caches' types, kq_scale, neox and the FFN */
+typedef struct {
+    int H, C, R, nope, vd;    /* heads; kv_lora_rank; rope dimensions; a head's no-rope query; value width */
+    const uint8_t *wq;        /* (H*(nope+R), n); NULL: wq_a (qr, n) -> RMS norm q_a_norm -> wq_b (H*(nope+R), qr) */
+    const uint8_t *wq_a, *wq_b;
+    const float *q_a_norm;
+    int q_t, qa_t, qb_t, qr;
+    const uint8_t *wkv_a;     /* (C + R, n): the compressed kv, then the key's rope part */
+    const float *kv_a_norm;   /* (C) */
+    const uint8_t *wk_b;      /* (H, C, nope): each head's no-rope query into the compressed space */
+    const uint8_t *wv_b;      /* (H, vd, C): each head's compressed output to its values */
+    int kva_t, kb_t, vb_t;
+} MlaSpec;
+int mla_layer_rows(const MlaSpec *m, const LayerSpec *L, float *x, int B, const DecodeRow *rows, int nt);
+
 /* ffn_rows.c: a layer's FFN in the one call's parallel region, after its mixer */
 typedef struct {
     float *f, *g, *u, *dn, *logits, *wsel;

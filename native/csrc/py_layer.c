@@ -124,22 +124,7 @@ PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     if (lorao != Py_None && !lora_arg(h, lorao, &L, B)) goto done;
     if (!shared_arg(h, sho, &L)) goto done;
     L.attn_norm = anb->buf; L.wq = wb[0]->buf; L.wk = wb[1]->buf; L.wv = wb[2]->buf; L.wo = wb[3]->buf;
-    if (!(rows = calloc(B, sizeof(DecodeRow)))) { PyErr_NoMemory(); goto done; }
-    for (int b = 0; b < B; b++) {
-        PyObject *ko, *vo;
-        KvView kv, vv;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(seqs, b), "OOi", &ko, &vo, &rows[b].pos)) goto done;
-        size_t kr = (size_t)kv_row_bytes(L.kt, L.D), vr = (size_t)kv_row_bytes(L.vt, L.D);
-        if (!kr || !vr) { PyErr_Format(PyExc_ValueError, "decode_layer: no KV cache of types %d/%d with head_dim %d", L.kt, L.vt, L.D); goto done; }
-        Py_ssize_t kn = kv_view_arg(h, ko, 1, L.Hkv, kr, &kv, "decode_layer"), vn = kn < 0 ? -1 : kv_view_arg(h, vo, 1, L.Hkv, vr, &vv, "decode_layer");
-        if (kn < 0 || vn < 0) goto done;
-        if (rows[b].pos < 0 || rows[b].pos >= kn || rows[b].pos >= vn) {
-            PyErr_Format(PyExc_ValueError, "decode_layer: sequence %d's KV cache holds no position %d", b, rows[b].pos); goto done;
-        }
-        rows[b].k = (uint8_t *)kv.p; rows[b].v = (uint8_t *)vv.p;
-        rows[b].kps = kv.ps; rows[b].khs = kv.hs; rows[b].vps = vv.ps; rows[b].vhs = vv.hs;
-        rows[b].cos = (const float *)cb->buf + (size_t)b * (L.R / 2); rows[b].sin = (const float *)sb->buf + (size_t)b * (L.R / 2);
-    }
+    if (!(rows = rows_arg(h, seqs, cb, sb, &L, B, "decode_layer"))) goto done;
     int nt = pick_threads(threads);
     int missing;
     Py_BEGIN_ALLOW_THREADS

@@ -27,4 +27,7 @@ int lora_arg(Held *h, PyObject *lorao, LayerSpec *L, int B);
 /* the routed FFN's shared expert: (sh_gate F32 (n) or None: ungated, wg, wu, gu_type, wd, wd_type, sh_ff) or None; after
  * ffn_arg (and the gpt-oss biases). 0: an error set. */
 int shared_arg(Held *h, PyObject *sho, LayerSpec *L);
+/* [(kcache, vcache, pos), ...B] with cos/sin (B, R/2): each row's KV views (L->Hkv heads of L->D values of
+ * types L->kt/L->vt) and position, checked; NULL: an error set, naming `who` (free the rows) */
+DecodeRow *rows_arg(Held *h, PyObject *seqs, Py_buffer *cb, Py_buffer *sb, const LayerSpec *L, int B, const char *who);
 #endif

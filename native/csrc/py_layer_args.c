@@ -175,3 +175,27 @@ int shared_arg(Held *h, PyObject *sho, LayerSpec *L) {
     L->sh_gate = lb ? lb->buf : NULL; L->sh_g = gb->buf; L->sh_u = ub->buf; L->sh_d = db->buf;
     return 1;
 }
+
+DecodeRow *rows_arg(Held *h, PyObject *seqs, Py_buffer *cb, Py_buffer *sb, const LayerSpec *L, int B, const char *who) {
+    DecodeRow *rows = calloc(B, sizeof(DecodeRow));
+    if (!rows) { PyErr_NoMemory(); return NULL; }
+    const size_t kr = (size_t)kv_row_bytes(L->kt, L->D), vr = (size_t)kv_row_bytes(L->vt, L->D);
+    if (!kr || !vr) { PyErr_Format(PyExc_ValueError, "%s: no KV cache of types %d/%d with head_dim %d", who, L->kt, L->vt, L->D); goto bad; }
+    for (int b = 0; b < B; b++) {
+        PyObject *ko, *vo;
+        KvView kv, vv;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(seqs, b), "OOi", &ko, &vo, &rows[b].pos)) goto bad;
+        Py_ssize_t kn = kv_view_arg(h, ko, 1, L->Hkv, kr, &kv, who), vn = kn < 0 ? -1 : kv_view_arg(h, vo, 1, L->Hkv, vr, &vv, who);
+        if (kn < 0 || vn < 0) goto bad;
+        if (rows[b].pos < 0 || rows[b].pos >= kn || rows[b].pos >= vn) {
+            PyErr_Format(PyExc_ValueError, "%s: sequence %d's KV cache holds no position %d", who, b, rows[b].pos); goto bad;
+        }
+        rows[b].k = (uint8_t *)kv.p; rows[b].v = (uint8_t *)vv.p;
+        rows[b].kps = kv.ps; rows[b].khs = kv.hs; rows[b].vps = vv.ps; rows[b].vhs = vv.hs;
+        rows[b].cos = (const float *)cb->buf + (size_t)b * (L->R / 2); rows[b].sin = (const float *)sb->buf + (size_t)b * (L->R / 2);
+    }
+    return rows;
+bad:
+    free(rows);
+    return NULL;
+}
