@@ -182,7 +182,7 @@ void rows_dot(const Act *a, int T, int K, int type, const TypeInfo *ti, int nw,
         for (int t0 = 0; t0 < T; t0 += tile) {
             const int tn = T - t0 < tile ? T - t0 : tile;
             for (int r = b0, i = i0, n = n0; r < b1; ) {
-                WRow wr[WEIGHT_ROWS];         /* up to WEIGHT_ROWS at a time, perhaps of two weights */
+                WRow wr[WEIGHT_ROWS];         /* up to WEIGHT_ROWS at a time, perhaps of several weights */
                 int nr = 0;
                 for (; nr < WEIGHT_ROWS && r < b1; nr++, r++) {
                     if (pf->count && t0 == 0) pf_pump(pf);
