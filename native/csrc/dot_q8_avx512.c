@@ -1,4 +1,4 @@
-/* AVX-512 VNNI kernels for several activation rows against Q4_0, Q8_0 or MXFP4 weight rows (prefill, a
+/* AVX-512 VNNI kernels for activation rows against Q4_0, Q8_0 or MXFP4 weight rows (prefill, a
  * batched step), on CPUs that have it (g_avx512; KILN_SIMD=avx2 turns it off).
  *
  * They compute the AVX2 kernels' bits (dot_avx2.c dot_q8_rows, ggml's vec_dot order): a block's
@@ -140,6 +140,45 @@ AVX512 static inline __attribute__((always_inline)) float dot1_q8_512(int q8, co
     return hsum_avx(acc);
 }
 
+/* One activation row against one MXFP4 weight row (a decode step's expert), as dot_mxfp4_avx2.c's
+ * one-row kernel computes it: two blocks a register, the codes looked up as their doubled values
+ * + 12 (unsigned) with each lane started from -12 × its activations' four-value sum (Act.ys × 3/2,
+ * exact), so the lanes are the AVX2 kernel's integers; even blocks' lanes in the low half, odd
+ * blocks' in the high — its two accumulators as one register —, summed at the end; an odd last
+ * block in the scalar order. */
+AVX512 static inline __attribute__((always_inline)) float dot1_mxfp4_512(const uint8_t *w, const Act *a, int t, int nb) {
+    static const int8_t plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+    const int8_t *y = a->q + (size_t)t * nb * 32;
+    const int32_t *ys = a->ys + (size_t)t * nb * 8;
+    const float *dy = a->d + (size_t)t * nb;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)plus12));
+    __m512 acc = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2, w += 34) {
+        prefetch_stream(w, 34);
+        const __m512i ys8 = _mm512_loadu_si512((const void *)(ys + (size_t)b * 8));
+        const __m512i init = _mm512_add_epi32(ys8, _mm512_srai_epi32(ys8, 1));          /* -8 S - 4 S */
+        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + 1))),
+                                                  _mm_loadu_si128((const __m128i *)(w + 18)), 1);
+        const __m512i lh = pair512(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+        const __m512i u = _mm512_shuffle_epi8(table, _mm512_shuffle_i64x2(lh, lh, _MM_SHUFFLE(3, 1, 2, 0)));
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, _mm512_loadu_si512((const void *)(y + (size_t)b * 32))));
+        const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(dy[b] * e8m0_to_fp32_half(w[0])))),
+            _mm256_castps_pd(_mm256_set1_ps(dy[b + 1] * e8m0_to_fp32_half(w[17]))), 1));
+        acc = _mm512_fmadd_ps(d, f, acc);
+    }
+    float sum = hsum_avx(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
+    for (; b < nb; b++, w += 17) {
+        const int8_t *yb = y + (size_t)b * 32;
+        int s1 = 0, s2 = 0;
+        for (int j = 0; j < 16; j++) { s1 += yb[j] * KVALUES_MXFP4[w[1 + j] & 0xf]; s2 += yb[j + 16] * KVALUES_MXFP4[w[1 + j] >> 4]; }
+        sum = fmaf(dy[b] * e8m0_to_fp32_half(w[0]), (float)(s1 + s2), sum);
+    }
+    return sum;
+}
+
 /* MXFP4 (gpt-oss's experts) as dot_mxfp4_avx2.c's MXFP4_ROWS computes it, two rows a register:
  * the 4-bit codes looked up as doubled integers, a block's eight int32 lanes from one vpdpbusd
  * (|codes| <= 12: the AVX2 kernel's int16 pair sums never saturate, so the lanes are equal), even
@@ -219,12 +258,13 @@ AVX512 int dotRW_q8_avx512(int type, const uint8_t *const *w, int nw, const Act 
     }
     return 1;
 }
-/* One activation row (with a->ys) against one Q4_0/Q8_0 weight row: 0 when the type has none. */
+/* One activation row (with a->ys) against one Q4_0/Q8_0/MXFP4 weight row: 0 when the type has none. */
 AVX512 int dot_row_avx512(int type, const uint8_t *w, const Act *a, int t, int nb, float *out) {
     if (!a->ys) return 0;
     switch (type) {
     case T_Q4_0: *out = dot1_q8_512(0, w, a, t, nb); return 1;
     case T_Q8_0: *out = dot1_q8_512(1, w, a, t, nb); return 1;
+    case T_MXFP4: *out = dot1_mxfp4_512(w, a, t, nb); return 1;
     }
     return 0;
 }
