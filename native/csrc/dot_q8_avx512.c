@@ -1,5 +1,5 @@
 /* AVX-512 VNNI kernels for activation rows against Q4_0, Q8_0 or MXFP4 weight rows (prefill, a
- * batched step), on CPUs that have it (g_avx512; KILN_SIMD=avx2 turns it off).
+ * batched step, a decode step's one row), on CPUs that have it (g_avx512; KILN_SIMD=avx2 turns it off).
  *
  * They compute the AVX2 kernels' bits (dot_avx2.c dot_q8_rows, ggml's vec_dot order): a block's
  * eight int32 lanes — each the sum of four consecutive products, exact — come from one vpdpbusd
