@@ -91,29 +91,6 @@ done:
 /* decode_delta_layer(x (B, n) in place, attn_norm, eps, (wqkv, wgate, wbeta, walpha, wout),
  *                    (their five types), spec, dims, states, ffn, threads, lora, shared): B decode
  * rows through a delta-net layer and its FFN (ffn and shared as decode_layer's) in one call */
-/* The rows' count and the FFN, adapters and shared expert after a recurrent mixer (decode_layer's
- * forms): 0 with the error set, naming `who` and the mixer (`what`), when one is not what it may be */
-static int batch_ok(const char *who, int B) {
-    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "%s: 1 to %d rows, not %d", who, MAX_BATCH, B); return 0; }
-    if (!g_avx2) { PyErr_Format(PyExc_RuntimeError, "%s needs the AVX2 kernels", who); return 0; }
-    return 1;
-}
-
-static int mixer_ffn_args(Held *h, const char *who, const char *what, PyObject *ffn_obj, PyObject *lorao,
-                          PyObject *sho, LayerSpec *L, int B) {
-    if (!ffn_arg(h, ffn_obj, L, B)) return 0;
-    if (L->xtab) { PyErr_Format(PyExc_ValueError, "%s: streamed experts are not taken here", who); return 0; }
-    if (lorao != Py_None) {
-        if (!lora_arg(h, lorao, L, B)) return 0;
-        for (int i = 0; i < B * LORA_TARGETS; i++)
-            if (L->lora[i].a && i % LORA_TARGETS < LORA_GATE) {
-                PyErr_Format(PyExc_ValueError, "%s: a %s layer has no attention projection to adapt", who, what);
-                return 0;
-            }
-    }
-    return shared_arg(h, sho, L);
-}
-
 PyObject *py_decode_delta_layer(PyObject *self, PyObject *args) {
     PyObject *xo, *ano, *wo[5], *spec, *dims, *states, *ffn_obj, *lorao = Py_None, *sho = Py_None, *ret = NULL;
     double eps;

@@ -30,4 +30,11 @@ int shared_arg(Held *h, PyObject *sho, LayerSpec *L);
 /* [(kcache, vcache, pos), ...B] with cos/sin (B, R/2): each row's KV views (L->Hkv heads of L->D values of
  * types L->kt/L->vt) and position, checked; NULL: an error set, naming `who` (free the rows) */
 DecodeRow *rows_arg(Held *h, PyObject *seqs, Py_buffer *cb, Py_buffer *sb, const LayerSpec *L, int B, const char *who);
+/* The FFN, adapters and shared expert after a mixer with a call of its own (decode_layer's forms; lorao
+ * None: no adapters): 0 with the error set, naming `who` and the mixer (`what`), when one is not what it
+ * may be — streamed experts, or an adapter on an attention projection the mixer does not have */
+/* 1 to MAX_BATCH rows and the AVX2 kernels: 0 with the error set, naming `who`, if not */
+int batch_ok(const char *who, int B);
+int mixer_ffn_args(Held *h, const char *who, const char *what, PyObject *ffn_obj, PyObject *lorao,
+                   PyObject *sho, LayerSpec *L, int B);
 #endif

@@ -199,3 +199,25 @@ bad:
     free(rows);
     return NULL;
 }
+
+int mixer_ffn_args(Held *h, const char *who, const char *what, PyObject *ffn_obj, PyObject *lorao,
+                          PyObject *sho, LayerSpec *L, int B) {
+    if (!ffn_arg(h, ffn_obj, L, B)) return 0;
+    if (L->xtab) { PyErr_Format(PyExc_ValueError, "%s: streamed experts are not taken here", who); return 0; }
+    if (lorao != Py_None) {
+        if (!lora_arg(h, lorao, L, B)) return 0;
+        for (int i = 0; i < B * LORA_TARGETS; i++)
+            if (L->lora[i].a && i % LORA_TARGETS < LORA_GATE) {
+                PyErr_Format(PyExc_ValueError, "%s: a %s layer has no attention projection to adapt", who, what);
+                return 0;
+            }
+    }
+    return shared_arg(h, sho, L);
+}
+
+/* The rows' count: 0 with the error set, naming `who`, when the call cannot take it */
+int batch_ok(const char *who, int B) {
+    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "%s: 1 to %d rows, not %d", who, MAX_BATCH, B); return 0; }
+    if (!g_avx2) { PyErr_Format(PyExc_RuntimeError, "%s needs the AVX2 kernels", who); return 0; }
+    return 1;
+}

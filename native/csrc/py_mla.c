@@ -41,8 +41,7 @@ PyObject *py_decode_mla_layer(PyObject *self, PyObject *args) {
     Py_buffer *xb, *anb, *wb[7] = {0}, *kvanb, *qanb = NULL, *cb, *sb;
     TypeInfo ti;
     if (!h) { PyErr_NoMemory(); return NULL; }
-    if (B < 1 || B > MAX_BATCH) { PyErr_Format(PyExc_ValueError, "decode_mla_layer: 1 to %d rows, not %d", MAX_BATCH, B); goto done; }
-    if (!g_avx2) { PyErr_SetString(PyExc_RuntimeError, "decode_mla_layer needs the AVX2 kernels"); goto done; }
+    if (!batch_ok("decode_mla_layer", B)) goto done;
     const int lowrank = wo[0] == Py_None;
     for (int p = 0; p < 7; p++) {
         if (wo[p] == Py_None && (p == 0 ? 0 : p <= 2 ? lowrank : 1)) {
@@ -79,9 +78,7 @@ PyObject *py_decode_mla_layer(PyObject *self, PyObject *args) {
     m.wk_b = wb[4]->buf; m.kb_t = types[4]; m.wv_b = wb[5]->buf; m.vb_t = types[5];
     L.wo = wb[6]->buf; L.wo_t = types[6];
     L.H = H; L.Hkv = 1; L.D = C + R; L.R = R; L.neox = neox; L.eps = (float)eps; L.attn_norm = anb->buf; L.E = 1; L.k = 1;
-    if (!ffn_arg(h, ffn_obj, &L, B)) goto done;
-    if (L.xtab) { PyErr_SetString(PyExc_ValueError, "decode_mla_layer: streamed experts are not taken here"); goto done; }
-    if (!shared_arg(h, sho, &L)) goto done;
+    if (!mixer_ffn_args(h, "decode_mla_layer", "latent-attention", ffn_obj, Py_None, sho, &L, B)) goto done;
     if (!(rows = rows_arg(h, seqs, cb, sb, &L, B, "decode_mla_layer"))) goto done;
     int nt = pick_threads(threads);
     Py_BEGIN_ALLOW_THREADS
